@@ -1,0 +1,55 @@
+"""Views of caller buffers: bytes, numpy arrays and torch CPU tensors, without copies."""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .dtypes import DType, resolve
+from .errors import DtypeError, InvalidArgument
+
+
+def _torch_view(t: Any, writable: bool) -> tuple[memoryview, DType]:
+    if t.device.type != "cpu":
+        raise InvalidArgument(f"tensor on {t.device}: only CPU tensors can be moved directly; call .cpu()")
+    if not t.is_contiguous():
+        if writable:
+            raise InvalidArgument("read_into needs a contiguous tensor")
+        t = t.contiguous()
+    dt = resolve(t.dtype)
+    import torch  # only reached with a torch tensor in hand
+    raw = t.detach().reshape(-1).view(torch.uint8).numpy()
+    return memoryview(raw), dt
+
+
+def as_view(data: Any, writable: bool = False) -> tuple[memoryview, DType | None]:
+    """A flat byte view of ``data`` and its element type (None for raw bytes).
+
+    ``writable`` views (for ``read_into``) must be contiguous: a copy would not reach
+    the caller. Read-only uses copy a non-contiguous array once.
+    """
+    if type(data).__module__.startswith("torch"):
+        return _torch_view(data, writable)
+    if isinstance(data, np.ndarray):
+        if not data.flags.c_contiguous:
+            if writable:
+                raise InvalidArgument("read_into needs a C-contiguous array")
+            data = np.ascontiguousarray(data)
+        if writable and not data.flags.writeable:
+            raise InvalidArgument("read_into needs a writable array")
+        try:
+            dt: DType | None = resolve(data.dtype)
+        except DtypeError:
+            dt = None
+        return memoryview(data.reshape(-1).view(np.uint8)), dt
+    try:
+        view = memoryview(data)
+    except TypeError:
+        raise InvalidArgument(
+            f"cannot use {type(data).__name__} as a buffer: pass bytes, bytearray, memoryview, "
+            "a numpy array or a torch CPU tensor") from None
+    if writable and view.readonly:
+        raise InvalidArgument("read_into needs a writable buffer")
+    if not view.c_contiguous:
+        raise InvalidArgument("buffer must be contiguous")
+    return view.cast("B"), None

@@ -1,0 +1,229 @@
+"""Region layout: the pure mapping from region bytes to extents.
+
+Shared by the controller (to size extents and pick servers) and the client (to turn a
+region offset into requests against extents). No I/O here.
+
+Placements:
+
+- ``striped``: stripes of ``stripe_unit`` bytes dealt round-robin over ``k`` extents;
+  stripe ``i`` lives on extent ``i % k`` at extent offset ``(i // k) * stripe_unit``.
+- ``layered``: one segment per tensor/layer, each whole on one extent; an extent holds
+  its segments back to back in region order.
+- ``single``: one extent holds everything.
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+from .errors import InvalidArgument, OutOfMemory, OutOfRange
+
+DEFAULT_STRIPE_UNIT = 1 << 20  # bytes
+PLACEMENTS = ("striped", "layered", "single")
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A contiguous byte range of the region that lies contiguously on one extent."""
+
+    extent: int          # index into the region's extent list
+    extent_offset: int   # bytes
+    region_offset: int   # bytes
+    length: int          # bytes
+
+
+@dataclass
+class Run:
+    """Pieces that are contiguous on one extent (one request), in region order."""
+
+    extent: int
+    extent_offset: int
+    length: int
+    parts: list[tuple[int, int]] = field(default_factory=list)  # (region_offset, length)
+
+
+@dataclass(frozen=True)
+class Layout:
+    kind: str
+    size: int
+    extent_lengths: tuple[int, ...]
+    stripe_unit: int = 0
+    segment_sizes: tuple[int, ...] = ()
+    segment_extents: tuple[int, ...] = ()
+
+    # -- construction -------------------------------------------------------------
+    @classmethod
+    def striped(cls, size: int, stripe_unit: int, num_extents: int) -> "Layout":
+        _check_size(size)
+        if stripe_unit <= 0:
+            raise InvalidArgument(f"stripe unit must be positive, got {stripe_unit}")
+        if num_extents <= 0:
+            raise InvalidArgument(f"need at least one server, got {num_extents}")
+        stripes = -(-size // stripe_unit)
+        k = min(num_extents, stripes)
+        lengths = []
+        for j in range(k):
+            count = len(range(j, stripes, k))
+            length = count * stripe_unit
+            if (stripes - 1) % k == j:  # this extent holds the short last stripe
+                length -= stripes * stripe_unit - size
+            lengths.append(length)
+        return cls("striped", size, tuple(lengths), stripe_unit=stripe_unit)
+
+    @classmethod
+    def layered(cls, segment_sizes: Sequence[int], segment_extents: Sequence[int]) -> "Layout":
+        if not segment_sizes:
+            raise InvalidArgument("layered placement needs segment sizes")
+        if len(segment_sizes) != len(segment_extents):
+            raise InvalidArgument("one extent index per segment expected")
+        if any(s <= 0 for s in segment_sizes):
+            raise InvalidArgument("segment sizes must be positive")
+        k = max(segment_extents) + 1
+        if sorted(set(segment_extents)) != list(range(k)):
+            raise InvalidArgument("segment extents must use every index from 0 without gaps")
+        lengths = [0] * k
+        for s, e in zip(segment_sizes, segment_extents):
+            lengths[e] += s
+        return cls("layered", sum(segment_sizes), tuple(lengths),
+                   segment_sizes=tuple(segment_sizes), segment_extents=tuple(segment_extents))
+
+    @classmethod
+    def single(cls, size: int) -> "Layout":
+        _check_size(size)
+        return cls("single", size, (size,))
+
+    # -- mapping ------------------------------------------------------------------
+    def check_range(self, offset: int, length: int) -> None:
+        if offset < 0 or length < 0 or offset + length > self.size:
+            raise OutOfRange(
+                f"range [{offset}, {offset + length}) outside region of {self.size} bytes")
+
+    def map(self, offset: int, length: int) -> list[Piece]:
+        """The pieces of ``[offset, offset+length)`` in region order."""
+        self.check_range(offset, length)
+        if length == 0:
+            return []
+        if self.kind == "striped":
+            return self._map_striped(offset, length)
+        if self.kind == "layered":
+            return self._map_layered(offset, length)
+        return [Piece(0, offset, offset, length)]
+
+    def _map_striped(self, offset: int, length: int) -> list[Piece]:
+        unit, k = self.stripe_unit, len(self.extent_lengths)
+        pieces = []
+        pos, end = offset, offset + length
+        while pos < end:
+            i, within = divmod(pos, unit)
+            n = min(unit - within, end - pos)
+            pieces.append(Piece(i % k, (i // k) * unit + within, pos, n))
+            pos += n
+        return pieces
+
+    def _segment_tables(self) -> tuple[list[int], list[int]]:
+        starts, ext_offsets, fill = [], [], [0] * len(self.extent_lengths)
+        pos = 0
+        for s, e in zip(self.segment_sizes, self.segment_extents):
+            starts.append(pos)
+            ext_offsets.append(fill[e])
+            fill[e] += s
+            pos += s
+        return starts, ext_offsets
+
+    def _map_layered(self, offset: int, length: int) -> list[Piece]:
+        starts, ext_offsets = self._segment_tables()
+        pieces = []
+        pos, end = offset, offset + length
+        s = bisect.bisect_right(starts, pos) - 1
+        while pos < end:
+            within = pos - starts[s]
+            n = min(self.segment_sizes[s] - within, end - pos)
+            pieces.append(Piece(self.segment_extents[s], ext_offsets[s] + within, pos, n))
+            pos += n
+            s += 1
+        return pieces
+
+    def runs(self, offset: int, length: int) -> list[Run]:
+        """Pieces merged into one request per contiguous extent range."""
+        out: list[Run] = []
+        last: dict[int, Run] = {}
+        for p in self.map(offset, length):
+            run = last.get(p.extent)
+            if run is not None and run.extent_offset + run.length == p.extent_offset:
+                run.length += p.length
+                run.parts.append((p.region_offset, p.length))
+                continue
+            run = Run(p.extent, p.extent_offset, p.length, [(p.region_offset, p.length)])
+            last[p.extent] = run
+            out.append(run)
+        return out
+
+    def segment_offsets(self) -> list[int]:
+        """Region offset of every layered segment."""
+        return self._segment_tables()[0]
+
+
+def _check_size(size: int) -> None:
+    if size <= 0:
+        raise InvalidArgument(f"region size must be positive, got {size}")
+
+
+def assign_segments(segment_sizes: Sequence[int], num_extents: int) -> list[int]:
+    """Deal segments to extents, each to the least-loaded so far (region order kept)."""
+    k = max(1, min(num_extents, len(segment_sizes)))
+    load = [0] * k
+    order = sorted(range(len(segment_sizes)), key=lambda i: -segment_sizes[i])
+    assignment = [0] * len(segment_sizes)
+    for i in order:  # largest first balances best
+        e = min(range(k), key=lambda j: (load[j], j))
+        assignment[i] = e
+        load[e] += segment_sizes[i]
+    used = sorted(set(assignment))  # renumber so that indices have no gaps
+    renumber = {e: n for n, e in enumerate(used)}
+    return [renumber[e] for e in assignment]
+
+
+def plan(size: int, placement: str, free: Mapping[str, int], *,
+         stripe_unit: int = 0, num_servers: int = 0,
+         segment_sizes: Sequence[int] = ()) -> tuple[Layout, list[str]]:
+    """Choose servers and a layout for a new region.
+
+    ``free`` maps server id to free bytes, for servers that may take new extents.
+    Returns the layout and the server id of every extent. Raises :class:`OutOfMemory`
+    with the numbers when the region does not fit.
+    """
+    placement = placement or "striped"
+    if placement not in PLACEMENTS:
+        raise InvalidArgument(f"unknown placement {placement!r}: expected one of {', '.join(PLACEMENTS)}")
+    if num_servers < 0:
+        raise InvalidArgument("num_servers must not be negative")
+    if not free:
+        raise OutOfMemory(f"no memory server is available for a region of {size} bytes")
+    by_free = sorted(free, key=lambda s: (-free[s], s))
+    if num_servers > len(by_free):
+        raise OutOfMemory(f"{num_servers} servers asked for, only {len(by_free)} available")
+    k = num_servers or len(by_free)
+    if placement == "single":
+        layout = Layout.single(size)
+    elif placement == "striped":
+        layout = Layout.striped(size, stripe_unit or DEFAULT_STRIPE_UNIT, k)
+    else:
+        if segment_sizes and sum(segment_sizes) != size:
+            raise InvalidArgument(
+                f"segment sizes add up to {sum(segment_sizes)} bytes, region size is {size}")
+        segs = list(segment_sizes) or [size]
+        layout = Layout.layered(segs, assign_segments(segs, k))
+    # the largest extents go to the servers with the most free memory
+    order = sorted(range(len(layout.extent_lengths)), key=lambda e: -layout.extent_lengths[e])
+    servers = [""] * len(order)
+    for e, sid in zip(order, by_free):
+        servers[e] = sid
+    short = [(servers[e], layout.extent_lengths[e], free[servers[e]])
+             for e in order if layout.extent_lengths[e] > free[servers[e]]]
+    if short:
+        detail = "; ".join(f"server {s} needs {need} bytes, has {have} free" for s, need, have in short)
+        raise OutOfMemory(
+            f"region of {size} bytes does not fit ({placement} over {len(order)} servers): {detail}; "
+            f"total free {sum(free.values())} bytes")
+    return layout, servers

@@ -1,0 +1,104 @@
+"""The TCP data-plane protocol: framing shared by client and memory server.
+
+A connection starts with ``HELLO`` carrying a ticket; the server checks it and binds
+the connection to that ticket's extents. Then requests follow, each a fixed 56-byte
+header and, for ``WRITE``/``ACCUMULATE``/``AXPY``, ``length`` payload bytes. The
+server answers every request in order with a 16-byte header and, for ``READ`` and the
+atomics, a payload; an error answer carries a UTF-8 message as payload. All integers
+are little-endian. A header with a wrong magic, an unknown opcode or an oversized
+length closes the connection.
+
+Request:  magic u16 | op u8 | dtype u8 | req_id u32 | extent_id u64 | offset u64 |
+          length u64 | arg0 i64 | arg1 i64 | alpha f64
+Response: magic u16 | status u8 | pad u8 | req_id u32 | length u64
+"""
+from __future__ import annotations
+
+import enum
+import socket
+import struct
+from typing import Sequence
+
+from .errors import ProtocolError, ServerUnavailable
+
+MAGIC = 0x5342
+REQUEST = struct.Struct("<HBBIQQQqqd")
+RESPONSE = struct.Struct("<HBBIQ")
+MAX_PAYLOAD = 1 << 30       # bytes in one request
+MAX_TICKET = 64 << 10       # bytes
+IOV_MAX = 512               # buffers handed to one sendmsg/recvmsg_into
+
+
+class Op(enum.IntEnum):
+    HELLO = 1
+    READ = 2
+    WRITE = 3
+    ACCUMULATE = 4
+    SCALE = 5
+    AXPY = 6
+    FETCH_ADD = 7
+    COMPARE_SWAP = 8
+    PING = 9
+
+
+#: operations whose request carries ``length`` payload bytes
+PAYLOAD_OPS = frozenset({Op.HELLO, Op.WRITE, Op.ACCUMULATE, Op.AXPY})
+#: operations that change extent memory (refused on read-only tickets)
+WRITE_OPS = frozenset({Op.WRITE, Op.ACCUMULATE, Op.SCALE, Op.AXPY, Op.FETCH_ADD, Op.COMPARE_SWAP})
+
+
+def pack_request(op: int, req_id: int = 0, extent_id: int = 0, offset: int = 0, length: int = 0,
+                 dtype: int = 0, arg0: int = 0, arg1: int = 0, alpha: float = 0.0) -> bytes:
+    return REQUEST.pack(MAGIC, op, dtype, req_id & 0xFFFFFFFF, extent_id, offset, length,
+                        arg0, arg1, alpha)
+
+
+def pack_response(status: int, req_id: int, length: int) -> bytes:
+    return RESPONSE.pack(MAGIC, status, 0, req_id & 0xFFFFFFFF, length)
+
+
+def sendmsg_all(sock: socket.socket, buffers: Sequence[memoryview | bytes]) -> None:
+    """Send every buffer, in order, with as few syscalls as the kernel allows (no copies)."""
+    views = [memoryview(b).cast("B") for b in buffers if len(b)]
+    while views:
+        sent = sock.sendmsg(views[:IOV_MAX])
+        while sent and views:
+            n = len(views[0])
+            if sent >= n:
+                sent -= n
+                views.pop(0)
+            else:
+                views[0] = views[0][sent:]
+                sent = 0
+
+
+def recv_into_all(sock: socket.socket, buffers: Sequence[memoryview]) -> None:
+    """Fill every buffer, in order, straight from the socket (no copies)."""
+    views = [memoryview(b).cast("B") for b in buffers if len(b)]
+    while views:
+        got = sock.recvmsg_into(views[:IOV_MAX])[0]
+        if got == 0:
+            raise ServerUnavailable("connection closed by peer")
+        while got and views:
+            n = len(views[0])
+            if got >= n:
+                got -= n
+                views.pop(0)
+            else:
+                views[0] = views[0][got:]
+                got = 0
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytearray:
+    buf = bytearray(n)
+    if n:
+        recv_into_all(sock, [memoryview(buf)])
+    return buf
+
+
+def unpack_response(data: bytes) -> tuple[int, int, int]:
+    """(status, req_id, length) of a response header."""
+    magic, status, _pad, req_id, length = RESPONSE.unpack(data)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad response magic {magic:#x}")
+    return status, req_id, length

@@ -1,0 +1,1 @@
+"""Soft Memory Box servers: the controller and the memory server."""
