@@ -1,0 +1,16 @@
+"""Soft Memory Box client: named regions in a pooled RAM buffer, moved with RDMA,
+TCP or shared memory.
+
+    import smb_client
+    with smb_client.connect("127.0.0.1:7700", token=...) as c:
+        params = c.create_region("job/params", 64 << 20)
+        params.write(0, array)
+        params.accumulate(0, grads)          # server-side +=
+        params.read_into(0, array)
+"""
+from .client import Client, RegionStatus, ServerStatus, connect
+from .errors import *  # noqa: F401,F403
+from .errors import SMBError
+from .region import Region
+
+__all__ = ["Client", "Region", "RegionStatus", "ServerStatus", "SMBError", "connect"]

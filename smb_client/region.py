@@ -1,0 +1,358 @@
+"""Region handles: typed reads, writes and server-side arithmetic on a named buffer.
+
+A :class:`Region` turns a region-relative operation into requests against extents
+(via the pure layout in :mod:`smb_client.placement`), sends the requests for different
+servers in parallel, and waits for all of them. Every operation has an ``*_async``
+form returning a :class:`concurrent.futures.Future`.
+
+Concurrency rules (enforced by the memory servers): accumulates into one range are
+serialized per extent; writes are last-writer-wins; a reader that needs a consistent
+snapshot uses a version word or a lock built on :meth:`Region.compare_swap`.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
+
+import numpy as np
+
+from .buffers import as_view
+from .dtypes import STORAGE, DType, itemsize, resolve
+from .errors import DtypeError, InvalidArgument, Misaligned, ReadOnly, TicketExpired
+from .placement import Layout, Run
+from .transports import Session
+
+if TYPE_CHECKING:
+    from .client import Client
+
+log = logging.getLogger(__name__)
+
+REFRESH_MARGIN = 60.0  # seconds before expiry a ticket is renewed
+
+
+@dataclass(frozen=True)
+class ExtentPlace:
+    """Where one extent of a region lives."""
+
+    extent_id: int
+    server_id: str
+    length: int          # bytes
+    grpc_address: str
+    host_id: str
+    endpoints: tuple[str, ...]
+    server_state: str
+
+
+def layout_of(info: Any) -> Layout:
+    lengths = tuple(e.length for e in info.extents)
+    if info.placement == "striped":
+        layout = Layout.striped(info.size, info.stripe_unit, len(lengths))
+    elif info.placement == "layered":
+        layout = Layout.layered(list(info.segment_sizes), list(info.segment_servers))
+    else:
+        layout = Layout.single(info.size)
+    if layout.extent_lengths != lengths:
+        raise InvalidArgument(f"region {info.name}: extent lengths {lengths} do not match its layout")
+    return layout
+
+
+class Region:
+    """A handle on a named region. Owned by the caller; :meth:`close` (or ``with``)
+    closes its data-plane sessions. The :class:`Client` must outlive it."""
+
+    def __init__(self, client: "Client", info: Any, ticket: Any, mode: str) -> None:
+        self._client = client
+        self.mode = mode
+        self._sessions: dict[str, Session] = {}
+        self._lock = threading.Lock()
+        self._apply(info, ticket)
+
+    def _apply(self, info: Any, ticket: Any) -> None:
+        self.name: str = info.name
+        self.uid: str = info.uid
+        self.size: int = info.size
+        self.placement: str = info.placement
+        self.stripe_unit: int = info.stripe_unit
+        self.state: str = info.state
+        self.layout = layout_of(info)
+        self.extents: tuple[ExtentPlace, ...] = tuple(
+            ExtentPlace(e.extent_id, e.server_id, e.length, e.grpc_address, e.host_id,
+                        tuple(e.endpoints), e.server_state) for e in info.extents)
+        self._ticket: str = ticket.token
+        self._expires_at: float = ticket.expires_at
+
+    def __repr__(self) -> str:
+        return (f"Region({self.name!r}, size={self.size}, placement={self.placement!r}, "
+                f"servers={len(self.extents)}, mode={self.mode!r})")
+
+    def __enter__(self) -> "Region":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        with self._lock:
+            sessions, self._sessions = self._sessions, {}
+        for s in sessions.values():
+            s.close()
+
+    # -- plumbing ------------------------------------------------------------------
+    def refresh(self) -> None:
+        """Open the region again: a fresh ticket and the current server list."""
+        info, ticket = self._client._open(self.name, self.mode)
+        self.close()
+        self._apply(info, ticket)
+
+    def transports(self) -> dict[str, str]:
+        """The transport used for each server of this region (opening sessions)."""
+        return {p.server_id: self._session(p).scheme for p in self.extents}
+
+    def _session(self, place: ExtentPlace) -> Session:
+        s = self._sessions.get(place.server_id)
+        if s is None:
+            with self._lock:
+                s = self._sessions.get(place.server_id)
+                if s is None:
+                    s = self._client._open_session(place, self._ticket, self.mode)
+                    self._sessions[place.server_id] = s
+        return s
+
+    def _retrying(self, fn: Callable[[], Any]) -> Any:
+        if time.time() > self._expires_at - REFRESH_MARGIN:
+            self.refresh()
+        try:
+            return fn()
+        except TicketExpired:
+            self.refresh()
+            return fn()
+
+    def _run(self, tasks: list[Callable[[], Any]]) -> list[Any]:
+        """Run tasks (one per request) in parallel; the first error wins, after all end."""
+        if len(tasks) == 1:
+            return [tasks[0]()]
+        pool = self._client._io_pool
+        futures = [pool.submit(t) for t in tasks[1:]]
+        results: list[Any] = []
+        error: BaseException | None = None
+        try:
+            results.append(tasks[0]())
+        except BaseException as exc:
+            error = exc
+        for f in futures:
+            try:
+                results.append(f.result())
+            except BaseException as exc:
+                error = error or exc
+        if error is not None:
+            raise error
+        return results
+
+    def _chunks(self, offset: int, length: int, align: int = 1) -> list[tuple[ExtentPlace, Run]]:
+        chunk = max(align, self._client.chunk_bytes - self._client.chunk_bytes % align)
+        out = []
+        for run in self.layout.runs(offset, length):
+            place = self.extents[run.extent]
+            if run.length <= chunk:
+                out.append((place, run))
+                continue
+            # split long runs so that several connections can carry them
+            pos = 0
+            parts = list(run.parts)
+            while pos < run.length:
+                n = min(chunk, run.length - pos)
+                sub = Run(run.extent, run.extent_offset + pos, n, [])
+                need = n
+                while need:
+                    ro, pl = parts[0]
+                    take = min(pl, need)
+                    sub.parts.append((ro, take))
+                    need -= take
+                    parts[0] = (ro + take, pl - take)
+                    if parts[0][1] == 0:
+                        parts.pop(0)
+                out.append((place, sub))
+                pos += n
+        return out
+
+    def _tasks(self, offset: int, view: memoryview, align: int,
+               op: Callable[[Session, int, int, list[memoryview]], Any]) -> list[Callable[[], Any]]:
+        tasks = []
+        for place, run in self._chunks(offset, len(view), align):
+            bufs = [view[ro - offset:ro - offset + n] for ro, n in run.parts]
+            tasks.append(lambda p=place, r=run, b=bufs: op(self._session(p), p.extent_id, r.extent_offset, b))
+        return tasks
+
+    def _check_writable(self) -> None:
+        if self.mode == "ro":
+            raise ReadOnly(f"region {self.name} was opened read-only")
+
+    # -- bytes ---------------------------------------------------------------------
+    def write(self, offset: int, data: Any) -> None:
+        """Write ``data`` (bytes, numpy array, torch CPU tensor) at ``offset`` bytes."""
+        self._check_writable()
+        view, _ = as_view(data)
+        self.layout.check_range(offset, len(view))
+        self._retrying(lambda: self._run(self._tasks(offset, view, 1, lambda s, e, o, b: s.write(e, o, b))))
+
+    def read_into(self, offset: int, out: Any) -> Any:
+        """Fill the writable buffer ``out`` from ``offset``; returns ``out``."""
+        view, _ = as_view(out, writable=True)
+        self.layout.check_range(offset, len(view))
+        self._retrying(lambda: self._run(self._tasks(offset, view, 1, lambda s, e, o, b: s.read_into(e, o, b))))
+        return out
+
+    def read(self, offset: int = 0, length: int | None = None, dtype: Any = None) -> Any:
+        """``length`` bytes from ``offset`` (default: to the end), as a bytearray, or as a
+        numpy array of ``dtype`` (bfloat16 comes back as its uint16 bit patterns)."""
+        if length is None:
+            length = self.size - offset
+        self.layout.check_range(offset, length)
+        if dtype is None:
+            return self.read_into(offset, bytearray(length))
+        dt = resolve(dtype)
+        if length % itemsize(dt):
+            raise Misaligned(f"{length} bytes is not a whole number of {dt.name.lower()} elements")
+        return self.read_into(offset, np.empty(length // itemsize(dt), dtype=STORAGE[dt]))
+
+    # -- server-side arithmetic ----------------------------------------------------
+    def _typed(self, offset: int, data: Any, dtype: Any) -> tuple[memoryview, DType]:
+        view, inferred = as_view(data)
+        if dtype is None and inferred is None:
+            raise DtypeError("pass dtype= for untyped buffers (float32, float16, bfloat16, float64, int32, int64)")
+        dt = resolve(dtype) if dtype is not None else inferred
+        assert dt is not None
+        if inferred is not None and dtype is not None and inferred != dt:
+            raise DtypeError(f"buffer holds {inferred.name.lower()}, dtype {dt.name.lower()} asked for")
+        size = itemsize(dt)
+        if offset % size or len(view) % size:
+            raise Misaligned(f"offset {offset} and length {len(view)} must be multiples of {size} "
+                             f"for {dt.name.lower()}")
+        self.layout.check_range(offset, len(view))
+        return view, dt
+
+    def accumulate(self, offset: int, data: Any, dtype: Any = None) -> None:
+        """Server-side ``region[offset:] += data`` elementwise."""
+        self._check_writable()
+        view, dt = self._typed(offset, data, dtype)
+        self._retrying(lambda: self._run(self._tasks(
+            offset, view, itemsize(dt), lambda s, e, o, b: s.accumulate(e, o, b, dt))))
+
+    def axpy(self, offset: int, alpha: float, x: Any, dtype: Any = None) -> None:
+        """Server-side ``region[offset:] += alpha * x`` elementwise."""
+        self._check_writable()
+        view, dt = self._typed(offset, x, dtype)
+        if dt not in (DType.FLOAT32, DType.FLOAT16, DType.BFLOAT16, DType.FLOAT64):
+            raise DtypeError(f"axpy needs a floating type, not {dt.name.lower()}")
+        self._retrying(lambda: self._run(self._tasks(
+            offset, view, itemsize(dt), lambda s, e, o, b: s.accumulate(e, o, b, dt, float(alpha)))))
+
+    def scale(self, offset: int, length: int, alpha: float, dtype: Any) -> None:
+        """Server-side ``region[offset:offset+length] *= alpha`` (length in bytes)."""
+        self._check_writable()
+        dt = resolve(dtype)
+        if dt not in (DType.FLOAT32, DType.FLOAT16, DType.BFLOAT16, DType.FLOAT64):
+            raise DtypeError(f"scale needs a floating type, not {dt.name.lower()}")
+        size = itemsize(dt)
+        if offset % size or length % size:
+            raise Misaligned(f"offset {offset} and length {length} must be multiples of {size}")
+        self.layout.check_range(offset, length)
+        chunks = self._chunks(offset, length, size)
+        self._retrying(lambda: self._run([
+            (lambda p=p, r=r: self._session(p).scale(p.extent_id, r.extent_offset, r.length, dt, float(alpha)))
+            for p, r in chunks]))
+
+    def _word(self, offset: int) -> tuple[ExtentPlace, int]:
+        if offset % 8:
+            raise Misaligned(f"atomic word offset {offset} is not 8-byte aligned")
+        pieces = self.layout.map(offset, 8)
+        if len(pieces) != 1:
+            raise Misaligned(f"word at {offset} straddles two extents")
+        return self.extents[pieces[0].extent], pieces[0].extent_offset
+
+    def fetch_add(self, offset: int, value: int) -> int:
+        """Atomically add ``value`` to the int64 at ``offset``; returns the old value."""
+        self._check_writable()
+        place, eoff = self._word(offset)
+        return self._retrying(lambda: self._session(place).fetch_add(place.extent_id, eoff, int(value)))
+
+    def compare_swap(self, offset: int, expected: int, desired: int) -> int:
+        """Atomically set the int64 at ``offset`` to ``desired`` if it equals ``expected``;
+        returns the old value (equal to ``expected`` when the swap happened)."""
+        self._check_writable()
+        place, eoff = self._word(offset)
+        return self._retrying(lambda: self._session(place).compare_swap(
+            place.extent_id, eoff, int(expected), int(desired)))
+
+    # -- batched forms -------------------------------------------------------------
+    def _many(self, items: Iterable[tuple[int, Any]], fn: Callable[[int, Any], list]) -> None:
+        tasks: list[Callable[[], Any]] = []
+        for offset, data in items:
+            tasks.extend(fn(offset, data))
+        if tasks:
+            self._retrying(lambda: self._run(tasks))
+
+    def write_many(self, items: Iterable[tuple[int, Any]]) -> None:
+        """Write several ``(offset, data)`` pairs, all servers in parallel."""
+        self._check_writable()
+
+        def plan(offset: int, data: Any) -> list:
+            view, _ = as_view(data)
+            self.layout.check_range(offset, len(view))
+            return self._tasks(offset, view, 1, lambda s, e, o, b: s.write(e, o, b))
+        self._many(items, plan)
+
+    def read_many(self, items: Iterable[tuple[int, Any]]) -> None:
+        """Fill several ``(offset, out)`` buffers, all servers in parallel."""
+        def plan(offset: int, out: Any) -> list:
+            view, _ = as_view(out, writable=True)
+            self.layout.check_range(offset, len(view))
+            return self._tasks(offset, view, 1, lambda s, e, o, b: s.read_into(e, o, b))
+        self._many(items, plan)
+
+    def accumulate_many(self, items: Iterable[tuple[int, Any]], dtype: Any = None) -> None:
+        """Accumulate several ``(offset, data)`` pairs, all servers in parallel."""
+        self._check_writable()
+
+        def plan(offset: int, data: Any) -> list:
+            view, dt = self._typed(offset, data, dtype)
+            return self._tasks(offset, view, itemsize(dt), lambda s, e, o, b: s.accumulate(e, o, b, dt))
+        self._many(items, plan)
+
+    # -- asynchronous forms --------------------------------------------------------
+    def _submit(self, fn: Callable, *args: Any, **kwargs: Any) -> Future:
+        return self._client._async_pool.submit(fn, *args, **kwargs)
+
+    def write_async(self, offset: int, data: Any) -> Future:
+        return self._submit(self.write, offset, data)
+
+    def read_into_async(self, offset: int, out: Any) -> Future:
+        return self._submit(self.read_into, offset, out)
+
+    def read_async(self, offset: int = 0, length: int | None = None, dtype: Any = None) -> Future:
+        return self._submit(self.read, offset, length, dtype)
+
+    def accumulate_async(self, offset: int, data: Any, dtype: Any = None) -> Future:
+        return self._submit(self.accumulate, offset, data, dtype)
+
+    def axpy_async(self, offset: int, alpha: float, x: Any, dtype: Any = None) -> Future:
+        return self._submit(self.axpy, offset, alpha, x, dtype)
+
+    def scale_async(self, offset: int, length: int, alpha: float, dtype: Any) -> Future:
+        return self._submit(self.scale, offset, length, alpha, dtype)
+
+    def fetch_add_async(self, offset: int, value: int) -> Future:
+        return self._submit(self.fetch_add, offset, value)
+
+    def compare_swap_async(self, offset: int, expected: int, desired: int) -> Future:
+        return self._submit(self.compare_swap, offset, expected, desired)
+
+    def write_many_async(self, items: Sequence[tuple[int, Any]]) -> Future:
+        return self._submit(self.write_many, items)
+
+    def accumulate_many_async(self, items: Sequence[tuple[int, Any]], dtype: Any = None) -> Future:
+        return self._submit(self.accumulate_many, items, dtype)

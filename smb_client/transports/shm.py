@@ -1,0 +1,179 @@
+"""The shared-memory data plane, for a client on the memory server's host.
+
+The server hands over each extent's file descriptor on a Unix socket (SCM_RIGHTS)
+after checking the ticket; the client maps it and copies at memcpy speed. A read-only
+ticket gets a read-only descriptor and a read-only mapping. Operations that must stay
+atomic on the server (accumulate, scale, axpy, atomics) go over TCP to the same server.
+
+Every mapped extent starts with a 4096-byte header page; the word at byte 8 is 1 while
+the server holds the extent and 0 once it is released, so a deleted region is noticed
+(its memory was also punched out, so stale mappings read zeros, never new data).
+
+Request on the socket: u32 ticket length | ticket | u64 extent id.
+Answer: u8 status | u32 message length | message | u64 extent length, and the
+descriptor as ancillary data on success.
+"""
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import socket
+import struct
+import threading
+from typing import Sequence
+
+import numpy as np
+
+from ..addressing import Endpoint, parse_endpoint
+from ..dtypes import DType
+from ..errors import ExtentNotFound, OutOfRange, ProtocolError, ReadOnly, ServerUnavailable, status_error
+from . import Session, register
+from .tcp import TcpSession
+
+log = logging.getLogger(__name__)
+
+HEADER_BYTES = 4096
+LIVE_OFFSET = 8
+REQUEST_HEAD = struct.Struct("<I")
+EXTENT_ID = struct.Struct("<Q")
+ANSWER_HEAD = struct.Struct("<BI")
+
+
+def fetch_extent_fd(path: str, ticket: str, extent_id: int, timeout: float = 10.0) -> tuple[int, int]:
+    """Ask the server at ``path`` for an extent's descriptor; returns (fd, length)."""
+    token = ticket.encode()
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(timeout)
+            sock.connect(path)
+            sock.sendall(REQUEST_HEAD.pack(len(token)) + token + EXTENT_ID.pack(extent_id))
+            data, fds, _flags, _addr = socket.recv_fds(sock, 64 << 10, 1)
+            while len(data) < ANSWER_HEAD.size:
+                more = sock.recv(64 << 10)
+                if not more:
+                    raise ServerUnavailable(f"shm://{path}: connection closed")
+                data += more
+            status, n = ANSWER_HEAD.unpack_from(data)
+            need = ANSWER_HEAD.size + n + (EXTENT_ID.size if status == 0 else 0)
+            while len(data) < need:
+                more = sock.recv(need - len(data))
+                if not more:
+                    raise ServerUnavailable(f"shm://{path}: connection closed")
+                data += more
+    except OSError as exc:
+        raise ServerUnavailable(f"shm://{path}: {exc}") from None
+    message = data[ANSWER_HEAD.size:ANSWER_HEAD.size + n].decode(errors="replace")
+    if status != 0:
+        for fd in fds:
+            os.close(fd)
+        raise status_error(status, f"shm://{path}: {message}")
+    if not fds:
+        raise ProtocolError(f"shm://{path}: no descriptor passed")
+    (length,) = EXTENT_ID.unpack_from(data, ANSWER_HEAD.size + n)
+    return fds[0], length
+
+
+class _Mapping:
+    def __init__(self, fd: int, length: int, writable: bool) -> None:
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        try:
+            self.mm = mmap.mmap(fd, HEADER_BYTES + length, mmap.MAP_SHARED, prot)
+        finally:
+            os.close(fd)
+        self.length = length
+        self.data = memoryview(self.mm)[HEADER_BYTES:]
+        self.live = np.frombuffer(self.mm, dtype="<u8", count=1, offset=LIVE_OFFSET)
+
+    def check(self, extent_id: int) -> None:
+        if self.live[0] != 1:
+            raise ExtentNotFound(f"extent {extent_id} was released (region deleted)")
+
+    def close(self) -> None:
+        self.data.release()
+        del self.live
+        try:
+            self.mm.close()
+        except BufferError:  # a caller still holds a view; the GC unmaps later
+            pass
+
+
+class ShmSession(Session):
+    """Maps extents of one server; delegates server-side arithmetic to TCP."""
+
+    scheme = "shm"
+
+    def __init__(self, endpoint: Endpoint, ticket: str, mode: str = "rw", options: dict | None = None) -> None:
+        options = dict(options or {})
+        self.path = endpoint.path
+        self.ticket = ticket
+        self.writable = mode in ("rw", "admin")
+        tcp = options.get("tcp_endpoint")
+        self._tcp = TcpSession(parse_endpoint(tcp), ticket, mode, options) if tcp else None
+        self._maps: dict[int, _Mapping] = {}
+        self._lock = threading.Lock()
+
+    def _map(self, extent_id: int) -> _Mapping:
+        m = self._maps.get(extent_id)
+        if m is None:
+            with self._lock:
+                m = self._maps.get(extent_id)
+                if m is None:
+                    fd, length = fetch_extent_fd(self.path, self.ticket, extent_id)
+                    m = self._maps[extent_id] = _Mapping(fd, length, self.writable)
+        m.check(extent_id)
+        return m
+
+    def _bounds(self, m: _Mapping, extent_id: int, offset: int, length: int) -> None:
+        if offset < 0 or offset + length > m.length:
+            raise OutOfRange(f"range [{offset}, {offset + length}) outside extent {extent_id} "
+                             f"of {m.length} bytes")
+
+    def write(self, extent_id: int, offset: int, buffers: Sequence[memoryview]) -> None:
+        if not self.writable:
+            raise ReadOnly("write through a read-only ticket")
+        m = self._map(extent_id)
+        self._bounds(m, extent_id, offset, sum(len(b) for b in buffers))
+        pos = offset
+        for b in buffers:
+            m.data[pos:pos + len(b)] = b
+            pos += len(b)
+        m.check(extent_id)
+
+    def read_into(self, extent_id: int, offset: int, buffers: Sequence[memoryview]) -> None:
+        m = self._map(extent_id)
+        self._bounds(m, extent_id, offset, sum(len(b) for b in buffers))
+        pos = offset
+        for b in buffers:
+            b[:] = m.data[pos:pos + len(b)]
+            pos += len(b)
+        m.check(extent_id)  # released meanwhile: what we copied may be zeros
+
+    def _server(self) -> TcpSession:
+        if self._tcp is None:
+            raise ServerUnavailable(f"shm://{self.path}: server offers no tcp endpoint for arithmetic")
+        return self._tcp
+
+    def accumulate(self, extent_id: int, offset: int, buffers: Sequence[memoryview],
+                   dtype: DType, alpha: float | None = None) -> None:
+        self._server().accumulate(extent_id, offset, buffers, dtype, alpha)
+
+    def scale(self, extent_id: int, offset: int, length: int, dtype: DType, alpha: float) -> None:
+        self._server().scale(extent_id, offset, length, dtype, alpha)
+
+    def fetch_add(self, extent_id: int, offset: int, value: int) -> int:
+        return self._server().fetch_add(extent_id, offset, value)
+
+    def compare_swap(self, extent_id: int, offset: int, expected: int, desired: int) -> int:
+        return self._server().compare_swap(extent_id, offset, expected, desired)
+
+    def close(self) -> None:
+        with self._lock:
+            maps, self._maps = self._maps, {}
+        for m in maps.values():
+            m.close()
+        if self._tcp is not None:
+            self._tcp.close()
+
+
+register("shm", ShmSession)

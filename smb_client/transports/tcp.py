@@ -1,0 +1,184 @@
+"""The TCP data plane: framed requests (see :mod:`smb_client.wire`) over a small pool
+of connections per memory server. Payloads move between caller buffers and the
+socket with ``sendmsg``/``recvmsg_into`` on memoryviews, without intermediate copies.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import socket
+import struct
+import threading
+from typing import Sequence
+
+from .. import wire
+from ..addressing import Endpoint
+from ..dtypes import DType
+from ..errors import ProtocolError, ServerUnavailable, Timeout, status_error
+from . import Session, register
+
+log = logging.getLogger(__name__)
+
+CONNECT_TIMEOUT = 5.0   # seconds
+IO_TIMEOUT = 60.0       # seconds a single send/recv may block
+SOCKET_BUFFER = 4 << 20  # bytes
+_WORD = struct.Struct("<q")
+
+
+class TcpConnection:
+    """One authenticated socket to a memory server's TCP data plane."""
+
+    def __init__(self, host: str, port: int, ticket: str, io_timeout: float = IO_TIMEOUT) -> None:
+        try:
+            self.sock = socket.create_connection((host, port), timeout=CONNECT_TIMEOUT)
+        except OSError as exc:
+            raise ServerUnavailable(f"cannot connect to tcp://{host}:{port}: {exc}") from None
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            self.sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
+        self.sock.settimeout(io_timeout)
+        self.where = f"tcp://{host}:{port}"
+        self._ids = itertools.count(1)
+        token = ticket.encode()
+        try:
+            self.request(wire.Op.HELLO, payload=[memoryview(token)], length=len(token))
+        except BaseException:
+            self.close()
+            raise
+
+    def request(self, op: int, extent_id: int = 0, offset: int = 0, length: int = 0,
+                dtype: int = 0, arg0: int = 0, arg1: int = 0, alpha: float = 0.0,
+                payload: Sequence[memoryview] = (), into: Sequence[memoryview] = ()) -> bytes:
+        """Send one request and wait for its answer; returns a small answer payload.
+
+        ``into`` receives a READ's payload in place. Socket failures raise
+        :class:`ServerUnavailable` and leave the connection unusable.
+        """
+        req_id = next(self._ids) & 0xFFFFFFFF
+        header = wire.pack_request(op, req_id, extent_id, offset, length, dtype, arg0, arg1, alpha)
+        try:
+            wire.sendmsg_all(self.sock, [header, *payload])
+            status, got_id, n = wire.unpack_response(wire.recv_exact(self.sock, wire.RESPONSE.size))
+            if got_id != req_id:
+                raise ProtocolError(f"{self.where}: answer {got_id} to request {req_id}")
+            if status == 0 and into:
+                if n != sum(len(b) for b in into):
+                    raise ProtocolError(f"{self.where}: read answered {n} bytes")
+                wire.recv_into_all(self.sock, into)
+                return b""
+            body = bytes(wire.recv_exact(self.sock, n)) if n else b""
+        except socket.timeout:
+            self.close()
+            raise Timeout(f"{self.where}: no answer within {self.sock.gettimeout()} s") from None
+        except OSError as exc:
+            self.close()
+            raise ServerUnavailable(f"{self.where}: {exc}") from None
+        except ProtocolError:
+            self.close()
+            raise
+        if status != 0:
+            raise status_error(status, f"{self.where}: {body.decode(errors='replace')}")
+        return body
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+    @property
+    def closed(self) -> bool:
+        return self.sock.fileno() < 0
+
+
+class TcpSession(Session):
+    """A pool of up to ``connections`` sockets to one server, bound to one ticket."""
+
+    scheme = "tcp"
+
+    def __init__(self, endpoint: Endpoint, ticket: str, mode: str = "rw", options: dict | None = None) -> None:
+        options = options or {}
+        self.endpoint = endpoint
+        self.ticket = ticket
+        self.mode = mode
+        self.max_connections = int(options.get("connections", 2))
+        self.io_timeout = float(options.get("io_timeout", IO_TIMEOUT))
+        self._idle: queue.LifoQueue[TcpConnection] = queue.LifoQueue()
+        self._lock = threading.Lock()
+        self._open = 0
+        self._closed = False
+
+    def _acquire(self) -> TcpConnection:
+        while True:
+            try:
+                return self._idle.get_nowait()
+            except queue.Empty:
+                pass
+            with self._lock:
+                if self._closed:
+                    raise ServerUnavailable(f"session to {self.endpoint} is closed")
+                grow = self._open < self.max_connections
+                if grow:
+                    self._open += 1
+            if grow:
+                break
+            try:  # wait for a connection to come back (or a slot to free up)
+                return self._idle.get(timeout=0.05)
+            except queue.Empty:
+                continue
+        try:
+            return TcpConnection(self.endpoint.host, self.endpoint.port, self.ticket, self.io_timeout)
+        except BaseException:
+            with self._lock:
+                self._open -= 1
+            raise
+
+    def _release(self, conn: TcpConnection) -> None:
+        if conn.closed or self._closed:
+            conn.close()
+            with self._lock:
+                self._open -= 1
+        else:
+            self._idle.put(conn)
+
+    def _do(self, *args, **kwargs) -> bytes:
+        conn = self._acquire()
+        try:
+            return conn.request(*args, **kwargs)
+        finally:
+            self._release(conn)
+
+    def write(self, extent_id: int, offset: int, buffers: Sequence[memoryview]) -> None:
+        self._do(wire.Op.WRITE, extent_id, offset, sum(len(b) for b in buffers), payload=buffers)
+
+    def read_into(self, extent_id: int, offset: int, buffers: Sequence[memoryview]) -> None:
+        self._do(wire.Op.READ, extent_id, offset, sum(len(b) for b in buffers), into=buffers)
+
+    def accumulate(self, extent_id: int, offset: int, buffers: Sequence[memoryview],
+                   dtype: DType, alpha: float | None = None) -> None:
+        op = wire.Op.ACCUMULATE if alpha is None else wire.Op.AXPY
+        self._do(op, extent_id, offset, sum(len(b) for b in buffers), dtype=dtype,
+                 alpha=0.0 if alpha is None else alpha, payload=buffers)
+
+    def scale(self, extent_id: int, offset: int, length: int, dtype: DType, alpha: float) -> None:
+        self._do(wire.Op.SCALE, extent_id, offset, length, dtype=dtype, alpha=alpha)
+
+    def fetch_add(self, extent_id: int, offset: int, value: int) -> int:
+        return _WORD.unpack(self._do(wire.Op.FETCH_ADD, extent_id, offset, 8, arg0=value))[0]
+
+    def compare_swap(self, extent_id: int, offset: int, expected: int, desired: int) -> int:
+        body = self._do(wire.Op.COMPARE_SWAP, extent_id, offset, 8, arg0=expected, arg1=desired)
+        return _WORD.unpack(body)[0]
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+        while True:
+            try:
+                self._idle.get_nowait().close()
+            except queue.Empty:
+                break
+
+
+register("tcp", TcpSession)

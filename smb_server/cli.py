@@ -1,0 +1,207 @@
+"""The ``smb`` command: daemons, a local cluster and cluster inspection."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import time
+from typing import Sequence
+
+from smb_client import Client, errors
+from smb_client.units import format_bytes, parse_size
+
+from .config import ControllerConfig, ServerConfig, load_secret
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--controller", default=os.environ.get("SMB_CONTROLLER", "127.0.0.1:7700"),
+                   help="controller host:port (env SMB_CONTROLLER)")
+    p.add_argument("--token", default=os.environ.get("SMB_TOKEN", ""),
+                   help="bearer token (env SMB_TOKEN)")
+
+
+def _secret(args: argparse.Namespace) -> bytes:
+    return load_secret(args.secret_file or os.environ.get("SMB_SECRET_FILE", ""))
+
+
+def cmd_controller(args: argparse.Namespace) -> int:
+    from .controller.main import serve
+    cfg = ControllerConfig(listen=args.listen, db_path=args.db, token=args.token,
+                           secret=_secret(args), lease_seconds=args.lease,
+                           orphan_grace_seconds=args.orphan_grace, ready_file=args.ready_file)
+    if not cfg.secret:
+        print("smb controller: no secret: pass --secret-file or set SMB_SECRET", file=sys.stderr)
+        return 2
+    serve(cfg)
+    return 0
+
+
+def cmd_server(args: argparse.Namespace) -> int:
+    from .memserver.main import serve
+    cfg = ServerConfig(controller=args.controller, listen_host=args.listen_host,
+                       advertise_host=args.advertise_host, grpc_port=args.grpc_port,
+                       tcp_port=args.tcp_port, capacity=parse_size(args.capacity), token=args.token,
+                       secret=_secret(args), server_id=args.server_id, state_dir=args.state_dir,
+                       data_dir=args.data_dir,
+                       transports=[t for t in args.transports.split(",") if t],
+                       heartbeat_seconds=args.heartbeat, ready_file=args.ready_file)
+    if not cfg.secret:
+        print("smb server: no secret: pass --secret-file or set SMB_SECRET", file=sys.stderr)
+        return 2
+    serve(cfg)
+    return 0
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from .local_cluster import LocalCluster
+    cluster = LocalCluster(args.servers, args.capacity, workdir=args.workdir,
+                           controller_port=args.port, token=args.token or None)
+    stop = False
+
+    def on_signal(signum: int, frame: object) -> None:
+        nonlocal stop
+        stop = True
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    cluster.start()
+    try:
+        print(f"Soft Memory Box: controller at {cluster.address}, {args.servers} memory servers "
+              f"of {format_bytes(cluster.capacity)} (logs in {cluster.workdir})")
+        print("Use it from another shell with:\n" + cluster.describe(), flush=True)
+        while not stop:
+            time.sleep(0.2)
+    finally:
+        print("stopping local cluster", flush=True)
+        cluster.stop()
+    return 0
+
+
+def _table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    lines = ["  ".join(str(x).ljust(w) for x, w in zip(r, widths)).rstrip() for r in [header, *rows]]
+    return "\n".join(lines)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    with Client(args.controller, args.token) as c:
+        servers, regions = c.list_servers(), c.list_regions()
+    now = time.time()
+    print(f"servers ({len(servers)}):")
+    print(_table([[s.server_id, s.state, s.grpc_address, format_bytes(s.capacity), format_bytes(s.used),
+                   str(s.extents), ",".join(u.partition(":")[0] for u in s.endpoints),
+                   f"{now - s.last_heartbeat:.1f}s" if s.last_heartbeat else "-"] for s in servers],
+                 ["ID", "STATE", "ADDRESS", "CAPACITY", "USED", "EXTENTS", "TRANSPORTS", "HEARTBEAT"]))
+    print(f"\nregions ({len(regions)}):")
+    print(_table([[r.name, format_bytes(r.size), r.placement, r.state, ",".join(r.servers)]
+                  for r in regions], ["NAME", "SIZE", "PLACEMENT", "STATE", "SERVERS"]))
+    return 0
+
+
+def cmd_region(args: argparse.Namespace) -> int:
+    with Client(args.controller, args.token) as c:
+        if args.action == "create":
+            segments = [parse_size(s) for s in args.segments.split(",")] if args.segments else []
+            size = parse_size(args.size) if args.size else sum(segments)
+            r = c.create_region(args.name, size, placement=args.placement,
+                                stripe_unit=parse_size(args.stripe_unit), num_servers=args.servers,
+                                segment_sizes=segments, persistent=args.persistent)
+            print(f"created {r.name}: {format_bytes(r.size)} {r.placement} over {len(r.extents)} servers")
+            r.close()
+        elif args.action == "ls":
+            regions = c.list_regions(args.name or "")
+            print(_table([[r.name, str(r.size), r.placement, r.state, ",".join(r.servers)] for r in regions],
+                         ["NAME", "BYTES", "PLACEMENT", "STATE", "SERVERS"]))
+        elif args.action == "rm":
+            c.delete_region(args.name)
+            print(f"deleted {args.name}")
+    return 0
+
+
+def cmd_drain(args: argparse.Namespace) -> int:
+    with Client(args.controller, args.token) as c:
+        s = c.drain_server(args.server_id, undrain=args.undrain)
+    print(f"{s.server_id}: {s.state}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="smb", description="Soft Memory Box")
+    parser.add_argument("--log-level", default=os.environ.get("SMB_LOG_LEVEL", "INFO"))
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("controller", help="run the controller daemon")
+    p.add_argument("--listen", default=os.environ.get("SMB_LISTEN", "127.0.0.1:7700"))
+    p.add_argument("--db", default=os.environ.get("SMB_DB", "smb-controller.db"), help="SQLite file")
+    p.add_argument("--token", default=os.environ.get("SMB_TOKEN", ""))
+    p.add_argument("--secret-file", default="")
+    p.add_argument("--lease", type=float, default=5.0, help="server lease, seconds")
+    p.add_argument("--orphan-grace", type=float, default=30.0, help="seconds before unknown extents are freed")
+    p.add_argument("--ready-file", default="")
+    p.set_defaults(fn=cmd_controller)
+
+    p = sub.add_parser("server", help="run a memory server daemon")
+    _common(p)
+    p.add_argument("--listen-host", default="127.0.0.1")
+    p.add_argument("--advertise-host", default="")
+    p.add_argument("--grpc-port", type=int, default=0)
+    p.add_argument("--tcp-port", type=int, default=0)
+    p.add_argument("--capacity", default="1G", help="RAM to offer, e.g. 512M, 16G")
+    p.add_argument("--secret-file", default="")
+    p.add_argument("--server-id", default="")
+    p.add_argument("--state-dir", default="")
+    p.add_argument("--data-dir", default="", help="directory for file-backed (persistent) extents")
+    p.add_argument("--transports", default="tcp,shm")
+    p.add_argument("--heartbeat", type=float, default=1.0, help="seconds between heartbeats")
+    p.add_argument("--ready-file", default="")
+    p.set_defaults(fn=cmd_server)
+
+    p = sub.add_parser("up", help="run a local cluster (controller + memory servers) in the foreground")
+    p.add_argument("--servers", type=int, default=2)
+    p.add_argument("--capacity", default="1G", help="per memory server")
+    p.add_argument("--port", type=int, default=7700, help="controller port (0: any)")
+    p.add_argument("--workdir", default=None)
+    p.add_argument("--token", default="")
+    p.set_defaults(fn=cmd_up)
+
+    p = sub.add_parser("status", help="print servers and regions")
+    _common(p)
+    p.set_defaults(fn=cmd_status)
+
+    p = sub.add_parser("region", help="create, list or delete regions")
+    _common(p)
+    p.add_argument("action", choices=["create", "ls", "rm"])
+    p.add_argument("name", nargs="?")
+    p.add_argument("size", nargs="?", help="bytes, e.g. 64M")
+    p.add_argument("--placement", default="striped", choices=["striped", "layered", "single"])
+    p.add_argument("--stripe-unit", default="0")
+    p.add_argument("--servers", type=int, default=0)
+    p.add_argument("--segments", default="", help="layered: comma-separated segment sizes")
+    p.add_argument("--persistent", action="store_true")
+    p.set_defaults(fn=cmd_region)
+
+    p = sub.add_parser("drain", help="stop placing new extents on a memory server")
+    _common(p)
+    p.add_argument("server_id")
+    p.add_argument("--undrain", action="store_true")
+    p.set_defaults(fn=cmd_drain)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "region" and args.action in ("create", "rm") and not args.name:
+        print(f"smb region {args.action}: a region name is required", file=sys.stderr)
+        return 2
+    try:
+        return args.fn(args)
+    except errors.SMBError as exc:
+        print(f"smb {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,38 @@
+"""Shared fixtures: real local clusters (separate processes on loopback)."""
+from __future__ import annotations
+
+import itertools
+import os
+
+import pytest
+
+from smb_server.local_cluster import LocalCluster
+
+_names = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    """A controller and two memory servers shared by the non-destructive tests."""
+    with LocalCluster(servers=2, capacity="512M", log_level="WARNING") as c:
+        yield c
+
+
+@pytest.fixture
+def fresh_cluster(tmp_path):
+    """A private cluster for tests that kill or restart daemons."""
+    with LocalCluster(servers=2, capacity="256M", workdir=str(tmp_path / "cluster"),
+                      log_level="INFO") as c:
+        yield c
+
+
+@pytest.fixture
+def client(cluster):
+    with cluster.client() as c:
+        yield c
+
+
+@pytest.fixture
+def name():
+    """A region name no other test uses."""
+    return f"test/r{os.getpid()}-{next(_names)}"

@@ -1,0 +1,154 @@
+"""Whole-cluster behaviour: concurrency, restarts, failures, memory accounting, CLI."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import smb_client
+from smb_client import errors
+
+MiB = 1 << 20
+
+
+def _accumulate_worker(address: str, token: str, name: str, rank: int, rounds: int, transport: str) -> None:
+    with smb_client.connect(address, token, transport=transport) as c:
+        r = c.open_region(name)
+        n = r.size // 8
+        for k in range(rounds):
+            r.accumulate(0, np.full(n, rank + 1 + k, dtype=np.int64))
+            r.accumulate(0, np.ones(n // 2, dtype=np.int64))
+        r.fetch_add(0, 0)
+        c.barrier(name + "/done", 4, timeout=60)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_four_processes_accumulate_exact_sum(cluster, client, name, transport):
+    n = 3 * MiB // 8
+    r = client.create_region(name, n * 8, stripe_unit=256 << 10)
+    r.write(0, np.zeros(n, np.int64))
+    rounds = 5
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_accumulate_worker,
+                         args=(cluster.address, cluster.token, name, rank, rounds, transport))
+             for rank in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    expect = np.zeros(n, np.int64)
+    for rank in range(4):
+        for k in range(rounds):
+            expect += rank + 1 + k
+            expect[: n // 2] += 1
+    np.testing.assert_array_equal(r.read(dtype="int64"), expect)
+    client.delete_region(name)
+
+
+def _rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_delete_gives_memory_back(cluster, client, name):
+    r = client.create_region(name, 128 * MiB, placement="single")
+    server = [i for i in range(cluster.num_servers) if cluster.server_id(i) == r.extents[0].server_id][0]
+    pid = cluster.server_pid(server)
+    before = _rss(pid)
+    r.write(0, np.ones(128 * MiB, np.uint8))
+    filled = _rss(pid)
+    assert filled - before > 100 * MiB
+    used = {s.server_id: s.used for s in client.list_servers()}[r.extents[0].server_id]
+    assert used >= 128 * MiB
+    r.close()
+    client.delete_region(name)
+    deadline = time.monotonic() + 10
+    while _rss(pid) > filled - 100 * MiB and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _rss(pid) <= filled - 100 * MiB
+    used_after = {s.server_id: s.used for s in client.list_servers()}[r.extents[0].server_id]
+    assert used_after == used - 128 * MiB
+
+
+def test_controller_restart_keeps_regions(fresh_cluster):
+    c = fresh_cluster.client()
+    r = c.create_region("job/params", 4 * MiB, stripe_unit=MiB)
+    data = np.arange(MiB, dtype=np.float32)
+    r.write(0, data)
+    fresh_cluster.kill_controller()                   # kill -9
+    # the data plane does not need the controller
+    np.testing.assert_array_equal(r.read(dtype="float32"), data)
+    with pytest.raises(errors.ControllerUnavailable):
+        c.list_regions()
+    fresh_cluster.start_controller()                  # same database, same address
+    deadline = time.monotonic() + 20
+    while True:
+        servers = c.list_servers()
+        if len(servers) == 2 and all(s.state == "up" for s in servers):
+            break
+        assert time.monotonic() < deadline, servers
+        time.sleep(0.1)
+    assert [x.name for x in c.list_regions()] == ["job/params"]
+    r2 = c.open_region("job/params")
+    np.testing.assert_array_equal(r2.read(dtype="float32"), data)
+    r2.accumulate(0, data)
+    np.testing.assert_array_equal(r.read(dtype="float32"), 2 * data)
+    c.close()
+
+
+def test_memory_server_kill_gives_clear_error(fresh_cluster):
+    c = fresh_cluster.client(transport="tcp")
+    r = c.create_region("job/grads", 4 * MiB, stripe_unit=MiB)
+    r.write(0, np.ones(MiB, np.float32))
+    victim = r.extents[1].server_id
+    index = [i for i in range(2) if fresh_cluster.server_id(i) == victim][0]
+    fresh_cluster.kill_server(index)
+    start = time.monotonic()
+    with pytest.raises(errors.ServerUnavailable):
+        r.read(0, 4 * MiB)
+    assert time.monotonic() - start < 10            # an error, not a hang
+    # bytes on the surviving server still work
+    survivor = 0 if r.extents[0].server_id != victim else 1
+    off = survivor * MiB                                # stripe i lives on extent i % 2
+    assert r.read(off, 16, dtype="float32").tolist() == [1.0] * 4
+    deadline = time.monotonic() + 15
+    while True:
+        states = {s.server_id: s.state for s in c.list_servers()}
+        if states[victim] == "down":
+            break
+        assert time.monotonic() < deadline, states
+        time.sleep(0.2)
+    assert [x.state for x in c.list_regions()] == ["degraded"]
+    # new regions go to the servers that are up
+    r2 = c.create_region("job/other", MiB)
+    assert {e.server_id for e in r2.extents} == {fresh_cluster.server_id(1 - index)}
+    c.close()
+
+
+def _smb(cluster, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, SMB_CONTROLLER=cluster.address, SMB_TOKEN=cluster.token)
+    return subprocess.run([sys.executable, "-m", "smb_server.cli", *args], env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_cli_region_and_status(cluster):
+    out = _smb(cluster, "region", "create", "cli/demo", "3M", "--placement", "layered",
+               "--segments", "2M,1M")
+    assert out.returncode == 0, out.stderr
+    ls = _smb(cluster, "region", "ls", "cli/")
+    assert "cli/demo" in ls.stdout and "layered" in ls.stdout
+    st = _smb(cluster, "status")
+    assert st.returncode == 0, st.stderr
+    assert "cli/demo" in st.stdout and st.stdout.count(" up ") >= 2
+    assert _smb(cluster, "region", "rm", "cli/demo").returncode == 0
+    missing = _smb(cluster, "region", "rm", "cli/demo")
+    assert missing.returncode == 1 and "RegionNotFound" in missing.stderr

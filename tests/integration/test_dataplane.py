@@ -1,0 +1,164 @@
+"""Every data-plane operation against a real local cluster, over tcp and shm."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import smb_client
+from smb_client import errors
+from smb_client.dtypes import bf16_to_f32, f32_to_bf16
+
+MiB = 1 << 20
+TRANSPORTS = ["tcp", "shm"]
+
+
+@pytest.fixture(params=TRANSPORTS)
+def tclient(request, cluster):
+    with cluster.client(transport=request.param) as c:
+        yield c
+
+
+def test_transport_is_the_one_asked_for(tclient, name):
+    r = tclient.create_region(name, 4 * MiB)
+    assert set(r.transports().values()) == {tclient.transport}
+    tclient.delete_region(name)
+
+
+@pytest.mark.parametrize("placement", ["striped", "layered", "single"])
+def test_write_read_roundtrip(tclient, name, placement):
+    size = 5 * MiB + 12345
+    kw = {"segment_sizes": [3 * MiB, MiB + 12345, MiB]} if placement == "layered" else {}
+    r = tclient.create_region(name, size, placement=placement, stripe_unit=256 << 10, **kw)
+    assert sum(e.length for e in r.extents) == size
+    if placement != "single":
+        assert len({e.server_id for e in r.extents}) == 2
+    data = np.random.default_rng(1).integers(0, 256, size, dtype=np.uint8)
+    r.write(0, data)
+    assert bytes(r.read()) == data.tobytes()
+    # unaligned pieces that cross stripe and segment boundaries
+    for off, n in [(1, 7), (256 << 10, 1), (3 * MiB - 5, 10), (size - 3, 3), (100, 3 * MiB)]:
+        assert bytes(r.read(off, n)) == data[off:off + n].tobytes()
+    patch = bytes(range(200)) * 50
+    r.write(3 * MiB - 100, patch)
+    data[3 * MiB - 100:3 * MiB - 100 + len(patch)] = np.frombuffer(patch, np.uint8)
+    out = np.empty(size, np.uint8)
+    r.read_into(0, out)
+    assert np.array_equal(out, data)
+    r.close()
+    tclient.delete_region(name)
+
+
+def test_torch_tensors_zero_copy(tclient, name):
+    r = tclient.create_region(name, 4 * MiB)
+    t = torch.arange(MiB, dtype=torch.float32)
+    r.write(0, t)
+    out = torch.empty(MiB, dtype=torch.float32)
+    r.read_into(0, out)
+    assert torch.equal(out, t)
+    b = torch.randn(1000).to(torch.bfloat16)
+    r.write(8, b)
+    back = torch.empty(1000, dtype=torch.bfloat16)
+    r.read_into(8, back)
+    assert torch.equal(back, b)
+    tclient.delete_region(name)
+
+
+DTYPES = ["float32", "float16", "float64", "int32", "int64"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_accumulate_every_dtype(tclient, name, dtype):
+    n = 300_000  # spans several stripes of both servers
+    r = tclient.create_region(name, n * 8, stripe_unit=64 << 10)
+    rng = np.random.default_rng(2)
+    if dtype.startswith("int"):
+        a = rng.integers(-1000, 1000, n).astype(dtype)
+        b = rng.integers(-1000, 1000, n).astype(dtype)
+    else:
+        a = rng.standard_normal(n).astype(dtype)
+        b = rng.standard_normal(n).astype(dtype)
+    r.write(0, a)
+    r.accumulate(0, b)
+    got = r.read(0, a.nbytes, dtype=dtype)
+    np.testing.assert_array_equal(got, a + b)
+    tclient.delete_region(name)
+
+
+def test_accumulate_bfloat16(tclient, name):
+    n = 100_000
+    r = tclient.create_region(name, n * 2, stripe_unit=32 << 10)
+    a = torch.randn(n).to(torch.bfloat16)
+    b = torch.randn(n).to(torch.bfloat16)
+    r.write(0, a)
+    r.accumulate(0, b)
+    out = torch.empty(n, dtype=torch.bfloat16)
+    r.read_into(0, out)
+    assert torch.equal(out, a + b)  # torch rounds bf16 adds to nearest-even, as the server
+    tclient.delete_region(name)
+
+
+def test_bf16_helpers_match_torch():
+    x = torch.randn(10_000) * 100
+    ours = f32_to_bf16(x.numpy())
+    assert np.array_equal(ours, x.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16))
+    assert np.array_equal(bf16_to_f32(ours), x.to(torch.bfloat16).float().numpy())
+
+
+def test_scale_and_axpy(tclient, name):
+    n = 200_000
+    r = tclient.create_region(name, n * 4, stripe_unit=64 << 10)
+    a = np.linspace(-5, 5, n, dtype=np.float32)
+    x = np.linspace(1, 2, n, dtype=np.float32)
+    r.write(0, a)
+    r.scale(0, a.nbytes, 0.5, "float32")
+    r.axpy(0, -2.0, x)
+    np.testing.assert_allclose(r.read(dtype="float32"), a * np.float32(0.5) + np.float32(-2.0) * x, rtol=1e-6)
+    # a sub-range only
+    r.scale(400, 40, 10.0, "float32")
+    expect = a * np.float32(0.5) + np.float32(-2.0) * x
+    expect[100:110] *= 10
+    np.testing.assert_allclose(r.read(dtype="float32"), expect, rtol=1e-6)
+    tclient.delete_region(name)
+
+
+def test_atomics(tclient, name):
+    r = tclient.create_region(name, MiB, stripe_unit=64 << 10)
+    assert r.fetch_add(0, 5) == 0
+    assert r.fetch_add(0, -2) == 5
+    assert r.read(0, 8, dtype="int64")[0] == 3
+    assert r.compare_swap(64 << 10, 0, 42) == 0      # second server's first word
+    assert r.compare_swap(64 << 10, 0, 7) == 42      # no swap: value was not 0
+    assert r.read(64 << 10, 8, dtype="int64")[0] == 42
+    with pytest.raises(errors.Misaligned):
+        r.fetch_add(4, 1)
+    tclient.delete_region(name)
+
+
+def test_async_and_batched_forms(tclient, name):
+    r = tclient.create_region(name, 8 * MiB, stripe_unit=MiB)
+    chunks = [np.full(MiB // 4, i, np.float32) for i in range(8)]
+    futs = [r.write_async(i * MiB, c) for i, c in enumerate(chunks)]
+    for f in futs:
+        f.result(timeout=30)
+    r.accumulate_many([(i * MiB, c) for i, c in enumerate(chunks)])
+    outs = [np.empty(MiB // 4, np.float32) for _ in range(8)]
+    r.read_many([(i * MiB, o) for i, o in enumerate(outs)])
+    for i, o in enumerate(outs):
+        assert np.all(o == 2 * i)
+    assert r.fetch_add_async(0, 1).result(timeout=30) == 0
+    whole = r.read_async(0, 8 * MiB, dtype="float32").result(timeout=30)
+    assert whole[1] == 0 and whole[-1] == 14
+    tclient.delete_region(name)
+
+
+def test_open_by_name_sees_same_memory(cluster, tclient, name):
+    r = tclient.create_region(name, 2 * MiB)
+    r.write(0, b"hello from the master")
+    with cluster.client() as other:
+        r2 = other.open_region(name)
+        assert bytes(r2.read(0, 21)) == b"hello from the master"
+        r2.write(MiB + 3, b"worker")
+        r2.close()
+    assert bytes(r.read(MiB + 3, 6)) == b"worker"
+    tclient.delete_region(name)
