@@ -1,0 +1,415 @@
+"""The memory server's capacity budget and the extents carved from it.
+
+Pure state: no gRPC, no sockets. The servicer and the data planes call into it.
+
+An extent is a memfd (``os.memfd_create``) or, when persistence is asked for and the
+arena has a ``data_dir``, a file ``<data_dir>/<extent_id>.extent``. Either holds one
+4096-byte header page followed by ``length`` data bytes, and the server maps all of it.
+Shared-memory clients receive the descriptor and map the whole thing, header included.
+
+Header page layout (all integers little-endian):
+
+====== ======= ============================================================
+offset  size    field
+====== ======= ============================================================
+0       u64     magic ``HEADER_MAGIC`` ("SMBEXT01")
+8       u64     live word: 1 while the server holds the extent, 0 once released
+16      u64     extent_id
+24      u64     length of the data part, bytes
+32      64      region_uid, UTF-8, NUL-padded
+====== ======= ============================================================
+
+Release order: the live word is set to 0 *first*, then the data pages are punched out
+(``fallocate(PUNCH_HOLE)``), so memory goes back to the kernel even while a client
+still maps the descriptor (its mapping then reads zeros), then the server unmaps and
+closes (and unlinks a file). A client that checks the live word after copying never
+mistakes zeros for data.
+
+Concurrency: the arena's table is guarded by one lock; each extent has ``lock`` that
+serializes read-modify-write operations (accumulate, scale, axpy, atomics) and a pin
+count: data planes :meth:`Extent.pin` an extent for the duration of an operation, and
+the final unmap of a released extent waits until the last pin is dropped.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import fcntl
+import glob
+import logging
+import mmap
+import os
+import struct
+import threading
+import time
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+
+from smb_client.errors import ExtentNotFound, InvalidArgument, OutOfMemory, OutOfRange
+
+log = logging.getLogger(__name__)
+
+HEADER_BYTES = 4096
+HEADER_MAGIC = int.from_bytes(b"SMBEXT01", "little")
+LIVE_OFFSET = 8
+UID_OFFSET = 32
+UID_BYTES = 64
+HEADER = struct.Struct("<QQQQ64s")   # magic, live, extent_id, length, region_uid
+FILE_SUFFIX = ".extent"
+
+FALLOC_FL_KEEP_SIZE = 0x01
+FALLOC_FL_PUNCH_HOLE = 0x02
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_fallocate = _libc.fallocate
+_fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+_fallocate.restype = ctypes.c_int
+
+
+def punch_hole(fd: int, offset: int, length: int) -> bool:
+    """Give the pages of ``[offset, offset+length)`` of ``fd`` back to the kernel.
+
+    The file keeps its size; later reads see zeros. Returns False when the file system
+    does not support it.
+    """
+    if length <= 0:
+        return True
+    if _fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, length) != 0:
+        err = ctypes.get_errno()
+        log.debug("fallocate(PUNCH_HOLE) on fd %d failed: %s", fd, os.strerror(err))
+        if err in (errno.EOPNOTSUPP, errno.ENOSYS):
+            return False
+        raise OSError(err, os.strerror(err))
+    return True
+
+
+def _encode_uid(region_uid: str) -> bytes:
+    raw = region_uid.encode()
+    if len(raw) > UID_BYTES:
+        raise InvalidArgument(f"region uid {region_uid!r} is longer than {UID_BYTES} bytes")
+    return raw
+
+
+class Extent:
+    """One contiguous piece of memory: a mapped memfd or file of header + ``length`` bytes.
+
+    The arena owns the extent (descriptor and mapping); callers borrow ``data``,
+    ``fd`` and arrays only while they hold a :meth:`pin`.
+    """
+
+    def __init__(self, extent_id: int, region_uid: str, length: int, fd: int,
+                 mm: mmap.mmap, path: str = "", persistent: bool = False) -> None:
+        self.extent_id = extent_id
+        self.region_uid = region_uid
+        self.length = length            # bytes of data (header excluded)
+        self.fd = fd                    # owned; closed when the extent is retired
+        self.path = path                # file backing, "" for a memfd
+        self.persistent = persistent
+        self.created = time.monotonic()
+        self.lock = threading.Lock()    # serializes read-modify-write operations
+        self._mm = mm
+        self._header = memoryview(mm)[:HEADER_BYTES]
+        self.data = memoryview(mm)[HEADER_BYTES:HEADER_BYTES + length]  # writable, bytes
+        self._state = threading.Lock()
+        self._pins = 0
+        self._released = False
+        self._keep_data = False
+        self._closed = False
+
+    # -- header ---------------------------------------------------------------------
+    def _write_header(self, live: int) -> None:
+        HEADER.pack_into(self._header, 0, HEADER_MAGIC, live, self.extent_id, self.length,
+                         _encode_uid(self.region_uid))
+
+    def _set_live(self, live: int) -> None:
+        struct.pack_into("<Q", self._header, LIVE_OFFSET, live)
+
+    @property
+    def live(self) -> bool:
+        """True while the arena holds the extent."""
+        return not self._released
+
+    @property
+    def age(self) -> float:
+        """Seconds since this process reserved or adopted the extent."""
+        return time.monotonic() - self.created
+
+    # -- access ---------------------------------------------------------------------
+    @contextlib.contextmanager
+    def pin(self) -> Iterator["Extent"]:
+        """Keep the mapping alive for one operation; raises ExtentNotFound once released."""
+        with self._state:
+            if self._released:
+                raise ExtentNotFound(f"extent {self.extent_id} was released")
+            self._pins += 1
+        try:
+            yield self
+        finally:
+            with self._state:
+                self._pins -= 1
+                last = self._released and self._pins == 0
+            if last:
+                self._close()
+
+    def check_range(self, offset: int, length: int) -> None:
+        """Raise OutOfRange unless ``[offset, offset+length)`` lies in the data part."""
+        if offset < 0 or length < 0 or offset + length > self.length:
+            raise OutOfRange(f"range [{offset}, {offset + length}) outside extent "
+                             f"{self.extent_id} of {self.length} bytes")
+
+    def array(self, dtype: np.dtype | str, offset: int = 0, nbytes: int | None = None) -> np.ndarray:
+        """A writable numpy view of ``nbytes`` data bytes from ``offset`` (no copy)."""
+        if nbytes is None:
+            nbytes = self.length - offset
+        self.check_range(offset, nbytes)
+        dt = np.dtype(dtype)
+        return np.frombuffer(self.data[offset:offset + nbytes], dtype=dt, count=nbytes // dt.itemsize)
+
+    # -- retirement -----------------------------------------------------------------
+    def _retire(self, keep_data: bool = False) -> None:
+        """Mark released (live word 0 first), give the memory back; unmap when unpinned.
+
+        ``keep_data``: a persistent extent at server shutdown: flush, keep the file.
+        Otherwise the data pages are punched out and a backing file is deleted.
+        """
+        with self._state:
+            if self._released:
+                return
+            self._released = True
+            self._keep_data = keep_data
+            pinned = self._pins > 0
+        self._set_live(0)
+        if not keep_data:
+            self._punch()
+        if not pinned:
+            self._close()
+
+    def _punch(self) -> None:
+        try:
+            punch_hole(self.fd, HEADER_BYTES, self.length)
+        except OSError as exc:
+            log.warning("extent %d: cannot punch out its memory: %s", self.extent_id, exc)
+
+    def _close(self) -> None:
+        with self._state:
+            if self._closed:
+                return
+            self._closed = True
+        if self._keep_data:
+            with contextlib.suppress(ValueError, OSError):
+                self._mm.flush()
+        else:
+            self._punch()  # again: an operation that was pinned may have touched pages
+        self._header.release()
+        self.data.release()
+        try:
+            self._mm.close()
+        except BufferError:  # a borrowed view is still alive; the GC unmaps it later
+            log.debug("extent %d: mapping still exported; unmapped when collected", self.extent_id)
+        if self.path and not self._keep_data:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+        os.close(self.fd)
+
+    def __repr__(self) -> str:
+        return (f"Extent(id={self.extent_id}, region_uid={self.region_uid!r}, length={self.length}, "
+                f"persistent={self.persistent}, live={self.live})")
+
+
+@dataclass(frozen=True)
+class HeldExtent:
+    """What the arena holds, as reported to the controller."""
+
+    extent_id: int
+    region_uid: str
+    length: int          # bytes
+    age_seconds: float
+
+
+class Arena:
+    """A capacity budget (bytes) and the extents reserved against it.
+
+    ``data_dir``: where file-backed (persistent) extents live; existing ``*.extent``
+    files there are adopted on construction, so a restarted server keeps their data.
+    """
+
+    def __init__(self, capacity: int, data_dir: str = "") -> None:
+        if capacity < 0:
+            raise InvalidArgument(f"capacity must be >= 0 bytes, got {capacity}")
+        self.capacity = int(capacity)
+        self.data_dir = data_dir
+        self._lock = threading.Lock()
+        self._extents: dict[int, Extent] = {}
+        self._used = 0
+        self._closed = False
+        if data_dir:
+            os.makedirs(data_dir, exist_ok=True)
+            self._adopt_all()
+
+    # -- budget ---------------------------------------------------------------------
+    @property
+    def used(self) -> int:
+        """Bytes reserved (data parts; header pages are not counted)."""
+        return self._used
+
+    @property
+    def free(self) -> int:
+        return max(0, self.capacity - self._used)
+
+    def __len__(self) -> int:
+        return len(self._extents)
+
+    # -- extents --------------------------------------------------------------------
+    def reserve(self, extent_id: int, region_uid: str, length: int, persistent: bool = False) -> Extent:
+        """Create extent ``extent_id`` of ``length`` bytes (zeros) for ``region_uid``.
+
+        Idempotent: reserving a held id again for the same region and length returns
+        the held extent. Raises OutOfMemory when the budget is exceeded, InvalidArgument
+        on a zero length or an id held for another region or length.
+        """
+        extent_id = int(extent_id)
+        length = int(length)
+        if length <= 0:
+            raise InvalidArgument(f"extent {extent_id}: length must be > 0 bytes, got {length}")
+        if extent_id < 0 or extent_id >= 1 << 64:
+            raise InvalidArgument(f"extent id {extent_id} is not a u64")
+        _encode_uid(region_uid)
+        with self._lock:
+            if self._closed:
+                raise InvalidArgument("the arena is closed")
+            held = self._extents.get(extent_id)
+            if held is not None:
+                if held.region_uid == region_uid and held.length == length:
+                    return held
+                raise InvalidArgument(
+                    f"extent {extent_id} is already held for region {held.region_uid!r} "
+                    f"({held.length} bytes); asked for region {region_uid!r} ({length} bytes)")
+            if self._used + length > self.capacity:
+                raise OutOfMemory(
+                    f"cannot reserve {length} bytes for extent {extent_id}: {self._used} of "
+                    f"{self.capacity} bytes in use, {self.capacity - self._used} free")
+            self._used += length  # claim the budget before the (slow) allocation
+        try:
+            extent = self._create(extent_id, region_uid, length, persistent)
+        except BaseException:
+            with self._lock:
+                self._used -= length
+            raise
+        with self._lock:
+            self._extents[extent_id] = extent
+        log.debug("reserved %r", extent)
+        return extent
+
+    def _create(self, extent_id: int, region_uid: str, length: int, persistent: bool) -> Extent:
+        size = HEADER_BYTES + length
+        path = ""
+        if persistent and self.data_dir:
+            path = os.path.join(self.data_dir, f"{extent_id}{FILE_SUFFIX}")
+            tmp = path + ".new"
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        else:
+            if persistent:
+                log.info("extent %d: persistence asked for but the server has no data_dir; "
+                         "using memory", extent_id)
+            fd = os.memfd_create(f"smb-extent-{extent_id}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, size)
+            if not path:
+                # clients get this descriptor: forbid them to shrink it under our mapping
+                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            extent = Extent(extent_id, region_uid, length, fd, mm, path, persistent=bool(path))
+            extent._write_header(1)
+            if path:
+                os.rename(path + ".new", path)
+        except BaseException:
+            os.close(fd)
+            if path:
+                with contextlib.suppress(OSError):
+                    os.unlink(path + ".new")
+            raise
+        return extent
+
+    def release(self, extent_id: int) -> bool:
+        """Free an extent (and delete its file); False when it was not held."""
+        with self._lock:
+            extent = self._extents.pop(int(extent_id), None)
+            if extent is None:
+                return False
+            self._used -= extent.length
+        extent._retire()
+        log.debug("released %r", extent)
+        return True
+
+    def get(self, extent_id: int) -> Extent:
+        """The held extent; raises ExtentNotFound."""
+        extent = self._extents.get(extent_id)
+        if extent is None:
+            raise ExtentNotFound(f"extent {extent_id} is not held by this memory server")
+        return extent
+
+    def extents(self) -> list[Extent]:
+        with self._lock:
+            return list(self._extents.values())
+
+    def held(self) -> list[HeldExtent]:
+        """(id, region uid, length, age seconds) of every held extent."""
+        return [HeldExtent(e.extent_id, e.region_uid, e.length, e.age) for e in self.extents()]
+
+    def close(self) -> None:
+        """Drop every extent: memory ones are freed, persistent files stay for a restart."""
+        with self._lock:
+            self._closed = True
+            extents, self._extents = list(self._extents.values()), {}
+            self._used = 0
+        for extent in extents:
+            extent._retire(keep_data=bool(extent.path))
+
+    # -- persistence ----------------------------------------------------------------
+    def _adopt_all(self) -> None:
+        for stale in glob.glob(os.path.join(glob.escape(self.data_dir), "*" + FILE_SUFFIX + ".new")):
+            log.info("removing %s: a reservation the previous server did not finish", stale)
+            with contextlib.suppress(OSError):
+                os.unlink(stale)
+        for path in sorted(glob.glob(os.path.join(glob.escape(self.data_dir), "*" + FILE_SUFFIX))):
+            try:
+                extent = self._adopt(path)
+            except (OSError, ValueError) as exc:
+                log.warning("not adopting %s: %s", path, exc)
+                continue
+            if extent.extent_id in self._extents:
+                log.warning("not adopting %s: extent %d already adopted", path, extent.extent_id)
+                extent._retire(keep_data=True)
+                continue
+            self._extents[extent.extent_id] = extent
+            self._used += extent.length
+            log.info("adopted persistent %r", extent)
+        if self._used > self.capacity:
+            log.warning("adopted extents use %d bytes, more than the capacity of %d bytes",
+                        self._used, self.capacity)
+
+    def _adopt(self, path: str) -> Extent:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            size = os.fstat(fd).st_size
+            if size < HEADER_BYTES:
+                raise ValueError(f"file of {size} bytes has no header page")
+            magic, _live, extent_id, length, raw_uid = HEADER.unpack(os.pread(fd, HEADER.size, 0))
+            if magic != HEADER_MAGIC:
+                raise ValueError(f"bad magic {magic:#x}")
+            if size != HEADER_BYTES + length or length == 0:
+                raise ValueError(f"header says {length} data bytes but the file has {size} bytes")
+            if os.path.basename(path) != f"{extent_id}{FILE_SUFFIX}":
+                raise ValueError(f"header names extent {extent_id}")
+            region_uid = raw_uid.rstrip(b"\0").decode()
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            raise
+        extent = Extent(extent_id, region_uid, length, fd, mm, path, persistent=True)
+        extent._set_live(1)
+        return extent
+

@@ -1,0 +1,315 @@
+"""The memory server daemon: lifecycle, controller registration and heartbeats.
+
+:class:`MemoryServer` builds the arena, the gRPC service and the data planes, then
+registers with the controller from a background thread (retrying with backoff while
+the controller is unreachable) and heartbeats every ``heartbeat_seconds``. Extents the
+controller reports as orphans (held here, unknown there, past its grace period) are
+released. Data keeps being served while the controller is away.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import threading
+import uuid
+from typing import Any
+
+from smb_client import errors, rpc
+from smb_client.addressing import format_hostport
+from smb_client.hostinfo import host_id
+from smb_client._proto.smb.v1 import controller_pb2, controller_pb2_grpc, memory_server_pb2_grpc
+
+from ..config import ServerConfig
+from ..grpc_util import BearerAuth, make_server
+from .arena import Arena
+from .service import TICKET_METHODS, MemoryServerServicer
+from .shm_plane import ShmPlane
+from .tcp_plane import PlaneStats, TcpPlane
+
+log = logging.getLogger(__name__)
+
+RPC_TIMEOUT = 5.0          # seconds per controller call
+BACKOFF_FIRST = 0.1        # seconds before the first retry of a failed registration
+BACKOFF_MAX = 5.0          # seconds, the longest pause between retries
+GRPC_GRACE = 1.0           # seconds in-flight calls get at stop()
+SOCKET_NAME = "shm.sock"
+MAX_UNIX_PATH = 100        # bytes; sun_path holds 108 including the NUL
+
+
+class MemoryServer:
+    """One memory server. ``with MemoryServer(cfg) as s:`` starts and stops it.
+
+    States: ``starting`` -> ``running`` -> ``closing`` -> ``closed``. Owns everything it
+    opens (arena, planes, gRPC server, a temporary state dir) and closes it in :meth:`stop`.
+    """
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.state = "created"
+        self.server_id = ""
+        self.grpc_address = ""
+        self.endpoints: list[str] = []
+        self.stats = PlaneStats()
+        self.arena: Arena | None = None
+        self.tcp: TcpPlane | None = None
+        self.shm: ShmPlane | None = None
+        self.registered = threading.Event()
+        self.lease_seconds = 0.0
+        self._grpc: Any = None
+        self._channel: Any = None
+        self._stub: controller_pb2_grpc.ControllerStub | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._tmp_dirs: list[str] = []
+        self._state_dir = ""
+
+    # -- lifecycle ----------------------------------------------------------------------
+    def start(self) -> "MemoryServer":
+        """Bring up arena, gRPC service and data planes; register in the background.
+
+        Returns once the server serves data; use :meth:`wait_registered` to wait for the
+        controller.
+        """
+        if self.state != "created":
+            raise errors.InvalidArgument(f"cannot start a memory server that is {self.state}")
+        self.state = "starting"
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+        self.state = "running"
+        return self
+
+    def _start(self) -> None:
+        cfg = self.config
+        self._state_dir = cfg.state_dir or self._mkdtemp()
+        os.makedirs(self._state_dir, exist_ok=True)
+        self.server_id = cfg.server_id or self._load_server_id()
+        self.arena = Arena(cfg.capacity, cfg.data_dir)
+        host = cfg.advertise_host or cfg.listen_host
+        if host in ("0.0.0.0", "::", ""):
+            host = socket.gethostname()
+
+        servicer = MemoryServerServicer(self.arena, cfg.secret, self.stats,
+                                        server_id=lambda: self.server_id,
+                                        endpoints=lambda: self.endpoints)
+        self._grpc = make_server(interceptors=[BearerAuth(cfg.token, exempt=TICKET_METHODS)])
+        memory_server_pb2_grpc.add_MemoryServerServicer_to_server(servicer, self._grpc)
+        port = self._grpc.add_insecure_port(format_hostport(cfg.listen_host, cfg.grpc_port))
+        if port == 0:
+            raise errors.InvalidArgument(f"cannot bind gRPC to {cfg.listen_host}:{cfg.grpc_port}")
+        self._grpc.start()
+        self.grpc_address = format_hostport(host, port)
+
+        endpoints = []
+        if "tcp" in cfg.transports:
+            self.tcp = TcpPlane(self.arena, cfg.secret, cfg.listen_host, cfg.tcp_port, self.stats,
+                                max_connections=cfg.tcp_connections_max)
+            endpoints.append(f"tcp://{format_hostport(host, self.tcp.port)}")
+        if "shm" in cfg.transports:
+            self.shm = ShmPlane(self.arena, cfg.secret, self._socket_path(), self.stats)
+            endpoints.append(self.shm.endpoint)
+        unknown = set(cfg.transports) - {"tcp", "shm"}
+        if unknown:
+            log.warning("transports %s are not available on this server (known: tcp, shm)",
+                        ", ".join(sorted(unknown)))
+        self.endpoints = endpoints
+        log.info("memory server %s: gRPC %s, endpoints %s, capacity %d bytes", self.server_id,
+                 self.grpc_address, " ".join(endpoints), self.arena.capacity)
+
+        self._channel = rpc.channel(cfg.controller)
+        self._stub = controller_pb2_grpc.ControllerStub(self._channel)
+        self._thread = threading.Thread(target=self._control_loop, name="heartbeat", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop heartbeats, close the planes and gRPC, drop every extent (idempotent)."""
+        if self.state in ("closing", "closed"):
+            return
+        self.state = "closing"
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(RPC_TIMEOUT + 1)
+        for plane in (self.tcp, self.shm):
+            if plane is not None:
+                plane.close()
+        if self._grpc is not None:
+            self._grpc.stop(GRPC_GRACE).wait()
+        if self._channel is not None:
+            self._channel.close()
+        if self.arena is not None:
+            self.arena.close()
+        for path in self._tmp_dirs:
+            shutil.rmtree(path, ignore_errors=True)
+        self.state = "closed"
+        log.info("memory server %s stopped", self.server_id)
+
+    def __enter__(self) -> "MemoryServer":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def run_forever(self) -> None:
+        """Block until SIGTERM or SIGINT (main thread only), then stop."""
+        done = threading.Event()
+
+        def on_signal(signum: int, frame: object) -> None:
+            log.info("signal %d: stopping", signum)
+            done.set()
+
+        previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            while not done.wait(0.5):
+                if self.state != "running":
+                    break
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+            self.stop()
+
+    def wait_registered(self, timeout: float | None = None) -> bool:
+        """True once the controller has accepted the registration (seconds to wait)."""
+        return self.registered.wait(timeout)
+
+    # -- state dir ----------------------------------------------------------------------
+    def _mkdtemp(self) -> str:
+        path = tempfile.mkdtemp(prefix="smb-server-")
+        self._tmp_dirs.append(path)
+        return path
+
+    def _load_server_id(self) -> str:
+        path = os.path.join(self._state_dir, "server_id")
+        try:
+            with open(path) as f:
+                value = f.read().strip()
+            if value:
+                return value
+        except FileNotFoundError:
+            pass
+        value = uuid.uuid4().hex[:12]
+        _write_atomic(path, value + "\n")
+        return value
+
+    def _socket_path(self) -> str:
+        path = os.path.abspath(os.path.join(self._state_dir, SOCKET_NAME))
+        if len(path.encode()) > MAX_UNIX_PATH:
+            short = os.path.join(self._mkdtemp(), SOCKET_NAME)
+            log.info("state dir path too long for a Unix socket; shm socket at %s", short)
+            return short
+        return path
+
+    # -- controller ---------------------------------------------------------------------
+    def _held(self) -> list[controller_pb2.HeldExtent]:
+        assert self.arena is not None
+        return [controller_pb2.HeldExtent(extent_id=h.extent_id, region_uid=h.region_uid,
+                                          length=h.length, age_seconds=h.age_seconds)
+                for h in self.arena.held()]
+
+    def register(self) -> None:
+        """One RegisterServer call; releases the orphans it names. Raises typed errors."""
+        assert self._stub is not None
+        request = controller_pb2.RegisterServerRequest(
+            server_id=self.server_id, host_id=host_id(), grpc_address=self.grpc_address,
+            endpoints=self.endpoints, capacity_bytes=self.config.capacity, extents=self._held())
+        reply = rpc.call(self._stub.RegisterServer, request, self.config.token, RPC_TIMEOUT,
+                         errors.ControllerUnavailable)
+        if reply.server_id and reply.server_id != self.server_id:
+            log.warning("controller calls this server %s (asked for %s)", reply.server_id, self.server_id)
+            self.server_id = reply.server_id
+        self.lease_seconds = reply.lease_seconds
+        self._release_orphans(reply.orphan_extent_ids)
+        if not self.registered.is_set():
+            if self.config.ready_file:
+                _write_atomic(self.config.ready_file, json.dumps(
+                    {"server_id": self.server_id, "grpc_address": self.grpc_address,
+                     "endpoints": self.endpoints}))
+            self.registered.set()
+        log.info("registered with the controller at %s as %s", self.config.controller, self.server_id)
+
+    def heartbeat(self) -> None:
+        """One Heartbeat call; releases the orphans it names. Raises typed errors."""
+        assert self._stub is not None
+        request = controller_pb2.HeartbeatRequest(server_id=self.server_id, extents=self._held())
+        reply = rpc.call(self._stub.Heartbeat, request, self.config.token, RPC_TIMEOUT,
+                         errors.ControllerUnavailable)
+        self.lease_seconds = reply.lease_seconds
+        self._release_orphans(reply.orphan_extent_ids)
+
+    def _release_orphans(self, extent_ids: Any) -> None:
+        assert self.arena is not None
+        for extent_id in extent_ids:
+            if self.arena.release(extent_id):
+                log.info("released orphan extent %d (unknown to the controller)", extent_id)
+
+    def _interval(self) -> float:
+        interval = self.config.heartbeat_seconds
+        if self.lease_seconds > 0:
+            interval = min(interval, self.lease_seconds / 3)
+        return max(0.05, interval)
+
+    def _control_loop(self) -> None:
+        """Register (with backoff), then heartbeat; re-register when forgotten."""
+        backoff = BACKOFF_FIRST
+        need_register = True
+        failures = 0
+        while not self._stop.is_set():
+            try:
+                if need_register:
+                    self.register()
+                    need_register = False
+                else:
+                    self.heartbeat()
+                if failures:
+                    log.info("controller at %s reachable again", self.config.controller)
+                failures, backoff = 0, BACKOFF_FIRST
+                wait = self._interval()
+            except errors.NotFound as exc:
+                if need_register:  # registration itself refused: do not spin
+                    failures += 1
+                    log.warning("controller refused the registration: %s", exc)
+                    wait, backoff = backoff, min(BACKOFF_MAX, backoff * 2)
+                else:
+                    log.warning("controller does not know this server (%s); registering again", exc)
+                    need_register = True
+                    wait = 0.0
+            except errors.SMBError as exc:
+                failures += 1
+                level = logging.WARNING if failures in (1, 10) or failures % 100 == 0 else logging.DEBUG
+                log.log(level, "controller at %s: %s: %s (attempt %d; still serving data)",
+                        self.config.controller, type(exc).__name__, exc, failures)
+                wait, backoff = backoff, min(BACKOFF_MAX, backoff * 2)
+            except Exception:
+                failures += 1
+                log.exception("heartbeat failed")
+                wait, backoff = backoff, min(BACKOFF_MAX, backoff * 2)
+            self._stop.wait(wait)
+
+
+def _write_atomic(path: str, text: str) -> None:
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def serve(config: ServerConfig) -> None:
+    """Run a memory server until SIGTERM/SIGINT (the ``smb server`` command)."""
+    server = MemoryServer(config)
+    server.start()
+    server.run_forever()

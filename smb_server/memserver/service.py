@@ -1,0 +1,97 @@
+"""The memory server's gRPC service: a thin translation onto the arena.
+
+``ReserveExtent`` and ``ReleaseExtent`` carry a controller-signed ``admin`` ticket
+naming the extent (the bearer-token check is exempted for them, see
+:data:`TICKET_METHODS`); ``Connect`` (RDMA queue-pair exchange) is refused until the
+rdma transport exists; ``Stats`` needs the bearer token.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Sequence
+
+import grpc
+
+from smb_client.errors import InvalidArgument, InvalidTicket, PermissionDenied
+from smb_client.tickets import Ticket, verify
+from smb_client._proto.smb.v1 import memory_server_pb2 as pb
+from smb_client._proto.smb.v1 import memory_server_pb2_grpc as pb_grpc
+
+from ..grpc_util import typed_errors
+from .arena import Arena
+from .tcp_plane import PlaneStats
+
+log = logging.getLogger(__name__)
+
+SERVICE = "/smb.v1.MemoryServer/"
+#: methods that check a ticket instead of the bearer token
+TICKET_METHODS = (SERVICE + "ReserveExtent", SERVICE + "ReleaseExtent", SERVICE + "Connect")
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process in bytes (VmRSS of /proc/self/status)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+class MemoryServerServicer(pb_grpc.MemoryServerServicer):
+    """Borrows ``arena`` and ``stats``; ``server_id`` and ``endpoints`` are callables so
+    the servicer can be built before the planes and the id are known.
+    """
+
+    def __init__(self, arena: Arena, secret: bytes, stats: PlaneStats,
+                 server_id: Callable[[], str] = lambda: "",
+                 endpoints: Callable[[], Sequence[str]] = lambda: ()) -> None:
+        self.arena = arena
+        self.secret = secret
+        self.stats = stats
+        self._server_id = server_id
+        self._endpoints = endpoints
+
+    def _admin(self, token: str, extent_id: int) -> Ticket:
+        ticket = verify(self.secret, token)
+        if ticket.mode != "admin":
+            raise PermissionDenied(f"an admin ticket is required, not a {ticket.mode!r} one")
+        if extent_id not in ticket.extent_ids:
+            raise InvalidTicket(f"the ticket does not name extent {extent_id}")
+        return ticket
+
+    @typed_errors
+    def ReserveExtent(self, request: pb.ReserveExtentRequest, context: grpc.ServicerContext) -> Any:
+        ticket = self._admin(request.ticket, request.extent_id)
+        if ticket.region_uid and ticket.region_uid != request.region_uid:
+            raise InvalidTicket(f"the ticket is for region {ticket.region_uid!r}, "
+                                f"not {request.region_uid!r}")
+        extent = self.arena.reserve(request.extent_id, request.region_uid, request.length,
+                                    persistent=request.persistent)
+        log.info("reserved extent %d: %d bytes for region %s%s", extent.extent_id, extent.length,
+                 extent.region_uid, " (file-backed)" if extent.path else "")
+        return pb.ReserveExtentResponse(extent_id=extent.extent_id, length=extent.length)
+
+    @typed_errors
+    def ReleaseExtent(self, request: pb.ReleaseExtentRequest, context: grpc.ServicerContext) -> Any:
+        self._admin(request.ticket, request.extent_id)
+        released = self.arena.release(request.extent_id)
+        log.info("release extent %d: %s", request.extent_id, "done" if released else "was not held")
+        return pb.ReleaseExtentResponse(released=released)
+
+    @typed_errors
+    def Connect(self, request: pb.ConnectRequest, context: grpc.ServicerContext) -> Any:
+        raise InvalidArgument("rdma transport is not enabled on this server")
+
+    @typed_errors
+    def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> Any:
+        counts = self.stats.snapshot()
+        return pb.StatsResponse(
+            server_id=self._server_id(), capacity_bytes=self.arena.capacity,
+            used_bytes=self.arena.used, extents=len(self.arena),
+            bytes_read=counts["bytes_read"], bytes_written=counts["bytes_written"],
+            bytes_accumulated=counts["bytes_accumulated"], operations=counts["operations"],
+            errors=counts["errors"], sessions=max(0, counts["sessions"]), rss_bytes=rss_bytes(),
+            endpoints=list(self._endpoints()))

@@ -1,0 +1,97 @@
+"""Addresses, sizes, error mapping, buffer views and transport choice (no network)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from smb_client import errors
+from smb_client.addressing import parse_endpoint, parse_hostport
+from smb_client.buffers import as_view
+from smb_client.client import Client, choose_endpoint
+from smb_client.dtypes import DType, resolve
+from smb_client.region import ExtentPlace
+from smb_client.units import format_bytes, parse_size
+
+
+def test_endpoints():
+    assert parse_endpoint("tcp://10.0.0.1:7701").port == 7701
+    assert parse_endpoint("tcp://[::1]:9").host == "::1"
+    assert parse_endpoint("shm:///run/smb/a.sock").path == "/run/smb/a.sock"
+    assert str(parse_endpoint("tcp://h:1")) == "tcp://h:1"
+    with pytest.raises(errors.InvalidArgument, match="tcp://, shm://, rdma://"):
+        parse_endpoint("udp://h:1")
+    with pytest.raises(errors.InvalidArgument):
+        parse_endpoint("shm://relative")
+    with pytest.raises(errors.InvalidArgument):
+        parse_hostport("h:notaport")
+    with pytest.raises(errors.InvalidArgument):
+        parse_hostport("h:70000")
+    assert parse_hostport("h", default_port=5) == ("h", 5)
+
+
+def test_sizes():
+    assert parse_size("4096") == 4096
+    assert parse_size("64K") == 64 << 10
+    assert parse_size("1.5G") == 3 << 29
+    assert parse_size("2MiB") == 2 << 20
+    with pytest.raises(errors.InvalidArgument):
+        parse_size("lots")
+    assert format_bytes(3 << 20) == "3.0 MiB"
+
+
+def test_error_tree_and_status_codes():
+    assert issubclass(errors.ExtentNotFound, errors.RegionNotFound)
+    assert issubclass(errors.OutOfRange, ValueError)
+    for status in errors.Status:
+        if status is errors.Status.OK:
+            continue
+        exc = errors.status_error(status, "m")
+        assert errors.error_status(exc) == status
+    assert isinstance(errors.status_error(250, "?"), errors.ServerError)
+    assert errors.error_class("NoSuchThing") is errors.ServerError
+
+
+def test_dtype_resolution():
+    assert resolve("float32") is DType.FLOAT32
+    assert resolve(np.float16) is DType.FLOAT16
+    assert resolve(torch.bfloat16) is DType.BFLOAT16
+    assert resolve(np.dtype("int64")) is DType.INT64
+    with pytest.raises(errors.DtypeError):
+        resolve("complex64")
+    with pytest.raises(errors.DtypeError):
+        resolve(None)
+
+
+def test_buffer_views_share_memory():
+    a = np.arange(10, dtype=np.float32)
+    view, dt = as_view(a, writable=True)
+    assert dt is DType.FLOAT32 and len(view) == 40
+    view[0:4] = b"\0\0\x80\x3f"  # 1.0f
+    assert a[0] == 1.0
+    t = torch.zeros(4, dtype=torch.bfloat16)
+    view, dt = as_view(t, writable=True)
+    assert dt is DType.BFLOAT16 and len(view) == 8
+    view[0:2] = b"\x80\x3f"
+    assert t[0].item() == 1.0
+    assert as_view(b"abc")[1] is None
+    with pytest.raises(errors.InvalidArgument):
+        as_view(b"abc", writable=True)
+    with pytest.raises(errors.InvalidArgument):
+        as_view(np.arange(10)[::2], writable=True)
+    with pytest.raises(errors.InvalidArgument):
+        as_view(object())
+    assert len(as_view(np.arange(10, dtype=np.int64)[::2])[0]) == 40  # copied once
+
+
+def test_transport_choice():
+    place = ExtentPlace(1, "s1", 10, "h:1", "hostA", ("tcp://h:2", "shm:///x.sock"), "up")
+    assert choose_endpoint(place, "auto", "hostA") == "shm:///x.sock"
+    assert choose_endpoint(place, "auto", "hostB") == "tcp://h:2"
+    assert choose_endpoint(place, "tcp", "hostA") == "tcp://h:2"
+    with pytest.raises(errors.InvalidArgument, match="offers shm, tcp"):
+        choose_endpoint(place, "rdma", "hostA")
+    with pytest.raises(errors.InvalidArgument):
+        choose_endpoint(place, "shm", "hostB")
+    with pytest.raises(errors.InvalidArgument, match="unknown transport"):
+        Client("127.0.0.1:1", transport="carrier-pigeon")
