@@ -12,7 +12,8 @@ from typing import Sequence
 from smb_client import Client, errors
 from smb_client.units import format_bytes, parse_size
 
-from .config import ControllerConfig, ServerConfig, load_secret
+from .config import (DEFAULT_CONTROLLER_FILE, DEFAULT_SERVER_FILE, ControllerConfig, ServerConfig,
+                     ConfigError, load, settings)
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -22,17 +23,19 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="bearer token (env SMB_TOKEN)")
 
 
-def _secret(args: argparse.Namespace) -> bytes:
-    return load_secret(args.secret_file or os.environ.get("SMB_SECRET_FILE", ""))
+def _flags(args: argparse.Namespace, cls: type) -> dict:
+    """The options given on the command line that name a setting of ``cls``."""
+    names = {f.name for f in settings(cls)}
+    return {k: v for k, v in vars(args).items() if k in names and v is not None}
 
 
 def cmd_controller(args: argparse.Namespace) -> int:
     from .controller.main import serve
-    cfg = ControllerConfig(listen=args.listen, db_path=args.db, token=args.token,
-                           secret=_secret(args), lease_seconds=args.lease,
-                           orphan_grace_seconds=args.orphan_grace, ready_file=args.ready_file)
+    cfg = load(ControllerConfig, args.config, default_path=DEFAULT_CONTROLLER_FILE,
+               flags=_flags(args, ControllerConfig))
     if not cfg.secret:
-        print("smb controller: no secret: pass --secret-file or set SMB_SECRET", file=sys.stderr)
+        print("smb controller: no secret: set secret_file in the config, pass --secret-file "
+              "or set SMB_SECRET", file=sys.stderr)
         return 2
     serve(cfg)
     return 0
@@ -40,15 +43,11 @@ def cmd_controller(args: argparse.Namespace) -> int:
 
 def cmd_server(args: argparse.Namespace) -> int:
     from .memserver.main import serve
-    cfg = ServerConfig(controller=args.controller, listen_host=args.listen_host,
-                       advertise_host=args.advertise_host, grpc_port=args.grpc_port,
-                       tcp_port=args.tcp_port, capacity=parse_size(args.capacity), token=args.token,
-                       secret=_secret(args), server_id=args.server_id, state_dir=args.state_dir,
-                       data_dir=args.data_dir,
-                       transports=[t for t in args.transports.split(",") if t],
-                       heartbeat_seconds=args.heartbeat, ready_file=args.ready_file)
+    cfg = load(ServerConfig, args.config, default_path=DEFAULT_SERVER_FILE,
+               flags=_flags(args, ServerConfig))
     if not cfg.secret:
-        print("smb server: no secret: pass --secret-file or set SMB_SECRET", file=sys.stderr)
+        print("smb server: no secret: set secret_file in the config, pass --secret-file "
+              "or set SMB_SECRET", file=sys.stderr)
         return 2
     serve(cfg)
     return 0
@@ -128,33 +127,41 @@ def cmd_drain(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="smb", description="Soft Memory Box")
-    parser.add_argument("--log-level", default=os.environ.get("SMB_LOG_LEVEL", "INFO"))
+    parser.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING, ERROR (env SMB_LOG_LEVEL)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("controller", help="run the controller daemon")
-    p.add_argument("--listen", default=os.environ.get("SMB_LISTEN", "127.0.0.1:7700"))
-    p.add_argument("--db", default=os.environ.get("SMB_DB", "smb-controller.db"), help="SQLite file")
-    p.add_argument("--token", default=os.environ.get("SMB_TOKEN", ""))
-    p.add_argument("--secret-file", default="")
-    p.add_argument("--lease", type=float, default=5.0, help="server lease, seconds")
-    p.add_argument("--orphan-grace", type=float, default=30.0, help="seconds before unknown extents are freed")
-    p.add_argument("--ready-file", default="")
+    p.add_argument("--config", default=None, help=f"TOML file (default {DEFAULT_CONTROLLER_FILE} if present)")
+    p.add_argument("--listen", help="host:port to serve on")
+    p.add_argument("--db", dest="db_path", help="SQLite file")
+    p.add_argument("--token", help="bearer token")
+    p.add_argument("--secret-file")
+    p.add_argument("--lease", dest="lease_seconds", type=float, help="server lease, seconds")
+    p.add_argument("--orphan-grace", dest="orphan_grace_seconds", type=float,
+                   help="seconds before unknown extents are freed")
+    p.add_argument("--ticket-ttl", dest="ticket_ttl_seconds", type=float)
+    p.add_argument("--metrics-port", type=int)
+    p.add_argument("--ready-file")
     p.set_defaults(fn=cmd_controller)
 
     p = sub.add_parser("server", help="run a memory server daemon")
-    _common(p)
-    p.add_argument("--listen-host", default="127.0.0.1")
-    p.add_argument("--advertise-host", default="")
-    p.add_argument("--grpc-port", type=int, default=0)
-    p.add_argument("--tcp-port", type=int, default=0)
-    p.add_argument("--capacity", default="1G", help="RAM to offer, e.g. 512M, 16G")
-    p.add_argument("--secret-file", default="")
-    p.add_argument("--server-id", default="")
-    p.add_argument("--state-dir", default="")
-    p.add_argument("--data-dir", default="", help="directory for file-backed (persistent) extents")
-    p.add_argument("--transports", default="tcp,shm")
-    p.add_argument("--heartbeat", type=float, default=1.0, help="seconds between heartbeats")
-    p.add_argument("--ready-file", default="")
+    p.add_argument("--config", default=None, help=f"TOML file (default {DEFAULT_SERVER_FILE} if present)")
+    p.add_argument("--controller", help="controller host:port")
+    p.add_argument("--token", help="bearer token")
+    p.add_argument("--listen-host")
+    p.add_argument("--advertise-host")
+    p.add_argument("--grpc-port", type=int)
+    p.add_argument("--tcp-port", type=int)
+    p.add_argument("--capacity", help="RAM to offer, e.g. 512M, 16G")
+    p.add_argument("--secret-file")
+    p.add_argument("--server-id")
+    p.add_argument("--state-dir")
+    p.add_argument("--data-dir", help="directory for file-backed (persistent) extents")
+    p.add_argument("--transports", help="comma-separated: tcp,shm,rdma")
+    p.add_argument("--rdma-device")
+    p.add_argument("--heartbeat", dest="heartbeat_seconds", type=float, help="seconds between heartbeats")
+    p.add_argument("--metrics-port", type=int)
+    p.add_argument("--ready-file")
     p.set_defaults(fn=cmd_server)
 
     p = sub.add_parser("up", help="run a local cluster (controller + memory servers) in the foreground")
@@ -191,6 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.log_level is None:
+        args.log_level = os.environ.get("SMB_LOG_LEVEL", "INFO")
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "region" and args.action in ("create", "rm") and not args.name:
@@ -198,6 +207,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         return args.fn(args)
+    except ConfigError as exc:
+        print(f"smb {args.command}: configuration error: {exc}", file=sys.stderr)
+        return 2
     except errors.SMBError as exc:
         print(f"smb {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
