@@ -8,9 +8,14 @@ PIP      := $(VENV)/bin/pip
 STAMP    := $(VENV)/.installed
 PROTO_SRC := $(wildcard proto/smb/v1/*.proto)
 PROTO_OUT := smb_client/_proto/smb/v1
-APT_PKGS := python3-venv python3-dev iproute2 procps
+# base tools; rdma-core, the rxe provider and pyverbs (RDMA data plane, `smb doctor`);
+# perftest (reference for the rdma benchmark); qemu, a Debian kernel with rdma_rxe and
+# busybox (the Soft-RoCE VM that runs the rdma tier); systemd (unit verification)
+APT_PKGS := python3-venv python3-dev iproute2 procps \
+            rdma-core ibverbs-providers ibverbs-utils python3-pyverbs perftest \
+            qemu-system-x86 linux-image-amd64 busybox-static systemd
 
-.PHONY: all deps apt venv proto demo test test-unit test-integration bench clean
+.PHONY: all deps apt venv proto demo test test-host test-unit test-integration test-rdma bench bench-rdma clean
 
 all: proto
 
@@ -42,8 +47,15 @@ deps: venv proto
 demo: deps
 	$(PY) examples/demo.py
 
-test: deps
+# the host suite, then the rdma tier inside the Soft-RoCE VM (fails loudly if the VM
+# cannot start)
+test: test-host test-rdma
+
+test-host: deps
 	$(PY) -m pytest -q tests
+
+test-rdma: deps
+	SMB_VM_BENCH=0 tests/rdma/run_vm.sh
 
 test-unit: deps
 	$(PY) -m pytest -q tests/unit
@@ -53,6 +65,9 @@ test-integration: deps
 
 bench: deps
 	$(PY) bench/dataplane.py
+
+bench-rdma: deps
+	SMB_VM_BENCH=1 tests/rdma/run_vm.sh
 
 clean:
 	rm -rf $(VENV) smb_client/_proto *.egg-info .pytest_cache

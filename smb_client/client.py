@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from . import rpc, transports
+from . import rpc, transports, verbs
 from ._proto.smb.v1 import controller_pb2 as pb
 from ._proto.smb.v1 import controller_pb2_grpc as pb_grpc
 from .addressing import parse_endpoint
@@ -60,7 +61,7 @@ def choose_endpoint(place: ExtentPlace, policy: str, here: str) -> str:
         return offered[policy]
     if "shm" in offered and place.host_id == here:
         return offered["shm"]
-    if "rdma" in offered and "rdma" in transports.TRANSPORTS:
+    if "rdma" in offered and "rdma" in transports.TRANSPORTS and verbs.has_device():
         return offered["rdma"]
     if "tcp" in offered:
         return offered["tcp"]
@@ -74,12 +75,14 @@ class Client:
     127.0.0.1:7700); ``token`` the bearer token (default ``$SMB_TOKEN``); ``transport``
     one of auto, tcp, shm, rdma (default ``$SMB_TRANSPORT`` or auto). ``connections``
     is the number of sockets per memory server and region; ``chunk_bytes`` the largest
-    single request. The client owns its channel and thread pools; :meth:`close` them.
+    single request; ``reconnect_timeout`` how long control calls keep retrying while the
+    controller is unreachable (e.g. restarting) before ControllerUnavailable. The client owns its channel and thread pools; :meth:`close` them.
     """
 
     def __init__(self, address: str | None = None, token: str | None = None, *,
                  transport: str | None = None, timeout: float = 30.0, connections: int = 2,
-                 chunk_bytes: int = 8 << 20, io_threads: int = 16) -> None:
+                 chunk_bytes: int = 8 << 20, io_threads: int = 16,
+                 reconnect_timeout: float = 5.0) -> None:
         self.address = address or os.environ.get("SMB_CONTROLLER", DEFAULT_CONTROLLER)
         self.token = token if token is not None else os.environ.get("SMB_TOKEN", "")
         self.transport = (transport or os.environ.get("SMB_TRANSPORT", "") or "auto").lower()
@@ -87,6 +90,7 @@ class Client:
             raise InvalidArgument(f"unknown transport {self.transport!r}: expected one of "
                                   + ", ".join(TRANSPORT_POLICIES))
         self.timeout = timeout
+        self.reconnect_timeout = reconnect_timeout
         self.connections = connections
         self.chunk_bytes = chunk_bytes
         self._channel = rpc.channel(self.address)
@@ -107,8 +111,20 @@ class Client:
         self._channel.close()
 
     def _call(self, method: str, request: Any, timeout: float | None = None) -> Any:
-        return rpc.call(getattr(self._stub, method), request, self.token,
-                        self.timeout if timeout is None else timeout, ControllerUnavailable)
+        """One controller call; while the controller is unreachable (restarting), retry
+        with a short backoff for up to ``reconnect_timeout`` seconds, then raise
+        ControllerUnavailable."""
+        deadline = time.monotonic() + self.reconnect_timeout
+        delay = 0.05
+        while True:
+            try:
+                return rpc.call(getattr(self._stub, method), request, self.token,
+                                self.timeout if timeout is None else timeout, ControllerUnavailable)
+            except ControllerUnavailable:
+                if time.monotonic() + delay > deadline:
+                    raise
+                time.sleep(delay)
+                delay = min(delay * 2, 0.5)
 
     # -- regions -------------------------------------------------------------------
     def create_region(self, name: str, size: int, *, placement: str = "striped",

@@ -20,6 +20,11 @@ CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", 64 << 20),
     ("grpc.max_receive_message_length", 64 << 20),
     ("grpc.enable_retries", 0),
+    # a restarted controller is found again within a fraction of a second, not after
+    # gRPC's default exponential backoff (up to two minutes)
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 
 _CODE_CLASS: dict[grpc.StatusCode, type[errors.SMBError]] = {

@@ -25,6 +25,13 @@ still maps the descriptor (its mapping then reads zeros), then the server unmaps
 closes (and unlinks a file). A client that checks the live word after copying never
 mistakes zeros for data.
 
+Listeners (the rdma plane): :meth:`Arena.add_listener` registers an object whose
+``extent_added(extent)`` runs after an extent is created or adopted (it registers the
+memory with the RDMA device; an exception there undoes the reservation) and whose
+``extent_retiring(extent)`` runs when an extent is released, after the live word is
+cleared and *before* its pages are punched out and unmapped (it deregisters the memory,
+so old rkeys stop working before the memory can be reused).
+
 Concurrency: the arena's table is guarded by one lock; each extent has ``lock`` that
 serializes read-modify-write operations (accumulate, scale, axpy, atomics) and a pin
 count: data planes :meth:`Extent.pin` an extent for the duration of an operation, and
@@ -44,7 +51,7 @@ import struct
 import threading
 import time
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator, Protocol
 
 import numpy as np
 
@@ -93,6 +100,14 @@ def _encode_uid(region_uid: str) -> bytes:
     return raw
 
 
+class ArenaListener(Protocol):
+    """Told about extents as they come and go (see the module docstring)."""
+
+    def extent_added(self, extent: "Extent") -> None: ...
+
+    def extent_retiring(self, extent: "Extent") -> None: ...
+
+
 class Extent:
     """One contiguous piece of memory: a mapped memfd or file of header + ``length`` bytes.
 
@@ -118,6 +133,16 @@ class Extent:
         self._released = False
         self._keep_data = False
         self._closed = False
+        self.retire_hooks: list[Callable[["Extent"], None]] = []  # run before the memory goes
+
+    @property
+    def address(self) -> int:
+        """Virtual address of the first data byte in this process (for registrations)."""
+        probe = np.frombuffer(self.data, dtype=np.uint8, count=1)
+        try:
+            return int(probe.ctypes.data)
+        finally:
+            del probe
 
     # -- header ---------------------------------------------------------------------
     def _write_header(self, live: int) -> None:
@@ -182,6 +207,12 @@ class Extent:
             self._keep_data = keep_data
             pinned = self._pins > 0
         self._set_live(0)
+        for hook in self.retire_hooks:
+            try:
+                hook(self)
+            except Exception:
+                log.exception("extent %d: retire hook failed", self.extent_id)
+        self.retire_hooks = []
         if not keep_data:
             self._punch()
         if not pinned:
@@ -245,6 +276,7 @@ class Arena:
         self._extents: dict[int, Extent] = {}
         self._used = 0
         self._closed = False
+        self._listeners: list[ArenaListener] = []
         if data_dir:
             os.makedirs(data_dir, exist_ok=True)
             self._adopt_all()
@@ -261,6 +293,25 @@ class Arena:
 
     def __len__(self) -> int:
         return len(self._extents)
+
+    # -- listeners ------------------------------------------------------------------
+    def add_listener(self, listener: ArenaListener) -> None:
+        """Tell ``listener`` about every held extent now and every later one."""
+        with self._lock:
+            self._listeners.append(listener)
+            held = list(self._extents.values())
+        for extent in held:
+            self._announce(extent, [listener])
+
+    def remove_listener(self, listener: ArenaListener) -> None:
+        with self._lock:
+            if listener in self._listeners:
+                self._listeners.remove(listener)
+
+    def _announce(self, extent: Extent, listeners: list[ArenaListener]) -> None:
+        for listener in listeners:
+            listener.extent_added(extent)
+            extent.retire_hooks.append(listener.extent_retiring)
 
     # -- extents --------------------------------------------------------------------
     def reserve(self, extent_id: int, region_uid: str, length: int, persistent: bool = False) -> Extent:
@@ -295,6 +346,13 @@ class Arena:
         try:
             extent = self._create(extent_id, region_uid, length, persistent)
         except BaseException:
+            with self._lock:
+                self._used -= length
+            raise
+        try:
+            self._announce(extent, list(self._listeners))
+        except BaseException:
+            extent._retire(keep_data=False)
             with self._lock:
                 self._used -= length
             raise

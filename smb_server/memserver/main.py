@@ -19,7 +19,7 @@ import threading
 import uuid
 from typing import Any
 
-from smb_client import errors, rpc
+from smb_client import errors, rpc, verbs
 from smb_client.addressing import format_hostport
 from smb_client.hostinfo import host_id
 from smb_client._proto.smb.v1 import controller_pb2, controller_pb2_grpc, memory_server_pb2_grpc
@@ -27,6 +27,7 @@ from smb_client._proto.smb.v1 import controller_pb2, controller_pb2_grpc, memory
 from ..config import ServerConfig
 from ..grpc_util import BearerAuth, make_server
 from .arena import Arena
+from .rdma_plane import RdmaPlane
 from .service import TICKET_METHODS, MemoryServerServicer
 from .shm_plane import ShmPlane
 from .tcp_plane import PlaneStats, TcpPlane
@@ -58,6 +59,7 @@ class MemoryServer:
         self.arena: Arena | None = None
         self.tcp: TcpPlane | None = None
         self.shm: ShmPlane | None = None
+        self.rdma: RdmaPlane | None = None
         self.registered = threading.Event()
         self.lease_seconds = 0.0
         self._grpc: Any = None
@@ -98,7 +100,8 @@ class MemoryServer:
 
         servicer = MemoryServerServicer(self.arena, cfg.secret, self.stats,
                                         server_id=lambda: self.server_id,
-                                        endpoints=lambda: self.endpoints)
+                                        endpoints=lambda: self.endpoints,
+                                        rdma=lambda: self.rdma)
         self._grpc = make_server(interceptors=[BearerAuth(cfg.token, exempt=TICKET_METHODS)])
         memory_server_pb2_grpc.add_MemoryServerServicer_to_server(servicer, self._grpc)
         port = self._grpc.add_insecure_port(format_hostport(cfg.listen_host, cfg.grpc_port))
@@ -115,9 +118,13 @@ class MemoryServer:
         if "shm" in cfg.transports:
             self.shm = ShmPlane(self.arena, cfg.secret, self._socket_path(), self.stats)
             endpoints.append(self.shm.endpoint)
-        unknown = set(cfg.transports) - {"tcp", "shm"}
+        if "rdma" in cfg.transports:
+            self.rdma = self._start_rdma(host)
+            if self.rdma is not None:  # the gRPC service does the queue-pair exchange
+                endpoints.append(f"rdma://{self.grpc_address}")
+        unknown = set(cfg.transports) - {"tcp", "shm", "rdma"}
         if unknown:
-            log.warning("transports %s are not available on this server (known: tcp, shm)",
+            log.warning("transports %s are not available on this server (known: tcp, shm, rdma)",
                         ", ".join(sorted(unknown)))
         self.endpoints = endpoints
         log.info("memory server %s: gRPC %s, endpoints %s, capacity %d bytes", self.server_id,
@@ -128,6 +135,27 @@ class MemoryServer:
         self._thread = threading.Thread(target=self._control_loop, name="heartbeat", daemon=True)
         self._thread.start()
 
+    def _start_rdma(self, host: str) -> RdmaPlane | None:
+        """The rdma plane, or None (logged) when this host has no usable RDMA device.
+
+        The device is ``$SMB_RDMA_DEVICE`` or the first active one; its GID is the one of
+        the advertised address when the device has it.
+        """
+        assert self.arena is not None
+        if not verbs.has_device():
+            log.warning("rdma asked for, but this host has no RDMA device or no pyverbs; "
+                        "serving tcp/shm only (run `smb doctor`)")
+            return None
+        try:
+            prefer = socket.gethostbyname(host)
+        except OSError:
+            prefer = None
+        try:
+            return RdmaPlane(self.arena, self.stats, prefer_ipv4=prefer)
+        except errors.SMBError as exc:
+            log.warning("rdma plane not started: %s (run `smb doctor`)", exc)
+            return None
+
     def stop(self) -> None:
         """Stop heartbeats, close the planes and gRPC, drop every extent (idempotent)."""
         if self.state in ("closing", "closed"):
@@ -136,7 +164,7 @@ class MemoryServer:
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(RPC_TIMEOUT + 1)
-        for plane in (self.tcp, self.shm):
+        for plane in (self.tcp, self.shm, self.rdma):
             if plane is not None:
                 plane.close()
         if self._grpc is not None:

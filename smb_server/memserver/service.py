@@ -2,24 +2,29 @@
 
 ``ReserveExtent`` and ``ReleaseExtent`` carry a controller-signed ``admin`` ticket
 naming the extent (the bearer-token check is exempted for them, see
-:data:`TICKET_METHODS`); ``Connect`` (RDMA queue-pair exchange) is refused until the
-rdma transport exists; ``Stats`` needs the bearer token.
+:data:`TICKET_METHODS`); ``Connect`` (RDMA queue-pair exchange) carries a region ticket
+(``ro`` or ``rw``), verified here and handed to the rdma plane, and is refused when the
+server runs no rdma plane; ``Stats`` needs the bearer token.
 """
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import grpc
 
 from smb_client.errors import InvalidArgument, InvalidTicket, PermissionDenied
 from smb_client.tickets import Ticket, verify
+from smb_client.verbs import QPInfo
 from smb_client._proto.smb.v1 import memory_server_pb2 as pb
 from smb_client._proto.smb.v1 import memory_server_pb2_grpc as pb_grpc
 
 from ..grpc_util import typed_errors
 from .arena import Arena
 from .tcp_plane import PlaneStats
+
+if TYPE_CHECKING:
+    from .rdma_plane import RdmaPlane
 
 log = logging.getLogger(__name__)
 
@@ -47,12 +52,14 @@ class MemoryServerServicer(pb_grpc.MemoryServerServicer):
 
     def __init__(self, arena: Arena, secret: bytes, stats: PlaneStats,
                  server_id: Callable[[], str] = lambda: "",
-                 endpoints: Callable[[], Sequence[str]] = lambda: ()) -> None:
+                 endpoints: Callable[[], Sequence[str]] = lambda: (),
+                 rdma: Callable[[], "RdmaPlane | None"] = lambda: None) -> None:
         self.arena = arena
         self.secret = secret
         self.stats = stats
         self._server_id = server_id
         self._endpoints = endpoints
+        self._rdma = rdma
 
     def _admin(self, token: str, extent_id: int) -> Ticket:
         ticket = verify(self.secret, token)
@@ -83,7 +90,18 @@ class MemoryServerServicer(pb_grpc.MemoryServerServicer):
 
     @typed_errors
     def Connect(self, request: pb.ConnectRequest, context: grpc.ServicerContext) -> Any:
-        raise InvalidArgument("rdma transport is not enabled on this server")
+        plane = self._rdma()
+        if plane is None:
+            raise InvalidArgument("rdma transport is not enabled on this server "
+                                  "(no RDMA device, or 'rdma' not in its transports)")
+        ticket = verify(self.secret, request.ticket)
+        if ticket.mode not in ("ro", "rw"):
+            raise PermissionDenied(f"Connect needs a region ticket (ro or rw), not a {ticket.mode!r} one")
+        peer = QPInfo(request.qpn, request.psn, bytes(request.gid), request.mtu, request.lid)
+        answer = plane.connect(ticket, peer, context.peer())
+        extents = [pb.RemoteExtent(extent_id=e, address=a, rkey=k, length=n)
+                   for e, a, k, n in answer.pop("extents")]
+        return pb.ConnectResponse(extents=extents, **answer)
 
     @typed_errors
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> Any:

@@ -1,0 +1,173 @@
+"""RDMA data-plane bandwidth and atomics against perftest, on the same rxe device.
+
+Runs inside the Soft-RoCE VM (tests/rdma/run_vm.sh runs it after the test tier):
+
+    .venv/bin/python bench/rdma.py --out bench/results/rdma.json
+
+For each message size (64 KiB, 1 MiB) it measures ``ib_write_bw``/``ib_read_bw``
+(client and server on rxe0, GID index of 127.0.0.1, ``-F``, fixed iteration counts,
+default 128 outstanding WRs on one QP) and then the client library: a local cluster
+with one memory server, ``Client(transport="rdma", chunk_bytes=size)`` writing and
+reading a buffer of ``BUFFER_BYTES`` in ``size`` pieces, so every piece is one RDMA
+WRITE/READ of that size, with ``--connections`` queue pairs in flight. Atomics:
+``Region.fetch_add`` calls per second (one at a time) beside ``ib_atomic_bw``
+(pipelined). Bandwidth is bytes / seconds (MB = 1e6 bytes), as perftest reports it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from smb_client import verbs  # noqa: E402
+from smb_server.local_cluster import LocalCluster  # noqa: E402
+
+log = logging.getLogger(__name__)
+
+SIZES = (64 << 10, 1 << 20)          # bytes per message
+BUFFER_BYTES = 32 << 20              # bytes moved per client measurement
+REPEATS = 3                          # client measurements per point (best kept)
+PERF_ITERS = {64 << 10: 500, 1 << 20: 64}
+ATOMIC_SECONDS = 3.0
+PORT_BASE = 18515
+
+
+def gid_index(device: str) -> int:
+    with verbs.Device(device) as d:
+        return d.info.gid.index
+
+
+def perftest(tool: str, size: int, device: str, gid: int, port: int, extra: list[str]) -> dict:
+    """Run a perftest server and client on this host; returns the client's report."""
+    args = [tool, "-d", device, "-x", str(gid), "-F", "-p", str(port), *extra]
+    if size:
+        args += ["-s", str(size)]
+    server = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    time.sleep(1.0)
+    try:
+        out = ""
+        for _ in range(10):
+            client = subprocess.run(args + ["127.0.0.1"], capture_output=True, text=True, timeout=300)
+            out = client.stdout + client.stderr
+            if client.returncode == 0:
+                break
+            time.sleep(0.5)
+        else:
+            raise RuntimeError(f"{' '.join(args)} failed:\n{out}")
+    finally:
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+    for line in out.splitlines():
+        cols = line.split()
+        if len(cols) >= 5 and re.fullmatch(r"\d+", cols[0]) and re.fullmatch(r"\d+", cols[1]):
+            return {"bytes": int(cols[0]), "iterations": int(cols[1]), "peak_MBps": float(cols[2]),
+                    "avg_MBps": float(cols[3]), "Mpps": float(cols[4])}
+    raise RuntimeError(f"no result line in {tool} output:\n{out}")
+
+
+def client_bandwidth(cluster: LocalCluster, size: int, connections: int) -> dict:
+    buf = np.random.default_rng(0).integers(0, 256, BUFFER_BYTES, dtype=np.uint8)
+    out = np.empty_like(buf)
+    with cluster.client(transport="rdma", chunk_bytes=size, connections=connections,
+                        io_threads=max(16, connections)) as c:
+        r = c.create_region(f"bench/rdma-{size}", BUFFER_BYTES, placement="single")
+        r.write(0, buf)                       # warm up: connections, registrations
+        r.read_into(0, out)
+        best = {"write": 0.0, "read": 0.0}
+        for _ in range(REPEATS):
+            t = time.perf_counter()
+            r.write(0, buf)
+            best["write"] = max(best["write"], BUFFER_BYTES / (time.perf_counter() - t) / 1e6)
+            t = time.perf_counter()
+            r.read_into(0, out)
+            best["read"] = max(best["read"], BUFFER_BYTES / (time.perf_counter() - t) / 1e6)
+        assert np.array_equal(out, buf), "read back differs"
+        r.close()
+        c.delete_region(f"bench/rdma-{size}")
+    return best
+
+
+def client_atomics(cluster: LocalCluster) -> float:
+    with cluster.client(transport="rdma") as c:
+        r = c.create_region("bench/rdma-atomics", 1 << 20, placement="single")
+        r.fetch_add(0, 1)
+        n = 0
+        t = time.perf_counter()
+        while time.perf_counter() - t < ATOMIC_SECONDS:
+            r.fetch_add(0, 1)
+            n += 1
+        rate = n / (time.perf_counter() - t)
+        assert r.fetch_add(0, 0) == n + 1
+        r.close()
+        c.delete_region("bench/rdma-atomics")
+    return rate
+
+
+def table(results: dict) -> str:
+    rows = ["| operation | size | smb rdma (MB/s) | perftest (MB/s) | ratio | target |",
+            "| --- | --- | ---: | ---: | ---: | ---: |"]
+    for size in SIZES:
+        for op in ("write", "read"):
+            p = results["bandwidth"][str(size)][op]
+            target = 0.9 if size >= 1 << 20 else 0.5
+            rows.append(f"| RDMA {op} | {size >> 10} KiB | {p['smb_MBps']:.1f} | {p['perftest_MBps']:.1f} "
+                        f"| {p['ratio']:.2f} | {target} |")
+    a = results["atomics"]
+    rows.append(f"| fetch_add | 8 B | {a['smb_ops_per_s']:.0f} ops/s (one at a time) | "
+                f"{a['perftest_ops_per_s']:.0f} ops/s (pipelined) | {a['ratio']:.3f} | - |")
+    return "\n".join(rows)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default=os.environ.get("SMB_RDMA_DEVICE", "rxe0"))
+    ap.add_argument("--connections", type=int, default=8, help="queue pairs per server")
+    ap.add_argument("--out", default="bench/results/rdma.json")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    gid = gid_index(args.device)
+    results: dict = {"device": args.device, "gid_index": gid, "kernel": platform.release(),
+                     "cpus": os.cpu_count(), "buffer_bytes": BUFFER_BYTES,
+                     "connections": args.connections, "bandwidth": {}}
+    port = PORT_BASE
+    with LocalCluster(servers=1, capacity="256M", transports="tcp,rdma", log_level="WARNING",
+                      env={"SMB_RDMA_DEVICE": args.device, "SMB_HOST_ID": "bench-server"}) as cluster:
+        os.environ["SMB_RDMA_DEVICE"] = args.device
+        for size in SIZES:
+            iters = ["-n", str(PERF_ITERS[size])]
+            pw = perftest("ib_write_bw", size, args.device, gid, port, iters)
+            pr = perftest("ib_read_bw", size, args.device, gid, port + 1, iters)
+            port += 2
+            ours = client_bandwidth(cluster, size, args.connections)
+            results["bandwidth"][str(size)] = {
+                op: {"smb_MBps": ours[op], "perftest_MBps": p["avg_MBps"],
+                     "ratio": ours[op] / p["avg_MBps"] if p["avg_MBps"] else 0.0, "perftest": p}
+                for op, p in (("write", pw), ("read", pr))}
+            print(f"{size >> 10} KiB: write {ours['write']:.1f} vs {pw['avg_MBps']:.1f} MB/s, "
+                  f"read {ours['read']:.1f} vs {pr['avg_MBps']:.1f} MB/s", flush=True)
+        pa = perftest("ib_atomic_bw", 0, args.device, gid, port, ["-A", "FETCH_AND_ADD", "-n", "2000"])
+        rate = client_atomics(cluster)
+        results["atomics"] = {"smb_ops_per_s": rate, "perftest_ops_per_s": pa["Mpps"] * 1e6,
+                              "ratio": rate / (pa["Mpps"] * 1e6) if pa["Mpps"] else 0.0, "perftest": pa}
+    print(table(results))
+    results["table_markdown"] = table(results)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

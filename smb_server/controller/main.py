@@ -1,0 +1,218 @@
+"""The controller daemon (``smb controller``): state + gRPC service + lease keeper.
+
+Lifecycle: ``starting`` (constructed, or inside :meth:`Controller.start`), ``running``,
+``closing``, ``closed``. A :class:`Controller` is a context manager: ``with
+Controller(cfg) as c:`` starts it and stops it on exit.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import tempfile
+import threading
+from types import FrameType
+from typing import Any
+
+from smb_client import errors
+from smb_client._proto.smb.v1 import controller_pb2_grpc
+
+from .. import sdnotify
+from ..config import ControllerConfig
+from ..grpc_util import BearerAuth, make_server
+from .service import ControllerServicer
+from .state import ControllerState
+
+log = logging.getLogger(__name__)
+
+GRPC_WORKERS = 64          # handler threads; also bounds the callers one Barrier can hold
+STOP_GRACE = 2.0           # seconds in-flight calls get to finish on stop
+STATUSES = ("starting", "running", "closing", "closed")
+_WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
+
+
+class Controller:
+    """One controller process's worth of parts; owns the database, the gRPC server,
+    the servicer, the lease thread and the metrics endpoint, all closed by :meth:`stop`.
+    """
+
+    def __init__(self, config: ControllerConfig) -> None:
+        self.config = config
+        self.status = "starting"
+        self.state: ControllerState | None = None
+        self.servicer: ControllerServicer | None = None
+        self._server: Any = None
+        self._port = 0
+        self._metrics: Any = None
+        self._stop_leases = threading.Event()
+        self._lease_thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    # -- lifecycle -----------------------------------------------------------------------
+    @property
+    def address(self) -> str:
+        """``host:port`` the gRPC service is bound to (the real port when listen says 0)."""
+        if not self._port:
+            raise errors.InvalidArgument("the controller is not started")
+        host = self.config.listen.rpartition(":")[0]
+        if host in _WILDCARD_HOSTS:
+            host = socket.getfqdn()
+        return f"{host}:{self._port}"
+
+    def start(self) -> "Controller":
+        """Open the database, serve gRPC, start the lease keeper, write the ready file."""
+        with self._lock:
+            if self.status != "starting" or self._server is not None:
+                raise errors.InvalidArgument(f"cannot start a controller that is {self.status}")
+            try:
+                self._start()
+            except BaseException:
+                self._close_parts()
+                self.status = "closed"
+                raise
+            self.status = "running"
+        log.info("controller serving at %s (database %s, lease %.1f s)", self.address,
+                 self.config.db_path, self.config.lease_seconds)
+        return self
+
+    def _start(self) -> None:
+        cfg = self.config
+        if not cfg.secret:
+            log.warning("no ticket secret configured: tickets are signed with an empty key")
+        directory = os.path.dirname(os.path.abspath(cfg.db_path))
+        if cfg.db_path != ":memory:":
+            os.makedirs(directory, exist_ok=True)
+        self.state = ControllerState(cfg.db_path, cfg.lease_seconds, cfg.orphan_grace_seconds)
+        self.state.expire_leases()  # servers silent since the last run are down until they call
+        self.servicer = ControllerServicer(self.state, cfg.secret, cfg.token, cfg.ticket_ttl_seconds)
+        self._server = make_server(max_workers=GRPC_WORKERS, interceptors=[BearerAuth(cfg.token)])
+        controller_pb2_grpc.add_ControllerServicer_to_server(self.servicer, self._server)
+        try:
+            self._port = self._server.add_insecure_port(cfg.listen)
+        except RuntimeError as exc:
+            raise errors.Unavailable(f"cannot listen on {cfg.listen}: {exc} "
+                                     "(address in use, or not an address of this host?)") from None
+        if not self._port:
+            raise errors.Unavailable(f"cannot listen on {cfg.listen} (address in use?)")
+        self._server.start()
+        self._lease_thread = threading.Thread(target=self._lease_loop, name="controller-leases",
+                                              daemon=True)
+        self._lease_thread.start()
+        if getattr(cfg, "metrics_port", 0):
+            self._start_metrics(cfg.metrics_port)
+        if cfg.ready_file:
+            _write_atomic(cfg.ready_file, json.dumps({"address": self.address}))
+
+    def _lease_loop(self) -> None:
+        assert self.state is not None
+        interval = max(0.05, self.config.lease_seconds / 4)
+        while not self._stop_leases.wait(interval):
+            try:
+                self.state.expire_leases()
+            except Exception:
+                log.exception("expiring leases")
+
+    def _start_metrics(self, port: int) -> None:
+        from ..metrics import MetricsServer, Registry
+        state = self.state
+        assert state is not None
+        reg = Registry()
+        reg.gauge("smb_controller_servers", "Memory servers by state", ["state"],
+                  fn=lambda: [((st,), sum(s.state == st for s in state.list_servers()))
+                              for st in ("up", "down", "draining")])
+        reg.gauge("smb_controller_capacity_bytes", "Capacity of each memory server", ["server_id"],
+                  fn=lambda: [((s.server_id,), s.capacity) for s in state.list_servers()])
+        reg.gauge("smb_controller_used_bytes", "Bytes placed on each memory server", ["server_id"],
+                  fn=lambda: [((s.server_id,), s.used) for s in state.list_servers()])
+        reg.gauge("smb_controller_regions", "Regions by state", ["state"],
+                  fn=lambda: [((st,), sum(r.state == st for r in state.list_regions()))
+                              for st in ("ready", "degraded")])
+        host = self.config.listen.rpartition(":")[0].strip("[]") or "0.0.0.0"
+        self._metrics = MetricsServer(reg, host, port, healthy=lambda: self.status == "running")
+        log.info("metrics on http://%s:%d/metrics", host, self._metrics.port)
+
+    def stop(self, grace: float = STOP_GRACE) -> None:
+        """Stop serving (in-flight calls get ``grace`` seconds) and close everything.
+
+        Barrier waiters get ControllerUnavailable. Idempotent.
+        """
+        with self._lock:
+            if self.status in ("closing", "closed"):
+                return
+            self.status = "closing"
+            sdnotify.notify("STOPPING=1")
+            self._close_parts(grace)
+            self.status = "closed"
+        log.info("controller stopped")
+
+    def _close_parts(self, grace: float = 0.0) -> None:
+        self._stop_leases.set()
+        if self.servicer is not None:
+            self.servicer.barriers.close()
+        if self._server is not None:
+            self._server.stop(grace).wait()
+        if self._lease_thread is not None:
+            self._lease_thread.join()
+        if self._metrics is not None:
+            self._metrics.close()
+        if self.servicer is not None:
+            self.servicer.close()
+        if self.state is not None:
+            self.state.close()
+        if self.config.ready_file and self._port:
+            try:
+                os.unlink(self.config.ready_file)
+            except OSError:
+                pass
+
+    def run_forever(self) -> None:
+        """Serve until SIGTERM or SIGINT (main thread only), then stop."""
+        done = threading.Event()
+
+        def on_signal(signum: int, frame: FrameType | None) -> None:
+            log.info("received %s; shutting down", signal.Signals(signum).name)
+            done.set()
+
+        previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            if self.status == "starting":
+                self.start()
+            sdnotify.notify("READY=1")
+            while not done.wait(1.0):
+                pass
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            self.stop()
+
+    def __enter__(self) -> "Controller":
+        """Start unless already started; stop on exit."""
+        if self.status == "starting" and self._server is None:
+            self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def serve(config: ControllerConfig) -> None:
+    """Run a controller until SIGTERM/SIGINT (the ``smb controller`` command)."""
+    Controller(config).run_forever()
+
+
+def _write_atomic(path: str, text: str) -> None:
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise

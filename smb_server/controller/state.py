@@ -1,0 +1,549 @@
+"""The controller's durable state: memory servers, regions and their extents.
+
+Pure state over one SQLite file (WAL journal, ``synchronous=NORMAL``, foreign keys on):
+no gRPC, no sockets, no threads of its own. The servicer in :mod:`.service` translates
+messages into calls here; tests drive it directly with a fake clock (every method that
+depends on time takes ``now``, unix seconds, defaulting to :func:`time.time`).
+
+Tables (see ``_SCHEMA``):
+
+- ``servers``: one row per memory server ever registered. ``state`` is ``up``,
+  ``down`` (lease expired) or ``draining`` (up, but takes no new extents); ``drain``
+  remembers an operator's drain across a down/up cycle.
+- ``regions``: ``state`` is ``creating`` while the servicer reserves extents on the
+  servers, ``ready`` once committed. Rows still ``creating`` when the database is
+  opened belong to a controller that died mid-create; they are removed, and the
+  extents the servers did reserve become orphans that the servers free after the
+  grace period.
+- ``extents``: one row per extent of a region, in layout order (``idx``).
+- ``issued_extent_ids``: every extent id ever handed out, so that an id is never reused
+  (an orphan on some server must never be mistaken for a live extent).
+
+Region state as reported to clients: ``ready``, or ``degraded`` while any server
+holding one of its extents is down.
+
+Thread safety: one connection guarded by one lock; every method is atomic.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+import secrets
+import sqlite3
+import threading
+import time
+import uuid
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator, Sequence
+
+from smb_client import placement as placement_mod
+from smb_client.errors import (InvalidArgument, RegionExists, RegionNotFound,
+                               ServerNotFound)
+from smb_client.placement import Layout
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+MAX_NAME_LENGTH = 255
+SERVER_STATES = ("up", "down", "draining")
+_SEGMENT = re.compile(r"[A-Za-z0-9._-]+")
+_ID_ATTEMPTS = 16
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS servers (
+    server_id      TEXT PRIMARY KEY,
+    host_id        TEXT NOT NULL DEFAULT '',
+    grpc_address   TEXT NOT NULL,
+    endpoints      TEXT NOT NULL DEFAULT '[]',
+    capacity       INTEGER NOT NULL,
+    state          TEXT NOT NULL CHECK (state IN ('up', 'down', 'draining')),
+    drain          INTEGER NOT NULL DEFAULT 0,
+    last_heartbeat REAL NOT NULL,
+    registered_at  REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS regions (
+    name            TEXT PRIMARY KEY,
+    uid             TEXT NOT NULL UNIQUE,
+    size            INTEGER NOT NULL,
+    placement       TEXT NOT NULL,
+    stripe_unit     INTEGER NOT NULL DEFAULT 0,
+    segment_sizes   TEXT NOT NULL DEFAULT '[]',
+    segment_extents TEXT NOT NULL DEFAULT '[]',
+    persistent      INTEGER NOT NULL DEFAULT 0,
+    created_at      REAL NOT NULL,
+    state           TEXT NOT NULL CHECK (state IN ('creating', 'ready'))
+);
+CREATE TABLE IF NOT EXISTS extents (
+    extent_id   INTEGER PRIMARY KEY,
+    region_name TEXT NOT NULL REFERENCES regions(name) ON DELETE CASCADE,
+    idx         INTEGER NOT NULL,
+    server_id   TEXT NOT NULL REFERENCES servers(server_id),
+    length      INTEGER NOT NULL,
+    UNIQUE (region_name, idx)
+);
+CREATE INDEX IF NOT EXISTS extents_by_server ON extents(server_id);
+CREATE TABLE IF NOT EXISTS issued_extent_ids (
+    extent_id INTEGER PRIMARY KEY
+);
+"""
+
+
+# -- records ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class HeldExtent:
+    """An extent a memory server reports holding (from Register/Heartbeat)."""
+
+    extent_id: int
+    region_uid: str = ""
+    length: int = 0            # bytes
+    age_seconds: float = 0.0   # since the server reserved it
+
+
+@dataclass(frozen=True)
+class ServerRecord:
+    server_id: str
+    host_id: str
+    grpc_address: str
+    endpoints: tuple[str, ...]
+    capacity: int          # bytes
+    used: int              # bytes placed on it (sum of its extents)
+    extents: int           # number of extents placed on it
+    state: str             # up | down | draining
+    last_heartbeat: float  # unix seconds
+    registered_at: float   # unix seconds
+
+    @property
+    def free(self) -> int:
+        """Bytes not yet placed (never negative)."""
+        return max(0, self.capacity - self.used)
+
+
+@dataclass(frozen=True)
+class ExtentPlace:
+    """One extent of a region, with where it lives."""
+
+    extent_id: int
+    index: int             # position in the region's layout
+    server_id: str
+    length: int            # bytes
+    grpc_address: str = ""
+    host_id: str = ""
+    endpoints: tuple[str, ...] = ()
+    server_state: str = ""  # up | down | draining
+
+
+@dataclass(frozen=True)
+class RegionRecord:
+    name: str
+    uid: str
+    size: int                          # bytes
+    placement: str                     # striped | layered | single
+    stripe_unit: int                   # bytes (striped only, else 0)
+    segment_sizes: tuple[int, ...]     # bytes (layered only)
+    segment_extents: tuple[int, ...]   # extent index of each segment (layered only)
+    persistent: bool
+    created_at: float                  # unix seconds
+    state: str                         # creating | ready | degraded
+    extents: tuple[ExtentPlace, ...] = field(default=())  # in layout order
+
+    @property
+    def extent_ids(self) -> list[int]:
+        return [e.extent_id for e in self.extents]
+
+    def layout(self) -> Layout:
+        """The pure offset -> (extent, offset) mapping of this region."""
+        return Layout(self.placement, self.size, tuple(e.length for e in self.extents),
+                      stripe_unit=self.stripe_unit, segment_sizes=self.segment_sizes,
+                      segment_extents=self.segment_extents)
+
+
+# -- validation ----------------------------------------------------------------------------
+def validate_name(name: str) -> str:
+    """Check a region name (``namespace/name``); returns it or raises InvalidArgument.
+
+    1 to 255 characters; segments of ``[A-Za-z0-9._-]`` separated by ``/``; no empty
+    segment (so no leading, trailing or doubled ``/``).
+    """
+    if not isinstance(name, str) or not name:
+        raise InvalidArgument("region name must not be empty (e.g. 'job/params')")
+    if len(name) > MAX_NAME_LENGTH:
+        raise InvalidArgument(f"region name is {len(name)} characters long; at most "
+                              f"{MAX_NAME_LENGTH} allowed")
+    for segment in name.split("/"):
+        if not segment:
+            raise InvalidArgument(f"region name {name!r} has an empty segment; use 'namespace/name'")
+        if not _SEGMENT.fullmatch(segment):
+            raise InvalidArgument(f"region name {name!r}: segment {segment!r} may only hold "
+                                  "letters, digits, '.', '_' and '-'")
+    return name
+
+
+# -- the state -----------------------------------------------------------------------------
+class ControllerState:
+    """Servers, regions and extents in one SQLite database; owns its connection.
+
+    ``path`` is a file (created when missing) or ``":memory:"``. ``lease_seconds``: a
+    server whose last heartbeat is older than this is marked down by
+    :meth:`expire_leases` and gets no new extents. ``orphan_grace_seconds``: an extent a
+    server holds but the database does not know is reported as an orphan once the
+    server has held it this long (a create in flight is never an orphan: its rows exist
+    before any server reserves anything).
+    """
+
+    def __init__(self, path: str, lease_seconds: float = 5.0,
+                 orphan_grace_seconds: float = 30.0) -> None:
+        if lease_seconds <= 0:
+            raise InvalidArgument(f"lease must be positive, got {lease_seconds} seconds")
+        if orphan_grace_seconds < 0:
+            raise InvalidArgument(f"orphan grace must not be negative, got {orphan_grace_seconds}")
+        self.path = path
+        self.lease_seconds = float(lease_seconds)
+        self.orphan_grace_seconds = float(orphan_grace_seconds)
+        self._lock = threading.RLock()
+        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        self._db.row_factory = sqlite3.Row
+        self._closed = False
+        try:
+            self._open()
+        except BaseException:
+            self._db.close()
+            raise
+
+    def _open(self) -> None:
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.execute("PRAGMA foreign_keys=ON")
+        self._db.execute("PRAGMA busy_timeout=5000")
+        path = self.path
+        with self._tx() as db:
+            version = db.execute("PRAGMA user_version").fetchone()[0]
+            if version > SCHEMA_VERSION:
+                raise InvalidArgument(f"{path}: database schema version {version} is newer than "
+                                      f"this controller's ({SCHEMA_VERSION}); upgrade the controller")
+            for statement in _SCHEMA.split(";"):
+                if statement.strip():
+                    db.execute(statement)
+            db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+            stale = [r["name"] for r in db.execute("SELECT name FROM regions WHERE state='creating'")]
+            if stale:
+                db.execute("DELETE FROM regions WHERE state='creating'")
+                log.warning("removed %d region(s) left half-created by a previous controller: %s; "
+                            "their extents are freed by the servers as orphans",
+                            len(stale), ", ".join(stale))
+
+    # -- plumbing ------------------------------------------------------------------------
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction under the lock (BEGIN IMMEDIATE ... COMMIT/ROLLBACK)."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+                self._db.execute("COMMIT")
+            except BaseException:
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
+                raise
+
+    @contextmanager
+    def _read(self) -> Iterator[sqlite3.Connection]:
+        """A consistent read (one deferred transaction) under the lock."""
+        with self._lock:
+            self._db.execute("BEGIN")
+            try:
+                yield self._db
+            finally:
+                self._db.execute("COMMIT")
+
+    def close(self) -> None:
+        """Close the database (idempotent)."""
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._db.close()
+
+    def __enter__(self) -> "ControllerState":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @staticmethod
+    def _now(now: float | None) -> float:
+        return time.time() if now is None else float(now)
+
+    # -- servers -------------------------------------------------------------------------
+    def register_server(self, server_id: str, host_id: str, grpc_address: str,
+                        endpoints: Sequence[str], capacity: int,
+                        held: Iterable[HeldExtent] = (), now: float | None = None
+                        ) -> tuple[str, list[int]]:
+        """Add or refresh a memory server; returns its id and the orphan extent ids.
+
+        An empty ``server_id`` gets a generated one. A known server keeps its drain flag;
+        it comes back ``up`` (or ``draining``). ``capacity`` is in bytes.
+        """
+        now = self._now(now)
+        if not grpc_address:
+            raise InvalidArgument("a memory server must give its gRPC address")
+        if capacity < 0:
+            raise InvalidArgument(f"capacity must not be negative, got {capacity}")
+        server_id = server_id or uuid.uuid4().hex[:12]
+        held = list(held)
+        with self._tx() as db:
+            row = db.execute("SELECT drain FROM servers WHERE server_id=?", (server_id,)).fetchone()
+            endpoints_json = json.dumps(list(endpoints))
+            if row is None:
+                db.execute(
+                    "INSERT INTO servers (server_id, host_id, grpc_address, endpoints, capacity, "
+                    "state, drain, last_heartbeat, registered_at) VALUES (?,?,?,?,?,'up',0,?,?)",
+                    (server_id, host_id, grpc_address, endpoints_json, int(capacity), now, now))
+                log.info("server %s registered at %s (%d bytes)", server_id, grpc_address, capacity)
+            else:
+                state = "draining" if row["drain"] else "up"
+                db.execute(
+                    "UPDATE servers SET host_id=?, grpc_address=?, endpoints=?, capacity=?, state=?, "
+                    "last_heartbeat=?, registered_at=? WHERE server_id=?",
+                    (host_id, grpc_address, endpoints_json, int(capacity), state, now, now, server_id))
+                log.info("server %s registered again at %s (%d bytes, %s)", server_id,
+                         grpc_address, capacity, state)
+            known = self._known_extents(db, server_id)
+            held_ids = {h.extent_id for h in held}
+            lost = [eid for eid, (_, state) in known.items() if state == "ready" and eid not in held_ids]
+            if lost:
+                log.warning("server %s does not hold %d extent(s) the controller placed on it "
+                            "(restarted without persistence?): %s", server_id, len(lost),
+                            ", ".join(map(str, sorted(lost)[:10])))
+            return server_id, self._orphans(server_id, known, held)
+
+    def heartbeat(self, server_id: str, held: Iterable[HeldExtent] = (),
+                  now: float | None = None) -> list[int]:
+        """Renew a server's lease; returns the ids of its orphan extents.
+
+        Orphans are held extents the database does not know (or knows on another server,
+        or under another region uid) that the server has held for at least the grace
+        period. Raises ServerNotFound for an unknown server (it should register again).
+        """
+        now = self._now(now)
+        with self._tx() as db:
+            row = db.execute("SELECT state, drain FROM servers WHERE server_id=?",
+                             (server_id,)).fetchone()
+            if row is None:
+                raise ServerNotFound(f"no memory server {server_id!r} is registered; register first")
+            state = "draining" if row["drain"] else "up"
+            if row["state"] == "down":
+                log.info("server %s is back (%s)", server_id, state)
+            db.execute("UPDATE servers SET state=?, last_heartbeat=? WHERE server_id=?",
+                       (state, now, server_id))
+            return self._orphans(server_id, self._known_extents(db, server_id), held)
+
+    @staticmethod
+    def _known_extents(db: sqlite3.Connection, server_id: str) -> dict[int, tuple[str, str]]:
+        """extent id -> (region uid, region state) of the extents placed on a server."""
+        rows = db.execute(
+            "SELECT e.extent_id, r.uid, r.state FROM extents e JOIN regions r ON r.name = e.region_name "
+            "WHERE e.server_id=?", (server_id,))
+        return {r["extent_id"]: (r["uid"], r["state"]) for r in rows}
+
+    def _orphans(self, server_id: str, known: dict[int, tuple[str, str]],
+                 held: Iterable[HeldExtent]) -> list[int]:
+        orphans = []
+        for h in held:
+            entry = known.get(h.extent_id)
+            if entry is not None and (not h.region_uid or h.region_uid == entry[0]):
+                continue
+            if h.age_seconds >= self.orphan_grace_seconds:
+                orphans.append(h.extent_id)
+        if orphans:
+            log.info("server %s holds %d orphan extent(s): %s", server_id, len(orphans),
+                     ", ".join(map(str, orphans[:10])))
+        return orphans
+
+    def expire_leases(self, now: float | None = None) -> list[str]:
+        """Mark servers whose lease ran out ``down``; returns the ids newly marked."""
+        now = self._now(now)
+        cutoff = now - self.lease_seconds
+        with self._tx() as db:
+            ids = [r["server_id"] for r in db.execute(
+                "SELECT server_id FROM servers WHERE state != 'down' AND last_heartbeat < ?", (cutoff,))]
+            for sid in ids:
+                db.execute("UPDATE servers SET state='down' WHERE server_id=?", (sid,))
+        for sid in ids:
+            log.warning("server %s missed its lease (%.1f s): marked down", sid, self.lease_seconds)
+        return ids
+
+    def drain(self, server_id: str, undrain: bool = False) -> ServerRecord:
+        """Stop (or, with ``undrain``, resume) placing new extents on a server.
+
+        Existing extents stay where they are. Raises ServerNotFound.
+        """
+        with self._tx() as db:
+            row = db.execute("SELECT state FROM servers WHERE server_id=?", (server_id,)).fetchone()
+            if row is None:
+                raise ServerNotFound(f"no memory server {server_id!r}; see ListServers for the ids")
+            state = row["state"]
+            if state != "down":
+                state = "up" if undrain else "draining"
+            db.execute("UPDATE servers SET drain=?, state=? WHERE server_id=?",
+                       (0 if undrain else 1, state, server_id))
+        log.info("server %s %s", server_id, "undrained" if undrain else "draining")
+        return self.get_server(server_id)
+
+    def get_server(self, server_id: str) -> ServerRecord:
+        """One server; raises ServerNotFound."""
+        for s in self.list_servers():
+            if s.server_id == server_id:
+                return s
+        raise ServerNotFound(f"no memory server {server_id!r}")
+
+    def list_servers(self) -> list[ServerRecord]:
+        """Every server ever registered, by id, with ``used`` computed from its extents."""
+        with self._read() as db:
+            rows = db.execute(
+                "SELECT s.*, COALESCE(SUM(e.length), 0) AS used, COUNT(e.extent_id) AS n "
+                "FROM servers s LEFT JOIN extents e ON e.server_id = s.server_id "
+                "GROUP BY s.server_id ORDER BY s.server_id").fetchall()
+        return [ServerRecord(r["server_id"], r["host_id"], r["grpc_address"],
+                             tuple(json.loads(r["endpoints"])), r["capacity"], r["used"], r["n"],
+                             r["state"], r["last_heartbeat"], r["registered_at"]) for r in rows]
+
+    # -- regions -------------------------------------------------------------------------
+    def begin_create_region(self, name: str, size: int, placement: str = "striped",
+                            stripe_unit: int = 0, num_servers: int = 0,
+                            segment_sizes: Sequence[int] = (), persistent: bool = False,
+                            now: float | None = None) -> RegionRecord:
+        """Plan a region and record it as ``creating``; returns it with its extents.
+
+        Placement uses the servers that are ``up`` (not draining, lease not expired),
+        each offering ``capacity - used`` bytes. The caller reserves the extents on the
+        servers, then calls :meth:`commit_region` or :meth:`abort_region`.
+        Raises InvalidArgument, RegionExists, or OutOfMemory (with the numbers).
+        """
+        now = self._now(now)
+        validate_name(name)
+        if size <= 0:
+            raise InvalidArgument(f"region size must be positive, got {size} bytes")
+        placement = placement or "striped"
+        if placement != "layered" and segment_sizes:
+            raise InvalidArgument(f"segment sizes are only for layered placement, not {placement!r}")
+        with self._tx() as db:
+            row = db.execute("SELECT state FROM regions WHERE name=?", (name,)).fetchone()
+            if row is not None:
+                what = " (being created)" if row["state"] == "creating" else ""
+                raise RegionExists(f"region {name!r} already exists{what}; open it, delete it, "
+                                   "or pass exist_ok")
+            free = {r["server_id"]: max(0, r["capacity"] - r["used"]) for r in db.execute(
+                "SELECT s.server_id, s.capacity, COALESCE(SUM(e.length), 0) AS used "
+                "FROM servers s LEFT JOIN extents e ON e.server_id = s.server_id "
+                "WHERE s.state='up' AND s.last_heartbeat >= ? GROUP BY s.server_id",
+                (now - self.lease_seconds,))}
+            layout, server_ids = placement_mod.plan(
+                int(size), placement, free, stripe_unit=int(stripe_unit),
+                num_servers=int(num_servers), segment_sizes=[int(s) for s in segment_sizes])
+            uid = uuid.uuid4().hex
+            db.execute(
+                "INSERT INTO regions (name, uid, size, placement, stripe_unit, segment_sizes, "
+                "segment_extents, persistent, created_at, state) VALUES (?,?,?,?,?,?,?,?,?,'creating')",
+                (name, uid, layout.size, layout.kind, layout.stripe_unit,
+                 json.dumps(list(layout.segment_sizes)), json.dumps(list(layout.segment_extents)),
+                 int(bool(persistent)), now))
+            for idx, (length, sid) in enumerate(zip(layout.extent_lengths, server_ids)):
+                extent_id = self._new_extent_id(db)
+                db.execute("INSERT INTO extents (extent_id, region_name, idx, server_id, length) "
+                           "VALUES (?,?,?,?,?)", (extent_id, name, idx, sid, length))
+            region = self._load_region(db, name)
+        assert region is not None
+        log.info("planned region %s (%s, %d bytes) on %d extent(s)", name, region.placement,
+                 region.size, len(region.extents))
+        return region
+
+    @staticmethod
+    def _new_extent_id(db: sqlite3.Connection) -> int:
+        for _ in range(_ID_ATTEMPTS):
+            candidate = secrets.randbits(63)
+            if candidate == 0:
+                continue
+            try:
+                db.execute("INSERT INTO issued_extent_ids (extent_id) VALUES (?)", (candidate,))
+            except sqlite3.IntegrityError:  # issued before: never reuse
+                continue
+            return candidate
+        raise RuntimeError("could not draw an unused extent id")  # pragma: no cover
+
+    def commit_region(self, name: str, uid: str | None = None) -> RegionRecord:
+        """Mark a ``creating`` region ``ready`` (idempotent); raises RegionNotFound.
+
+        With ``uid``, only that incarnation of the name is committed.
+        """
+        with self._tx() as db:
+            row = db.execute("SELECT uid FROM regions WHERE name=?", (name,)).fetchone()
+            if row is None or (uid is not None and row["uid"] != uid):
+                raise RegionNotFound(f"region {name!r} was removed while it was being created")
+            db.execute("UPDATE regions SET state='ready' WHERE name=?", (name,))
+            region = self._load_region(db, name)
+        assert region is not None
+        log.info("region %s (uid %s) ready", name, region.uid)
+        return region
+
+    def abort_region(self, name: str, uid: str | None = None) -> list[ExtentPlace]:
+        """Forget a region still ``creating``; returns its extents (to release).
+
+        Does nothing (returns ``[]``) when no such region is being created.
+        """
+        with self._tx() as db:
+            region = self._load_region(db, name)
+            if region is None or region.state != "creating" or (uid is not None and region.uid != uid):
+                return []
+            db.execute("DELETE FROM regions WHERE name=?", (name,))
+        log.info("creation of region %s aborted", name)
+        return list(region.extents)
+
+    def get_region(self, name: str) -> RegionRecord:
+        """A ready region (state ``ready`` or ``degraded``); raises RegionNotFound."""
+        with self._read() as db:
+            region = self._load_region(db, name)
+        if region is None or region.state == "creating":
+            raise RegionNotFound(f"no region named {name!r}")
+        return region
+
+    def delete_region(self, name: str) -> list[ExtentPlace]:
+        """Remove a ready region; returns its extents, which the caller releases.
+
+        Raises RegionNotFound (also for a region still being created).
+        """
+        with self._tx() as db:
+            region = self._load_region(db, name)
+            if region is None or region.state == "creating":
+                raise RegionNotFound(f"no region named {name!r}")
+            db.execute("DELETE FROM regions WHERE name=?", (name,))
+        log.info("region %s (uid %s) deleted", name, region.uid)
+        return list(region.extents)
+
+    def list_regions(self, prefix: str = "") -> list[RegionRecord]:
+        """Ready regions whose name starts with ``prefix``, by name."""
+        with self._read() as db:
+            names = [r["name"] for r in db.execute(
+                "SELECT name FROM regions WHERE state='ready' AND substr(name, 1, ?) = ? ORDER BY name",
+                (len(prefix), prefix))]
+            regions = [self._load_region(db, n) for n in names]
+        return [r for r in regions if r is not None]
+
+    def _load_region(self, db: sqlite3.Connection, name: str) -> RegionRecord | None:
+        row = db.execute("SELECT * FROM regions WHERE name=?", (name,)).fetchone()
+        if row is None:
+            return None
+        extents = tuple(
+            ExtentPlace(e["extent_id"], e["idx"], e["server_id"], e["length"], e["grpc_address"],
+                        e["host_id"], tuple(json.loads(e["endpoints"])), e["state"])
+            for e in db.execute(
+                "SELECT e.extent_id, e.idx, e.server_id, e.length, s.grpc_address, s.host_id, "
+                "s.endpoints, s.state FROM extents e JOIN servers s ON s.server_id = e.server_id "
+                "WHERE e.region_name=? ORDER BY e.idx", (name,)))
+        state = row["state"]
+        if state == "ready" and any(e.server_state == "down" for e in extents):
+            state = "degraded"
+        return RegionRecord(row["name"], row["uid"], row["size"], row["placement"], row["stripe_unit"],
+                            tuple(json.loads(row["segment_sizes"])),
+                            tuple(json.loads(row["segment_extents"])), bool(row["persistent"]),
+                            row["created_at"], state, extents)

@@ -1,0 +1,14 @@
+"""A child process of test_atomics_from_four_processes (kept free of heavy imports)."""
+from __future__ import annotations
+
+from typing import Any
+
+
+def adder(uri: str, token: str, extent: int, n: int, q: Any) -> None:
+    """fetch_add 1, ``n`` times, on the word at byte 8; put the old values on ``q``."""
+    from smb_client.addressing import parse_endpoint
+    from smb_client.transports.rdma import RdmaSession
+    s = RdmaSession(parse_endpoint(uri), token, "rw", {})
+    olds = [s.fetch_add(extent, 8, 1) for _ in range(n)]
+    s.close()
+    q.put(olds)

@@ -1,0 +1,270 @@
+"""The rdma transport against a real memory server (in this process, no controller):
+tickets signed here, sessions driven directly, memory checked in the arena."""
+from __future__ import annotations
+
+import multiprocessing
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from smb_client import errors, tickets
+from smb_client.addressing import parse_endpoint
+from smb_client.dtypes import DType, bf16_to_f32, f32_to_bf16
+from smb_client.transports.rdma import RdmaSession, _Broken
+from smb_server.config import ServerConfig
+from smb_server.memserver.main import MemoryServer
+
+pytestmark = pytest.mark.rdma
+
+SECRET = b"r" * 32
+UID = "region-a"
+MiB = 1 << 20
+
+
+def ticket(extent_ids, mode="rw", uid=UID, secret=SECRET, ttl=600.0) -> str:
+    return tickets.sign(secret, uid, extent_ids, mode, ttl=ttl)[0]
+
+
+@pytest.fixture(scope="module")
+def server():
+    cfg = ServerConfig(controller="127.0.0.1:1", capacity=256 * MiB, secret=SECRET,
+                       transports=["tcp", "rdma"], heartbeat_seconds=30)
+    with MemoryServer(cfg) as s:
+        assert s.rdma is not None, "the rdma plane did not start"
+        yield s
+
+
+@pytest.fixture
+def uri(server):
+    (rdma,) = [e for e in server.endpoints if e.startswith("rdma://")]
+    return rdma
+
+
+_ids = iter(range(100, 1 << 30))
+
+
+@pytest.fixture
+def extent(server):
+    """A fresh 8 MiB extent of region UID; released afterwards."""
+    eid = next(_ids)
+    server.arena.reserve(eid, UID, 8 * MiB)
+    yield eid
+    server.arena.release(eid)
+
+
+def session(uri, extent_ids, mode="rw", **options) -> RdmaSession:
+    return RdmaSession(parse_endpoint(uri), ticket(extent_ids, mode), mode, options)
+
+
+def test_endpoint_and_registration(server, uri, extent):
+    assert uri == f"rdma://{server.grpc_address}"
+    reg = server.rdma._regs[extent]
+    assert reg.rw.rkey != reg.ro.rkey and reg.address == server.arena.get(extent).address
+
+
+def test_write_read_roundtrip(server, uri, extent):
+    s = session(uri, [extent])
+    data = np.random.default_rng(1).integers(0, 256, 5 * MiB + 7, dtype=np.uint8)
+    s.write(extent, 123, [memoryview(data)])
+    assert bytes(server.arena.get(extent).data[123:123 + len(data)]) == data.tobytes()
+    out = np.empty_like(data)
+    s.read_into(extent, 123, [memoryview(out)])
+    assert np.array_equal(out, data)
+    # scatter/gather, small bytes (bounced), a large bytearray (registered for one op)
+    small, big = b"hello rdma", bytearray(os.urandom(3 * MiB))
+    s.write(extent, 0, [memoryview(small), memoryview(big)])
+    a, b = bytearray(len(small)), bytearray(len(big))
+    s.read_into(extent, 0, [memoryview(a), memoryview(b)])
+    assert a == small and b == big
+    # torch tensors, zero copy, twice (the second hits the registration cache)
+    t = torch.arange(MiB // 4, dtype=torch.float32)
+    for _ in range(2):
+        s.write(extent, 4 * MiB, [memoryview(t.numpy()).cast("B")])
+    back = torch.empty_like(t)
+    s.read_into(extent, 4 * MiB, [memoryview(back.numpy()).cast("B")])
+    assert torch.equal(back, t)
+    assert s.shared.cache.hits >= 1
+    with pytest.raises(errors.OutOfRange):
+        s.read_into(extent, 8 * MiB - 4, [memoryview(bytearray(8))])
+    s.close()
+
+
+def test_transfers_larger_than_the_device_message(server, uri):
+    eid = next(_ids)
+    server.arena.reserve(eid, UID, 20 * MiB)
+    s = session(uri, [eid])
+    data = np.random.default_rng(2).integers(0, 256, 20 * MiB, dtype=np.uint8)
+    s.write(eid, 0, [memoryview(data)])
+    out = np.zeros_like(data)
+    s.read_into(eid, 0, [memoryview(out)])
+    assert np.array_equal(out, data)
+    s.close()
+    server.arena.release(eid)
+
+
+def test_atomics(server, uri, extent):
+    s = session(uri, [extent])
+    assert s.fetch_add(extent, 64, 5) == 0
+    assert s.fetch_add(extent, 64, -7) == 5
+    assert np.frombuffer(server.arena.get(extent).data[64:72], "<i8")[0] == -2
+    assert s.compare_swap(extent, 64, -2, 42) == -2
+    assert s.compare_swap(extent, 64, 0, 7) == 42        # no swap
+    assert np.frombuffer(server.arena.get(extent).data[64:72], "<i8")[0] == 42
+    with pytest.raises(errors.Misaligned):
+        s.fetch_add(extent, 4, 1)
+    s.close()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float64", "int32", "int64"])
+def test_accumulate_every_dtype(server, uri, extent, dtype):
+    s = session(uri, [extent])
+    rng = np.random.default_rng(3)
+    n = (5 * MiB) // 8          # 2.5 to 5 MiB: more than one staging chunk
+    if dtype == "bfloat16":
+        a = f32_to_bf16(rng.standard_normal(n).astype(np.float32))
+        b = f32_to_bf16(rng.standard_normal(n).astype(np.float32))
+        expect = f32_to_bf16(bf16_to_f32(a) + bf16_to_f32(b))
+    elif dtype.startswith("int"):
+        a = rng.integers(-1000, 1000, n).astype(dtype)
+        b = rng.integers(-1000, 1000, n).astype(dtype)
+        expect = a + b
+    else:
+        a = rng.standard_normal(n).astype(dtype)
+        b = rng.standard_normal(n).astype(dtype)
+        expect = a + b
+    s.write(extent, 0, [memoryview(a).cast("B")])
+    s.accumulate(extent, 0, [memoryview(b).cast("B")], DType[dtype.upper()])
+    got = np.frombuffer(server.arena.get(extent).data[:a.nbytes], a.dtype)
+    np.testing.assert_array_equal(got, expect)
+    s.close()
+
+
+def test_scale_and_axpy(server, uri, extent):
+    s = session(uri, [extent])
+    n = 300_000
+    a = np.linspace(-5, 5, n, dtype=np.float32)
+    x = np.linspace(1, 2, n, dtype=np.float32)
+    s.write(extent, 0, [memoryview(a).cast("B")])
+    s.scale(extent, 0, a.nbytes, DType.FLOAT32, 0.5)
+    s.accumulate(extent, 0, [memoryview(x).cast("B")], DType.FLOAT32, alpha=-2.0)
+    got = np.frombuffer(server.arena.get(extent).data[:a.nbytes], np.float32)
+    np.testing.assert_allclose(got, a * np.float32(0.5) + np.float32(-2.0) * x, rtol=1e-6)
+    with pytest.raises(errors.DtypeError):
+        s.scale(extent, 0, 8, DType.INT64, 2.0)            # a server-side error: a typed reply
+    s.fetch_add(extent, 0, 0)                               # ... and the QP is fine
+    s.close()
+
+
+def test_read_only_rkeys_refuse_writes(server, uri, extent):
+    server.arena.get(extent).data[:4] = b"keep"
+    s = session(uri, [extent], mode="ro")
+    with pytest.raises(errors.ReadOnly, match="read-only"):
+        s.write(extent, 0, [memoryview(b"nope")])
+    assert bytes(server.arena.get(extent).data[:4]) == b"keep"
+    buf = bytearray(4)
+    s.read_into(extent, 0, [memoryview(buf)])            # a fresh QP after the error
+    assert buf == b"keep"
+    with pytest.raises(errors.ReadOnly):
+        s.fetch_add(extent, 0, 1)
+    with pytest.raises(errors.ReadOnly):
+        s.accumulate(extent, 0, [memoryview(bytes(8))], DType.FLOAT32)
+    s.read_into(extent, 0, [memoryview(buf)])
+    assert buf == b"keep"
+    s.close()
+
+
+def test_connect_checks_the_ticket(server, uri, extent):
+    with pytest.raises(errors.InvalidTicket):
+        RdmaSession(parse_endpoint(uri), ticket([extent], secret=b"x" * 32), "rw").read_into(
+            extent, 0, [memoryview(bytearray(8))])
+    with pytest.raises(errors.TicketExpired):
+        RdmaSession(parse_endpoint(uri), ticket([extent], ttl=-1), "rw").read_into(
+            extent, 0, [memoryview(bytearray(8))])
+    with pytest.raises(errors.ExtentNotFound):              # the extent is another region's
+        RdmaSession(parse_endpoint(uri), ticket([extent], uid="region-b"), "rw").read_into(
+            extent, 0, [memoryview(bytearray(8))])
+    with pytest.raises(errors.PermissionDenied):
+        RdmaSession(parse_endpoint(uri), ticket([extent], mode="admin"), "rw").read_into(
+            extent, 0, [memoryview(bytearray(8))])
+
+
+def test_deleted_extents_rkeys_stop_working(server, uri):
+    old_id, new_id = next(_ids), next(_ids)
+    server.arena.reserve(old_id, UID, MiB)
+    s = session(uri, [old_id])
+    s.write(old_id, 0, [memoryview(b"old data")])
+    conn = s._acquire()
+    stale = conn.extents[old_id]
+    s._release(conn)
+    server.arena.release(old_id)
+    with pytest.raises(errors.ExtentNotFound):
+        s.read_into(old_id, 0, [memoryview(bytearray(8))])
+    with pytest.raises(errors.ExtentNotFound):
+        s.write(old_id, 0, [memoryview(b"new data")])
+    # someone else's new extent; the stale key, used through a valid connection, fails
+    server.arena.reserve(new_id, "region-b", MiB)
+    server.arena.get(new_id).data[:6] = b"secret"
+    other = RdmaSession(parse_endpoint(uri), ticket([new_id], uid="region-b"), "rw")
+    conn = other._acquire()
+    import pyverbs.enums as e
+    out = bytearray(MiB)
+    addr = memoryview_address(out)
+    mr = other.shared.device.create_mr(addr, len(out), e.IBV_ACCESS_LOCAL_WRITE)
+    with pytest.raises(_Broken) as info:
+        conn.post_rdma([(addr, mr.lkey, 4096, stale.address, stale.rkey)], read=True)
+    conn.broken = True
+    other._release(conn)
+    mr.close()
+    assert isinstance(info.value.error, errors.ExtentNotFound)
+    assert b"secret" not in out
+    other.close()
+    s.close()
+    server.arena.release(new_id)
+
+
+def memoryview_address(buf) -> int:
+    return int(np.frombuffer(buf, np.uint8, count=1).ctypes.data)
+
+
+def test_error_completion_recovers_the_queue_pair(server, uri, extent):
+    s = session(uri, [extent], connections=1)
+    s.write(extent, 0, [memoryview(b"before")])
+    for conn in list(server.rdma._conns):                  # the server drops every QP
+        conn.doom("test", errors.ServerUnavailable("dropped by the test"))
+    buf = bytearray(6)
+    s.read_into(extent, 0, [memoryview(buf)])             # notice -> reconnect -> ok
+    assert buf == b"before"
+    s.write(extent, 0, [memoryview(b"after!")])
+    assert bytes(server.arena.get(extent).data[:6]) == b"after!"
+    s.close()
+
+
+def test_atomics_from_four_processes(server, uri, extent):
+    ctx = multiprocessing.get_context("spawn")
+    q = ctx.Queue()
+    n = 100
+    from tests.rdma._atomic_worker import adder
+    procs = [ctx.Process(target=adder, args=(uri, ticket([extent]), extent, n, q)) for _ in range(4)]
+    for p in procs:
+        p.start()
+    olds = [x for _ in procs for x in q.get(timeout=240)]
+    for p in procs:
+        p.join(30)
+        assert p.exitcode == 0
+    assert np.frombuffer(server.arena.get(extent).data[8:16], "<i8")[0] == 4 * n
+    assert sorted(olds) == list(range(4 * n))              # every old value seen exactly once
+
+
+def test_server_closes_connections_on_bye(server, uri, extent):
+    before = server.rdma.connections
+    s = session(uri, [extent], connections=2)
+    s.write(extent, 0, [memoryview(b"x")])
+    assert server.rdma.connections == before + 1
+    s.close()
+    import time
+    deadline = time.monotonic() + 5
+    while server.rdma.connections > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.rdma.connections == before

@@ -1,0 +1,231 @@
+"""The controller's SQLite state, with a fake clock and no network."""
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from smb_client import errors
+from smb_server.controller.state import ControllerState, HeldExtent, validate_name
+
+MiB = 1 << 20
+T0 = 1_000_000.0
+LEASE = 5.0
+GRACE = 30.0
+
+
+@pytest.fixture
+def db(tmp_path: Path) -> str:
+    return str(tmp_path / "controller.db")
+
+
+@pytest.fixture
+def state(db: str):
+    with ControllerState(db, lease_seconds=LEASE, orphan_grace_seconds=GRACE) as s:
+        yield s
+
+
+def add(state: ControllerState, sid: str, capacity: int = 64 * MiB, now: float = T0) -> None:
+    got, orphans = state.register_server(sid, f"host-{sid}", f"127.0.0.1:{1000 + ord(sid[-1])}",
+                                         [f"tcp://127.0.0.1:{2000 + ord(sid[-1])}"], capacity, now=now)
+    assert got == sid and orphans == []
+
+
+def make(state: ControllerState, name: str, size: int, now: float = T0, **kw):
+    region = state.begin_create_region(name, size, now=now, **kw)
+    return state.commit_region(name, region.uid)
+
+
+def test_register_and_list(state: ControllerState) -> None:
+    add(state, "a")
+    add(state, "b", 32 * MiB)
+    servers = state.list_servers()
+    assert [s.server_id for s in servers] == ["a", "b"]
+    assert servers[1].capacity == 32 * MiB and servers[1].used == 0 and servers[1].state == "up"
+    assert servers[0].endpoints == ("tcp://127.0.0.1:2097",) and servers[0].host_id == "host-a"
+    generated, _ = state.register_server("", "h", "127.0.0.1:9", [], MiB, now=T0)
+    assert generated and generated not in ("a", "b")
+    with pytest.raises(errors.InvalidArgument):
+        state.register_server("x", "h", "", [], MiB)
+
+
+def test_heartbeat_orphans_respect_grace(state: ControllerState) -> None:
+    add(state, "a")
+    region = make(state, "job/w", 4 * MiB, placement="single")
+    (known,) = region.extent_ids
+    held = [HeldExtent(known, region.uid, 4 * MiB, 100.0),
+            HeldExtent(11, "gone", MiB, GRACE - 1),     # young: maybe a create in flight
+            HeldExtent(12, "gone", MiB, GRACE + 1)]     # old and unknown: an orphan
+    assert state.heartbeat("a", held, now=T0 + 1) == [12]
+    # a known id reported under another region uid is stale as well
+    assert state.heartbeat("a", [HeldExtent(known, "other-uid", 4 * MiB, GRACE)], now=T0 + 2) == [known]
+    # registration reconciles the same way
+    _, orphans = state.register_server("a", "host-a", "127.0.0.1:1", [], 64 * MiB, held, now=T0 + 3)
+    assert orphans == [12]
+    with pytest.raises(errors.ServerNotFound):
+        state.heartbeat("nobody", [], now=T0)
+
+
+def test_deleted_region_extents_become_orphans(state: ControllerState) -> None:
+    add(state, "a")
+    region = make(state, "job/w", MiB, placement="single")
+    released = state.delete_region("job/w")
+    assert [e.extent_id for e in released] == region.extent_ids
+    assert released[0].grpc_address and released[0].server_state == "up"
+    held = [HeldExtent(region.extent_ids[0], region.uid, MiB, GRACE)]
+    assert state.heartbeat("a", held, now=T0 + 1) == region.extent_ids
+    assert state.list_servers()[0].used == 0
+    with pytest.raises(errors.RegionNotFound):
+        state.delete_region("job/w")
+
+
+def test_lease_expiry_marks_down_and_degrades_regions(state: ControllerState) -> None:
+    add(state, "a")
+    add(state, "b")
+    make(state, "job/p", 4 * MiB, stripe_unit=MiB)
+    assert state.expire_leases(now=T0 + LEASE - 0.1) == []
+    state.heartbeat("a", [], now=T0 + LEASE)
+    assert state.expire_leases(now=T0 + LEASE + 0.5) == ["b"]
+    assert {s.server_id: s.state for s in state.list_servers()} == {"a": "up", "b": "down"}
+    region = state.get_region("job/p")
+    assert region.state == "degraded"
+    assert {e.server_id: e.server_state for e in region.extents} == {"a": "up", "b": "down"}
+    assert [r.state for r in state.list_regions()] == ["degraded"]
+    # new regions avoid the down server
+    other = make(state, "job/q", 2 * MiB, now=T0 + LEASE + 0.5)
+    assert {e.server_id for e in other.extents} == {"a"}
+    # a heartbeat brings it back
+    state.heartbeat("b", [], now=T0 + LEASE + 1)
+    assert state.get_region("job/p").state == "ready"
+
+
+def test_silent_server_gets_no_extents_even_before_expiry_runs(state: ControllerState) -> None:
+    add(state, "a")
+    with pytest.raises(errors.OutOfMemory):
+        state.begin_create_region("job/x", MiB, now=T0 + LEASE + 1)
+
+
+def test_drain_excludes_server_from_placement(state: ControllerState) -> None:
+    add(state, "a")
+    add(state, "b")
+    assert state.drain("a").state == "draining"
+    region = make(state, "job/p", 4 * MiB, stripe_unit=MiB)
+    assert {e.server_id for e in region.extents} == {"b"}
+    # drain survives a down/up cycle and re-registration
+    state.expire_leases(now=T0 + LEASE + 1)
+    assert state.get_server("a").state == "down"
+    state.heartbeat("a", [], now=T0 + LEASE + 2)
+    assert state.get_server("a").state == "draining"
+    state.register_server("a", "host-a", "127.0.0.1:1", [], 64 * MiB, now=T0 + LEASE + 2)
+    assert state.get_server("a").state == "draining"
+    assert state.drain("a", undrain=True).state == "up"
+    with pytest.raises(errors.ServerNotFound):
+        state.drain("nobody")
+
+
+def test_over_capacity_is_out_of_memory(state: ControllerState) -> None:
+    add(state, "a", 8 * MiB)
+    add(state, "b", 8 * MiB)
+    make(state, "job/big", 12 * MiB, stripe_unit=MiB)  # 6 MiB on each
+    used = {s.server_id: s.used for s in state.list_servers()}
+    assert used == {"a": 6 * MiB, "b": 6 * MiB}
+    with pytest.raises(errors.OutOfMemory, match="free"):
+        state.begin_create_region("job/more", 6 * MiB, stripe_unit=MiB, now=T0)
+    with pytest.raises(errors.OutOfMemory):
+        state.begin_create_region("job/one", 3 * MiB, placement="single", now=T0)
+    # nothing was recorded by the failed attempts
+    assert [r.name for r in state.list_regions()] == ["job/big"]
+    make(state, "job/fits", 4 * MiB, stripe_unit=MiB)
+
+
+def test_layered_region_layout(state: ControllerState) -> None:
+    add(state, "a")
+    add(state, "b")
+    region = make(state, "job/layers", 7 * MiB, placement="layered",
+                  segment_sizes=[4 * MiB, 2 * MiB, MiB])
+    assert region.segment_sizes == (4 * MiB, 2 * MiB, MiB)
+    layout = region.layout()
+    assert sorted(layout.extent_lengths) == [3 * MiB, 4 * MiB]
+    assert len(layout.map(0, 4 * MiB)) == 1
+    with pytest.raises(errors.InvalidArgument):
+        state.begin_create_region("job/bad", 7 * MiB, placement="striped", segment_sizes=[7 * MiB])
+
+
+@pytest.mark.parametrize("name", ["job/params", "a", "a.b/c_d-e/F9", "x" * 255])
+def test_good_names(name: str) -> None:
+    assert validate_name(name) == name
+
+
+@pytest.mark.parametrize("name", ["", "/a", "a/", "a//b", "a b", "a/b?", "x" * 256, "é/x"])
+def test_bad_names(state: ControllerState, name: str) -> None:
+    add(state, "a")
+    with pytest.raises(errors.InvalidArgument):
+        state.begin_create_region(name, MiB, now=T0)
+
+
+def test_region_exists_and_not_found(state: ControllerState) -> None:
+    add(state, "a")
+    make(state, "job/p", MiB)
+    with pytest.raises(errors.RegionExists):
+        state.begin_create_region("job/p", MiB, now=T0)
+    with pytest.raises(errors.RegionNotFound):
+        state.get_region("job/q")
+    state.begin_create_region("job/c", MiB, now=T0)
+    with pytest.raises(errors.RegionExists, match="being created"):
+        state.begin_create_region("job/c", MiB, now=T0)
+    with pytest.raises(errors.RegionNotFound):  # not visible until committed
+        state.get_region("job/c")
+    assert [r.name for r in state.list_regions()] == ["job/p"]
+    assert len(state.abort_region("job/c")) == 1
+    assert state.abort_region("job/c") == []
+    assert state.list_servers()[0].used == MiB
+
+
+def test_list_regions_by_prefix(state: ControllerState) -> None:
+    add(state, "a")
+    for name in ("job1/a", "job1/b", "job2/a", "other"):
+        make(state, name, MiB)
+    assert [r.name for r in state.list_regions("job1/")] == ["job1/a", "job1/b"]
+    assert len(state.list_regions()) == 4
+    assert state.list_regions("nothing") == []
+
+
+def test_extent_ids_unique_63_bit(state: ControllerState) -> None:
+    add(state, "a", 1 << 40)
+    ids = []
+    for i in range(20):
+        ids += make(state, f"job/r{i}", 8 * MiB, stripe_unit=MiB).extent_ids
+    assert len(set(ids)) == len(ids)
+    assert all(0 < i < (1 << 63) for i in ids)
+
+
+def test_reopen_keeps_regions_and_extents(db: str) -> None:
+    with ControllerState(db, LEASE, GRACE) as s:
+        add(s, "a")
+        add(s, "b")
+        before = make(s, "job/p", 4 * MiB, stripe_unit=MiB)
+        s.drain("b")
+        before = s.get_region("job/p")
+    with ControllerState(db, LEASE, GRACE) as s:
+        after = s.get_region("job/p")
+        assert after == before
+        assert {x.server_id: x.used for x in s.list_servers()} == {"a": 2 * MiB, "b": 2 * MiB}
+        assert s.get_server("b").state == "draining"
+    conn = sqlite3.connect(db)
+    assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    conn.close()
+
+
+def test_creating_rows_cleaned_on_reopen(db: str) -> None:
+    with ControllerState(db, LEASE, GRACE) as s:
+        add(s, "a")
+        make(s, "job/kept", MiB)
+        half = s.begin_create_region("job/half", 2 * MiB, now=T0)  # the controller "dies" here
+    with ControllerState(db, LEASE, GRACE) as s:
+        assert [r.name for r in s.list_regions()] == ["job/kept"]
+        assert s.list_servers()[0].used == MiB
+        # the server reserved the half-created extent: it is an orphan after the grace
+        held = [HeldExtent(half.extent_ids[0], half.uid, 2 * MiB, GRACE)]
+        assert s.heartbeat("a", held, now=T0 + 1) == half.extent_ids
+        s.begin_create_region("job/half", 2 * MiB, now=T0)  # the name is free again

@@ -1,0 +1,159 @@
+"""Property tests of the pure region layout (smb_client.placement)."""
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from smb_client import errors
+from smb_client.placement import Layout, assign_segments, plan
+
+settings.register_profile("smb", max_examples=150, deadline=None)
+settings.load_profile("smb")
+
+
+@st.composite
+def striped_layouts(draw: st.DrawFn) -> Layout:
+    unit = draw(st.integers(1, 4096))
+    size = draw(st.integers(1, unit * 64))
+    k = draw(st.integers(1, 9))
+    return Layout.striped(size, unit, k)
+
+
+@st.composite
+def layered_layouts(draw: st.DrawFn) -> Layout:
+    sizes = draw(st.lists(st.integers(1, 5000), min_size=1, max_size=24))
+    k = draw(st.integers(1, 9))
+    return Layout.layered(sizes, assign_segments(sizes, k))
+
+
+layouts = st.one_of(striped_layouts(), layered_layouts(),
+                    st.integers(1, 100_000).map(Layout.single))
+
+
+@st.composite
+def layout_and_range(draw: st.DrawFn) -> tuple[Layout, int, int]:
+    layout = draw(layouts)
+    offset = draw(st.integers(0, layout.size))
+    length = draw(st.integers(0, layout.size - offset))
+    return layout, offset, length
+
+
+@given(layout_and_range())
+def test_pieces_cover_the_range_exactly_in_order(case: tuple[Layout, int, int]) -> None:
+    layout, offset, length = case
+    pieces = layout.map(offset, length)
+    pos = offset
+    for p in pieces:
+        assert p.length > 0
+        assert p.region_offset == pos
+        assert 0 <= p.extent < len(layout.extent_lengths)
+        assert 0 <= p.extent_offset
+        assert p.extent_offset + p.length <= layout.extent_lengths[p.extent]
+        pos += p.length
+    assert pos == offset + length
+
+
+@given(layouts)
+def test_region_bytes_fill_extents_without_overlap(layout: Layout) -> None:
+    """Over the whole region: no two region bytes share an extent byte, and every
+    extent byte is used (extents are sized exactly)."""
+    per_extent: dict[int, list[tuple[int, int]]] = {}
+    for p in layout.map(0, layout.size):
+        per_extent.setdefault(p.extent, []).append((p.extent_offset, p.extent_offset + p.length))
+    assert sorted(per_extent) == list(range(len(layout.extent_lengths)))
+    for extent, spans in per_extent.items():
+        spans.sort()
+        end = 0
+        for start, stop in spans:
+            assert start >= end, f"overlap on extent {extent}"
+            end = stop
+        assert sum(b - a for a, b in spans) == layout.extent_lengths[extent]
+    assert sum(layout.extent_lengths) == layout.size
+
+
+@given(layout_and_range())
+def test_runs_are_contiguous_on_their_extent_and_merge_fully(case: tuple[Layout, int, int]) -> None:
+    layout, offset, length = case
+    runs = layout.runs(offset, length)
+    covered = []
+    last_end: dict[int, int] = {}
+    for run in runs:
+        assert sum(n for _, n in run.parts) == run.length
+        assert run.extent_offset + run.length <= layout.extent_lengths[run.extent]
+        # a run never continues the previous run of the same extent (it would have merged)
+        assert last_end.get(run.extent) != run.extent_offset
+        last_end[run.extent] = run.extent_offset + run.length
+        at = run.extent_offset
+        for region_offset, n in run.parts:
+            for p in layout.map(region_offset, n):
+                assert (p.extent, p.extent_offset) == (run.extent, at)
+                at += p.length
+            covered.append((region_offset, n))
+    covered.sort()
+    pos = offset
+    for region_offset, n in covered:
+        assert region_offset == pos
+        pos += n
+    assert pos == offset + length
+
+
+@given(layouts)
+def test_whole_region_is_one_run_per_extent(layout: Layout) -> None:
+    assert len(layout.runs(0, layout.size)) == len(layout.extent_lengths)
+
+
+@given(striped_layouts())
+def test_striped_extents_balanced_within_one_stripe_unit(layout: Layout) -> None:
+    assert max(layout.extent_lengths) - min(layout.extent_lengths) <= layout.stripe_unit
+
+
+@given(layered_layouts())
+def test_layered_segments_whole_on_one_extent(layout: Layout) -> None:
+    for start, size, extent in zip(layout.segment_offsets(), layout.segment_sizes,
+                                   layout.segment_extents):
+        pieces = layout.map(start, size)
+        assert len(pieces) == 1
+        assert pieces[0].extent == extent
+
+
+@given(layouts, st.integers(1, 100), st.integers(0, 100))
+def test_out_of_range_raises(layout: Layout, extra: int, offset: int) -> None:
+    with pytest.raises(errors.OutOfRange):
+        layout.map(min(offset, layout.size), layout.size - min(offset, layout.size) + extra)
+
+
+@given(st.integers(1, 1 << 24), st.sampled_from(["striped", "layered", "single"]),
+       st.dictionaries(st.sampled_from("abcdefgh"), st.integers(0, 1 << 24), min_size=1),
+       st.integers(1, 1 << 20))
+def test_plan_fits_or_raises_out_of_memory(size: int, placement: str, free: dict[str, int],
+                                           unit: int) -> None:
+    try:
+        layout, servers = plan(size, placement, free, stripe_unit=unit)
+    except errors.OutOfMemory as exc:
+        assert str(size) in str(exc) and "free" in str(exc)
+        return
+    assert layout.size == size
+    assert len(servers) == len(layout.extent_lengths) == len(set(servers))
+    for length, server in zip(layout.extent_lengths, servers):
+        assert length <= free[server]
+
+
+def test_plan_out_of_memory_names_the_numbers() -> None:
+    with pytest.raises(errors.OutOfMemory) as info:
+        plan(1000, "single", {"a": 600, "b": 500})
+    text = str(info.value)
+    assert "1000" in text and "600" in text and "a" in text
+    with pytest.raises(errors.OutOfMemory, match="no memory server"):
+        plan(10, "striped", {})
+    with pytest.raises(errors.OutOfMemory, match="3 servers asked for"):
+        plan(10, "striped", {"a": 100}, num_servers=3)
+
+
+def test_plan_spreads_stripes_and_validates() -> None:
+    layout, servers = plan(8 << 20, "striped", {"a": 1 << 30, "b": 1 << 30}, stripe_unit=1 << 20)
+    assert layout.extent_lengths == (4 << 20, 4 << 20) and sorted(servers) == ["a", "b"]
+    with pytest.raises(errors.InvalidArgument, match="unknown placement"):
+        plan(10, "diagonal", {"a": 100})
+    with pytest.raises(errors.InvalidArgument, match="add up"):
+        plan(10, "layered", {"a": 100}, segment_sizes=[3, 3])
