@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -156,3 +157,43 @@ def test_cli_region_and_status(cluster):
     assert _smb(cluster, "region", "rm", "cli/demo").returncode == 0
     missing = _smb(cluster, "region", "rm", "cli/demo")
     assert missing.returncode == 1 and "RegionNotFound" in missing.stderr
+
+
+def test_orphan_extent_freed_after_grace(tmp_path):
+    """A server that misses a release (stopped while its region is deleted) frees the
+    extent itself once it is back and the controller reports the extent as an orphan."""
+    from smb_server.local_cluster import LocalCluster
+    with LocalCluster(servers=2, capacity="256M", workdir=str(tmp_path / "c"),
+                      orphan_grace_seconds=1.0, log_level="INFO") as cl, \
+            cl.client(transport="tcp", reconnect_timeout=1.0) as c:
+        victim = c.create_region("job/victim", 64 * MiB, placement="single")
+        sid = victim.extents[0].server_id
+        idx = [i for i in range(2) if cl.server_id(i) == sid][0]
+        other = c.create_region("job/other", 4 * MiB, placement="single")
+        data = np.arange(MiB, dtype=np.float32)
+        other.write(0, data)
+        pid = cl.server_pid(idx)
+        victim.write(0, np.ones(64 * MiB, np.uint8))
+        filled = _rss(pid)
+        victim.close()
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            c.delete_region("job/victim")              # the release cannot reach the server
+            assert time.monotonic() - t0 < 15
+            assert "job/victim" not in [r.name for r in c.list_regions()]
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        deadline = time.monotonic() + 30
+        while _rss(pid) > filled - 48 * MiB and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _rss(pid) <= filled - 48 * MiB, "the orphan extent was not freed"
+        assert "orphan" in cl.log_tail(f"server-{idx}", 200) or "orphan" in cl.log_tail("controller", 200)
+        np.testing.assert_array_equal(other.read(dtype="float32")[:MiB], data)
+        # the server is back in service: it takes new extents again
+        deadline = time.monotonic() + 20
+        while {s.server_id: s.state for s in c.list_servers()}[sid] != "up":
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        again = c.create_region("job/again", 64 * MiB, placement="single", num_servers=1)
+        again.write(0, np.ones(MiB, np.uint8))

@@ -45,6 +45,11 @@ if [ ! -s "$OUT/rc" ]; then
   fail "the guest never reported a result (VM did not boot, or the guest script crashed; see $OUT/vm.log)"
 fi
 rc=$(cat "$OUT/rc")
+if [ "$CUSTOM" = 0 ] && [ -s "$OUT/pytest.log" ]; then
+  echo "run_vm.sh: the rdma tier inside the VM ($OUT/pytest.log):"
+  grep -E '^(FAILED|ERROR)' "$OUT/pytest.log" || true
+  tail -n 1 "$OUT/pytest.log"
+fi
 if [ -s "$OUT/rdma.json" ] && [ "$CUSTOM" = 0 ]; then
   mkdir -p "$REPO/bench/results" && cp "$OUT/rdma.json" "$REPO/bench/results/rdma.json"
   echo "run_vm.sh: benchmark results in bench/results/rdma.json"
