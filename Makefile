@@ -46,6 +46,7 @@ deps: venv proto
 
 demo: deps
 	$(PY) examples/demo.py
+	$(PY) examples/train_digits.py --workers 4 --min-accuracy 0.95
 
 # the host suite, then the rdma tier inside the Soft-RoCE VM (fails loudly if the VM
 # cannot start)

@@ -125,6 +125,29 @@ def cmd_drain(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    """Run a training example (``examples/train_<name>.py``) against a cluster."""
+    import subprocess
+    from pathlib import Path
+    script = Path(__file__).resolve().parent.parent / "examples" / f"train_{args.example}.py"
+    if not script.is_file():
+        known = sorted(p.stem.removeprefix("train_") for p in script.parent.glob("train_*.py"))
+        print(f"smb train: no example {args.example!r} ({script} is missing); examples: "
+              + (", ".join(known) or "none (run from a source checkout)"), file=sys.stderr)
+        return 2
+    argv = [sys.executable, str(script), "--scheme", args.scheme, "--workers", str(args.workers),
+            "--placement", args.placement]
+    if args.epochs is not None:
+        argv += ["--epochs", str(args.epochs)]
+    if args.quiet:
+        argv.append("--quiet")
+    controller = None if args.local else (args.controller or os.environ.get("SMB_CONTROLLER"))
+    if controller:  # otherwise the example starts a local cluster
+        # "=" form: a token may start with "-"
+        argv += [f"--controller={controller}", f"--token={args.token or os.environ.get('SMB_TOKEN', '')}"]
+    return subprocess.call(argv + list(args.extra))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="smb", description="Soft Memory Box")
     parser.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING, ERROR (env SMB_LOG_LEVEL)")
@@ -187,6 +210,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--segments", default="", help="layered: comma-separated segment sizes")
     p.add_argument("--persistent", action="store_true")
     p.set_defaults(fn=cmd_region)
+
+    p = sub.add_parser("train", help="train an example model (digits) through the memory box",
+                       description="Runs examples/train_<example>.py: a local cluster unless --controller "
+                                   "or SMB_CONTROLLER names one, then each scheme under torchrun. "
+                                   "Arguments after -- go to the example.")
+    p.add_argument("--example", default="digits", help="examples/train_<example>.py (default digits)")
+    p.add_argument("--controller", default=None, help="controller host:port (default $SMB_CONTROLLER)")
+    p.add_argument("--token", default=None, help="bearer token (default $SMB_TOKEN)")
+    p.add_argument("--local", action="store_true", help="start a local cluster even if SMB_CONTROLLER is set")
+    p.add_argument("--scheme", default="all", choices=["all", "sync", "seasgd", "hybrid", "ddp"])
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--epochs", type=int, default=None)
+    p.add_argument("--placement", default="striped", choices=["striped", "layered", "single"])
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("extra", nargs="*", help="further example options, after --")
+    p.set_defaults(fn=cmd_train)
 
     p = sub.add_parser("drain", help="stop placing new extents on a memory server")
     _common(p)

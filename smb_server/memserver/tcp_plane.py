@@ -177,8 +177,8 @@ class _Connection:
             log.debug("tcp %s: %s on extent %d failed: %s", self.peer, op.name, extent_id, exc)
             self._reply(req_id, str(exc).encode(), error_status(exc))
             return True
-        self.plane.stats.add(operations=1)
-        if body is not None:
+        if body is not None:   # else already answered (and counted) by the operation
+            self.plane.stats.add(operations=1)
             self._reply(req_id, body)
         return True
 
@@ -228,8 +228,9 @@ class _Connection:
     def _read(self, extent: Extent, offset: int, length: int, req_id: int) -> None:
         with extent.pin():
             with extent.data[offset:offset + length] as view:
+                # counted before the answer goes out, so a client that has it sees the count
+                self.plane.stats.add(bytes_read=length, operations=1)
                 self._send([wire.pack_response(Status.OK, req_id, length), view])
-        self.plane.stats.add(bytes_read=length)
         return None
 
     def _write(self, extent: Extent, offset: int, length: int) -> bytes:

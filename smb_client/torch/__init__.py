@@ -1,0 +1,31 @@
+"""PyTorch training on the memory box: a parameter store and three update schemes.
+
+    from smb_client.torch import ParameterStore, SyncDataParallel, SEASGD, HybridSEASGD
+
+* :class:`ParameterStore` lays a model's parameters (and gradient and delta slots)
+  out flat in regions, ``striped`` or ``layered``; the model's tensors become views of
+  flat local buffers that region operations fill and send in place.
+* :class:`SyncDataParallel`: gradients accumulated server-side, a barrier, averaged
+  gradients pulled; pushes overlap the backward pass through per-layer hooks.
+* :class:`SEASGD`: asynchronous elastic averaging with a private delta slot per worker.
+* :class:`HybridSEASGD`: all-reduce inside a node, SEASGD across nodes.
+* :class:`SharedCounters`: iteration counters with ``fetch_add`` and aligned stopping.
+* :class:`WorkerEnv` / :func:`open_store`: ``torchrun`` variables and the
+  master-creates, others-attach handshake.
+
+This package needs torch; ``import smb_client`` alone does not import it.
+"""
+from __future__ import annotations
+
+from .counters import SharedCounters, StopRule
+from .flat import FlatModel, GradientHooks
+from .hybrid import HybridSEASGD, new_node_groups, node_groups
+from .launch import WorkerEnv, open_store
+from .layout import ALIGN, Bucket, FlatLayout, TensorSlot
+from .seasgd import SEASGD
+from .store import ParameterStore, Traffic
+from .sync import SYNC_SLOTS, SyncDataParallel
+
+__all__ = ["ALIGN", "Bucket", "FlatLayout", "FlatModel", "GradientHooks", "HybridSEASGD",
+           "ParameterStore", "SEASGD", "SYNC_SLOTS", "SharedCounters", "StopRule", "SyncDataParallel",
+           "TensorSlot", "Traffic", "WorkerEnv", "new_node_groups", "node_groups", "open_store"]

@@ -1,0 +1,136 @@
+"""Shared iteration counters and aligned stopping.
+
+Every worker publishes its finished iterations with ``fetch_add`` on its own int64
+word (and, under the ``average`` rule, on a shared total that the same ``fetch_add``
+returns); a *stop word* tells everybody when to stop. Rules:
+
+* ``master``: stop when the master (rank 0) has done ``target`` iterations;
+* ``fastest``: stop when any worker has done ``target`` iterations;
+* ``average``: stop when the iterations of all workers add up to ``target × workers``.
+
+Words of the counters region (int64, little-endian):
+
+====  ===============================================================
+0     stop word: 0 while running, else the iteration count at which
+      the worker that fired the rule stopped
+1     total iterations of all workers (``average`` rule)
+2     workers that have finished
+8+r   iterations of worker ``r``
+====  ===============================================================
+
+Asynchronous workers stop as soon as they see a non-zero stop word. Workers that run
+in lockstep (the synchronous scheme) pass ``lockstep=True``: they stop once their own
+count reaches the stop word, so all of them stop after the same iteration even when
+one reads the word a step later than another.
+"""
+from __future__ import annotations
+
+import enum
+import logging
+from typing import Any
+
+import numpy as np
+
+from ..errors import InvalidArgument
+from .store import COUNTER_WORDS
+
+log = logging.getLogger(__name__)
+
+STOP_WORD = 0
+TOTAL_WORD = 1
+FINISHED_WORD = 2
+
+
+class StopRule(str, enum.Enum):
+    MASTER = "master"
+    FASTEST = "fastest"
+    AVERAGE = "average"
+
+    @classmethod
+    def parse(cls, value: "str | StopRule") -> "StopRule":
+        try:
+            return cls(value)
+        except ValueError:
+            raise InvalidArgument(f"unknown stop rule {value!r}: expected one of "
+                                  + ", ".join(r.value for r in cls)) from None
+
+
+class SharedCounters:
+    """One worker's view of the counters region (``store.region("counters")`` or any
+    region of at least ``(8 + workers) * 8`` bytes). The region handle is the caller's."""
+
+    def __init__(self, region: Any, rank: int, workers: int, rule: "str | StopRule" = StopRule.MASTER,
+                 target: int = 0, *, lockstep: bool = False) -> None:
+        if not 0 <= rank < workers:
+            raise InvalidArgument(f"rank {rank} outside 0..{workers - 1}")
+        if region.size < (COUNTER_WORDS + workers) * 8:
+            raise InvalidArgument(f"counters region {region.name} holds {region.size} bytes; "
+                                  f"{workers} workers need {(COUNTER_WORDS + workers) * 8}")
+        if target < 0:
+            raise InvalidArgument(f"target must not be negative, got {target}")
+        self.region = region
+        self.rank = rank
+        self.workers = workers
+        self.rule = StopRule.parse(rule)
+        self.target = target
+        self.lockstep = lockstep
+        self.count = 0           # this worker's published iterations
+        self.total_seen = 0      # the total as of this worker's last tick
+
+    @staticmethod
+    def _offset(word: int) -> int:
+        return word * 8
+
+    def rank_offset(self, rank: int) -> int:
+        return (COUNTER_WORDS + rank) * 8
+
+    def _fires(self) -> bool:
+        if not self.target:
+            return False
+        if self.rule is StopRule.MASTER:
+            return self.rank == 0 and self.count >= self.target
+        if self.rule is StopRule.FASTEST:
+            return self.count >= self.target
+        return self.total_seen >= self.target * self.workers
+
+    def publish(self, iterations: int = 1) -> None:
+        """Publish ``iterations`` finished iterations and fire the rule if it is met
+        (without reading the stop word). Lockstep workers publish before their step's
+        barrier and call :meth:`should_stop` after it."""
+        if iterations < 1:
+            raise InvalidArgument(f"iterations must be >= 1, got {iterations}")
+        self.count = self.region.fetch_add(self.rank_offset(self.rank), iterations) + iterations
+        if self.rule is StopRule.AVERAGE:
+            self.total_seen = self.region.fetch_add(self._offset(TOTAL_WORD), iterations) + iterations
+        if self._fires():
+            self.region.compare_swap(self._offset(STOP_WORD), 0, self.count)
+
+    def tick(self, iterations: int = 1) -> bool:
+        """Publish finished iterations; True when this worker should stop now."""
+        self.publish(iterations)
+        return self.should_stop()
+
+    def stop_word(self) -> int:
+        return self.region.fetch_add(self._offset(STOP_WORD), 0)
+
+    def should_stop(self) -> bool:
+        stop = self.stop_word()
+        if stop == 0:
+            return False
+        return self.count >= stop if self.lockstep else True
+
+    def request_stop(self) -> None:
+        """Ask everyone to stop (as if a rule fired at this worker's count)."""
+        self.region.compare_swap(self._offset(STOP_WORD), 0, max(1, self.count))
+
+    def finish(self) -> int:
+        """Record that this worker finished; returns how many have, itself included."""
+        return self.region.fetch_add(self._offset(FINISHED_WORD), 1) + 1
+
+    def snapshot(self) -> dict[str, Any]:
+        """Stop word, total, finished and per-worker counts, read in one request."""
+        words = self.region.read(0, (COUNTER_WORDS + self.workers) * 8, dtype="int64")
+        words = np.asarray(words)
+        counts = [int(x) for x in words[COUNTER_WORDS:COUNTER_WORDS + self.workers]]
+        return {"stop": int(words[STOP_WORD]), "total": sum(counts),
+                "finished": int(words[FINISHED_WORD]), "counts": counts}

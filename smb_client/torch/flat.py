@@ -1,0 +1,151 @@
+"""A model whose parameters and gradients are views into two flat float32 tensors.
+
+:class:`FlatModel` re-points every parameter's ``.data`` (and ``.grad``) at a slice of
+one contiguous buffer laid out by :class:`~smb_client.torch.layout.FlatLayout`, so a
+whole model moves with one region operation and no staging copy: the client library
+reads into and writes from these buffers in place.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import torch
+
+from ..errors import InvalidArgument
+from .layout import ELEMENT_BYTES, Bucket, FlatLayout
+
+log = logging.getLogger(__name__)
+
+
+class FlatModel:
+    """Binds ``model``'s parameters to flat buffers (keeping their current values).
+
+    The model keeps its ``Parameter`` objects (optimizers built before or after see the
+    same ones); only their storage moves. Buffers such as batch-norm statistics are not
+    part of the flat layout.
+    """
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.layout = FlatLayout.of_module(model)
+        self.params: list[torch.nn.Parameter] = [p for _, p in model.named_parameters()]
+        n = self.layout.slot_elements
+        self.flat_params = torch.zeros(n, dtype=torch.float32)
+        self.flat_grads = torch.zeros(n, dtype=torch.float32)
+        self.param_views: list[torch.Tensor] = []
+        self.grad_views: list[torch.Tensor] = []
+        with torch.no_grad():
+            for p, t in zip(self.params, self.layout.tensors):
+                start = t.offset // ELEMENT_BYTES
+                pv = self.flat_params[start:start + t.numel].view(t.shape)
+                gv = self.flat_grads[start:start + t.numel].view(t.shape)
+                pv.copy_(p.detach())
+                p.data = pv
+                p.grad = gv
+                self.param_views.append(pv)
+                self.grad_views.append(gv)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one flat copy (padding included)."""
+        return self.layout.slot_bytes
+
+    def zero_grad(self) -> None:
+        """Zero the flat gradient buffer and point every ``.grad`` back at it."""
+        self.flat_grads.zero_()
+        for p, gv in zip(self.params, self.grad_views):
+            p.grad = gv
+
+    def collect_grad(self, i: int) -> None:
+        """Make sure parameter ``i``'s gradient lives in its flat view (copy it in when
+        something, e.g. ``optimizer.zero_grad(set_to_none=True)``, replaced it)."""
+        p, gv = self.params[i], self.grad_views[i]
+        g = p.grad
+        if g is None:
+            gv.zero_()
+        elif g.data_ptr() != gv.data_ptr():
+            gv.copy_(g)
+        else:
+            return
+        p.grad = gv
+
+    def collect_grads(self) -> None:
+        for i in range(len(self.params)):
+            self.collect_grad(i)
+
+    def check_bound(self) -> None:
+        """Raise InvalidArgument if a parameter no longer lives in the flat buffer
+        (e.g. the model was moved with ``.to()`` after binding)."""
+        for (name, p), pv in zip(self.model.named_parameters(), self.param_views):
+            if p.data_ptr() != pv.data_ptr():
+                raise InvalidArgument(f"parameter {name!r} was moved out of the flat buffer "
+                                      "(by .to(), .cuda() or load_state_dict with assign=True); bind again")
+
+    def byte_range(self, flat: torch.Tensor, offset: int, length: int) -> torch.Tensor:
+        """The elements of ``flat`` covering bytes ``[offset, offset+length)`` (a view)."""
+        return flat[offset // ELEMENT_BYTES:(offset + length) // ELEMENT_BYTES]
+
+
+class GradientHooks:
+    """Calls ``launch(bucket)`` as soon as every gradient of a bucket is final during a
+    backward pass (``register_post_accumulate_grad_hook``), always in bucket order, so
+    that communication of late layers overlaps the backward pass of early ones.
+
+    :meth:`finish` launches what is left (parameters that got no gradient), returns
+    the values ``launch`` returned, in bucket order, and re-arms for the next pass.
+    """
+
+    def __init__(self, flat: FlatModel, bucket_bytes: int, launch: Callable[[Bucket], Any]) -> None:
+        self.flat = flat
+        self.buckets = flat.layout.buckets(bucket_bytes)
+        self._launch = launch
+        self._bucket_of: dict[int, int] = {}
+        for b, bucket in enumerate(self.buckets):
+            for i in range(bucket.first, bucket.last + 1):
+                self._bucket_of[i] = b
+        self._handles = [p.register_post_accumulate_grad_hook(self._hook(i))
+                         for i, p in enumerate(flat.params)]
+        self._reset()
+
+    def _reset(self) -> None:
+        self._fired = [False] * len(self.flat.params)
+        self._pending = [b.last - b.first + 1 for b in self.buckets]
+        self._next = 0
+        self._results: list[Any] = []
+
+    def _hook(self, i: int) -> Callable[[torch.Tensor], None]:
+        def hook(param: torch.Tensor) -> None:
+            if self._fired[i]:  # a second backward before finish(): gradients accumulate
+                return
+            self._fired[i] = True
+            self.flat.collect_grad(i)
+            self._pending[self._bucket_of[i]] -= 1
+            self._drain()
+        return hook
+
+    def _drain(self) -> None:
+        while self._next < len(self.buckets) and self._pending[self._next] == 0:
+            self._results.append(self._launch(self.buckets[self._next]))
+            self._next += 1
+
+    @property
+    def launched(self) -> int:
+        """Buckets launched so far in this pass."""
+        return self._next
+
+    def finish(self) -> list[Any]:
+        for i, fired in enumerate(self._fired):
+            if not fired:
+                self._fired[i] = True
+                self.flat.collect_grad(i)
+                self._pending[self._bucket_of[i]] -= 1
+        self._drain()
+        results = self._results
+        self._reset()
+        return results
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []

@@ -1,0 +1,119 @@
+"""Hybrid training: synchronous inside a node, asynchronous across nodes.
+
+The workers of one node form a ``torch.distributed`` group (gloo on CPU) and average
+their gradients with all-reduce every step, so they hold one replica. One *leader*
+per node runs :class:`~smb_client.torch.seasgd.SEASGD` against the memory box every
+``update_interval`` steps and broadcasts the updated weights to its group. Nodes never
+wait for each other.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..errors import InvalidArgument
+from .flat import FlatModel, GradientHooks
+from .layout import Bucket
+from .seasgd import SEASGD
+from .sync import DEFAULT_BUCKET_BYTES
+
+log = logging.getLogger(__name__)
+
+
+def node_groups(world: int, local_world: int) -> list[list[int]]:
+    """Ranks grouped by node: ``local_world`` consecutive ranks per node (torchrun's order)."""
+    if local_world < 1 or world % local_world:
+        raise InvalidArgument(f"world size {world} is not a multiple of the local world size {local_world}")
+    return [list(range(n * local_world, (n + 1) * local_world)) for n in range(world // local_world)]
+
+
+def new_node_groups(world: int, local_world: int) -> tuple[list[list[int]], list[Any]]:
+    """Create one process group per node (every rank must call this, in the same order)."""
+    ranks = node_groups(world, local_world)
+    return ranks, [dist.new_group(r) for r in ranks]
+
+
+class HybridSEASGD:
+    """One worker of the hybrid scheme.
+
+    ``flat`` is this worker's :class:`FlatModel`; ``group`` its node's process group and
+    ``group_ranks`` the global ranks in it (the first is the leader). The leader passes
+    its ``seasgd`` (built on a store with one delta slot per node); the others pass
+    None. Use::
+
+        hy.zero_grad(); loss.backward(); hy.synchronize(); optimizer.step(); hy.after_step()
+    """
+
+    def __init__(self, flat: FlatModel, group: Any, group_ranks: Sequence[int], *,
+                 seasgd: SEASGD | None, update_interval: int = 4, overlap: bool = True,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+        rank = dist.get_rank()
+        if rank not in group_ranks:
+            raise InvalidArgument(f"rank {rank} is not in its node group {list(group_ranks)}")
+        self.leader = group_ranks[0]
+        self.is_leader = rank == self.leader
+        if self.is_leader != (seasgd is not None):
+            raise InvalidArgument("the node leader (first rank of the group) and only it passes seasgd")
+        if update_interval < 1:
+            raise InvalidArgument(f"update_interval must be >= 1, got {update_interval}")
+        self.flat = flat
+        self.group = group
+        self.group_size = len(group_ranks)
+        self.seasgd = seasgd
+        self.update_interval = update_interval
+        self.step = 0
+        self.comm_wait = 0.0   # seconds waiting for all-reduce (after backward) and broadcast
+        self._hooks = GradientHooks(flat, bucket_bytes, self._reduce_bucket) if overlap else None
+
+    def _reduce_bucket(self, bucket: Bucket) -> Any:
+        data = self.flat.byte_range(self.flat.flat_grads, bucket.offset, bucket.length)
+        return dist.all_reduce(data, group=self.group, async_op=True)
+
+    def broadcast_params(self) -> None:
+        """Give every worker of the node the leader's weights."""
+        dist.broadcast(self.flat.flat_params, src=self.leader, group=self.group)
+
+    def zero_grad(self) -> None:
+        self.flat.zero_grad()
+
+    def synchronize(self) -> None:
+        """Average the gradients over the node."""
+        t0 = time.perf_counter()
+        if self._hooks is not None:
+            for work in self._hooks.finish():
+                work.wait()
+        else:
+            self.flat.collect_grads()
+            dist.all_reduce(self.flat.flat_grads, group=self.group)
+        self.flat.flat_grads.mul_(1.0 / self.group_size)
+        self.comm_wait += time.perf_counter() - t0
+
+    def after_step(self) -> bool:
+        """Count one step; every ``update_interval`` steps the leader runs an elastic
+        update against the memory box and broadcasts the result (True then)."""
+        self.step += 1
+        if self.step % self.update_interval:
+            return False
+        t0 = time.perf_counter()
+        if self.seasgd is not None:
+            self.seasgd.update()
+        self.broadcast_params()
+        self.comm_wait += time.perf_counter() - t0
+        return True
+
+    def agree(self, flag: bool) -> bool:
+        """True on every worker of the node when any of them passes True (for stopping)."""
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(t.item())
+
+    def close(self) -> None:
+        if self._hooks is not None:
+            self._hooks.remove()
+            self._hooks = None
+        if self.seasgd is not None:
+            self.seasgd.finish()

@@ -1,0 +1,89 @@
+"""Worker identity from ``torchrun`` and the create-or-attach handshake.
+
+``torchrun`` (and ``smb train``) set ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` for every
+worker; a process started without them is a single worker (rank 0 of 1). The memory
+box itself is found through ``SMB_CONTROLLER`` and ``SMB_TOKEN``.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from ..errors import InvalidArgument
+from .store import ParameterStore
+
+log = logging.getLogger(__name__)
+
+READY_TIMEOUT = 300.0  # seconds the others wait for the master to create the store
+
+
+@dataclass(frozen=True)
+class WorkerEnv:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+
+    @property
+    def is_master(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def nodes(self) -> int:
+        return self.world_size // self.local_world_size
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "WorkerEnv":
+        """Read the torchrun variables (InvalidArgument when they contradict each other)."""
+        env = os.environ if environ is None else environ
+
+        def number(name: str, default: int) -> int:
+            raw = env.get(name, "")
+            if raw == "":
+                return default
+            try:
+                return int(raw)
+            except ValueError:
+                raise InvalidArgument(f"{name}={raw!r} is not an integer") from None
+
+        rank = number("RANK", 0)
+        world = number("WORLD_SIZE", 1)
+        local_rank = number("LOCAL_RANK", rank if "LOCAL_WORLD_SIZE" not in env else 0)
+        local_world = number("LOCAL_WORLD_SIZE", world)
+        node = number("GROUP_RANK", rank // max(1, local_world))
+        if world < 1 or not 0 <= rank < world:
+            raise InvalidArgument(f"RANK={rank} must lie in 0..WORLD_SIZE-1 (WORLD_SIZE={world})")
+        if local_world < 1 or world % local_world or not 0 <= local_rank < local_world:
+            raise InvalidArgument(f"LOCAL_RANK={local_rank}, LOCAL_WORLD_SIZE={local_world} do not fit "
+                                  f"WORLD_SIZE={world}")
+        return cls(rank, world, local_rank, local_world, node,
+                   env.get("MASTER_ADDR", "127.0.0.1"), number("MASTER_PORT", 29500))
+
+
+def open_store(client: Any, env: WorkerEnv, prefix: str, model: Any, *,
+               ready_timeout: float = READY_TIMEOUT, members: int | None = None,
+               creator: bool | None = None, **create: Any) -> ParameterStore:
+    """The master creates the store (``create`` holds :meth:`ParameterStore.create`'s
+    options); everybody meets at the barrier ``<prefix>/ready``; the others then attach
+    by name and load the master's parameters, so that all start from the same weights.
+
+    ``members`` is how many processes call this (default: every worker); ``creator``
+    whether this one creates (default: rank 0).
+    """
+    parties = env.world_size if members is None else members
+    creates = env.is_master if creator is None else creator
+    if parties < 1:
+        raise InvalidArgument(f"members must be >= 1, got {parties}")
+    store = None
+    if creates:
+        store = ParameterStore.create(client, prefix, model, **create)
+    client.barrier(f"{prefix}/ready", parties, timeout=ready_timeout)
+    if store is None:
+        store = ParameterStore.attach(client, prefix, model, timeout=ready_timeout)
+    return store

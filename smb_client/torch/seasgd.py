@@ -1,0 +1,121 @@
+"""Asynchronous shared-memory elastic averaging SGD (SEASGD, as in ShmCaffe).
+
+The ``params`` region of the store holds the *global* weights; every worker owns one
+*delta* slot. A worker trains on its own with any local optimizer; every
+``update_interval`` steps it
+
+1. reads the global weights ``W̃`` (before its next step),
+2. computes ``Δ = α (W − W̃)`` with the moving rate ``α``,
+3. subtracts it locally, ``W ← W − Δ``,
+4. hands ``Δ`` to a background thread that writes it into its private delta slot and
+   has the memory servers accumulate it into the global weights, ``W̃ ← W̃ + Δ``,
+   while the worker already computes its next steps.
+
+Workers never wait for each other. The elastic force pulls the workers towards the
+global weights and the global weights towards the workers.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from ..errors import InvalidArgument
+from .store import ParameterStore
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BETA = 0.9   # moving rate × workers, as suggested by EASGD
+
+
+class SEASGD:
+    """One worker of asynchronous elastic averaging. ``rank`` selects the delta slot
+    (``0 <= rank < store.delta_slots``); ``moving_rate`` defaults to 0.9 / ``world``.
+
+    Call :meth:`after_step` after every local optimizer step. :meth:`close` waits for
+    the last push and stops the background thread; the store stays the caller's.
+    """
+
+    def __init__(self, store: ParameterStore, rank: int, world: int, *, moving_rate: float | None = None,
+                 update_interval: int = 4, keep_deltas: bool = True) -> None:
+        if world < 1 or not 0 <= rank < world:
+            raise InvalidArgument(f"rank {rank} outside 0..{world - 1}")
+        if update_interval < 1:
+            raise InvalidArgument(f"update_interval must be >= 1, got {update_interval}")
+        alpha = DEFAULT_BETA / world if moving_rate is None else float(moving_rate)
+        if not 0.0 < alpha <= 1.0:
+            raise InvalidArgument(f"moving_rate must lie in (0, 1], got {alpha}")
+        if keep_deltas and store.delta_slots <= rank:
+            raise InvalidArgument(f"SEASGD keeps a private delta slot per worker: store {store.prefix!r} has "
+                                  f"{store.delta_slots} delta slots, rank {rank} needs {rank + 1} "
+                                  "(create it with delta_slots=workers, or pass keep_deltas=False)")
+        self.store = store
+        self.flat = store.flat
+        self.rank = rank
+        self.world = world
+        self.moving_rate = alpha
+        self.update_interval = update_interval
+        self.keep_deltas = keep_deltas
+        n = store.layout.slot_elements
+        self.global_weights = torch.zeros(n, dtype=torch.float32)  # last global weights read
+        self.delta = torch.zeros(n, dtype=torch.float32)           # last delta pushed
+        self.step = 0
+        self.updates = 0
+        self.read_wait = 0.0   # seconds spent reading the global weights
+        self.push_wait = 0.0   # seconds spent waiting for a previous push to finish
+        self._pusher = ThreadPoolExecutor(1, thread_name_prefix="smb-seasgd")
+        self._pending: Future | None = None
+
+    def after_step(self) -> bool:
+        """Count one local step; run an elastic update when one is due (True then)."""
+        self.step += 1
+        if self.step % self.update_interval:
+            return False
+        self.update()
+        return True
+
+    def update(self) -> None:
+        """Read the global weights, move towards them, push the delta in the background."""
+        t0 = time.perf_counter()
+        self._wait_push()            # the delta buffer is about to be reused
+        t1 = time.perf_counter()
+        self.store.pull_params(self.global_weights)
+        t2 = time.perf_counter()
+        self.push_wait += t1 - t0
+        self.read_wait += t2 - t1
+        with torch.no_grad():
+            torch.sub(self.flat.flat_params, self.global_weights, out=self.delta)
+            self.delta.mul_(self.moving_rate)
+            self.flat.flat_params.sub_(self.delta)
+        self._pending = self._pusher.submit(self._push)
+        self.updates += 1
+
+    def _push(self) -> None:
+        if self.keep_deltas:
+            self.store.write("deltas", self.store.slot_offset("deltas", self.rank), self.delta)
+        self.store.accumulate("params", 0, self.delta)
+
+    def _wait_push(self) -> None:
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.result()
+
+    def finish(self) -> None:
+        """Wait until the last delta has reached the global weights."""
+        t0 = time.perf_counter()
+        self._wait_push()
+        self.push_wait += time.perf_counter() - t0
+
+    def close(self) -> None:
+        try:
+            self.finish()
+        finally:
+            self._pusher.shutdown(wait=True)
+
+    def __enter__(self) -> "SEASGD":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,321 @@
+"""The parameter store: a model's flat parameters, gradient and delta slots in regions.
+
+Regions under a prefix ``job``:
+
+==================  ==========================================================
+``job/meta``        the layout (tensor names and shapes) and slot counts, JSON
+``job/params``      one slot: the parameters (the global weights for SEASGD)
+``job/grads``       ``grad_slots`` slots: gradient accumulation (synchronous)
+``job/deltas``      ``delta_slots`` slots: one private delta buffer per worker
+``job/counters``    int64 words: stop word, total and per-worker iteration counts
+==================  ==========================================================
+
+The master creates them (:meth:`ParameterStore.create`, ``meta`` last, so that its
+presence means "ready"); the others attach by name (:meth:`ParameterStore.attach`),
+which checks their model against the stored layout.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import struct
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import InvalidArgument, RegionNotFound
+from ..placement import PLACEMENTS
+from .flat import FlatModel
+from .layout import ALIGN, FlatLayout, align_up
+
+log = logging.getLogger(__name__)
+
+META_MAGIC = b"SMBPSTOR"
+META_HEADER = struct.Struct("<8sQ")     # magic, JSON length (bytes)
+META_PAGE = 4096                        # bytes; the meta region is a whole number of these
+ZERO_CHUNK = 8 << 20                    # bytes written per request when zeroing
+ATTACH_POLL = 0.05                      # seconds between looks for a store being created
+COUNTER_WORDS = 8                       # int64 control words before the per-worker counts
+KINDS = ("params", "grads", "deltas", "counters", "meta")
+
+
+@dataclass
+class Traffic:
+    """Bytes moved by this process through the store (payload only)."""
+
+    sent: int = 0        # bytes written or accumulated into regions
+    received: int = 0    # bytes read from regions
+    ops: int = 0         # region operations issued
+
+    def as_dict(self) -> dict[str, int]:
+        return {"sent": self.sent, "received": self.received, "ops": self.ops}
+
+
+def _nbytes(data: Any) -> int:
+    if isinstance(data, torch.Tensor):
+        return data.numel() * data.element_size()
+    return memoryview(data).nbytes
+
+
+class ParameterStore:
+    """Owns its region handles and closes them in :meth:`close`; the :class:`Client`
+    and the model are the caller's. ``flat`` binds the model's parameters and gradients
+    to local flat buffers that region operations use in place."""
+
+    def __init__(self, client: Any, prefix: str, flat: FlatModel, regions: dict[str, Any],
+                 meta: dict[str, Any], *, master: bool) -> None:
+        self.client = client
+        self.prefix = prefix
+        self.flat = flat
+        self.layout = flat.layout
+        self.regions = regions
+        self.grad_slots: int = meta["grad_slots"]
+        self.delta_slots: int = meta["delta_slots"]
+        self.workers: int = meta["workers"]
+        self.placement: str = meta["placement"]
+        self.master = master
+        self.traffic = Traffic()
+        self._traffic_lock = threading.Lock()
+
+    # -- construction -------------------------------------------------------------
+    @staticmethod
+    def region_name(prefix: str, kind: str) -> str:
+        return f"{prefix}/{kind}"
+
+    @classmethod
+    def create(cls, client: Any, prefix: str, model: Any, *, placement: str = "striped",
+               grad_slots: int = 0, delta_slots: int = 0, workers: int = 1,
+               stripe_unit: int | None = None, num_servers: int = 0,
+               replace: bool = True) -> "ParameterStore":
+        """Lay ``model`` out in new regions under ``prefix`` and store its parameters.
+
+        ``placement``: ``striped`` ("memory-based sharding": every slot spread over the
+        servers; ``stripe_unit`` bytes, by default one slot divided by the number of
+        servers) or ``layered`` ("layer-based sharding": each tensor whole on one
+        server) or ``single``. ``workers`` sizes the counter region. ``replace``
+        deletes regions a previous run left under the same prefix.
+        """
+        if placement not in PLACEMENTS:
+            raise InvalidArgument(f"unknown placement {placement!r}: expected one of {', '.join(PLACEMENTS)}")
+        if grad_slots < 0 or delta_slots < 0 or workers < 1:
+            raise InvalidArgument("grad_slots and delta_slots must be >= 0 and workers >= 1")
+        flat = model if isinstance(model, FlatModel) else FlatModel(model)
+        layout = flat.layout
+        if replace:
+            cls.destroy_prefix(client, prefix)
+        if placement == "striped" and not stripe_unit:
+            up = [s for s in client.list_servers() if s.state == "up"]
+            stripe_unit = layout.stripe_unit(num_servers or max(1, len(up)))
+        meta = {"layout": json.loads(layout.to_json()), "placement": placement,
+                "grad_slots": grad_slots, "delta_slots": delta_slots, "workers": workers}
+        regions: dict[str, Any] = {}
+        try:
+            def make(kind: str, slots: int) -> None:
+                size = layout.slot_bytes * slots
+                name = cls.region_name(prefix, kind)
+                if placement == "layered":
+                    regions[kind] = client.create_region(name, size, placement="layered",
+                                                         segment_sizes=layout.segment_sizes(slots))
+                elif placement == "striped":
+                    regions[kind] = client.create_region(name, size, placement="striped",
+                                                         stripe_unit=stripe_unit or 0,
+                                                         num_servers=num_servers)
+                else:
+                    regions[kind] = client.create_region(name, size, placement="single")
+            make("params", 1)
+            if grad_slots:
+                make("grads", grad_slots)
+            if delta_slots:
+                make("deltas", delta_slots)
+            counters = align_up((COUNTER_WORDS + workers) * 8, ALIGN)
+            regions["counters"] = client.create_region(cls.region_name(prefix, "counters"), counters,
+                                                       placement="single")
+            store = cls(client, prefix, flat, regions, meta, master=True)
+            store.push_params()
+            for kind in ("grads", "deltas", "counters"):
+                if kind in regions:
+                    store.zero(kind)
+            doc = json.dumps(meta).encode()
+            blob = META_HEADER.pack(META_MAGIC, len(doc)) + doc
+            regions["meta"] = client.create_region(
+                cls.region_name(prefix, "meta"), align_up(len(blob), META_PAGE), placement="single")
+            regions["meta"].write(0, blob)
+        except BaseException:
+            for r in regions.values():
+                r.close()
+            cls.destroy_prefix(client, prefix)
+            raise
+        log.info("created parameter store %s: %d tensors, %d bytes per slot, %s", prefix,
+                 len(layout.tensors), layout.slot_bytes, placement)
+        return store
+
+    @classmethod
+    def attach(cls, client: Any, prefix: str, model: Any, *, timeout: float = 60.0,
+               pull: bool = True) -> "ParameterStore":
+        """Open the store the master created under ``prefix`` (waiting up to ``timeout``
+        seconds for it to appear), check ``model`` against its layout (InvalidArgument
+        or DtypeError on a mismatch) and, with ``pull``, load the stored parameters."""
+        flat = model if isinstance(model, FlatModel) else FlatModel(model)
+        deadline = time.monotonic() + timeout
+        name = cls.region_name(prefix, "meta")
+        while True:
+            try:
+                meta_region = client.open_region(name)
+                break
+            except RegionNotFound:
+                if time.monotonic() > deadline:
+                    raise RegionNotFound(f"no parameter store {prefix!r} after {timeout:g} s: "
+                                         f"the master creates {name} (ParameterStore.create)") from None
+                time.sleep(ATTACH_POLL)
+        regions = {"meta": meta_region}
+        try:
+            meta = cls._read_meta(meta_region)
+            stored = FlatLayout.from_json(json.dumps(meta["layout"]))
+            stored.check_same(flat.layout, where=f"parameter store {prefix!r}")
+            kinds = ["params", "counters"] + [k for k, n in (("grads", meta["grad_slots"]),
+                                                             ("deltas", meta["delta_slots"])) if n]
+            for kind in kinds:
+                regions[kind] = client.open_region(cls.region_name(prefix, kind))
+            counts = {"params": 1, "grads": meta["grad_slots"], "deltas": meta["delta_slots"]}
+            for kind, slots in counts.items():
+                if kind in regions and regions[kind].size != slots * stored.slot_bytes:
+                    raise InvalidArgument(f"region {regions[kind].name} holds {regions[kind].size} bytes, "
+                                          f"the layout needs {slots * stored.slot_bytes}")
+        except BaseException:
+            for r in regions.values():
+                r.close()
+            raise
+        store = cls(client, prefix, flat, regions, meta, master=False)
+        if pull:
+            store.pull_params()
+        return store
+
+    @staticmethod
+    def _read_meta(region: Any) -> dict[str, Any]:
+        head = bytes(region.read(0, META_HEADER.size))
+        magic, length = META_HEADER.unpack(head)
+        if magic != META_MAGIC or length > region.size - META_HEADER.size:
+            raise InvalidArgument(f"region {region.name} is not a parameter-store description")
+        try:
+            return json.loads(bytes(region.read(META_HEADER.size, length)))
+        except ValueError as exc:
+            raise InvalidArgument(f"region {region.name}: unreadable description: {exc}") from None
+
+    @classmethod
+    def destroy_prefix(cls, client: Any, prefix: str) -> None:
+        """Delete every store region under ``prefix`` that exists (meta first)."""
+        for kind in reversed(KINDS):
+            try:
+                client.delete_region(cls.region_name(prefix, kind))
+            except RegionNotFound:
+                pass
+
+    # -- lifecycle ----------------------------------------------------------------
+    def __enter__(self) -> "ParameterStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for r in self.regions.values():
+            r.close()
+
+    def destroy(self) -> None:
+        """Close the handles and delete the regions (usually the master, at the end)."""
+        self.close()
+        self.destroy_prefix(self.client, self.prefix)
+
+    # -- traffic-counted operations -----------------------------------------------
+    def region(self, kind: str) -> Any:
+        try:
+            return self.regions[kind]
+        except KeyError:
+            raise InvalidArgument(f"parameter store {self.prefix!r} has no {kind} region "
+                                  f"(create it with {kind.rstrip('s')}_slots=...)") from None
+
+    def _count(self, sent: int = 0, received: int = 0) -> None:
+        with self._traffic_lock:
+            self.traffic.sent += sent
+            self.traffic.received += received
+            self.traffic.ops += 1
+
+    def slot_offset(self, kind: str, slot: int) -> int:
+        """Byte offset of ``slot`` in the ``kind`` region."""
+        slots = {"params": 1, "grads": self.grad_slots, "deltas": self.delta_slots}[kind]
+        if not 0 <= slot < slots:
+            raise InvalidArgument(f"{kind} slot {slot} out of range: the store has {slots}")
+        return slot * self.layout.slot_bytes
+
+    def read_into(self, kind: str, offset: int, out: torch.Tensor) -> torch.Tensor:
+        self.region(kind).read_into(offset, out)
+        self._count(received=_nbytes(out))
+        return out
+
+    def write(self, kind: str, offset: int, data: Any) -> None:
+        self.region(kind).write(offset, data)
+        self._count(sent=_nbytes(data))
+
+    def accumulate(self, kind: str, offset: int, data: torch.Tensor) -> None:
+        self.region(kind).accumulate(offset, data)
+        self._count(sent=_nbytes(data))
+
+    def accumulate_async(self, kind: str, offset: int, data: torch.Tensor) -> Future:
+        fut = self.region(kind).accumulate_async(offset, data)
+        self._count(sent=_nbytes(data))
+        return fut
+
+    def write_async(self, kind: str, offset: int, data: Any) -> Future:
+        fut = self.region(kind).write_async(offset, data)
+        self._count(sent=_nbytes(data))
+        return fut
+
+    def zero(self, kind: str, offset: int = 0, length: int | None = None) -> None:
+        """Write zeros over ``[offset, offset+length)`` bytes of the ``kind`` region."""
+        region = self.region(kind)
+        end = region.size if length is None else offset + length
+        zeros = bytes(min(ZERO_CHUNK, max(0, end - offset)))
+        pos = offset
+        while pos < end:
+            n = min(len(zeros), end - pos)
+            region.write(pos, memoryview(zeros)[:n])
+            self._count(sent=n)
+            pos += n
+
+    # -- whole-model moves --------------------------------------------------------
+    def pull_params(self, into: torch.Tensor | None = None) -> torch.Tensor:
+        """Read the stored parameters into the model (or into the flat tensor ``into``)."""
+        out = self.flat.flat_params if into is None else into
+        if out.numel() != self.layout.slot_elements or out.dtype != torch.float32:
+            raise InvalidArgument(f"need a float32 tensor of {self.layout.slot_elements} elements")
+        return self.read_into("params", 0, out)
+
+    def push_params(self) -> None:
+        """Write the model's parameters into the params region."""
+        self.write("params", 0, self.flat.flat_params)
+
+    def load_into(self, model: Any) -> None:
+        """Copy the stored parameters into another model of the same architecture
+        (e.g. an evaluation copy), without binding it."""
+        other = FlatLayout.of_module(model)
+        self.layout.check_same(other, where=f"parameter store {self.prefix!r}")
+        buf = torch.empty(self.layout.slot_elements, dtype=torch.float32)
+        self.pull_params(buf)
+        with torch.no_grad():
+            for p, t in zip(model.parameters(), self.layout.tensors):
+                start = t.offset // 4
+                p.copy_(buf[start:start + t.numel].view(t.shape))
+
+    def tensor_servers(self, kind: str = "params", slot: int = 0) -> dict[str, list[str]]:
+        """The memory server(s) holding each tensor of ``slot``: tensor name -> server ids."""
+        region = self.region(kind)
+        base = self.slot_offset(kind, slot)
+        out = {}
+        for t in self.layout.tensors:
+            pieces = region.layout.map(base + t.offset, t.padded)
+            out[t.name] = sorted({region.extents[p.extent].server_id for p in pieces})
+        return out

@@ -1,0 +1,282 @@
+"""The parameter store, hook pushes, SEASGD updates and shared counters on a real local
+cluster (controller and two memory servers as processes, real sockets)."""
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from smb_client.errors import DtypeError, InvalidArgument, RegionNotFound  # noqa: E402
+from smb_client.torch import (SEASGD, ParameterStore, SharedCounters, SyncDataParallel,  # noqa: E402
+                              open_store, WorkerEnv)
+
+
+def mlp(seed: int = 0, hidden: int = 24) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, hidden), torch.nn.Tanh(),
+                               torch.nn.Linear(hidden, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 3))
+
+
+@pytest.mark.parametrize("placement", ["striped", "layered"])
+def test_create_attach_pull_push(client, name, placement):
+    master = mlp(seed=1)
+    store = ParameterStore.create(client, name, master, placement=placement, grad_slots=3,
+                                  delta_slots=2, workers=2)
+    try:
+        other = mlp(seed=2)
+        assert not torch.equal(other[0].weight, master[0].weight)
+        attached = ParameterStore.attach(client, name, other)
+        for a, b in zip(master.parameters(), other.parameters()):
+            assert torch.equal(a, b)
+        # a push from one side is a pull on the other, in place
+        with torch.no_grad():
+            other[2].bias.add_(1.5)
+        attached.push_params()
+        store.pull_params()
+        assert torch.equal(master[2].bias, other[2].bias)
+        servers = store.tensor_servers()
+        if placement == "layered":
+            # layer-based sharding: each tensor whole on one server, both servers used
+            for slot in range(3):
+                per_tensor = store.tensor_servers("grads", slot)
+                assert all(len(s) == 1 for s in per_tensor.values())
+            assert len({s[0] for s in servers.values()}) == 2
+        else:
+            assert store.regions["params"].placement == "striped"
+            assert len(store.regions["grads"].extents) == 2
+        assert attached.traffic.received >= store.layout.slot_bytes
+        attached.close()
+    finally:
+        store.destroy()
+    assert client.list_regions(name) == []
+
+
+def test_bad_input_gives_typed_errors(client, name):
+    with pytest.raises(DtypeError, match="float32"):
+        ParameterStore.create(client, name, mlp().double())
+    store = ParameterStore.create(client, name, mlp(hidden=24), grad_slots=1)
+    try:
+        with pytest.raises(InvalidArgument, match="does not match"):
+            ParameterStore.attach(client, name, mlp(hidden=25))
+        with pytest.raises(InvalidArgument, match="grad_slots >= 3"):
+            SyncDataParallel(store, 0, 1)
+        with pytest.raises(InvalidArgument, match="delta slot"):
+            SEASGD(store, 0, 1)
+        with pytest.raises(InvalidArgument, match="placement"):
+            ParameterStore.create(client, name + "x", mlp(), placement="diagonal")
+    finally:
+        store.destroy()
+    with pytest.raises(RegionNotFound, match="master creates"):
+        ParameterStore.attach(client, name, mlp(), timeout=0.2)
+
+
+@pytest.mark.parametrize("placement", ["striped", "layered"])
+def test_hook_pushes_equal_a_push_after_backward(client, name, placement):
+    """Gradients pushed bucket by bucket from backward hooks (overlap) land in the region
+    exactly as one push of the whole gradient after backward does."""
+    x = torch.randn(16, 6, generator=torch.Generator().manual_seed(3))
+    y = torch.randint(0, 3, (16,), generator=torch.Generator().manual_seed(4))
+    results = {}
+    for overlap in (True, False):
+        model = mlp(seed=5)
+        store = ParameterStore.create(client, f"{name}-{overlap}", model, placement=placement, grad_slots=3)
+        dp = SyncDataParallel(store, 0, 1, overlap=overlap, bucket_bytes=512)
+        try:
+            for step in range(2):    # two steps: slot rotation and zeroing included
+                dp.zero_grad()
+                torch.nn.functional.cross_entropy(model(x[step * 8:(step + 1) * 8]),
+                                                  y[step * 8:(step + 1) * 8]).backward()
+                local = store.flat.flat_grads.clone()
+                if overlap:
+                    assert dp._hooks is not None and dp._hooks.launched == len(dp._hooks.buckets) >= 3
+                dp.synchronize()
+                pushed = torch.from_numpy(store.regions["grads"].read(
+                    store.slot_offset("grads", step), store.layout.slot_bytes, dtype="float32"))
+                assert torch.equal(pushed, local)
+                assert torch.equal(store.flat.flat_grads, local)   # world 1: the average is ours
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p -= 0.1 * p.grad
+            results[overlap] = store.flat.flat_params.clone()
+        finally:
+            dp.close()
+            store.destroy()
+    assert torch.equal(results[True], results[False])
+
+
+def test_seasgd_update_matches_hand_computation(client, name):
+    model = torch.nn.Linear(2, 1)
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor([[1.0, 2.0]]))
+        model.bias.fill_(3.0)
+    store = ParameterStore.create(client, name, model, delta_slots=2, workers=2)
+    try:
+        # the global weights: [[5, -2]], bias 1  (written by "another worker")
+        g = store.flat.flat_params.clone()
+        w0, b0 = store.layout.tensors[0].offset // 4, store.layout.tensors[1].offset // 4
+        g[w0:w0 + 2] = torch.tensor([5.0, -2.0])
+        g[b0] = 1.0
+        store.regions["params"].write(0, g)
+        ea = SEASGD(store, rank=1, world=2, moving_rate=0.25, update_interval=2)
+        assert ea.after_step() is False          # step 1: no update
+        assert ea.after_step() is True           # step 2: update
+        ea.finish()
+        # delta = 0.25 * (local - global) = 0.25 * ([1-5, 2+2], 3-1) = ([-1, 1], 0.5)
+        assert model.weight.tolist() == [[2.0, 1.0]]        # local - delta
+        assert model.bias.tolist() == [2.5]
+        glob = store.regions["params"].read(0, store.layout.slot_bytes, dtype="float32")
+        assert glob[w0:w0 + 2].tolist() == [4.0, -1.0]       # global + delta
+        assert glob[b0] == 1.5
+        delta = store.regions["deltas"].read(store.slot_offset("deltas", 1), store.layout.slot_bytes,
+                                             dtype="float32")
+        assert delta[w0:w0 + 2].tolist() == [-1.0, 1.0] and delta[b0] == 0.5
+        untouched = store.regions["deltas"].read(0, store.layout.slot_bytes, dtype="float32")
+        assert not untouched.any()                            # rank 0's private slot
+        ea.close()
+    finally:
+        store.destroy()
+
+
+def test_seasgd_workers_pull_global_weights_toward_them(cluster, name):
+    """Three asynchronous workers fit one linear map from different shards; the global
+    weights move from their zero start toward the workers and fit the data."""
+    torch.manual_seed(0)
+    true_w = torch.randn(4, 1)
+    xs = torch.randn(300, 4)
+    ys = xs @ true_w
+    world, steps = 3, 60
+    finals: dict[int, torch.Tensor] = {}
+    errors: list[BaseException] = []
+
+    def make() -> torch.nn.Module:
+        m = torch.nn.Linear(4, 1, bias=False)
+        with torch.no_grad():
+            m.weight.zero_()
+        return m
+
+    with cluster.client() as master_client:
+        master = ParameterStore.create(master_client, name, make(), delta_slots=world, workers=world)
+
+        def worker(rank: int) -> None:
+            try:
+                with cluster.client() as c:
+                    model = make()
+                    store = ParameterStore.attach(c, name, model)
+                    ea = SEASGD(store, rank, world, update_interval=3)   # moving rate 0.3
+                    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+                    for step in range(steps):
+                        idx = torch.arange(rank, 300, world)[(step * 10) % 100:(step * 10) % 100 + 10]
+                        opt.zero_grad()
+                        torch.nn.functional.mse_loss(model(xs[idx]), ys[idx]).backward()
+                        opt.step()
+                        ea.after_step()
+                    ea.close()
+                    finals[rank] = model.weight.detach().clone().view(-1)
+                    assert ea.updates == steps // 3
+                    store.close()
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=worker, args=(r,)) for r in range(world)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errors, errors
+        glob = torch.from_numpy(master.regions["params"].read(0, 16, dtype="float32").copy())
+        master.destroy()
+    mean_local = torch.stack([finals[r] for r in range(world)]).mean(0)
+    start_gap = float(mean_local.norm())                     # the global weights started at 0
+    assert float((glob - mean_local).norm()) < 0.5 * start_gap
+    loss0 = float((ys ** 2).mean())
+    loss = float(((xs @ glob.view(4, 1) - ys) ** 2).mean())
+    assert loss < 0.2 * loss0, (loss, loss0)
+
+
+def _run_counter_workers(cluster, name, rule, target, delays, lockstep=False):
+    world = len(delays)
+    out: dict[int, int] = {}
+    errors: list[BaseException] = []
+    with cluster.client() as c:
+        region = c.create_region(name, 4096, placement="single")
+        region.write(0, np.zeros(512, np.int64))
+
+        def worker(rank: int) -> None:
+            try:
+                with cluster.client() as wc:
+                    r = wc.open_region(name)
+                    counters = SharedCounters(r, rank, world, rule, target, lockstep=lockstep)
+                    while not counters.tick():
+                        time.sleep(delays[rank])
+                        if counters.count > 20 * target:
+                            raise AssertionError("never stopped")
+                    out[rank] = counters.count
+                    counters.finish()
+                    r.close()
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(world)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        snap = SharedCounters(region, 0, world).snapshot()
+        region.close()
+        c.delete_region(name)
+    assert not errors, errors
+    assert snap["counts"] == [out[i] for i in range(world)]
+    assert snap["finished"] == world
+    return snap
+
+
+def test_stop_when_master_finishes(cluster, name):
+    snap = _run_counter_workers(cluster, name, "master", 10, [0.03, 0.005, 0.005])
+    assert snap["counts"][0] == 10 and snap["stop"] == 10
+    assert all(c > 10 for c in snap["counts"][1:])           # faster workers did more
+
+
+def test_stop_when_fastest_finishes(cluster, name):
+    snap = _run_counter_workers(cluster, name, "fastest", 12, [0.03, 0.03, 0.003])
+    assert snap["counts"][2] == 12 and snap["stop"] == 12
+    assert all(c < 12 for c in snap["counts"][:2])
+
+
+def test_stop_when_average_reaches_target(cluster, name):
+    world, target = 3, 10
+    snap = _run_counter_workers(cluster, name, "average", target, [0.02, 0.01, 0.003])
+    assert target * world <= snap["total"] <= target * world + world
+    assert snap["counts"][2] > target > snap["counts"][0]     # unequal speeds, average on target
+
+
+def test_open_store_master_creates_others_attach(cluster, name):
+    world = 3
+    models = {}
+    errors: list[BaseException] = []
+
+    def worker(rank: int) -> None:
+        try:
+            with cluster.client() as c:
+                model = mlp(seed=10 + rank)
+                store = open_store(c, WorkerEnv(rank=rank, world_size=world, local_world_size=world),
+                                   name, model, grad_slots=3, workers=world)
+                models[rank] = store.flat.flat_params.clone()
+                c.barrier(f"{name}/done", world, timeout=30)
+                if rank == 0:
+                    store.destroy()
+                else:
+                    store.close()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert torch.equal(models[1], models[0]) and torch.equal(models[2], models[0])

@@ -1,0 +1,108 @@
+"""Synchronous training through the memory box equals one process training on the union
+of the workers' batches (worker processes on a real local cluster)."""
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+WORLD = 3
+BATCH = 8       # per worker and step
+STEPS = 6
+LR = 0.1
+
+
+def make_model():
+    torch.manual_seed(1234)
+    return torch.nn.Sequential(torch.nn.Linear(10, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32),
+                               torch.nn.Tanh(), torch.nn.Linear(32, 4))
+
+
+def make_data():
+    g = torch.Generator().manual_seed(99)
+    x = torch.randn(STEPS * WORLD * BATCH, 10, generator=g)
+    y = torch.randint(0, 4, (STEPS * WORLD * BATCH,), generator=g)
+    return x, y
+
+
+def sync_worker(address, token, prefix, rank, placement, overlap, queue):
+    try:
+        import smb_client
+        from smb_client.torch import SharedCounters, SyncDataParallel, WorkerEnv, open_store
+        torch.set_num_threads(1)
+        x, y = make_data()
+        env = WorkerEnv(rank=rank, world_size=WORLD, local_rank=rank, local_world_size=WORLD)
+        with smb_client.connect(address, token) as client:
+            # every worker builds its model from a different seed: the master's weights win
+            torch.manual_seed(rank)
+            model = make_model() if rank == 0 else torch.nn.Sequential(
+                torch.nn.Linear(10, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(),
+                torch.nn.Linear(32, 4))
+            store = open_store(client, env, prefix, model, placement=placement, grad_slots=3, workers=WORLD)
+            # workers would stop at different counts; "fastest" stops all after STEPS steps
+            counters = SharedCounters(store.region("counters"), rank, WORLD, "fastest", STEPS + rank,
+                                      lockstep=True)
+            dp = SyncDataParallel(store, rank, WORLD, overlap=overlap, counters=counters, bucket_bytes=1024)
+            opt = torch.optim.SGD(model.parameters(), lr=LR)
+            step = 0
+            while not dp.stop:
+                if step >= 2 * STEPS:
+                    raise AssertionError("the stopping rule never fired")
+                lo = (step * WORLD + rank) * BATCH
+                dp.zero_grad()
+                torch.nn.functional.cross_entropy(model(x[lo:lo + BATCH]), y[lo:lo + BATCH]).backward()
+                dp.synchronize()
+                opt.step()
+                step += 1
+            dp.close()
+            client.barrier(f"{prefix}/end", WORLD, timeout=60)
+            queue.put((rank, step, store.flat.flat_params.numpy().copy(), store.traffic.as_dict()))
+            if rank == 0:
+                store.destroy()
+            else:
+                store.close()
+    except BaseException as exc:
+        queue.put((rank, -1, repr(exc), None))
+        raise
+
+
+def reference():
+    model = make_model()
+    x, y = make_data()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for step in range(STEPS):
+        lo, hi = step * WORLD * BATCH, (step + 1) * WORLD * BATCH
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x[lo:hi]), y[lo:hi]).backward()
+        opt.step()
+    return model
+
+
+@pytest.mark.parametrize("placement,overlap", [("striped", True), ("layered", False)])
+def test_sync_equals_single_process_on_union_of_batches(cluster, name, placement, overlap):
+    from smb_client.torch import FlatModel
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=sync_worker, args=(cluster.address, cluster.token, name, r, placement,
+                                                    overlap, queue)) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    try:
+        results = sorted(queue.get(timeout=120) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    for rank, steps, params, traffic in results:
+        assert steps == STEPS, (rank, params)
+    ref = FlatModel(reference()).flat_params.numpy()
+    start = FlatModel(make_model()).flat_params.numpy()
+    for rank, _, params, traffic in results:
+        assert np.array_equal(params, results[0][2])              # all replicas identical
+        np.testing.assert_allclose(params, ref, rtol=1e-5, atol=1e-6)
+        assert traffic["sent"] > 0 and traffic["received"] > 0
+    assert np.abs(ref - start).max() > 1e-3                        # training moved the weights

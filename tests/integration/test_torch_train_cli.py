@@ -1,0 +1,43 @@
+"""`smb train`: the digits example, every scheme under torchrun against a running cluster."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("sklearn")
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_smb_train_runs_every_scheme_under_torchrun(cluster, tmp_path):
+    out = tmp_path / "rows.json"
+    env = dict(os.environ, SMB_CONTROLLER=cluster.address, SMB_TOKEN=cluster.token)
+    proc = subprocess.run(
+        [sys.executable, "-m", "smb_server.cli", "train", "--scheme", "all", "--workers", "2",
+         "--epochs", "3", "--quiet", "--", "--json", str(out), "--job", f"cli{os.getpid()}"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {r["scheme"]: r for r in json.loads(out.read_text())}
+    assert set(rows) == {"sync", "seasgd", "hybrid"}
+    for scheme, row in rows.items():
+        assert row["workers"] == 2
+        assert row["samples"] > 0 and row["bytes_moved"] > 0
+        assert row["accuracy"] > 0.3, row           # chance is 0.1
+    assert rows["sync"]["steps"] == [66, 66]        # 1437 samples // 64 per step = 22, × 3 epochs
+    assert "scheme" in proc.stdout and "samples/s" in proc.stdout
+    # the example cleaned up after itself
+    with cluster.client() as c:
+        assert c.list_regions(f"cli{os.getpid()}") == []
+
+
+def test_smb_train_unknown_example(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "smb_server.cli", "train", "--example", "nosuch"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "digits" in proc.stderr
