@@ -76,13 +76,17 @@ class Client:
     one of auto, tcp, shm, rdma (default ``$SMB_TRANSPORT`` or auto). ``connections``
     is the number of sockets per memory server and region; ``chunk_bytes`` the largest
     single request; ``reconnect_timeout`` how long control calls keep retrying while the
-    controller is unreachable (e.g. restarting) before ControllerUnavailable. The client owns its channel and thread pools; :meth:`close` them.
+    controller is unreachable (e.g. restarting) before ControllerUnavailable.
+    ``transport_options`` go to every data-plane session on top of those (for example
+    ``{"max_message": 65536}`` for rdma; see each transport's session class). The client
+    owns its channel and thread pools; :meth:`close` them.
     """
 
     def __init__(self, address: str | None = None, token: str | None = None, *,
                  transport: str | None = None, timeout: float = 30.0, connections: int = 2,
                  chunk_bytes: int = 8 << 20, io_threads: int = 16,
-                 reconnect_timeout: float = 5.0) -> None:
+                 reconnect_timeout: float = 5.0,
+                 transport_options: dict[str, Any] | None = None) -> None:
         self.address = address or os.environ.get("SMB_CONTROLLER", DEFAULT_CONTROLLER)
         self.token = token if token is not None else os.environ.get("SMB_TOKEN", "")
         self.transport = (transport or os.environ.get("SMB_TRANSPORT", "") or "auto").lower()
@@ -93,6 +97,7 @@ class Client:
         self.reconnect_timeout = reconnect_timeout
         self.connections = connections
         self.chunk_bytes = chunk_bytes
+        self.transport_options = dict(transport_options or {})
         self._channel = rpc.channel(self.address)
         self._stub = pb_grpc.ControllerStub(self._channel)
         self._io_pool = ThreadPoolExecutor(io_threads, thread_name_prefix="smb-io")
@@ -192,6 +197,7 @@ class Client:
         tcp = [u for u in place.endpoints if u.startswith("tcp://")]
         if tcp:
             options["tcp_endpoint"] = tcp[0]
+        options.update(self.transport_options)
         try:
             factory = transports.TRANSPORTS[endpoint.scheme]
         except KeyError:

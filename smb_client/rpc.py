@@ -21,9 +21,10 @@ CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 << 20),
     ("grpc.enable_retries", 0),
     # a restarted controller is found again within a fraction of a second, not after
-    # gRPC's default exponential backoff (up to two minutes)
+    # gRPC's default exponential backoff (up to two minutes). "min_reconnect_backoff" is
+    # left alone on purpose: gRPC uses it as the deadline of one connection attempt
+    # (default 20 s), and a small value fails every handshake on a slow or loaded host.
     ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 

@@ -71,7 +71,8 @@ BOUNCE_MAX = 64 << 10     # buffers up to this size (without a cacheable owner) 
 REG_CACHE_BYTES = 4 << 30  # registered bytes kept in the cache before evicting
 REG_CACHE_ENTRIES = 1024
 OP_TIMEOUT = 30.0         # seconds an operation may wait for completions
-CONNECT_TIMEOUT = 10.0    # seconds for the Connect call
+CONNECT_TIMEOUT = 10.0    # seconds for the Connect call (option connect_timeout, env below)
+ENV_CONNECT_TIMEOUT = "SMB_RDMA_CONNECT_TIMEOUT"
 POLL_BATCH = 32
 SPIN_POLLS = 4            # empty polls before yielding the GIL
 YIELD_POLLS = 8           # empty polls with sleep(0) before napping
@@ -341,7 +342,7 @@ class _Conn:
         stub = pb_grpc.MemoryServerStub(s.channel())
         resp = rpc.call(stub.Connect, pb.ConnectRequest(
             ticket=s.ticket, qpn=local.qpn, psn=local.psn, gid=local.gid, mtu=local.mtu, lid=0),
-            s.token, CONNECT_TIMEOUT, ServerUnavailable)
+            s.token, s.connect_timeout, ServerUnavailable)
         remote = verbs.QPInfo(resp.qpn, resp.psn, bytes(resp.gid), resp.mtu, resp.lid)
         self.mtu = verbs.negotiate_mtu(local.mtu, remote.mtu)
         if self.mtu != resp.mtu:
@@ -355,7 +356,7 @@ class _Conn:
             self.qp.post_recv(wr)
         self.extents = {x.extent_id: RemoteExtent(x.address, x.rkey, x.length) for x in resp.extents}
         self.staging = (resp.staging_address, resp.staging_rkey, resp.staging_length)
-        self.max_msg = max(PAGE, min(self.device.info.max_msg, 1 << 30))
+        self.max_msg = max(PAGE, min(self.device.info.max_msg, s.max_message or 1 << 30))
         log.debug("%s: QP %d connected to %d (MTU %d, %d extents)", self.where, local.qpn,
                   remote.qpn, self.mtu, len(self.extents))
 
@@ -574,7 +575,11 @@ class RdmaSession(Session):
 
     ``endpoint``: ``rdma://host:port`` of the server's gRPC service. Options:
     ``connections`` (queue pairs, default 2), ``token`` (bearer token), ``device``
-    (RDMA device name; default ``$SMB_RDMA_DEVICE`` or the first active one). Owns its
+    (RDMA device name; default ``$SMB_RDMA_DEVICE`` or the first active one),
+    ``connect_timeout`` (seconds for the queue-pair exchange; default
+    ``$SMB_RDMA_CONNECT_TIMEOUT`` or :data:`CONNECT_TIMEOUT`), ``max_message`` (bytes
+    per work request; default the device's maximum message size: transfers are split
+    into work requests of at most this many bytes and pipelined). Owns its
     queue pairs and gRPC channel; the device and the registration cache are shared by
     the process.
     """
@@ -589,6 +594,11 @@ class RdmaSession(Session):
         self.mode = mode
         self.token = options.get("token") or None
         self.max_connections = max(1, int(options.get("connections", 2)))
+        self.max_message = int(options.get("max_message") or 0)
+        if self.max_message < 0:
+            raise InvalidArgument(f"max_message must be a positive number of bytes, not {self.max_message}")
+        self.connect_timeout = float(options.get("connect_timeout")
+                                     or os.environ.get(ENV_CONNECT_TIMEOUT) or CONNECT_TIMEOUT)
         self.shared = _Shared.get(options.get("device") or None)
         self._channel: Any = None
         self._idle: queue.LifoQueue[_Conn] = queue.LifoQueue()

@@ -16,7 +16,7 @@ from smb_server.config import new_secret, new_token
 
 pytestmark = [pytest.mark.rdma, pytest.mark.netns]
 MiB = 1 << 20
-SERVERS = {"smb-a": ("rxea", "10.8.1.1", "10.8.1.2"), "smb-b": ("rxeb", "10.8.2.1", "10.8.2.2")}
+SERVERS = {"smb-a": ("rxea", "198.19.1.1", "198.19.1.2"), "smb-b": ("rxeb", "198.19.2.1", "198.19.2.2")}
 
 
 def _ready(path, proc, what, timeout=60.0) -> dict:
@@ -85,7 +85,7 @@ def test_striped_region_over_two_namespaces(two_hosts, monkeypatch):
     with Client(address, token, transport="rdma") as c:
         servers = c.list_servers()
         assert len(servers) == 2 and {s.grpc_address.rpartition(":")[0] for s in servers} == \
-            {"10.8.1.2", "10.8.2.2"}
+            {"198.19.1.2", "198.19.2.2"}
         r = c.create_region("netns/striped", 6 * MiB + 100, stripe_unit=256 << 10)
         assert len({e.server_id for e in r.extents}) == 2
         assert set(r.transports().values()) == {"rdma"}

@@ -20,6 +20,9 @@ set +x
 ibv_devices
 cd "$REPO"
 export PYTHONDONTWRITEBYTECODE=1 HOME=/tmp TMPDIR=/tmp SMB_RDMA_VM=1
+# the guest CPU is emulated (no KVM): a gRPC handshake that takes milliseconds on a host
+# can take tens of seconds here while other processes import torch
+export SMB_RDMA_CONNECT_TIMEOUT=${SMB_RDMA_CONNECT_TIMEOUT:-120}
 "$@"
 rc=$?
 echo "guest: command exited with $rc"
