@@ -27,7 +27,8 @@ def worker(address: str, token: str, rank: int, world: int, size: int, transport
     with smb_client.connect(address, token, transport=transport) as c:
         params = c.open_region("demo/params")
         grads = c.open_region("demo/grads")
-        share = size // world
+        counters = c.open_region("demo/counters")
+        share = size // world // 4 * 4          # bytes per worker, whole float32 elements
         mine = np.full(share // 4, rank + 1, dtype=np.float32)
         t0 = time.perf_counter()
         params.write(rank * share, mine)
@@ -41,12 +42,13 @@ def worker(address: str, token: str, rank: int, world: int, size: int, transport
         t0 = time.perf_counter()
         grads.accumulate(0, np.full(size // 4, float(rank + 1), dtype=np.float32))
         t_acc = time.perf_counter() - t0
-        params.fetch_add(size - 8, 1)  # an iteration counter in the last word
+        counters.fetch_add(0, 1)  # a shared iteration counter (aligned stopping)
         c.barrier("demo/accumulated", world, timeout=60)
         results.put((rank, ok, share / t_write, size / t_read, size / t_acc,
                      sorted(set(params.transports().values()))))
         params.close()
         grads.close()
+        counters.close()
 
 
 def run(cluster: LocalCluster, size: int, world: int, transport: str) -> None:
@@ -54,7 +56,7 @@ def run(cluster: LocalCluster, size: int, world: int, transport: str) -> None:
         params = c.create_region("demo/params", size, placement="striped", stripe_unit=MiB)
         grads = c.create_region("demo/grads", size, placement="striped", stripe_unit=MiB)
         grads.write(0, np.zeros(size // 4, np.float32))
-        params.write(size - 8, np.zeros(1, np.int64))
+        counters = c.create_region("demo/counters", 4096, placement="single")
         print(f"\n[{transport}] master created demo/params and demo/grads: {format_bytes(size)} each, "
               f"striped over {len(params.extents)} memory servers")
         ctx = mp.get_context("spawn")
@@ -71,7 +73,7 @@ def run(cluster: LocalCluster, size: int, world: int, transport: str) -> None:
                   f"accumulate {format_bytes(a)}/s  data {'ok' if ok else 'WRONG'}")
         total = grads.read(dtype="float32")
         expect = sum(range(1, world + 1))
-        counter = int(params.read(size - 8, 8, dtype="int64")[0])
+        counter = int(counters.read(0, 8, dtype="int64")[0])
         print(f"  accumulated gradient: every element = {total[0]:g} (expected {expect}), "
               f"{'exact' if np.all(total == expect) else 'MISMATCH'}; iteration counter = {counter}")
         if not (np.all(total == expect) and all(row[1] for row in rows) and counter == world):
@@ -79,7 +81,9 @@ def run(cluster: LocalCluster, size: int, world: int, transport: str) -> None:
         params.close()
         grads.close()
         c.delete_region("demo/params")
+        counters.close()
         c.delete_region("demo/grads")
+        c.delete_region("demo/counters")
 
 
 def main() -> int:
