@@ -15,7 +15,7 @@ APT_PKGS := python3-venv python3-dev iproute2 procps \
             rdma-core ibverbs-providers ibverbs-utils python3-pyverbs perftest \
             qemu-system-x86 linux-image-amd64 busybox-static systemd
 
-.PHONY: all deps apt venv proto demo test test-host test-unit test-integration test-rdma bench bench-rdma clean
+.PHONY: all deps apt venv proto demo test test-host test-unit test-integration test-rdma bench bench-rdma bench-cluster clean
 
 all: proto
 
@@ -69,6 +69,11 @@ bench: deps
 
 bench-rdma: deps
 	SMB_VM_BENCH=1 tests/rdma/run_vm.sh
+
+# a cluster on one machine: memory servers and workers in network namespaces with capped
+# links (root; see docs/benchmarks.md)
+bench-cluster: deps
+	$(PY) -m bench.cluster
 
 clean:
 	rm -rf $(VENV) smb_client/_proto *.egg-info .pytest_cache

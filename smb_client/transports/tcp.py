@@ -31,7 +31,7 @@ class TcpConnection:
 
     def __init__(self, host: str, port: int, ticket: str, io_timeout: float = IO_TIMEOUT) -> None:
         try:
-            self.sock = socket.create_connection((host, port), timeout=CONNECT_TIMEOUT)
+            self.sock = socket.create_connection((host, port), timeout=min(CONNECT_TIMEOUT, io_timeout))
         except OSError as exc:
             raise ServerUnavailable(f"cannot connect to tcp://{host}:{port}: {exc}") from None
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

@@ -1,0 +1,319 @@
+"""The cluster experiments: bandwidth scaling, sharding, aggregation and failure.
+
+Each experiment runs workers (:mod:`.worker`) on a :class:`~.testbed.Testbed` and
+returns a JSON-able dict; :mod:`.report` turns the dicts into tables and plots.
+Bandwidths are MB/s (1e6 bytes per second), times seconds, link caps Mbit/s.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import subprocess
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from .cpuload import CpuSampler
+from .testbed import Testbed, TestbedError, live_pids
+
+log = logging.getLogger(__name__)
+
+MiB = 1 << 20
+MASTER_PORT = 29500        # torch.distributed rendezvous on the first worker's host
+FILE_POLL = 0.05           # seconds
+
+Tick = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What the experiments run; :data:`QUICK` is the short version the tests use."""
+
+    cap_mbit: float = 500.0                       # link rate, each direction
+    clients: int = 8                              # experiment 1
+    server_counts: tuple[int, ...] = (1, 2, 4)
+    op_bytes: int = 4 * MiB                       # one write/read of a client
+    seconds: float = 5.0                          # per bandwidth point and direction
+    shard_configs: tuple[tuple[int, int], ...] = ((2, 1), (4, 2), (8, 4))   # experiment 2: workers, servers
+    shard_steps: int = 5
+    shard_warmup: int = 1
+    shard_stripe_unit: int = 64 << 10             # bytes; even shares of a 10 MB model
+    model_inputs: int = 4096                      # the concentrated model's first layer
+    model_hidden: int = 512
+    sync_sizes: tuple[int, ...] = (25_000_000, 100_000_000)   # experiment 3, bytes
+    sync_workers: int = 4
+    syncs: int = 3
+    sync_warmup: int = 1
+    lease_seconds: float = 3.0                    # failure: controller lease
+    io_timeout: float = 1.5                       # failure: the client's data-plane bound
+    log_level: str = "WARNING"
+    only: tuple[str, ...] = ("bandwidth", "sharding", "allreduce", "failure")
+
+
+QUICK = Settings(cap_mbit=200.0, clients=2, server_counts=(1, 2), op_bytes=MiB, seconds=1.0,
+                 shard_configs=((2, 2),), shard_steps=2, model_inputs=512, model_hidden=64,
+                 sync_sizes=(2_000_000,), sync_workers=2, syncs=2)
+
+
+# -- experiment 1: bandwidth scaling --------------------------------------------------
+def _cumulative(run: dict[str, Any], t: float) -> float:
+    """Bytes one client had moved at time ``t``, interpolated between its operations."""
+    points = [run["start"], *run["done"]]
+    op = run["op_bytes"]
+    if t <= points[0]:
+        return 0.0
+    for i in range(1, len(points)):
+        if t <= points[i]:
+            return op * (i - 1 + (t - points[i - 1]) / (points[i] - points[i - 1]))
+    return float(op * len(run["done"]))
+
+
+def window_rate(runs: Sequence[dict[str, Any]]) -> tuple[float, float, float]:
+    """Aggregate MB/s of clients over the window in which all of them were running
+    (from the last start to the first finish); returns (MB/s, t0, t1)."""
+    t0 = max(r["start"] for r in runs)
+    t1 = min(r["done"][-1] for r in runs)
+    if t1 - t0 < 0.1:   # no common window: fall back to each client's own rate
+        rate = sum(len(r["done"]) * r["op_bytes"] / (r["done"][-1] - r["start"]) for r in runs)
+        return rate / 1e6, min(r["start"] for r in runs), max(r["done"][-1] for r in runs)
+    moved = sum(_cumulative(r, t1) - _cumulative(r, t0) for r in runs)
+    return moved / (t1 - t0) / 1e6, t0, t1
+
+
+def bandwidth(tb: Testbed, s: Settings, tick: Tick, cpu: CpuSampler | None = None) -> dict[str, Any]:
+    """Aggregate write and read bandwidth of ``s.clients`` clients on a region striped
+    (1 MiB unit) over 1, 2, 4 memory servers; each client moves its own slice of
+    ``s.op_bytes`` per operation, one operation at a time, for ``s.seconds``."""
+    points = []
+    hosts = tb.workers[:s.clients]
+    for k in s.server_counts:
+        specs = [{"mode": "bandwidth", "rank": r, "world": s.clients, "op_bytes": s.op_bytes,
+                  "servers": k, "seconds": s.seconds, "region": f"bw/k{k}", "stripe_unit": MiB,
+                  "log_level": s.log_level} for r in range(s.clients)]
+        runs = tb.run_workers(specs, hosts=hosts, name=f"bw-k{k}-")
+        point: dict[str, Any] = {"servers": k, "region_servers": len(runs[0]["servers"]),
+                                 "verified": all(r["verified"] for r in runs)}
+        for kind in ("write", "read"):   # every operation of every client, warm-up excluded
+            point[f"{kind}_bytes"] = sum(len(r[kind]["done"]) * r[kind]["op_bytes"] for r in runs)
+        for kind in ("write", "read"):
+            rate, t0, t1 = window_rate([r[kind] for r in runs])
+            point[f"{kind}_MBps"] = rate
+            point[f"{kind}_window_seconds"] = t1 - t0
+            point[f"{kind}_cpu"] = cpu.usage(t0, t1) if cpu else None
+        points.append(point)
+        tick(f"bandwidth, {k} server{'s' if k > 1 else ''}: write {point['write_MBps']:.1f}, "
+             f"read {point['read_MBps']:.1f} MB/s")
+    cap = s.cap_mbit / 8 if s.cap_mbit else 0.0
+    base = points[0]
+    for p in points:
+        for kind in ("write", "read"):
+            linear = base[f"{kind}_MBps"] * p["servers"] / base["servers"]
+            p[f"{kind}_scaling"] = p[f"{kind}_MBps"] / linear if linear else None
+            p[f"{kind}_of_links"] = p[f"{kind}_MBps"] / (cap * p["servers"]) if cap else None
+    return {"clients": s.clients, "op_bytes": s.op_bytes, "seconds": s.seconds, "stripe_unit": MiB,
+            "link_MBps": cap, "points": points}
+
+
+def _usage(cpu: CpuSampler | None, runs: Sequence[dict[str, Any]],
+           window: Callable[[dict[str, Any]], list[float]]) -> dict[str, float] | None:
+    """CPU use over the workers' common measured window (see :meth:`CpuSampler.usage`)."""
+    if cpu is None:
+        return None
+    return cpu.usage(max(window(r)[0] for r in runs), min(window(r)[1] for r in runs))
+
+
+# -- experiment 2: sharding ---------------------------------------------------------
+def concentrated_model(inputs: int, hidden: int) -> Any:
+    """An MLP ``inputs``-``hidden``-``hidden``-``hidden``-10; with 4096 inputs and 512 hidden
+    units its first layer holds 80% of the parameters."""
+    import torch
+    return torch.nn.Sequential(
+        torch.nn.Linear(inputs, hidden), torch.nn.ReLU(),
+        torch.nn.Linear(hidden, hidden), torch.nn.ReLU(),
+        torch.nn.Linear(hidden, hidden), torch.nn.ReLU(),
+        torch.nn.Linear(hidden, 10))
+
+
+def _max_per_step(runs: Sequence[dict[str, Any]], placement: str, key: str) -> list[float]:
+    """Per step, the slowest worker's ``key`` time (seconds)."""
+    steps = len(runs[0][placement]["times"])
+    return [max(r[placement]["times"][i][key] for r in runs) for i in range(steps)]
+
+
+def sharding(tb: Testbed, s: Settings, tick: Tick, cpu: CpuSampler | None = None) -> dict[str, Any]:
+    """Per step every worker accumulates its gradients into a region and, after a
+    barrier, reads the parameters; striped vs layered placement of the model's
+    tensors, for each (workers, memory servers) of ``s.shard_configs``."""
+    from smb_client.torch.layout import FlatLayout
+    model = concentrated_model(s.model_inputs, s.model_hidden)
+    layout = FlatLayout.of_module(model)
+    segments = layout.segment_sizes(1)
+    slot = layout.slot_bytes
+    tensors = [{"name": t.name, "bytes": t.padded} for t in layout.tensors]
+    points = []
+    for workers, k in s.shard_configs:
+        specs = [{"mode": "sharding", "rank": r, "world": workers, "servers": k, "segments": segments,
+                  "stripe_unit": s.shard_stripe_unit, "placements": ["striped", "layered"],
+                  "steps": s.shard_steps, "warmup": s.shard_warmup, "tag": f"shard/w{workers}",
+                  "log_level": s.log_level} for r in range(workers)]
+        runs = tb.run_workers(specs, hosts=tb.workers[:workers], name=f"shard-w{workers}-")
+        point: dict[str, Any] = {"workers": workers, "servers": k}
+        for placement in ("striped", "layered"):
+            share = max(runs[0][placement]["servers"].values()) / slot
+            point[placement] = {
+                "step_seconds": statistics.median(_max_per_step(runs, placement, "step")),
+                "push_seconds": statistics.median(_max_per_step(runs, placement, "push")),
+                "pull_seconds": statistics.median(_max_per_step(runs, placement, "pull")),
+                "steps": _max_per_step(runs, placement, "step"),
+                "max_server_share": share,
+                "cpu": _usage(cpu, runs, lambda r: r[placement]["window"]),
+                "verified": all(r[placement]["verified"] for r in runs)}
+        point["speedup"] = point["layered"]["step_seconds"] / point["striped"]["step_seconds"]
+        point["expected_speedup"] = point["layered"]["max_server_share"] / point["striped"]["max_server_share"]
+        points.append(point)
+        tick(f"sharding, {workers} workers / {k} server{'s' if k > 1 else ''}: "
+             f"striped {point['striped']['step_seconds']:.2f} s, layered "
+             f"{point['layered']['step_seconds']:.2f} s per step")
+    return {"model": {"layers": [s.model_inputs, s.model_hidden, s.model_hidden, s.model_hidden, 10],
+                      "bytes": slot, "largest_share": max(segments) / slot, "tensors": tensors},
+            "steps": s.shard_steps, "warmup": s.shard_warmup, "points": points}
+
+
+# -- experiment 3: aggregation ------------------------------------------------------
+def allreduce(s: Settings, tick: Tick, cpu: CpuSampler | None = None) -> dict[str, Any]:
+    """Gradient synchronization among ``s.sync_workers`` workers, each on a host that
+    also runs a memory server: memory-box accumulate-then-read vs gloo all-reduce."""
+    n = s.sync_workers
+    points = []
+    with Testbed(n, n, colocate=True, cap_mbit=s.cap_mbit, log_level=s.log_level,
+                 capacity=f"{max(256, 4 * max(s.sync_sizes) // n // MiB + 64)}M") as tb:
+        for size in s.sync_sizes:
+            specs = [{"mode": "allreduce", "rank": r, "world": n, "sizes": [size], "syncs": s.syncs,
+                      "warmup": s.sync_warmup, "servers": n, "stripe_unit": MiB,
+                      "master": tb.workers[0].address, "master_port": MASTER_PORT, "tag": f"ar{size}",
+                      "log_level": s.log_level} for r in range(n)]
+            runs = tb.run_workers(specs, name=f"ar-{size}-")
+            point: dict[str, Any] = {"bytes": size}
+            for system in ("smb", "gloo"):
+                per_sync = [max(r[str(size)][system]["times"][i] for r in runs)
+                            for i in range(s.syncs)]
+                point[system] = {"seconds": statistics.median(per_sync), "syncs": per_sync,
+                                 "cpu": _usage(cpu, runs, lambda r: r[str(size)][system]["window"]),
+                                 "verified": all(r[str(size)][system]["verified"] for r in runs)}
+            point["smb"]["phases"] = {   # slowest worker per sync, median over syncs
+                phase: statistics.median(max(r[str(size)]["smb"]["phases"][i][phase] for r in runs)
+                                         for i in range(s.syncs))
+                for phase in ("accumulate", "barrier", "read")}
+            point["transports"] = runs[0][str(size)]["smb"]["transports"]
+            point["smb_vs_gloo"] = point["gloo"]["seconds"] / point["smb"]["seconds"]
+            points.append(point)
+            tick(f"aggregation, {size / 1e6:.0f} MB: smb {point['smb']['seconds']:.2f} s, "
+                 f"gloo {point['gloo']['seconds']:.2f} s")
+    return {"workers": n, "syncs": s.syncs, "warmup": s.sync_warmup, "stripe_unit": MiB,
+            "link_MBps": s.cap_mbit / 8, "points": points}
+
+
+# -- failure ------------------------------------------------------------------------
+def _wait_file(path: Path, timeout: float, proc: subprocess.Popen, tb: Testbed, name: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if proc.poll() is not None:
+            raise TestbedError(f"{name} exited with {proc.returncode} before {path.name}:\n"
+                               + tb.log_tail(name))
+        if time.monotonic() > deadline:
+            raise TestbedError(f"no {path.name} from {name} within {timeout:.0f} s:\n" + tb.log_tail(name))
+        time.sleep(FILE_POLL)
+
+
+def _signal_file(path: Path, doc: dict[str, Any]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(doc))
+    tmp.replace(path)
+
+
+def link_failure(tb: Testbed, *, io_timeout: float, size: int = MiB, max_wait: float = 30.0,
+                 rejoin_timeout: float = 30.0, log_level: str = "WARNING") -> dict[str, Any]:
+    """A worker reads region ``a`` in a loop; the link of ``a``'s memory server goes down
+    (``ip link set eth0 down`` in its namespace) and, once the worker has seen the
+    error, comes back. Every wait is bounded (seconds)."""
+    sig = tb.workdir / "failure"
+    sig.mkdir(exist_ok=True)
+    for f in sig.iterdir():
+        f.unlink()
+    spec = {"mode": "failure", "signal_dir": str(sig), "io_timeout": io_timeout,
+            "lease_seconds": tb.lease_seconds, "size": size, "b_ops": 5, "max_wait": max_wait,
+            "rejoin_timeout": rejoin_timeout, "tag": "fail", "log_level": log_level}
+    proc, out = tb.start_worker(tb.workers[0], "failure", spec)
+    host = None
+    try:
+        _wait_file(sig / "ready.json", 60.0, proc, tb, "failure")
+        ready = json.loads((sig / "ready.json").read_text())
+        host = tb.server_host(ready["a"])
+        time.sleep(1.0)                       # let the reads run
+        down = time.time()
+        tb.link_down(host)
+        _signal_file(sig / "down.json", {"time": down})
+        _wait_file(sig / "error.json", max_wait + 3 * tb.lease_seconds + 10, proc, tb, "failure")
+        up = time.time()
+        tb.link_up(host)
+        _signal_file(sig / "up.json", {"time": up})
+        result = tb.wait_worker("failure", proc, out, timeout=2 * rejoin_timeout + 30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if host is not None:
+            tb.link_up(host)
+    result["server_host"] = host.role
+    result["server_address"] = host.address
+    result["qdisc_after"] = tb.qdiscs(host)
+    return result
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f} s"
+
+
+def failure(s: Settings, tick: Tick) -> dict[str, Any]:
+    with Testbed(2, 1, cap_mbit=s.cap_mbit, lease_seconds=s.lease_seconds, log_level=s.log_level) as tb:
+        result = link_failure(tb, io_timeout=s.io_timeout, log_level=s.log_level)
+    err = result.get("error") or {}
+    tick(f"failure: {err.get('type', 'no error')} after {_seconds(err.get('after_down_seconds'))}, "
+         f"server up again after {_seconds(result.get('rejoined_after_seconds'))}")
+    return result
+
+
+# -- all ----------------------------------------------------------------------------
+def points(s: Settings) -> int:
+    """How many progress ticks :func:`run_all` makes."""
+    n = 0
+    n += len(s.server_counts) if "bandwidth" in s.only else 0
+    n += len(s.shard_configs) if "sharding" in s.only else 0
+    n += len(s.sync_sizes) if "allreduce" in s.only else 0
+    n += 1 if "failure" in s.only else 0
+    return n
+
+
+def run_all(s: Settings, tick: Tick) -> dict[str, Any]:
+    """Every experiment in ``s.only``, each on its own testbed(s)."""
+    out: dict[str, Any] = {"settings": asdict(s)}
+    with CpuSampler(live_pids) as cpu:
+        if "bandwidth" in s.only or "sharding" in s.only:
+            servers = max([*s.server_counts, *(k for _, k in s.shard_configs)])
+            workers = max([s.clients, *(w for w, _ in s.shard_configs)])
+            with Testbed(servers, workers, cap_mbit=s.cap_mbit, log_level=s.log_level) as tb:
+                if "bandwidth" in s.only:
+                    out["bandwidth"] = bandwidth(tb, s, tick, cpu)
+                if "sharding" in s.only:
+                    out["sharding"] = sharding(tb, s, tick, cpu)
+        if "allreduce" in s.only:
+            out["allreduce"] = allreduce(s, tick, cpu)
+        if "failure" in s.only:
+            out["failure"] = failure(s, tick)
+    return out
+
+
+def quick(**overrides: Any) -> Settings:
+    return replace(QUICK, **overrides)

@@ -1,0 +1,232 @@
+"""Tables (Markdown) and plots (PNG) of the cluster experiments' results.
+
+Input is the dict :func:`bench.cluster.experiments.run_all` returns. Bandwidths are
+MB/s (1e6 bytes per second), times seconds.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+SCALING_TARGET = 0.85      # aggregate bandwidth / linear scaling, while links are the bottleneck
+
+
+def _f(value: float | None, fmt: str = "{:.2f}") -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def _cores(usage: dict[str, float] | None) -> str:
+    """The testbed's CPU use as cores (of the machine's)."""
+    return "-" if not usage else f"{usage['cores']:.2f}"
+
+
+def bandwidth_table(r: dict[str, Any]) -> str:
+    lines = ["| memory servers | write (MB/s) | vs linear | of link capacity | read (MB/s) | vs linear "
+             "| of link capacity | CPU cores used (write, read) |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for p in r["points"]:
+        lines.append(
+            f"| {p['servers']} | {p['write_MBps']:.1f} | {_f(p['write_scaling'])} | {_f(p['write_of_links'])} "
+            f"| {p['read_MBps']:.1f} | {_f(p['read_scaling'])} | {_f(p['read_of_links'])} "
+            f"| {_cores(p['write_cpu'])}, {_cores(p['read_cpu'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def sharding_table(r: dict[str, Any]) -> str:
+    lines = ["| workers | memory servers | striped step (s) | layered step (s) | speedup striped over layered "
+             "| expected from placement | busiest server's share, striped / layered | CPU cores used (striped, layered) |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for p in r["points"]:
+        st, la = p["striped"], p["layered"]
+        lines.append(
+            f"| {p['workers']} | {p['servers']} | {st['step_seconds']:.3f} | {la['step_seconds']:.3f} "
+            f"| {p['speedup']:.2f} | {p['expected_speedup']:.2f} "
+            f"| {st['max_server_share']:.2f} / {la['max_server_share']:.2f} "
+            f"| {_cores(st.get('cpu'))}, {_cores(la.get('cpu'))} |")
+    return "\n".join(lines) + "\n"
+
+
+def link_bound(r: dict[str, Any], size: int) -> float | None:
+    """Seconds a synchronization of ``size`` bytes takes at least when links are the limit:
+    every host sends and receives 2(n-1)/n of it, in a ring and, with a memory server on
+    every host, through the memory box as well."""
+    n, rate = r["workers"], r.get("link_MBps")
+    return 2 * (n - 1) / n * size / (rate * 1e6) if rate else None
+
+
+def allreduce_table(r: dict[str, Any]) -> str:
+    lines = ["| gradient size | memory box, accumulate then read (s) | gloo all-reduce (s) "
+             "| gloo time / memory-box time | link bound (s) | CPU cores used (memory box, gloo) |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for p in r["points"]:
+        lines.append(
+            f"| {p['bytes'] / 1e6:.0f} MB | {p['smb']['seconds']:.2f} | {p['gloo']['seconds']:.2f} "
+            f"| {p['smb_vs_gloo']:.2f} | {_f(link_bound(r, p['bytes']))} "
+            f"| {_cores(p['smb'].get('cpu'))}, {_cores(p['gloo'].get('cpu'))} |")
+    return "\n".join(lines) + "\n"
+
+
+def failure_table(r: dict[str, Any]) -> str:
+    err = r.get("error") or {}
+    retry = r.get("retry_error") or {}
+    other = r.get("other_region") or {}
+    lines = ["| what | measured |", "| --- | --- |",
+             f"| client's error after the link went down | {err.get('type', 'none')} after "
+             f"{_f(err.get('after_down_seconds'))} s (`{err.get('message', '')}`) |",
+             f"| the next operation on it (a new connection) | {retry.get('type', 'none')} after "
+             f"{_f(retry.get('op_seconds'))} s |",
+             f"| bound: client io timeout / controller lease | {r['io_timeout']:g} s / {r['lease_seconds']:g} s |",
+             f"| region on the other server meanwhile | {'works' if other.get('ok') else 'FAILED'} "
+             f"({other.get('ops', 0)} writes and reads, {_f(other.get('seconds'))} s) |",
+             f"| controller marks the server down after | {_f(r.get('marked_down_after_seconds'))} s |",
+             f"| link up → controller lists the server up after | {_f(r.get('rejoined_after_seconds'))} s |",
+             f"| link up → the region is readable again after | {_f(r.get('recovered_after_seconds'))} s "
+             f"(data intact: {'yes' if r.get('data_intact') else 'NO'}) |"]
+    return "\n".join(lines) + "\n"
+
+
+def markdown(results: dict[str, Any]) -> str:
+    s = results["settings"]
+    parts = [f"Links capped at {s['cap_mbit']:g} Mbit/s each direction "
+             f"({s['cap_mbit'] / 8:g} MB/s); MB = 1e6 bytes.\n"]
+    if "bandwidth" in results:
+        b = results["bandwidth"]
+        parts.append(f"**Bandwidth scaling**: {b['clients']} clients, {b['op_bytes'] >> 20} MiB per operation, "
+                     f"{b['seconds']:g} s per direction\n")
+        parts.append(bandwidth_table(b))
+    if "sharding" in results:
+        m = results["sharding"]["model"]
+        parts.append(f"**Sharding**: MLP {'-'.join(str(x) for x in m['layers'])}, {m['bytes'] / 1e6:.1f} MB "
+                     f"of parameters, {100 * m['largest_share']:.0f}% in the first layer; median of "
+                     f"{results['sharding']['steps']} steps\n")
+        parts.append(sharding_table(results["sharding"]))
+    if "allreduce" in results:
+        a = results["allreduce"]
+        parts.append(f"**Aggregation**: {a['workers']} workers, each host also a memory server; median of "
+                     f"{a['syncs']} synchronizations\n")
+        parts.append(allreduce_table(a))
+    if "failure" in results:
+        parts.append("**Failure**: a memory server's link goes down mid-run\n")
+        parts.append(failure_table(results["failure"]))
+    return "\n".join(parts)
+
+
+def targets(results: dict[str, Any]) -> list[str]:
+    """Lines saying, per target, whether it was met."""
+    out = []
+    b = results.get("bandwidth")
+    if b:
+        for p in b["points"][1:]:
+            for kind in ("write", "read"):
+                v = p[f"{kind}_scaling"]
+                ok = v is not None and v >= SCALING_TARGET
+                out.append(f"{kind} scaling at {p['servers']} servers: {_f(v)} of linear "
+                           f"(target {SCALING_TARGET}): {'met' if ok else 'NOT met'}")
+    for name in ("sharding", "allreduce"):
+        for p in (results.get(name) or {}).get("points", []):
+            checks = [p[x]["verified"] for x in ("striped", "layered", "smb", "gloo") if x in p]
+            if not all(checks):
+                out.append(f"{name}: data check FAILED at {p}")
+    f = results.get("failure")
+    if f:
+        err = f.get("error") or {}
+        ok = err.get("after_down_seconds") is not None and err["after_down_seconds"] <= f["lease_seconds"]
+        out.append(f"failure: typed error within the lease: {'met' if ok else 'NOT met'}; server back up: "
+                   f"{'yes' if f.get('rejoined_after_seconds') is not None else 'NO'}")
+    return out
+
+
+# -- plots --------------------------------------------------------------------------
+def _pyplot() -> Any:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def plot_bandwidth(r: dict[str, Any], cap_mbit: float, path: str) -> None:
+    plt = _pyplot()
+    ks = [p["servers"] for p in r["points"]]
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for kind, marker in (("write", "o"), ("read", "s")):
+        ax.plot(ks, [p[f"{kind}_MBps"] for p in r["points"]], marker=marker, label=f"{kind}")
+    base = (r["points"][0]["write_MBps"] + r["points"][0]["read_MBps"]) / 2 / ks[0]
+    ax.plot(ks, [base * k for k in ks], ":", color="gray", label="linear (from 1 server)")
+    if r.get("link_MBps"):
+        ax.plot(ks, [r["link_MBps"] * k for k in ks], "--", color="black", lw=0.8,
+                label=f"link capacity ({cap_mbit:g} Mbit/s per server)")
+    ax.set_xticks(ks)
+    ax.set_xlabel("memory servers (region striped over all)")
+    ax.set_ylabel("aggregate MB/s")
+    ax.set_title(f"{r['clients']} clients, {r['op_bytes'] >> 20} MiB operations")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    _save(fig, path)
+
+
+def plot_sharding(r: dict[str, Any], path: str) -> None:
+    plt = _pyplot()
+    pts = r["points"]
+    labels = [f"{p['workers']} workers\n{p['servers']} server{'s' if p['servers'] > 1 else ''}" for p in pts]
+    x = range(len(pts))
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    w = 0.38
+    ax.bar([i - w / 2 for i in x], [p["striped"]["step_seconds"] for p in pts], w, label="striped (memory-based)")
+    ax.bar([i + w / 2 for i in x], [p["layered"]["step_seconds"] for p in pts], w, label="layered (layer-based)")
+    for i, p in zip(x, pts):
+        ax.annotate(f"×{p['speedup']:.2f}", (i, max(p["striped"]["step_seconds"], p["layered"]["step_seconds"])),
+                    ha="center", va="bottom", fontsize=9)
+    ax.set_xticks(list(x), labels)
+    ax.margins(y=0.12)
+    ax.set_ylabel("seconds per step (push gradients + pull parameters)")
+    ax.set_title("step time, model with ~80% of its parameters in one layer", fontsize=10)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    _save(fig, path)
+
+
+def plot_allreduce(r: dict[str, Any], path: str) -> None:
+    plt = _pyplot()
+    pts = r["points"]
+    x = range(len(pts))
+    w = 0.38
+    fig, ax = plt.subplots(figsize=(6.0, 4.2))
+    ax.bar([i - w / 2 for i in x], [p["smb"]["seconds"] for p in pts], w, label="memory box: accumulate, read")
+    ax.bar([i + w / 2 for i in x], [p["gloo"]["seconds"] for p in pts], w, label="gloo all-reduce")
+    for i, p in zip(x, pts):
+        bound = link_bound(r, p["bytes"])
+        if bound:
+            ax.hlines(bound, i - 1.2 * w, i + 1.2 * w, colors="black", linestyles="--", lw=0.8,
+                      label="link bound, 2(n-1)/n of the bytes per link" if i == 0 else None)
+    ax.set_xticks(list(x), [f"{p['bytes'] / 1e6:.0f} MB" for p in pts])
+    ax.set_ylabel("seconds per synchronization")
+    ax.set_title(f"gradient synchronization, {r['workers']} workers", fontsize=10)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    _save(fig, path)
+
+
+def _save(fig: Any, path: str) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    log.info("wrote %s", path)
+
+
+def plots(results: dict[str, Any], png_dir: str, prefix: str = "cluster") -> list[str]:
+    """Write the plots of the experiments present; returns their paths."""
+    cap = results["settings"]["cap_mbit"]
+    written = []
+    if "bandwidth" in results:
+        written.append(os.path.join(png_dir, f"{prefix}-bandwidth.png"))
+        plot_bandwidth(results["bandwidth"], cap, written[-1])
+    if "sharding" in results:
+        written.append(os.path.join(png_dir, f"{prefix}-sharding.png"))
+        plot_sharding(results["sharding"], written[-1])
+    if "allreduce" in results:
+        written.append(os.path.join(png_dir, f"{prefix}-allreduce.png"))
+        plot_allreduce(results["allreduce"], written[-1])
+    return written

@@ -1,0 +1,411 @@
+"""A cluster on one machine: memory servers and workers on separate network hosts.
+
+:class:`Testbed` builds, in network namespaces of its own (see :mod:`.netns`):
+
+* a switch (``...-sw``): one bridge, no address;
+* the controller's host (``...-ctl``, 198.18.0.1);
+* ``servers`` memory-server hosts (``...-srv<i>``, 198.18.0.11, .12, ...);
+* ``workers`` worker hosts (``...-wrk<j>``, 198.18.0.101, .102, ...), or, with
+  ``colocate``, the workers on the memory-server hosts (a worker and a memory server
+  per host, as in a cluster whose training nodes also lend their memory);
+
+every host joined to the bridge by its own veth link, capped at ``cap_mbit`` Mbit/s in
+each direction. The addresses come from the RFC 2544 benchmarking range and exist only
+inside these namespaces. Every daemon and worker runs inside its host's namespace
+(``ip netns exec``, under ``setpriv --pdeathsig``), each host with its own
+``SMB_HOST_ID``, so clients reach servers on other hosts over tcp through the bridge.
+The controller has a host of its own: its link is capped like the others but carries
+control traffic only.
+
+Teardown (:meth:`Testbed.stop`, also from ``with``, from an ``atexit`` hook and, in the
+command line, from SIGINT/SIGTERM/SIGHUP) kills the processes, deletes the namespaces
+(which removes their links and the bridge) and the work directory. :func:`cleanup`
+(``python -m bench.cluster --cleanup``) removes what a killed run left behind.
+"""
+from __future__ import annotations
+
+import atexit
+import itertools
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from . import netns
+
+log = logging.getLogger(__name__)
+
+ROOT = Path(__file__).resolve().parents[2]
+SUBNET = "198.18.0"           # a /24 of the RFC 2544 benchmarking range 198.18.0.0/15
+PREFIXLEN = 24
+CONTROLLER_PORT = 7700
+START_TIMEOUT = 60.0          # seconds for a daemon to become ready
+STOP_TIMEOUT = 5.0            # seconds between SIGTERM and SIGKILL
+WORKER_TIMEOUT = 300.0        # seconds a worker run may take unless told otherwise
+POLL = 0.05                   # seconds between looks at processes and files
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)   # held off during teardown
+
+_counter = itertools.count()
+_live: set["Testbed"] = set()
+_live_lock = threading.Lock()
+
+# run a child under `setpriv --pdeathsig TERM` (util-linux) where it exists, so that the
+# daemons die with the testbed even when it is killed outright
+SETPRIV = shutil.which("setpriv")
+
+
+class TestbedError(RuntimeError):
+    """A daemon or worker failed; the message carries the tail of its log."""
+
+    __test__ = False  # not a pytest test class
+
+
+@dataclass(frozen=True)
+class Host:
+    """One network host: a namespace, its address on the bridge and its switch port."""
+
+    role: str        # ctl, srv<i>, wrk<j>
+    ns: str
+    address: str     # IPv4, no prefix length
+    port: str        # name of its port on the bridge (inside the switch namespace)
+
+
+class Testbed:
+    """Owns its namespaces, processes and work directory; :meth:`stop` releases them.
+
+    ``cap_mbit``: link rate in Mbit/s, each direction (0: no cap). ``lease_seconds``:
+    the controller's server lease; ``heartbeat_seconds``: the servers' heartbeat period.
+    ``capacity``: RAM each memory server offers (a size such as ``"1G"``).
+    """
+
+    __test__ = False
+
+    def __init__(self, servers: int, workers: int, *, cap_mbit: float = 200.0, colocate: bool = False,
+                 lease_seconds: float = 3.0, heartbeat_seconds: float = 0.5, capacity: str = "1G",
+                 log_level: str = "WARNING", workdir: str | None = None, keep_workdir: bool = False) -> None:
+        if servers < 1 or workers < 0:
+            raise ValueError("need at least one memory server and no negative worker count")
+        if colocate and workers > servers:
+            raise ValueError(f"colocate puts one worker per server host: {workers} workers > {servers} servers")
+        self.num_servers = servers
+        self.num_workers = workers
+        self.cap_mbit = cap_mbit
+        self.colocate = colocate
+        self.lease_seconds = lease_seconds
+        self.heartbeat_seconds = heartbeat_seconds
+        self.capacity = capacity
+        self.log_level = log_level
+        self.tag = f"{netns.PREFIX}{os.getpid()}-{next(_counter)}"
+        self._own_workdir = workdir is None
+        self.workdir = Path(workdir or tempfile.mkdtemp(prefix=f"{netns.PREFIX}{os.getpid()}-"))
+        self.keep_workdir = keep_workdir
+        self.token = os.urandom(16).hex()
+        self.switch = f"{self.tag}-sw"
+        self.controller = Host("ctl", f"{self.tag}-ctl", f"{SUBNET}.1", "ctl")
+        self.servers = [Host(f"srv{i}", f"{self.tag}-srv{i}", f"{SUBNET}.{11 + i}", f"srv{i}")
+                        for i in range(servers)]
+        if colocate:
+            self.workers = self.servers[:workers]
+        else:
+            self.workers = [Host(f"wrk{j}", f"{self.tag}-wrk{j}", f"{SUBNET}.{101 + j}", f"wrk{j}")
+                            for j in range(workers)]
+        self.controller_address = f"{self.controller.address}:{CONTROLLER_PORT}"
+        self.server_info: list[dict[str, Any]] = []   # ready files: server_id, endpoints
+        self._namespaces: list[str] = []
+        self._procs: dict[str, subprocess.Popen] = {}
+        self.state = "new"
+
+    # -- lifecycle ----------------------------------------------------------------
+    @property
+    def hosts(self) -> list[Host]:
+        extra = [] if self.colocate else self.workers
+        return [self.controller, *self.servers, *extra]
+
+    def __enter__(self) -> "Testbed":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> "Testbed":
+        """Build the network, start the controller and the memory servers; returns once
+        every memory server has registered."""
+        self.state = "starting"
+        with _live_lock:
+            _live.add(self)
+        try:
+            self.workdir.mkdir(parents=True, exist_ok=True)
+            (self.workdir / "logs").mkdir(exist_ok=True)
+            self._build_network()
+            self._start_daemons()
+        except BaseException:
+            self.stop()
+            raise
+        self.state = "running"
+        log.info("testbed %s: %d memory servers, %d workers%s, links capped at %s", self.tag,
+                 self.num_servers, self.num_workers, " (colocated)" if self.colocate else "",
+                 f"{self.cap_mbit:g} Mbit/s" if self.cap_mbit else "no cap")
+        return self
+
+    def stop(self) -> None:
+        """Kill every process, delete the namespaces and the work directory (idempotent)."""
+        if self.state == "closed":
+            return
+        self.state = "closing"
+        restore = {}
+        if threading.current_thread() is threading.main_thread():   # let teardown finish
+            restore = {sig: signal.signal(sig, signal.SIG_IGN) for sig in STOP_SIGNALS}
+        try:
+            procs = [p for p in self._procs.values() if p.poll() is None]
+            for p in procs:
+                _signal(p, signal.SIGTERM)
+            deadline = time.monotonic() + STOP_TIMEOUT
+            for p in procs:
+                try:
+                    p.wait(max(0.05, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    _signal(p, signal.SIGKILL)
+                    p.wait()
+            for ns in reversed(self._namespaces):
+                netns.delete_namespace(ns)
+            self._namespaces.clear()
+            if self._own_workdir and not self.keep_workdir:
+                shutil.rmtree(self.workdir, ignore_errors=True)
+        finally:
+            for sig, handler in restore.items():
+                signal.signal(sig, handler)
+            with _live_lock:
+                _live.discard(self)
+            self.state = "closed"
+
+    # -- network ------------------------------------------------------------------
+    def _add_ns(self, name: str) -> None:
+        netns.add_namespace(name)
+        self._namespaces.append(name)
+
+    def _build_network(self) -> None:
+        self._add_ns(self.switch)
+        netns.add_bridge(self.switch)
+        for host in self.hosts:
+            self._add_ns(host.ns)
+            netns.add_host_link(self.switch, host.port, host.ns, f"{host.address}/{PREFIXLEN}")
+            self._cap(host)
+
+    def _cap(self, host: Host) -> None:
+        if self.cap_mbit:
+            netns.set_cap(host.ns, netns.HOST_IF, self.cap_mbit)       # what the host sends
+            netns.set_cap(self.switch, host.port, self.cap_mbit)       # what it receives
+
+    def qdiscs(self, host: Host) -> dict[str, str]:
+        """``tc qdisc show`` of both ends of ``host``'s link (``host`` and ``switch``)."""
+        return {"host": netns.qdisc(host.ns, netns.HOST_IF),
+                "switch": netns.qdisc(self.switch, host.port)}
+
+    def link_bytes(self, host: Host) -> dict[str, int]:
+        """Bytes through ``host``'s link as its switch port counts them: ``to_host``
+        and ``from_host``."""
+        b = netns.link_bytes(self.switch, host.port)
+        return {"to_host": b["tx"], "from_host": b["rx"]}
+
+    def link_down(self, host: Host) -> None:
+        """Take ``host``'s link down (``ip link set eth0 down`` in its namespace)."""
+        netns.set_link(host.ns, netns.HOST_IF, False)
+        log.info("link of %s (%s) down", host.role, host.address)
+
+    def link_up(self, host: Host) -> None:
+        """Bring ``host``'s link back, with its cap."""
+        netns.set_link(host.ns, netns.HOST_IF, True)
+        self._cap(host)
+        log.info("link of %s (%s) up", host.role, host.address)
+
+    # -- processes ----------------------------------------------------------------
+    def _env(self, host: Host, extra: dict[str, str] | None = None) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SMB_")}
+        env.update(SMB_TOKEN=self.token, SMB_HOST_ID=host.ns, PYTHONPATH=str(ROOT),
+                   PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME=netns.HOST_IF)
+        env.update(extra or {})
+        return env
+
+    def spawn(self, host: Host, name: str, argv: Sequence[str],
+              env: dict[str, str] | None = None) -> subprocess.Popen:
+        """Run ``python argv...`` inside ``host``'s namespace; output goes to
+        ``logs/<name>.log`` in the work directory. The testbed owns the process."""
+        if name in self._procs and self._procs[name].poll() is None:
+            raise TestbedError(f"a process named {name} is still running")
+        cmd = [netns.IP, "netns", "exec", host.ns, sys.executable, *argv]
+        if SETPRIV:
+            cmd = [SETPRIV, "--pdeathsig", "TERM", *cmd]
+        with open(self.log_path(name), "ab") as logf:
+            proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    cwd=ROOT, env=self._env(host, env), start_new_session=True)
+        self._procs[name] = proc
+        return proc
+
+    def log_path(self, name: str) -> Path:
+        return self.workdir / "logs" / f"{name}.log"
+
+    def log_tail(self, name: str, lines: int = 25) -> str:
+        try:
+            text = self.log_path(name).read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def pid(self, name: str) -> int:
+        return self._procs[name].pid
+
+    def _wait_ready(self, path: Path, name: str, timeout: float = START_TIMEOUT) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        proc = self._procs[name]
+        while time.monotonic() < deadline:
+            if path.exists():
+                try:
+                    return json.loads(path.read_text())
+                except ValueError:
+                    pass  # being written
+            if proc.poll() is not None:
+                raise TestbedError(f"{name} exited with {proc.returncode}:\n{self.log_tail(name)}")
+            time.sleep(POLL)
+        raise TestbedError(f"{name} not ready after {timeout:.0f} s:\n{self.log_tail(name)}")
+
+    def _daemon(self, host: Host, name: str, args: list[str]) -> None:
+        self.spawn(host, name, ["-m", "smb_server.cli", "--log-level", self.log_level, *args])
+
+    def _start_daemons(self) -> None:
+        secret = self.workdir / "secret"
+        secret.write_text(os.urandom(32).hex())
+        secret.chmod(0o600)
+        ready = self.workdir / "controller.ready"
+        self._daemon(self.controller, "controller", [
+            "controller", "--listen", self.controller_address, "--db", str(self.workdir / "controller.db"),
+            "--secret-file", str(secret), "--ready-file", str(ready),
+            "--lease", str(self.lease_seconds), "--orphan-grace", "60"])
+        self._wait_ready(ready, "controller")
+        transports = "tcp,shm" if self.colocate else "tcp"
+        for i, host in enumerate(self.servers):
+            state = self.workdir / f"srv{i}"
+            state.mkdir(exist_ok=True)
+            self._daemon(host, f"srv{i}", [
+                "server", "--controller", self.controller_address, "--listen-host", host.address,
+                "--advertise-host", host.address, "--capacity", self.capacity,
+                "--state-dir", str(state), "--secret-file", str(secret),
+                "--ready-file", str(state / "ready"), "--transports", transports,
+                "--heartbeat", str(self.heartbeat_seconds)])
+        self.server_info = [self._wait_ready(self.workdir / f"srv{i}" / "ready", f"srv{i}")
+                            for i in range(self.num_servers)]
+
+    def server_host(self, server_id: str) -> Host:
+        """The host of the memory server with id ``server_id``."""
+        for host, info in zip(self.servers, self.server_info):
+            if info["server_id"] == server_id:
+                return host
+        raise KeyError(f"no memory server {server_id} in this testbed")
+
+    # -- workers ------------------------------------------------------------------
+    def start_worker(self, host: Host, name: str, spec: dict[str, Any]) -> tuple[subprocess.Popen, Path]:
+        """Start ``bench.cluster.worker`` on ``host`` with ``spec`` (JSON); returns the
+        process and the path its result will be written to."""
+        spec = dict(spec, controller=self.controller_address, address=host.address, host=host.role)
+        spec_path = self.workdir / f"{name}.spec.json"
+        out_path = self.workdir / f"{name}.out.json"
+        out_path.unlink(missing_ok=True)
+        spec_path.write_text(json.dumps(spec))
+        proc = self.spawn(host, name, ["-m", "bench.cluster.worker", str(spec_path), str(out_path)])
+        return proc, out_path
+
+    def wait_worker(self, name: str, proc: subprocess.Popen, out: Path, timeout: float) -> dict[str, Any]:
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            _signal(proc, signal.SIGKILL)
+            proc.wait()
+            raise TestbedError(f"{name} still running after {timeout:.0f} s:\n{self.log_tail(name)}") from None
+        return self._result(name, proc, out)
+
+    def _result(self, name: str, proc: subprocess.Popen, out: Path) -> dict[str, Any]:
+        if proc.returncode != 0 or not out.exists():
+            raise TestbedError(f"{name} exited with {proc.returncode}:\n{self.log_tail(name)}")
+        return json.loads(out.read_text())
+
+    def run_workers(self, specs: Sequence[dict[str, Any]], *, hosts: Sequence[Host] | None = None,
+                    timeout: float = WORKER_TIMEOUT, name: str = "worker") -> list[dict[str, Any]]:
+        """Run one worker per spec (spec ``i`` on ``hosts[i]``, default the worker
+        hosts) and return their results in order. When one fails, the others are killed
+        and TestbedError carries the failed one's log; all are killed after ``timeout``."""
+        hosts = list(hosts or self.workers)
+        if len(specs) > len(hosts):
+            raise ValueError(f"{len(specs)} workers, {len(hosts)} hosts")
+        runs = []
+        try:
+            for i, spec in enumerate(specs):
+                runs.append((f"{name}{i}", *self.start_worker(hosts[i], f"{name}{i}", spec)))
+            deadline = time.monotonic() + timeout
+            while True:
+                failed = [(n, p) for n, p, _ in runs if p.poll() not in (None, 0)]
+                if failed:
+                    n, p = failed[0]
+                    raise TestbedError(f"{n} on {hosts[int(n[len(name):])].role} exited with "
+                                       f"{p.returncode}:\n{self.log_tail(n)}")
+                if all(p.poll() == 0 for _, p, _ in runs):
+                    return [self._result(n, p, o) for n, p, o in runs]
+                if time.monotonic() > deadline:
+                    raise TestbedError(f"workers still running after {timeout:.0f} s:\n"
+                                       + self.log_tail(runs[0][0]))
+                time.sleep(POLL)
+        finally:
+            for _, p, _ in runs:
+                if p.poll() is None:
+                    _signal(p, signal.SIGKILL)
+                    p.wait()
+
+    def list_servers(self, timeout: float = 60.0) -> list[dict[str, Any]]:
+        """The controller's view of the memory servers (asked from the controller's host)."""
+        return self.run_workers([{"mode": "probe"}], hosts=[self.controller], timeout=timeout,
+                                name="probe")[0]["servers"]
+
+
+def cleanup(force: bool = False) -> list[str]:
+    """Remove what killed runs left behind: their namespaces (see :func:`netns.cleanup`)
+    and their work directories (``$TMPDIR/smbc-<pid>-*``). Returns what was removed."""
+    removed = netns.cleanup(force)
+    for path in Path(tempfile.gettempdir()).glob(f"{netns.PREFIX}*"):
+        pid = netns.owner_pid(path.name)
+        if path.is_dir() and pid is not None and (force or not netns.alive(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(str(path))
+    return removed
+
+
+def live_pids() -> list[int]:
+    """Processes (daemons, workers) of every running testbed of this process."""
+    with _live_lock:
+        beds = list(_live)
+    return [p.pid for bed in beds for p in list(bed._procs.values()) if p.poll() is None]
+
+
+def _signal(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        proc.send_signal(sig)
+    except ProcessLookupError:
+        pass
+
+
+@atexit.register
+def _stop_all() -> None:
+    """Tear down testbeds still running at interpreter exit."""
+    with _live_lock:
+        beds = list(_live)
+    for bed in beds:
+        try:
+            bed.stop()
+        except Exception:  # keep tearing down the others
+            log.exception("teardown of %s failed", bed.tag)

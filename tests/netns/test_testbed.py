@@ -1,0 +1,138 @@
+"""The testbed: daemons inside their namespaces, capped links, data over the bridge,
+the short experiments, and teardown that leaves nothing behind."""
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from bench.cluster import experiments, netns
+from bench.cluster.testbed import ROOT, SUBNET, Testbed, TestbedError, cleanup
+
+pytestmark = pytest.mark.netns
+
+CAP_MBIT = 200.0
+
+
+@pytest.fixture(scope="module")
+def testbed():
+    with Testbed(2, 2, cap_mbit=CAP_MBIT, log_level="INFO") as tb:
+        yield tb
+
+
+def _ours(tag: str) -> list[str]:
+    return [n for n in netns.list_namespaces() if n.startswith(tag + "-")]
+
+
+def test_daemons_run_inside_their_own_namespaces(testbed):
+    assert netns.identify(testbed.pid("controller")) == testbed.controller.ns
+    for i, host in enumerate(testbed.servers):
+        assert netns.identify(testbed.pid(f"srv{i}")) == host.ns
+    servers = testbed.list_servers()
+    assert sorted(s["grpc_address"].rpartition(":")[0] for s in servers) == [h.address for h in testbed.servers]
+    assert {s["state"] for s in servers} == {"up"}
+    assert all(e.startswith(f"tcp://{SUBNET}.") for s in servers for e in s["endpoints"])
+    # the network exists only inside the testbed's namespaces
+    assert SUBNET + "." not in netns.run([netns.IP, "-o", "addr", "show"])
+    assert len(_ours(testbed.tag)) == 2 + 2 + 2   # switch, controller, servers, workers
+
+
+def test_every_link_is_capped_in_both_directions(testbed):
+    for host in testbed.hosts:
+        q = testbed.qdiscs(host)
+        for side in ("host", "switch"):
+            assert "tbf" in q[side] and f"rate {CAP_MBIT:g}Mbit" in q[side], (host.role, q)
+
+
+def test_data_crosses_the_bridge_and_arrives_intact(testbed):
+    before = [testbed.link_bytes(h) for h in testbed.servers]
+    result = experiments.bandwidth(testbed, experiments.quick(), lambda message: None)
+    after = [testbed.link_bytes(h) for h in testbed.servers]
+    points = result["points"]
+    assert [p["servers"] for p in points] == [1, 2]
+    assert [p["region_servers"] for p in points] == [1, 2]
+    assert all(p["verified"] for p in points)
+    assert all(p["write_MBps"] > 0 and p["read_MBps"] > 0 for p in points)
+    # every byte went through the memory servers' links (counted by their switch ports)
+    to_servers = sum(a["to_host"] - b["to_host"] for a, b in zip(after, before))
+    from_servers = sum(a["from_host"] - b["from_host"] for a, b in zip(after, before))
+    assert to_servers >= sum(p["write_bytes"] for p in points)
+    assert from_servers >= sum(p["read_bytes"] for p in points)
+
+
+def test_sharding_short(testbed):
+    result = experiments.sharding(testbed, experiments.quick(), lambda message: None)
+    (point,) = result["points"]
+    assert (point["workers"], point["servers"]) == (2, 2)
+    for placement in ("striped", "layered"):
+        assert point[placement]["verified"], placement
+        assert len(point[placement]["steps"]) == experiments.QUICK.shard_steps
+    # layered puts the big first layer whole on one server
+    assert point["layered"]["max_server_share"] >= result["model"]["largest_share"]
+    assert point["striped"]["max_server_share"] < point["layered"]["max_server_share"]
+
+
+def test_aggregation_short_against_gloo():
+    result = experiments.allreduce(experiments.quick(), lambda message: None)
+    (point,) = result["points"]
+    assert point["smb"]["verified"] and point["gloo"]["verified"]
+    assert point["smb"]["seconds"] > 0 and point["gloo"]["seconds"] > 0
+    assert point["transports"] == ["shm", "tcp"]     # the local server by shm, the other over the link
+
+
+def test_failed_start_leaves_nothing_behind():
+    tb = Testbed(1, 0, capacity="no-such-size")
+    with pytest.raises(TestbedError, match="srv0 exited"):
+        tb.start()
+    assert tb.state == "closed"
+    assert _ours(tb.tag) == []
+    assert not tb.workdir.exists()
+
+
+def test_cleanup_removes_leftovers_of_dead_runs_only(testbed):
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    leftover = f"{netns.PREFIX}{dead.pid}-0-sw"
+    workdir = Path(tempfile.gettempdir()) / f"{netns.PREFIX}{dead.pid}-test"
+    netns.add_namespace(leftover)
+    workdir.mkdir()
+    try:
+        removed = cleanup()
+        assert leftover in removed and str(workdir) in removed
+        assert leftover not in netns.list_namespaces()
+        assert not workdir.exists()
+        # a live run keeps its namespaces and its work directory
+        assert len(_ours(testbed.tag)) == 6
+        assert testbed.workdir.exists()
+    finally:
+        netns.delete_namespace(leftover)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+@pytest.mark.timeout(120)
+def test_interrupted_run_tears_down(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "bench.cluster", "--quick", "--only", "bandwidth",
+                             "--out", str(tmp_path / "out.json")], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    tag = f"{netns.PREFIX}{proc.pid}-"
+    try:
+        deadline = time.monotonic() + 60
+        while not [n for n in netns.list_namespaces() if n.startswith(tag)]:
+            assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
+            assert time.monotonic() < deadline, "the run built no namespace within 60 s"
+            time.sleep(0.1)
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert [n for n in netns.list_namespaces() if n.startswith(tag)] == []
+    assert not (tmp_path / "out.json").exists()
