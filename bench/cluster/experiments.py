@@ -46,8 +46,8 @@ class Settings:
     sync_workers: int = 4
     syncs: int = 3
     sync_warmup: int = 1
-    lease_seconds: float = 3.0                    # failure: controller lease
-    io_timeout: float = 1.5                       # failure: the client's data-plane bound
+    lease_seconds: float = 5.0                    # failure: controller lease (the default)
+    io_timeout: float | None = None               # failure: the client's io_timeout (None: default)
     log_level: str = "WARNING"
     only: tuple[str, ...] = ("bandwidth", "sharding", "allreduce", "failure")
 
@@ -233,11 +233,13 @@ def _signal_file(path: Path, doc: dict[str, Any]) -> None:
     tmp.replace(path)
 
 
-def link_failure(tb: Testbed, *, io_timeout: float, size: int = MiB, max_wait: float = 30.0,
+def link_failure(tb: Testbed, *, io_timeout: float | None = None, size: int = MiB, max_wait: float = 30.0,
                  rejoin_timeout: float = 30.0, log_level: str = "WARNING") -> dict[str, Any]:
     """A worker reads region ``a`` in a loop; the link of ``a``'s memory server goes down
     (``ip link set eth0 down`` in its namespace) and, once the worker has seen the
-    error, comes back. Every wait is bounded (seconds)."""
+    error, comes back. ``io_timeout``: the client's option (None: its default, so the
+    error comes from the tcp transport's dead-peer detection). Every wait is bounded
+    (seconds)."""
     sig = tb.workdir / "failure"
     sig.mkdir(exist_ok=True)
     for f in sig.iterdir():

@@ -73,12 +73,14 @@ def failure_table(r: dict[str, Any]) -> str:
     err = r.get("error") or {}
     retry = r.get("retry_error") or {}
     other = r.get("other_region") or {}
+    io = "default" if r["io_timeout"] is None else f"{r['io_timeout']:g} s"
     lines = ["| what | measured |", "| --- | --- |",
              f"| client's error after the link went down | {err.get('type', 'none')} after "
              f"{_f(err.get('after_down_seconds'))} s (`{err.get('message', '')}`) |",
              f"| the next operation on it (a new connection) | {retry.get('type', 'none')} after "
              f"{_f(retry.get('op_seconds'))} s |",
-             f"| bound: client io timeout / controller lease | {r['io_timeout']:g} s / {r['lease_seconds']:g} s |",
+             f"| bound: client io timeout, dead-peer timeout / controller lease | {io}, "
+             f"{r['dead_peer_timeout']:g} s / {r['lease_seconds']:g} s |",
              f"| region on the other server meanwhile | {'works' if other.get('ok') else 'FAILED'} "
              f"({other.get('ops', 0)} writes and reads, {_f(other.get('seconds'))} s) |",
              f"| controller marks the server down after | {_f(r.get('marked_down_after_seconds'))} s |",

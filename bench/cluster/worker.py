@@ -31,6 +31,7 @@ from typing import Any, Callable
 import numpy as np
 
 from smb_client import Client, errors
+from smb_client.transports import tcp
 
 log = logging.getLogger(__name__)
 
@@ -287,8 +288,10 @@ def failure(spec: dict[str, Any]) -> dict[str, Any]:
     size = spec["size"]
     pattern = {n: np.random.default_rng(i).integers(0, 256, size, dtype=np.uint8) for i, n in enumerate("ab")}
     out = np.empty(size, dtype=np.uint8)
-    result: dict[str, Any] = {"io_timeout": io_timeout, "lease_seconds": lease}
-    with _client(spec, transport_options={"io_timeout": io_timeout}, connections=1) as c:
+    result: dict[str, Any] = {"io_timeout": io_timeout, "lease_seconds": lease,
+                              "dead_peer_timeout": tcp.DEAD_PEER_TIMEOUT}
+    options = {} if io_timeout is None else {"io_timeout": io_timeout}
+    with _client(spec, transport_options=options, connections=1) as c:
         ra = c.create_region(f"{spec['tag']}/a", size, placement="single")
         rb = c.create_region(f"{spec['tag']}/b", size, placement="single")
         sa, sb = ra.extents[0].server_id, rb.extents[0].server_id

@@ -1,9 +1,19 @@
 """The TCP data plane: framed requests (see :mod:`smb_client.wire`) over a small pool
 of connections per memory server. Payloads move between caller buffers and the
 socket with ``sendmsg``/``recvmsg_into`` on memoryviews, without intermediate copies.
+
+Failure detection: a memory server that is gone (host down, link down) is found by the
+kernel, not by guessing from the application's silence. Every socket sends TCP
+keepalive probes after one idle second and sets ``TCP_USER_TIMEOUT``, so when the peer
+acknowledges nothing (neither data nor probes) for ``dead_peer_timeout`` seconds the
+connection fails with :class:`ServerUnavailable`, whatever the operation was doing. A
+server that is alive but slow (a long accumulate, a lock held by another client) still
+acknowledges at the TCP level and is waited for, up to ``io_timeout`` seconds without
+progress (then :class:`Timeout`).
 """
 from __future__ import annotations
 
+import errno
 import itertools
 import logging
 import queue
@@ -15,28 +25,47 @@ from typing import Sequence
 from .. import wire
 from ..addressing import Endpoint
 from ..dtypes import DType
-from ..errors import ProtocolError, ServerUnavailable, Timeout, status_error
+from ..errors import InvalidArgument, ProtocolError, ServerUnavailable, Timeout, status_error
 from . import Session, register
 
 log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT = 5.0   # seconds
 IO_TIMEOUT = 60.0       # seconds a single send/recv may block
+DEAD_PEER_TIMEOUT = 3.0  # seconds without any TCP acknowledgement before the server is given up
+KEEPALIVE_IDLE = 1      # seconds idle before the first keepalive probe
+KEEPALIVE_INTERVAL = 1  # seconds between probes
 SOCKET_BUFFER = 4 << 20  # bytes
 _WORD = struct.Struct("<q")
+
+
+def set_dead_peer_timeout(sock: socket.socket, seconds: float) -> None:
+    """Make the kernel fail ``sock`` once its peer has acknowledged nothing for
+    ``seconds`` (keepalive probes while idle, ``TCP_USER_TIMEOUT`` for data and probes)."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    if hasattr(socket, "TCP_KEEPIDLE"):  # Linux; elsewhere the system's keepalive defaults
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE_IDLE)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPALIVE_INTERVAL)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, max(1, int(seconds / KEEPALIVE_INTERVAL)))
+    if hasattr(socket, "TCP_USER_TIMEOUT"):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, max(1, int(seconds * 1000)))
 
 
 class TcpConnection:
     """One authenticated socket to a memory server's TCP data plane."""
 
-    def __init__(self, host: str, port: int, ticket: str, io_timeout: float = IO_TIMEOUT) -> None:
+    def __init__(self, host: str, port: int, ticket: str, io_timeout: float = IO_TIMEOUT,
+                 dead_peer_timeout: float = DEAD_PEER_TIMEOUT) -> None:
         try:
-            self.sock = socket.create_connection((host, port), timeout=min(CONNECT_TIMEOUT, io_timeout))
+            self.sock = socket.create_connection(
+                (host, port), timeout=min(CONNECT_TIMEOUT, io_timeout, dead_peer_timeout))
         except OSError as exc:
             raise ServerUnavailable(f"cannot connect to tcp://{host}:{port}: {exc}") from None
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
             self.sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
+        set_dead_peer_timeout(self.sock, dead_peer_timeout)
+        self.dead_peer_timeout = dead_peer_timeout
         self.sock.settimeout(io_timeout)
         self.where = f"tcp://{host}:{port}"
         self._ids = itertools.count(1)
@@ -68,8 +97,11 @@ class TcpConnection:
                 wire.recv_into_all(self.sock, into)
                 return b""
             body = bytes(wire.recv_exact(self.sock, n)) if n else b""
-        except socket.timeout:
+        except TimeoutError as exc:   # socket.timeout is TimeoutError, and so is ETIMEDOUT
             self.close()
+            if exc.errno == errno.ETIMEDOUT:    # the kernel gave up: no acknowledgement at all
+                raise ServerUnavailable(f"{self.where}: the server acknowledged nothing for "
+                                        f"{self.dead_peer_timeout:g} s (host or link down)") from None
             raise Timeout(f"{self.where}: no answer within {self.sock.gettimeout()} s") from None
         except OSError as exc:
             self.close()
@@ -93,7 +125,13 @@ class TcpConnection:
 
 
 class TcpSession(Session):
-    """A pool of up to ``connections`` sockets to one server, bound to one ticket."""
+    """A pool of up to ``connections`` sockets to one server, bound to one ticket.
+
+    Options: ``connections`` (default 2), ``io_timeout`` (seconds one send or receive may
+    wait without progress on a live server, default :data:`IO_TIMEOUT`),
+    ``dead_peer_timeout`` (seconds without any TCP acknowledgement before the server is
+    given up, default :data:`DEAD_PEER_TIMEOUT`: keep it below the controller's lease).
+    """
 
     scheme = "tcp"
 
@@ -104,6 +142,10 @@ class TcpSession(Session):
         self.mode = mode
         self.max_connections = int(options.get("connections", 2))
         self.io_timeout = float(options.get("io_timeout", IO_TIMEOUT))
+        self.dead_peer_timeout = float(options.get("dead_peer_timeout", DEAD_PEER_TIMEOUT))
+        for name in ("io_timeout", "dead_peer_timeout"):
+            if not getattr(self, name) > 0:
+                raise InvalidArgument(f"{name} must be a positive number of seconds, not {getattr(self, name)}")
         self._idle: queue.LifoQueue[TcpConnection] = queue.LifoQueue()
         self._lock = threading.Lock()
         self._open = 0
@@ -128,7 +170,8 @@ class TcpSession(Session):
             except queue.Empty:
                 continue
         try:
-            return TcpConnection(self.endpoint.host, self.endpoint.port, self.ticket, self.io_timeout)
+            return TcpConnection(self.endpoint.host, self.endpoint.port, self.ticket, self.io_timeout,
+                                 self.dead_peer_timeout)
         except BaseException:
             with self._lock:
                 self._open -= 1
