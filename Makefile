@@ -10,10 +10,13 @@ PROTO_SRC := $(wildcard proto/smb/v1/*.proto)
 PROTO_OUT := smb_client/_proto/smb/v1
 # base tools; rdma-core, the rxe provider and pyverbs (RDMA data plane, `smb doctor`);
 # perftest (reference for the rdma benchmark); qemu, a Debian kernel with rdma_rxe and
-# busybox (the Soft-RoCE VM that runs the rdma tier); systemd (unit verification)
+# busybox (the Soft-RoCE VM that runs the rdma tier); systemd (unit verification);
+# slurmctld/slurmd (the Slurm batch script runs under a one-node Slurm in the tests);
+# python3-apt (Ansible's apt module, for the playbook test)
 APT_PKGS := python3-venv python3-dev iproute2 procps \
             rdma-core ibverbs-providers ibverbs-utils python3-pyverbs perftest \
-            qemu-system-x86 linux-image-amd64 busybox-static systemd
+            qemu-system-x86 linux-image-amd64 busybox-static systemd \
+            slurmctld slurmd slurm-client python3-apt
 
 .PHONY: all deps apt venv proto demo test test-host test-unit test-integration test-rdma bench bench-rdma bench-cluster clean
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import signal
 import sys
@@ -12,6 +11,7 @@ from typing import Sequence
 from smb_client import Client, errors
 from smb_client.units import format_bytes, parse_size
 
+from . import doctor, logs
 from .config import (DEFAULT_CONTROLLER_FILE, DEFAULT_SERVER_FILE, ControllerConfig, ServerConfig,
                      ConfigError, load, settings)
 
@@ -33,6 +33,8 @@ def cmd_controller(args: argparse.Namespace) -> int:
     from .controller.main import serve
     cfg = load(ControllerConfig, args.config, default_path=DEFAULT_CONTROLLER_FILE,
                flags=_flags(args, ControllerConfig))
+    logs.setup(cfg.log_level, cfg.log_format)
+    logs.set_context(daemon="controller")
     if not cfg.secret:
         print("smb controller: no secret: set secret_file in the config, pass --secret-file "
               "or set SMB_SECRET", file=sys.stderr)
@@ -42,14 +44,49 @@ def cmd_controller(args: argparse.Namespace) -> int:
 
 
 def cmd_server(args: argparse.Namespace) -> int:
+    if args.action in ("drain", "undrain"):
+        return _server_drain(args, undrain=args.action == "undrain")
     from .memserver.main import serve
     cfg = load(ServerConfig, args.config, default_path=DEFAULT_SERVER_FILE,
                flags=_flags(args, ServerConfig))
+    logs.setup(cfg.log_level, cfg.log_format)
+    logs.set_context(daemon="memory-server")
     if not cfg.secret:
         print("smb server: no secret: set secret_file in the config, pass --secret-file "
               "or set SMB_SECRET", file=sys.stderr)
         return 2
     serve(cfg)
+    return 0
+
+
+def _server_drain(args: argparse.Namespace, undrain: bool) -> int:
+    """``smb server drain``: the server named by this host's configuration (its
+    ``server_id``, or the id kept in its ``state_dir``) takes no new extents; the
+    regions it holds keep working. ``smb server undrain`` reverses it."""
+    from .memserver.main import read_server_id
+    cfg = load(ServerConfig, args.config, default_path=DEFAULT_SERVER_FILE,
+               flags=_flags(args, ServerConfig), with_secret=False)
+    server_id = cfg.server_id or read_server_id(cfg.state_dir)
+    with Client(cfg.controller, cfg.token) as c:
+        s = c.drain_server(server_id, undrain=undrain)
+    if undrain:
+        print(f"server {s.server_id} at {s.grpc_address}: {s.state}; new extents may be placed on it")
+    else:
+        print(f"server {s.server_id} at {s.grpc_address}: {s.state}; no new extents go there, "
+              f"its {s.extents} extent(s) ({format_bytes(s.used)}) keep serving")
+    return 0
+
+
+def cmd_check_config(args: argparse.Namespace) -> int:
+    """Validate a configuration file (and the secret file it names); print the settings
+    it gives, the token masked. SMB_* variables count only with ``--env``."""
+    cls = ControllerConfig if args.kind == "controller" else ServerConfig
+    cfg = load(cls, args.path, env=None if args.env else {})
+    for f in settings(cls):
+        value = getattr(cfg, f.name)
+        if f.name == "token" and value:
+            value = "(set)"
+        print(f"{f.name} = {value!r}")
     return 0
 
 
@@ -84,17 +121,11 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    import json
+    from . import status
     with Client(args.controller, args.token) as c:
-        servers, regions = c.list_servers(), c.list_regions()
-    now = time.time()
-    print(f"servers ({len(servers)}):")
-    print(_table([[s.server_id, s.state, s.grpc_address, format_bytes(s.capacity), format_bytes(s.used),
-                   str(s.extents), ",".join(u.partition(":")[0] for u in s.endpoints),
-                   f"{now - s.last_heartbeat:.1f}s" if s.last_heartbeat else "-"] for s in servers],
-                 ["ID", "STATE", "ADDRESS", "CAPACITY", "USED", "EXTENTS", "TRANSPORTS", "HEARTBEAT"]))
-    print(f"\nregions ({len(regions)}):")
-    print(_table([[r.name, format_bytes(r.size), r.placement, r.state, ",".join(r.servers)]
-                  for r in regions], ["NAME", "SIZE", "PLACEMENT", "STATE", "SERVERS"]))
+        report = status.gather(c, metrics=args.metrics)
+    print(json.dumps(report, indent=2) if args.json else status.render(report))
     return 0
 
 
@@ -150,7 +181,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="smb", description="Soft Memory Box")
-    parser.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING, ERROR (env SMB_LOG_LEVEL)")
+    parser.add_argument("--log-level", default=None,
+                        help="DEBUG, INFO, WARNING, ERROR (env SMB_LOG_LEVEL; daemons: also log_level)")
+    parser.add_argument("--log-format", default=None, choices=logs.FORMATS,
+                        help="text or json lines (env SMB_LOG_FORMAT; daemons: also log_format)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("controller", help="run the controller daemon")
@@ -163,11 +197,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--orphan-grace", dest="orphan_grace_seconds", type=float,
                    help="seconds before unknown extents are freed")
     p.add_argument("--ticket-ttl", dest="ticket_ttl_seconds", type=float)
-    p.add_argument("--metrics-port", type=int)
+    p.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (0: off)")
+    p.add_argument("--metrics-host", help="address of the metrics endpoint (default: the listen host)")
     p.add_argument("--ready-file")
     p.set_defaults(fn=cmd_controller)
 
-    p = sub.add_parser("server", help="run a memory server daemon")
+    p = sub.add_parser("server", help="run a memory server daemon, or drain/undrain it",
+                       description="smb server [run]: run the daemon. smb server drain: the server "
+                                   "this configuration names (server_id, or the id kept in "
+                                   "state_dir) takes no new extents; its regions keep working. "
+                                   "smb server undrain: it takes new extents again.")
+    p.add_argument("action", nargs="?", default="run", choices=["run", "drain", "undrain"])
     p.add_argument("--config", default=None, help=f"TOML file (default {DEFAULT_SERVER_FILE} if present)")
     p.add_argument("--controller", help="controller host:port")
     p.add_argument("--token", help="bearer token")
@@ -183,9 +223,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--transports", help="comma-separated: tcp,shm,rdma")
     p.add_argument("--rdma-device")
     p.add_argument("--heartbeat", dest="heartbeat_seconds", type=float, help="seconds between heartbeats")
-    p.add_argument("--metrics-port", type=int)
+    p.add_argument("--tcp-connections-max", type=int, help="most concurrent TCP data-plane connections")
+    p.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (0: off)")
+    p.add_argument("--metrics-host", help="address of the metrics endpoint (default: listen host)")
     p.add_argument("--ready-file")
     p.set_defaults(fn=cmd_server)
+
+    p = sub.add_parser("check-config", help="validate a controller or memory server TOML file",
+                       description="Exit 0 and print the effective settings when the file (and the "
+                                   "secret file it names) is valid; exit 2 with the file, key and "
+                                   "expected type otherwise.")
+    p.add_argument("kind", choices=["controller", "server"])
+    p.add_argument("path")
+    p.add_argument("--env", action="store_true", help="apply this environment's SMB_* variables too")
+    p.set_defaults(fn=cmd_check_config)
 
     p = sub.add_parser("up", help="run a local cluster (controller + memory servers) in the foreground")
     p.add_argument("--servers", type=int, default=2)
@@ -195,8 +246,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--token", default="")
     p.set_defaults(fn=cmd_up)
 
-    p = sub.add_parser("status", help="print servers and regions")
+    p = sub.add_parser("status", help="print the cluster: servers (health, counters), regions",
+                       description="Servers as the controller sees them, with each server's health "
+                                   "(gRPC health service) and counters (its Stats call), and the "
+                                   "regions.")
     _common(p)
+    p.add_argument("--metrics", action="store_true",
+                   help="also read each memory server's /metrics and print operation latencies")
+    p.add_argument("--json", action="store_true", help="print one JSON document")
     p.set_defaults(fn=cmd_status)
 
     p = sub.add_parser("region", help="create, list or delete regions")
@@ -227,6 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("extra", nargs="*", help="further example options, after --")
     p.set_defaults(fn=cmd_train)
 
+    doctor.add_parser(sub)
+
     p = sub.add_parser("drain", help="stop placing new extents on a memory server")
     _common(p)
     p.add_argument("server_id")
@@ -237,10 +296,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.log_level is None:
-        args.log_level = os.environ.get("SMB_LOG_LEVEL", "INFO")
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # daemons take these from their configuration too (flag > SMB_* > file); until it is
+    # read, and for every other command, the flag or the environment decides
+    try:
+        logs.setup(args.log_level or os.environ.get("SMB_LOG_LEVEL") or "INFO",
+                   args.log_format or os.environ.get("SMB_LOG_FORMAT") or "text")
+    except ValueError as exc:
+        print(f"smb: {exc}", file=sys.stderr)
+        return 2
     if args.command == "region" and args.action in ("create", "rm") and not args.name:
         print(f"smb region {args.action}: a region name is required", file=sys.stderr)
         return 2

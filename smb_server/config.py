@@ -4,9 +4,10 @@ Precedence, lowest to highest: built-in defaults, the TOML file
 (``/etc/smb/controller.toml`` or ``/etc/smb/server.toml``, or ``--config PATH``),
 ``SMB_*`` environment variables (``SMB_`` + the key in upper case, e.g.
 ``SMB_CAPACITY``), then command-line flags. Every key is documented in the field's
-``doc`` below and in ``deploy/config/*.toml``. A file with an unknown key or a value of
-the wrong type is refused with an error naming the file, the key and the expected type,
-so a daemon never starts half-configured.
+``doc`` below and in ``deploy/config/*.toml``. A file with an unknown key, a value of
+the wrong type or a value out of range (a port above 65535, an unknown transport or log
+level) is refused with an error naming the file (or variable, or flag), the key and
+what was expected, so a daemon never starts half-configured.
 """
 from __future__ import annotations
 
@@ -28,10 +29,28 @@ class ConfigError(InvalidArgument):
     """A configuration file, variable or flag with a bad key or value."""
 
 
-def _f(default: Any, doc: str, kind: str = "") -> Any:
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+LOG_FORMATS = ("text", "json")
+TRANSPORTS = ("tcp", "shm", "rdma")
+MAX_PORT = 65535
+
+
+def _f(default: Any, doc: str, kind: str = "", *, choices: tuple[str, ...] = (),
+       minimum: float | None = None, maximum: float | None = None, positive: bool = False) -> Any:
+    """A setting: its default, its documentation and the checks its value must pass.
+
+    ``choices``: allowed values (each element, for a list); ``minimum``/``maximum``:
+    inclusive bounds; ``positive``: strictly above zero.
+    """
+    meta = {"doc": doc, "kind": kind, "choices": choices, "minimum": minimum,
+            "maximum": maximum, "positive": positive}
     if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata={"doc": doc, "kind": kind})
-    return field(default=default, metadata={"doc": doc, "kind": kind})
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def _port(default: int, doc: str) -> Any:
+    return _f(default, doc, minimum=0, maximum=MAX_PORT)
 
 
 @dataclass
@@ -40,12 +59,16 @@ class ControllerConfig:
     db_path: str = _f("smb-controller.db", "SQLite database file (WAL mode)")
     token: str = _f("", "bearer token clients and servers must present; empty disables auth")
     secret_file: str = _f("", "file holding the HMAC ticket secret (hex), shared with memory servers")
-    lease_seconds: float = _f(5.0, "a memory server silent this long is marked down")
-    orphan_grace_seconds: float = _f(30.0, "extents unknown to the controller are freed after this age")
-    ticket_ttl_seconds: float = _f(3600.0, "lifetime of region tickets")
-    metrics_port: int = _f(0, "Prometheus /metrics HTTP port (0: off)")
+    lease_seconds: float = _f(5.0, "a memory server silent this long (seconds) is marked down",
+                              positive=True)
+    orphan_grace_seconds: float = _f(30.0, "extents unknown to the controller are freed after "
+                                     "this age (seconds)", minimum=0)
+    ticket_ttl_seconds: float = _f(3600.0, "lifetime of region tickets (seconds)", positive=True)
+    metrics_port: int = _port(0, "Prometheus /metrics and /healthz HTTP port (0: off)")
+    metrics_host: str = _f("", "address of the metrics endpoint (default: the host of listen)")
     ready_file: str = _f("", "written with the bound address once serving")
-    log_level: str = _f("INFO", "DEBUG, INFO, WARNING or ERROR")
+    log_level: str = _f("INFO", "DEBUG, INFO, WARNING or ERROR", choices=LOG_LEVELS)
+    log_format: str = _f("text", "text, or json for one JSON object per line", choices=LOG_FORMATS)
     secret: bytes = field(default=b"", metadata={"internal": True})
 
 
@@ -54,21 +77,23 @@ class ServerConfig:
     controller: str = _f("127.0.0.1:7700", "host:port of the controller")
     listen_host: str = _f("127.0.0.1", "address of the gRPC service and the TCP data plane")
     advertise_host: str = _f("", "address clients use to reach this server (default listen_host)")
-    grpc_port: int = _f(0, "gRPC port (0: any free port)")
-    tcp_port: int = _f(0, "TCP data-plane port (0: any free port)")
-    capacity: int = _f(1 << 30, "bytes of RAM this server may hand out (e.g. 64G)", "size")
+    grpc_port: int = _port(0, "gRPC port (0: any free port)")
+    tcp_port: int = _port(0, "TCP data-plane port (0: any free port)")
+    capacity: int = _f(1 << 30, "bytes of RAM this server may hand out (e.g. 64G)", "size", minimum=0)
     token: str = _f("", "bearer token of the cluster")
     secret_file: str = _f("", "file holding the HMAC ticket secret (hex), shared with the controller")
     server_id: str = _f("", "stable id (default: generated once and kept in state_dir)")
     state_dir: str = _f("", "where the server keeps its id and its shm socket")
     data_dir: str = _f("", "directory for file-backed (persistent) extents; empty: memory only")
-    transports: list[str] = _f(["tcp", "shm"], "data planes to offer: tcp, shm, rdma")
-    rdma_device: str = _f("", "RDMA device to use (default: the first one)")
-    heartbeat_seconds: float = _f(1.0, "seconds between heartbeats to the controller")
-    tcp_connections_max: int = _f(1024, "most concurrent TCP data-plane connections")
-    metrics_port: int = _f(0, "Prometheus /metrics HTTP port (0: off)")
+    transports: list[str] = _f(["tcp", "shm"], "data planes to offer: tcp, shm, rdma", choices=TRANSPORTS)
+    rdma_device: str = _f("", "RDMA device to use (default: the first active one)")
+    heartbeat_seconds: float = _f(1.0, "seconds between heartbeats to the controller", positive=True)
+    tcp_connections_max: int = _f(1024, "most concurrent TCP data-plane connections", minimum=1)
+    metrics_port: int = _port(0, "Prometheus /metrics and /healthz HTTP port (0: off)")
+    metrics_host: str = _f("", "address of the metrics endpoint (default: listen_host)")
     ready_file: str = _f("", "written with the server id once registered")
-    log_level: str = _f("INFO", "DEBUG, INFO, WARNING or ERROR")
+    log_level: str = _f("INFO", "DEBUG, INFO, WARNING or ERROR", choices=LOG_LEVELS)
+    log_format: str = _f("text", "text, or json for one JSON object per line", choices=LOG_FORMATS)
     secret: bytes = field(default=b"", metadata={"internal": True})
 
 
@@ -84,6 +109,11 @@ def settings(cls: type) -> list[dataclasses.Field]:
 
 
 def _convert(f: dataclasses.Field, value: Any, where: str) -> Any:
+    """``value`` as the field's type, checked against its bounds and choices."""
+    return _check(f, _typed(f, value, where), where)
+
+
+def _typed(f: dataclasses.Field, value: Any, where: str) -> Any:
     kind = f.metadata.get("kind") or str(f.type)
     try:
         if kind == "size":
@@ -105,31 +135,64 @@ def _convert(f: dataclasses.Field, value: Any, where: str) -> Any:
     raise ConfigError(f"{where}: key {f.name!r} must be {_TYPE_NAMES.get(kind, kind)}, got {value!r}")
 
 
+def _check(f: dataclasses.Field, value: Any, where: str) -> Any:
+    """Raise ConfigError when ``value`` is outside the field's choices or bounds.
+
+    Log levels are case-insensitive and returned in upper case.
+    """
+    meta = f.metadata
+    choices = meta.get("choices") or ()
+    if choices:
+        if f.name == "log_level" and isinstance(value, str):
+            value = value.upper()
+        items = value if isinstance(value, list) else [value]
+        bad = [v for v in items if v not in choices]
+        if bad:
+            each = "each " if isinstance(value, list) else ""
+            raise ConfigError(f"{where}: key {f.name!r} must be {each}one of {', '.join(choices)}, "
+                              f"got {bad[0]!r}")
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        low, high = meta.get("minimum"), meta.get("maximum")
+        if meta.get("positive") and value <= 0:
+            raise ConfigError(f"{where}: key {f.name!r} must be above 0, got {value!r}")
+        if (low is not None and value < low) or (high is not None and value > high):
+            span = f"from {low:g} to {high:g}" if high is not None else f"at least {low:g}"
+            raise ConfigError(f"{where}: key {f.name!r} must be {span}, got {value!r}")
+    return value
+
+
 def _from_text(f: dataclasses.Field, text: str, where: str) -> Any:
+    """A value from an environment variable or a flag's text, converted and checked."""
     kind = f.metadata.get("kind") or str(f.type)
+    if kind not in ("int", "float", "bool", "list[str]"):
+        return _convert(f, text, where)
     try:
         if kind == "int":
-            return int(text)
-        if kind == "float":
-            return float(text)
-        if kind == "bool":
+            value: Any = int(text)
+        elif kind == "float":
+            value = float(text)
+        elif kind == "bool":
             if text.lower() not in ("1", "0", "true", "false", "yes", "no"):
-                raise ValueError
-            return text.lower() in ("1", "true", "yes")
-        if kind == "list[str]":
-            return [t.strip() for t in text.split(",") if t.strip()]
+                raise ValueError(text)
+            value = text.lower() in ("1", "true", "yes")
+        else:
+            value = [t.strip() for t in text.split(",") if t.strip()]
     except ValueError:
-        raise ConfigError(f"{where}: must be {_TYPE_NAMES.get(kind, kind)}, got {text!r}") from None
-    return _convert(f, text, where)
+        raise ConfigError(f"{where}: key {f.name!r} must be {_TYPE_NAMES.get(kind, kind)}, "
+                          f"got {text!r}") from None
+    return _check(f, value, where)
 
 
 def load(cls: type[C], path: str | None = None, *, default_path: str = "",
-         env: Mapping[str, str] | None = None, flags: Mapping[str, Any] | None = None) -> C:
+         env: Mapping[str, str] | None = None, flags: Mapping[str, Any] | None = None,
+         with_secret: bool = True) -> C:
     """Build a config: defaults < TOML file < ``SMB_*`` environment < flags.
 
     ``path`` names the file (it must exist); without it ``default_path`` is read when
     present. ``flags`` holds only the options given on the command line (None = not
-    given). Raises :class:`ConfigError` naming the file or variable, key and type.
+    given). ``with_secret``: also read the ticket secret (daemons need it, commands that
+    only talk to the controller do not). Raises :class:`ConfigError` naming the file or
+    variable, key and type.
     """
     env = os.environ if env is None else env
     fields = {f.name: f for f in settings(cls)}
@@ -141,6 +204,8 @@ def load(cls: type[C], path: str | None = None, *, default_path: str = "",
                 data = tomllib.load(fh)
         except FileNotFoundError:
             raise ConfigError(f"{file}: no such configuration file") from None
+        except OSError as exc:
+            raise ConfigError(f"{file}: cannot read the configuration file: {exc.strerror}") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{file}: not valid TOML: {exc}") from None
         for key, value in data.items():
@@ -158,7 +223,8 @@ def load(cls: type[C], path: str | None = None, *, default_path: str = "",
         values[name] = _from_text(fields[name], value, where) if isinstance(value, str) else \
             _convert(fields[name], value, where)
     cfg = cls(**values)
-    cfg.secret = load_secret(cfg.secret_file, env=env)
+    if with_secret:
+        cfg.secret = load_secret(cfg.secret_file, env=env)
     return cfg
 
 

@@ -13,9 +13,13 @@ from __future__ import annotations
 import bisect
 import logging
 import math
+import re
 import threading
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable, Iterable, Sequence
+
+from smb_client.errors import Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -56,13 +60,20 @@ class _Metric:
 
 
 class Counter(_Metric):
+    """A value that only goes up: incremented with :meth:`inc`, or read from ``fn`` at
+    scrape time (``fn`` yields ``(label values, value)`` pairs)."""
+
     kind = "counter"
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, name: str, doc: str, labels: Sequence[str] = (),
+                 fn: Callable[[], Iterable[tuple[Sequence[str], float]]] | None = None) -> None:
+        super().__init__(name, doc, labels)
         self._values: dict[tuple[str, ...], float] = {}
+        self._fn = fn
 
     def inc(self, amount: float = 1.0, **labels: str) -> None:
+        if amount < 0:
+            raise ValueError(f"{self.name}: a counter cannot go down (got {amount})")
         key = self._key(labels)
         with self._lock:
             self._values[key] = self._values.get(key, 0.0) + amount
@@ -71,9 +82,8 @@ class Counter(_Metric):
         return self._values.get(self._key(labels), 0.0)
 
     def render(self) -> list[str]:
-        with self._lock:
-            items = sorted(self._values.items())
-        return self.header() + [f"{self.name}{_labels(self.labelnames, k)} {_num(v)}" for k, v in items]
+        return self.header() + [f"{self.name}{_labels(self.labelnames, k)} {_num(v)}"
+                                for k, v in _items(self, self._values, self._fn)]
 
 
 class Gauge(_Metric):
@@ -92,16 +102,22 @@ class Gauge(_Metric):
             self._values[self._key(labels)] = value
 
     def render(self) -> list[str]:
-        if self._fn is not None:
-            try:
-                items = [(tuple(str(x) for x in k), v) for k, v in self._fn()]
-            except Exception:  # a failing source must not break the scrape
-                log.exception("gauge %s", self.name)
-                items = []
-        else:
-            with self._lock:
-                items = sorted(self._values.items())
-        return self.header() + [f"{self.name}{_labels(self.labelnames, k)} {_num(v)}" for k, v in items]
+        return self.header() + [f"{self.name}{_labels(self.labelnames, k)} {_num(v)}"
+                                for k, v in _items(self, self._values, self._fn)]
+
+
+def _items(metric: _Metric, values: dict[tuple[str, ...], float],
+           fn: Callable[[], Iterable[tuple[Sequence[str], float]]] | None) -> list[tuple[tuple[str, ...], float]]:
+    """The samples to render: from ``fn`` when given (a failing one yields none and is
+    logged, so that one broken source never breaks the scrape), else the stored values."""
+    if fn is None:
+        with metric._lock:
+            return sorted(values.items())
+    try:
+        return [(tuple(str(x) for x in k), v) for k, v in fn()]
+    except Exception:
+        log.exception("metric %s", metric.name)
+        return []
 
 
 class Histogram(_Metric):
@@ -145,11 +161,18 @@ class Registry:
         self._metrics: list[_Metric] = []
 
     def _add(self, m: _Metric) -> _Metric:
+        if any(x.name == m.name for x in self._metrics):
+            raise ValueError(f"metric {m.name} is already registered")
         self._metrics.append(m)
         return m
 
-    def counter(self, name: str, doc: str, labels: Sequence[str] = ()) -> Counter:
-        return self._add(Counter(name, doc, labels))  # type: ignore[return-value]
+    def register(self, metric: _Metric) -> None:
+        """Add a metric made elsewhere (e.g. a histogram owned by the data planes)."""
+        self._add(metric)
+
+    def counter(self, name: str, doc: str, labels: Sequence[str] = (),
+                fn: Callable[[], Iterable[tuple[Sequence[str], float]]] | None = None) -> Counter:
+        return self._add(Counter(name, doc, labels, fn))  # type: ignore[return-value]
 
     def gauge(self, name: str, doc: str, labels: Sequence[str] = (),
               fn: Callable[[], Iterable[tuple[Sequence[str], float]]] | None = None) -> Gauge:
@@ -166,8 +189,69 @@ class Registry:
         return "\n".join(lines) + "\n"
 
 
+@dataclass(frozen=True)
+class Sample:
+    """One line of the text exposition format."""
+
+    name: str
+    labels: dict[str, str]
+    value: float
+
+
+_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+\d+)?$')
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+_ESCAPED = re.compile(r"\\(.)")
+
+
+def _unescape(m: re.Match) -> str:
+    return "\n" if m.group(1) == "n" else m.group(1)
+
+
+def parse(text: str) -> list[Sample]:
+    """The samples of a Prometheus text exposition (comments skipped).
+
+    Raises ValueError naming the first line that is not a sample.
+    """
+    samples = []
+    for number, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        m = _SAMPLE.match(line)
+        if m is None:
+            raise ValueError(f"line {number} is not a metric sample: {line[:80]!r}")
+        labels = {k: _ESCAPED.sub(_unescape, v) for k, v in _LABEL.findall(m.group(2) or "")}
+        samples.append(Sample(m.group(1), labels, float(m.group(3))))
+    return samples
+
+
+def histogram_quantile(q: float, buckets: Sequence[tuple[float, float]]) -> float:
+    """The ``q`` quantile (0..1) of a histogram from its cumulative ``(le, count)`` buckets,
+    interpolated linearly inside the bucket as Prometheus does; NaN when empty."""
+    if not 0 <= q <= 1:
+        raise ValueError(f"quantile must be within 0..1, got {q}")
+    ordered = sorted(buckets)
+    if not ordered or ordered[-1][1] <= 0:
+        return math.nan
+    total = ordered[-1][1]
+    rank = q * total
+    lower, below = 0.0, 0.0
+    for le, count in ordered:
+        if count >= rank:
+            if math.isinf(le):
+                return lower
+            if count == below:
+                return le
+            return lower + (le - lower) * (rank - below) / (count - below)
+        lower, below = le, count
+    return lower
+
+
 class MetricsServer:
-    """``GET /metrics`` (and ``/healthz``) on ``host:port``; owns its thread."""
+    """``GET /metrics`` (and ``/healthz``) on ``host:port``; owns its thread.
+
+    Raises Unavailable when the port cannot be bound.
+    """
 
     def __init__(self, registry: Registry, host: str = "127.0.0.1", port: int = 0,
                  healthy: Callable[[], bool] = lambda: True) -> None:
@@ -192,7 +276,11 @@ class MetricsServer:
             def log_message(self, fmt: str, *args: object) -> None:
                 log.debug("metrics: " + fmt, *args)
 
-        self._httpd = ThreadingHTTPServer((host, port), Handler)
+        try:
+            self._httpd = ThreadingHTTPServer((host, port), Handler)
+        except OSError as exc:
+            raise Unavailable(f"cannot serve metrics on {host}:{port}: {exc.strerror} "
+                              "(port in use? change metrics_port)") from None
         self._httpd.daemon_threads = True
         self.port = self._httpd.server_address[1]
         self._thread = threading.Thread(target=self._httpd.serve_forever, name="metrics", daemon=True)

@@ -22,8 +22,11 @@ from smb_client._proto.smb.v1 import controller_pb2_grpc
 from .. import sdnotify
 from ..config import ControllerConfig
 from ..grpc_util import BearerAuth, make_server
+from ..health import HEALTH_METHODS, Health
+from ..metrics import MetricsServer, Registry
+from ..rpc_metrics import RpcMetrics
 from .service import ControllerServicer
-from .state import ControllerState
+from .state import SERVER_STATES, ControllerState
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +48,9 @@ class Controller:
         self.servicer: ControllerServicer | None = None
         self._server: Any = None
         self._port = 0
-        self._metrics: Any = None
+        self._metrics: MetricsServer | None = None
+        self.registry = Registry()
+        self._health: Health | None = None
         self._stop_leases = threading.Event()
         self._lease_thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -87,8 +92,10 @@ class Controller:
         self.state = ControllerState(cfg.db_path, cfg.lease_seconds, cfg.orphan_grace_seconds)
         self.state.expire_leases()  # servers silent since the last run are down until they call
         self.servicer = ControllerServicer(self.state, cfg.secret, cfg.token, cfg.ticket_ttl_seconds)
-        self._server = make_server(max_workers=GRPC_WORKERS, interceptors=[BearerAuth(cfg.token)])
+        self._server = make_server(max_workers=GRPC_WORKERS, interceptors=[
+            RpcMetrics(self.registry, "smb_controller"), BearerAuth(cfg.token, exempt=HEALTH_METHODS)])
         controller_pb2_grpc.add_ControllerServicer_to_server(self.servicer, self._server)
+        self._health = Health(self._server, ["smb.v1.Controller"])
         try:
             self._port = self._server.add_insecure_port(cfg.listen)
         except RuntimeError as exc:
@@ -100,8 +107,13 @@ class Controller:
         self._lease_thread = threading.Thread(target=self._lease_loop, name="controller-leases",
                                               daemon=True)
         self._lease_thread.start()
-        if getattr(cfg, "metrics_port", 0):
-            self._start_metrics(cfg.metrics_port)
+        self._add_state_metrics()
+        if cfg.metrics_port:
+            host = cfg.metrics_host or cfg.listen.rpartition(":")[0].strip("[]") or "0.0.0.0"
+            self._metrics = MetricsServer(self.registry, host, cfg.metrics_port,
+                                          healthy=lambda: self.status == "running")
+            log.info("metrics on http://%s:%d/metrics", host, self._metrics.port)
+        self._health.serving()
         if cfg.ready_file:
             _write_atomic(cfg.ready_file, json.dumps({"address": self.address}))
 
@@ -114,24 +126,31 @@ class Controller:
             except Exception:
                 log.exception("expiring leases")
 
-    def _start_metrics(self, port: int) -> None:
-        from ..metrics import MetricsServer, Registry
+    @property
+    def metrics_port(self) -> int:
+        """The bound port of the metrics endpoint; 0 when it is off."""
+        return self._metrics.port if self._metrics is not None else 0
+
+    def _add_state_metrics(self) -> None:
+        """Gauges read from the database at scrape time."""
         state = self.state
         assert state is not None
-        reg = Registry()
+        reg = self.registry
         reg.gauge("smb_controller_servers", "Memory servers by state", ["state"],
-                  fn=lambda: [((st,), sum(s.state == st for s in state.list_servers()))
-                              for st in ("up", "down", "draining")])
-        reg.gauge("smb_controller_capacity_bytes", "Capacity of each memory server", ["server_id"],
+                  fn=lambda: _count_by(s.state for s in state.list_servers()))
+        reg.gauge("smb_controller_server_info", "One per memory server, with its state and address",
+                  ["server_id", "state", "address"],
+                  fn=lambda: [((s.server_id, s.state, s.grpc_address), 1) for s in state.list_servers()])
+        reg.gauge("smb_controller_capacity_bytes", "Capacity of each memory server, bytes", ["server_id"],
                   fn=lambda: [((s.server_id,), s.capacity) for s in state.list_servers()])
         reg.gauge("smb_controller_used_bytes", "Bytes placed on each memory server", ["server_id"],
                   fn=lambda: [((s.server_id,), s.used) for s in state.list_servers()])
+        reg.gauge("smb_controller_extents", "Extents placed on each memory server", ["server_id"],
+                  fn=lambda: [((s.server_id,), s.extents) for s in state.list_servers()])
         reg.gauge("smb_controller_regions", "Regions by state", ["state"],
-                  fn=lambda: [((st,), sum(r.state == st for r in state.list_regions()))
-                              for st in ("ready", "degraded")])
-        host = self.config.listen.rpartition(":")[0].strip("[]") or "0.0.0.0"
-        self._metrics = MetricsServer(reg, host, port, healthy=lambda: self.status == "running")
-        log.info("metrics on http://%s:%d/metrics", host, self._metrics.port)
+                  fn=lambda: _count_by((r.state for r in state.list_regions()), ("ready", "degraded")))
+        reg.gauge("smb_controller_region_bytes", "Bytes of all regions together",
+                  fn=lambda: [((), sum(r.size for r in state.list_regions()))])
 
     def stop(self, grace: float = STOP_GRACE) -> None:
         """Stop serving (in-flight calls get ``grace`` seconds) and close everything.
@@ -143,6 +162,8 @@ class Controller:
                 return
             self.status = "closing"
             sdnotify.notify("STOPPING=1")
+            if self._health is not None:
+                self._health.shutting_down()
             self._close_parts(grace)
             self.status = "closed"
         log.info("controller stopped")
@@ -179,7 +200,7 @@ class Controller:
         try:
             if self.status == "starting":
                 self.start()
-            sdnotify.notify("READY=1")
+            sdnotify.notify(f"READY=1\nSTATUS=serving at {self.address}")
             while not done.wait(1.0):
                 pass
         finally:
@@ -195,6 +216,14 @@ class Controller:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _count_by(values: Any, always: tuple[str, ...] = SERVER_STATES) -> list[tuple[tuple[str], int]]:
+    """``[((value,), count)]`` for every value seen and every one of ``always``."""
+    counts = dict.fromkeys(always, 0)
+    for v in values:
+        counts[v] = counts.get(v, 0) + 1
+    return [((k,), n) for k, n in sorted(counts.items())]
 
 
 def serve(config: ControllerConfig) -> None:

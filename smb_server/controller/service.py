@@ -290,6 +290,12 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
                                                 orphan_extent_ids=orphans)
 
     @typed_errors
+    def UnregisterServer(self, request: controller_pb2.UnregisterServerRequest,
+                         context: grpc.ServicerContext) -> Any:
+        server = self.state.unregister(request.server_id, request.reason)
+        return controller_pb2.UnregisterServerResponse(server=server_info(server))
+
+    @typed_errors
     def DrainServer(self, request: controller_pb2.DrainServerRequest,
                     context: grpc.ServicerContext) -> Any:
         server = self.state.drain(request.server_id, undrain=request.undrain)

@@ -373,6 +373,20 @@ class ControllerState:
             log.warning("server %s missed its lease (%.1f s): marked down", sid, self.lease_seconds)
         return ids
 
+    def unregister(self, server_id: str, reason: str = "") -> ServerRecord:
+        """A server stopping cleanly: mark it ``down`` now, not after its lease.
+
+        Its drain flag and its extents stay; a later registration brings it back
+        ``up`` (or ``draining``). Raises ServerNotFound.
+        """
+        with self._tx() as db:
+            row = db.execute("SELECT state FROM servers WHERE server_id=?", (server_id,)).fetchone()
+            if row is None:
+                raise ServerNotFound(f"no memory server {server_id!r} is registered")
+            db.execute("UPDATE servers SET state='down' WHERE server_id=?", (server_id,))
+        log.info("server %s stopped%s: marked down", server_id, f" ({reason})" if reason else "")
+        return self.get_server(server_id)
+
     def drain(self, server_id: str, undrain: bool = False) -> ServerRecord:
         """Stop (or, with ``undrain``, resume) placing new extents on a server.
 

@@ -5,6 +5,14 @@ registers with the controller from a background thread (retrying with backoff wh
 the controller is unreachable) and heartbeats every ``heartbeat_seconds``. Extents the
 controller reports as orphans (held here, unknown there, past its grace period) are
 released. Data keeps being served while the controller is away.
+
+Stopping (:meth:`MemoryServer.stop`, which SIGTERM and SIGINT trigger under
+``smb server``): the gRPC health service turns ``NOT_SERVING``, systemd hears
+``STOPPING=1``, heartbeats end, the controller is told (``UnregisterServer``: the
+server is marked down at once rather than after its lease), then the planes close
+and every extent is released: memory extents are zeroed out and their pages given
+back (a shm client that still maps one sees its live word at 0), file-backed
+extents are flushed and kept for the next start.
 """
 from __future__ import annotations
 
@@ -24,17 +32,23 @@ from smb_client.addressing import format_hostport
 from smb_client.hostinfo import host_id
 from smb_client._proto.smb.v1 import controller_pb2, controller_pb2_grpc, memory_server_pb2_grpc
 
+from .. import sdnotify
 from ..config import ServerConfig
 from ..grpc_util import BearerAuth, make_server
+from ..health import HEALTH_METHODS, Health
+from ..metrics import MetricsServer, Registry
+from ..rpc_metrics import RpcMetrics
 from .arena import Arena
 from .rdma_plane import RdmaPlane
-from .service import TICKET_METHODS, MemoryServerServicer
+from .service import TICKET_METHODS, MemoryServerServicer, rss_bytes
 from .shm_plane import ShmPlane
-from .tcp_plane import PlaneStats, TcpPlane
+from .stats import COUNTERS, PlaneStats
+from .tcp_plane import TcpPlane
 
 log = logging.getLogger(__name__)
 
 RPC_TIMEOUT = 5.0          # seconds per controller call
+UNREGISTER_TIMEOUT = 2.0   # seconds the goodbye to the controller may take at stop()
 BACKOFF_FIRST = 0.1        # seconds before the first retry of a failed registration
 BACKOFF_MAX = 5.0          # seconds, the longest pause between retries
 GRPC_GRACE = 1.0           # seconds in-flight calls get at stop()
@@ -62,6 +76,9 @@ class MemoryServer:
         self.rdma: RdmaPlane | None = None
         self.registered = threading.Event()
         self.lease_seconds = 0.0
+        self.registry = Registry()
+        self._metrics: MetricsServer | None = None
+        self._health: Health | None = None
         self._grpc: Any = None
         self._channel: Any = None
         self._stub: controller_pb2_grpc.ControllerStub | None = None
@@ -101,9 +118,13 @@ class MemoryServer:
         servicer = MemoryServerServicer(self.arena, cfg.secret, self.stats,
                                         server_id=lambda: self.server_id,
                                         endpoints=lambda: self.endpoints,
-                                        rdma=lambda: self.rdma)
-        self._grpc = make_server(interceptors=[BearerAuth(cfg.token, exempt=TICKET_METHODS)])
+                                        rdma=lambda: self.rdma,
+                                        metrics_port=lambda: self.metrics_port)
+        self._grpc = make_server(interceptors=[
+            RpcMetrics(self.registry, "smb_server"),
+            BearerAuth(cfg.token, exempt=TICKET_METHODS + HEALTH_METHODS)])
         memory_server_pb2_grpc.add_MemoryServerServicer_to_server(servicer, self._grpc)
+        self._health = Health(self._grpc, ["smb.v1.MemoryServer"])
         port = self._grpc.add_insecure_port(format_hostport(cfg.listen_host, cfg.grpc_port))
         if port == 0:
             raise errors.InvalidArgument(f"cannot bind gRPC to {cfg.listen_host}:{cfg.grpc_port}")
@@ -112,11 +133,11 @@ class MemoryServer:
 
         endpoints = []
         if "tcp" in cfg.transports:
-            self.tcp = TcpPlane(self.arena, cfg.secret, cfg.listen_host, cfg.tcp_port, self.stats,
-                                max_connections=cfg.tcp_connections_max)
+            self.tcp = TcpPlane(self.arena, cfg.secret, cfg.listen_host, cfg.tcp_port,
+                                self.stats.for_transport("tcp"), max_connections=cfg.tcp_connections_max)
             endpoints.append(f"tcp://{format_hostport(host, self.tcp.port)}")
         if "shm" in cfg.transports:
-            self.shm = ShmPlane(self.arena, cfg.secret, self._socket_path(), self.stats)
+            self.shm = ShmPlane(self.arena, cfg.secret, self._socket_path(), self.stats.for_transport("shm"))
             endpoints.append(self.shm.endpoint)
         if "rdma" in cfg.transports:
             self.rdma = self._start_rdma(host)
@@ -129,6 +150,13 @@ class MemoryServer:
         self.endpoints = endpoints
         log.info("memory server %s: gRPC %s, endpoints %s, capacity %d bytes", self.server_id,
                  self.grpc_address, " ".join(endpoints), self.arena.capacity)
+        self._add_metrics()
+        if cfg.metrics_port:
+            metrics_host = cfg.metrics_host or cfg.listen_host
+            self._metrics = MetricsServer(self.registry, metrics_host, cfg.metrics_port,
+                                          healthy=lambda: self.state == "running")
+            log.info("metrics on http://%s:%d/metrics", metrics_host, self._metrics.port)
+        self._health.serving()
 
         self._channel = rpc.channel(cfg.controller)
         self._stub = controller_pb2_grpc.ControllerStub(self._channel)
@@ -151,19 +179,27 @@ class MemoryServer:
         except OSError:
             prefer = None
         try:
-            return RdmaPlane(self.arena, self.stats, prefer_ipv4=prefer)
+            return RdmaPlane(self.arena, self.stats.for_transport("rdma"),
+                             device=self.config.rdma_device or None, prefer_ipv4=prefer)
         except errors.SMBError as exc:
             log.warning("rdma plane not started: %s (run `smb doctor`)", exc)
             return None
 
-    def stop(self) -> None:
-        """Stop heartbeats, close the planes and gRPC, drop every extent (idempotent)."""
+    def stop(self, reason: str = "stopped") -> None:
+        """Tell the controller, close the planes and gRPC, release every extent
+        (idempotent). ``reason`` goes to the controller's log."""
         if self.state in ("closing", "closed"):
             return
+        was_running = self.state == "running"
         self.state = "closing"
+        sdnotify.notify("STOPPING=1")
+        if self._health is not None:
+            self._health.shutting_down()
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(RPC_TIMEOUT + 1)
+        if was_running and self.registered.is_set():
+            self._unregister(reason)
         for plane in (self.tcp, self.shm, self.rdma):
             if plane is not None:
                 plane.close()
@@ -172,11 +208,30 @@ class MemoryServer:
         if self._channel is not None:
             self._channel.close()
         if self.arena is not None:
+            held = len(self.arena)
             self.arena.close()
+            log.info("released %d extent(s)%s", held,
+                     " (file-backed ones are kept in the data directory)" if self.config.data_dir else "")
+        if self._metrics is not None:
+            self._metrics.close()
         for path in self._tmp_dirs:
             shutil.rmtree(path, ignore_errors=True)
         self.state = "closed"
         log.info("memory server %s stopped", self.server_id)
+
+    def _unregister(self, reason: str) -> None:
+        """Best effort: a controller that does not answer marks us down after the lease."""
+        assert self._stub is not None
+        request = controller_pb2.UnregisterServerRequest(server_id=self.server_id, reason=reason)
+        try:
+            rpc.call(self._stub.UnregisterServer, request, self.config.token, UNREGISTER_TIMEOUT,
+                     errors.ControllerUnavailable)
+            log.info("told the controller at %s that %s is stopping", self.config.controller,
+                     self.server_id)
+        except errors.SMBError as exc:
+            log.warning("could not tell the controller at %s that this server stops (%s: %s); "
+                        "it marks it down after its lease", self.config.controller,
+                        type(exc).__name__, exc)
 
     def __enter__(self) -> "MemoryServer":
         return self.start()
@@ -185,26 +240,73 @@ class MemoryServer:
         self.stop()
 
     def run_forever(self) -> None:
-        """Block until SIGTERM or SIGINT (main thread only), then stop."""
+        """Block until SIGTERM or SIGINT (main thread only), then stop.
+
+        Tells systemd ``READY=1`` (``Type=notify``) once the data planes serve.
+        """
         done = threading.Event()
+        received: list[str] = []
 
         def on_signal(signum: int, frame: object) -> None:
-            log.info("signal %d: stopping", signum)
+            received.append(signal.Signals(signum).name)
+            log.info("received %s: stopping", received[-1])
             done.set()
 
         previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
+            sdnotify.notify(f"READY=1\nSTATUS=serving {' '.join(self.endpoints)}; "
+                            f"registering with {self.config.controller}")
+            announced = False
             while not done.wait(0.5):
                 if self.state != "running":
                     break
+                if not announced and self.registered.is_set():
+                    sdnotify.notify(f"STATUS=serving {' '.join(self.endpoints)}; registered as "
+                                    f"{self.server_id} with {self.config.controller}")
+                    announced = True
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
-            self.stop()
+            self.stop(received[0] if received else "stopped")
 
     def wait_registered(self, timeout: float | None = None) -> bool:
         """True once the controller has accepted the registration (seconds to wait)."""
         return self.registered.wait(timeout)
+
+    @property
+    def metrics_port(self) -> int:
+        """The bound port of the metrics endpoint; 0 when it is off."""
+        return self._metrics.port if self._metrics is not None else 0
+
+    def _add_metrics(self) -> None:
+        """Register this server's metrics (read at scrape time) in :attr:`registry`."""
+        arena, stats, reg = self.arena, self.stats, self.registry
+        assert arena is not None
+
+        def per_transport(name: str) -> Any:
+            return lambda: [((t,), c[name]) for t, c in stats.by_transport().items()]
+
+        reg.gauge("smb_server_info", "Always 1; labels name this memory server", ["server_id", "grpc_address"],
+                  fn=lambda: [((self.server_id, self.grpc_address), 1)])
+        reg.gauge("smb_server_registered", "1 while the controller has accepted this server",
+                  fn=lambda: [((), int(self.registered.is_set()))])
+        reg.gauge("smb_server_capacity_bytes", "Bytes this server may hand out",
+                  fn=lambda: [((), arena.capacity)])
+        reg.gauge("smb_server_used_bytes", "Bytes held in extents", fn=lambda: [((), arena.used)])
+        reg.gauge("smb_server_extents", "Extents held", fn=lambda: [((), len(arena))])
+        reg.gauge("smb_server_regions", "Regions with at least one extent here",
+                  fn=lambda: [((), len({e.region_uid for e in arena.extents()}))])
+        reg.gauge("smb_server_resident_bytes", "Resident memory of this process",
+                  fn=lambda: [((), rss_bytes())])
+        reg.gauge("smb_server_sessions", "Open data-plane sessions", ["transport"],
+                  fn=per_transport("sessions"))
+        for name in COUNTERS:
+            if name == "sessions":
+                continue
+            what = name.replace("_", " ")
+            reg.counter(f"smb_server_{name}_total", f"Data-plane {what} (see docs/operations.md for "
+                        "what each transport can count)", ["transport"], fn=per_transport(name))
+        reg.register(stats.latency)
 
     # -- state dir ----------------------------------------------------------------------
     def _mkdtemp(self) -> str:
@@ -257,7 +359,7 @@ class MemoryServer:
             if self.config.ready_file:
                 _write_atomic(self.config.ready_file, json.dumps(
                     {"server_id": self.server_id, "grpc_address": self.grpc_address,
-                     "endpoints": self.endpoints}))
+                     "endpoints": self.endpoints, "metrics_port": self.metrics_port}))
             self.registered.set()
         log.info("registered with the controller at %s as %s", self.config.controller, self.server_id)
 
@@ -320,6 +422,24 @@ class MemoryServer:
             self._stop.wait(wait)
 
 
+def read_server_id(state_dir: str) -> str:
+    """The id a memory server keeps in ``state_dir``; raises InvalidArgument (saying what
+    to pass instead) when there is none."""
+    if not state_dir:
+        raise errors.InvalidArgument("cannot tell which memory server: set server_id or state_dir "
+                                     "(--server-id, --state-dir, SMB_STATE_DIR or the config file)")
+    path = os.path.join(state_dir, "server_id")
+    try:
+        with open(path) as f:
+            value = f.read().strip()
+    except OSError as exc:
+        raise errors.InvalidArgument(f"cannot read the server id from {path}: {exc.strerror} "
+                                     "(has the server run with this state_dir? or pass --server-id)") from None
+    if not value:
+        raise errors.InvalidArgument(f"{path} is empty; pass --server-id")
+    return value
+
+
 def _write_atomic(path: str, text: str) -> None:
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
@@ -338,6 +458,8 @@ def _write_atomic(path: str, text: str) -> None:
 
 def serve(config: ServerConfig) -> None:
     """Run a memory server until SIGTERM/SIGINT (the ``smb server`` command)."""
+    from .. import logs
     server = MemoryServer(config)
     server.start()
+    logs.set_context(server_id=server.server_id)
     server.run_forever()

@@ -78,6 +78,14 @@ def access_flags() -> tuple[int, int, int]:
     return rw, e.IBV_ACCESS_REMOTE_READ, e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE
 
 
+def _op_name(op: int) -> str:
+    """The metrics label of a two-sided request (``accumulate``, ``axpy``, ``scale``)."""
+    try:
+        return MsgOp(op).name.lower()
+    except ValueError:
+        return "unknown"
+
+
 @dataclass
 class _Registration:
     """The two registrations of one extent (owned by the plane)."""
@@ -202,6 +210,7 @@ class _Connection:
             return
         self.qp.post_recv(self._recv_wrs[slot])   # the slot's content is parsed: reuse it
         status, message = Status.OK, ""
+        start = time.perf_counter()
         try:
             self._compute(op, dtype, extent_id, offset, length, staging, alpha)
             self.plane.stats.add(operations=1, bytes_accumulated=length if op != MsgOp.SCALE else 0)
@@ -214,6 +223,7 @@ class _Connection:
             self.plane.stats.add(operations=1, errors=1)
             log.exception("rdma %s: %s on extent %d failed", self.peer, op, extent_id)
         self._reply(slot, req_id, status, message)
+        self.plane.stats.observe(_op_name(op), time.perf_counter() - start)
 
     def _compute(self, op: int, dtype: int, extent_id: int, offset: int, length: int,
                  staging: int, alpha: float) -> None:
@@ -301,7 +311,7 @@ class RdmaPlane:
     def __init__(self, arena: Arena, stats: PlaneStats | None = None, device: str | None = None,
                  prefer_ipv4: str | None = None, staging_bytes: int = STAGING_BYTES) -> None:
         self.arena = arena
-        self.stats = stats if stats is not None else PlaneStats()
+        self.stats = stats if stats is not None else PlaneStats("rdma")
         self.device = verbs.Device(device, prefer_ipv4=prefer_ipv4)
         self.rw_access, self.ro_access, self.staging_access = access_flags()
         self.staging_bytes = staging_bytes

@@ -21,7 +21,7 @@ from smb_client._proto.smb.v1 import memory_server_pb2_grpc as pb_grpc
 
 from ..grpc_util import typed_errors
 from .arena import Arena
-from .tcp_plane import PlaneStats
+from .stats import PlaneStats
 
 if TYPE_CHECKING:
     from .rdma_plane import RdmaPlane
@@ -46,20 +46,22 @@ def rss_bytes() -> int:
 
 
 class MemoryServerServicer(pb_grpc.MemoryServerServicer):
-    """Borrows ``arena`` and ``stats``; ``server_id`` and ``endpoints`` are callables so
-    the servicer can be built before the planes and the id are known.
+    """Borrows ``arena`` and ``stats``; ``server_id``, ``endpoints`` and ``metrics_port``
+    are callables so the servicer can be built before the planes and the id are known.
     """
 
     def __init__(self, arena: Arena, secret: bytes, stats: PlaneStats,
                  server_id: Callable[[], str] = lambda: "",
                  endpoints: Callable[[], Sequence[str]] = lambda: (),
-                 rdma: Callable[[], "RdmaPlane | None"] = lambda: None) -> None:
+                 rdma: Callable[[], "RdmaPlane | None"] = lambda: None,
+                 metrics_port: Callable[[], int] = lambda: 0) -> None:
         self.arena = arena
         self.secret = secret
         self.stats = stats
         self._server_id = server_id
         self._endpoints = endpoints
         self._rdma = rdma
+        self._metrics_port = metrics_port
 
     def _admin(self, token: str, extent_id: int) -> Ticket:
         ticket = verify(self.secret, token)
@@ -112,4 +114,4 @@ class MemoryServerServicer(pb_grpc.MemoryServerServicer):
             bytes_read=counts["bytes_read"], bytes_written=counts["bytes_written"],
             bytes_accumulated=counts["bytes_accumulated"], operations=counts["operations"],
             errors=counts["errors"], sessions=max(0, counts["sessions"]), rss_bytes=rss_bytes(),
-            endpoints=list(self._endpoints()))
+            endpoints=list(self._endpoints()), metrics_port=self._metrics_port())

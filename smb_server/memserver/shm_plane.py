@@ -54,7 +54,7 @@ class ShmPlane:
         self.arena = arena
         self.secret = secret
         self.path = os.path.abspath(socket_path)
-        self.stats = stats if stats is not None else PlaneStats()
+        self.stats = stats if stats is not None else PlaneStats("shm")
         self.closing = False
         self._lock = threading.Lock()
         self._conns: dict[socket.socket, threading.Thread] = {}
@@ -148,6 +148,7 @@ class ShmPlane:
         return buf
 
     def _answer(self, sock: socket.socket, token: bytes, extent_id: int) -> None:
+        start = time.perf_counter()
         try:
             ticket = verify(self.secret, token.decode(errors="replace"))
             extent = check_access(ticket, self.arena, extent_id, write=False)
@@ -173,6 +174,7 @@ class ShmPlane:
                 raise _Drop(str(err)) from None
         except OSError as exc:
             raise _Drop(str(exc)) from None
+        self.stats.observe("attach", time.perf_counter() - start)
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop accepting, close every connection, remove the socket file."""

@@ -19,7 +19,6 @@ import socket
 import struct
 import threading
 import time
-from dataclasses import dataclass, field, fields
 
 from smb_client import wire
 from smb_client.dtypes import FLOATING, STORAGE, DType
@@ -32,6 +31,7 @@ from smb_client.wire import Op
 
 from . import kernels
 from .arena import Arena, Extent
+from .stats import PlaneStats
 
 log = logging.getLogger(__name__)
 
@@ -40,28 +40,6 @@ FRAME_TIMEOUT = 60.0      # seconds a started frame may stall before the connect
 ACCEPT_POLL = 0.5         # seconds between checks for close() in the accept loop
 BACKLOG = 128
 _OLD = struct.Struct("<q")
-
-
-@dataclass
-class PlaneStats:
-    """Counters shared by the data planes (bytes, operations; ``sessions`` is a gauge)."""
-
-    bytes_read: int = 0
-    bytes_written: int = 0
-    bytes_accumulated: int = 0
-    operations: int = 0
-    errors: int = 0
-    sessions: int = 0
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-
-    def add(self, **counts: int) -> None:
-        with self._lock:
-            for name, n in counts.items():
-                setattr(self, name, getattr(self, name) + n)
-
-    def snapshot(self) -> dict[str, int]:
-        with self._lock:
-            return {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
 
 
 class _Drop(Exception):
@@ -153,7 +131,12 @@ class _Connection:
             log.exception("tcp %s: unexpected failure; closing connection", self.peer)
 
     def _request(self) -> bool:
-        """Serve one request whose header is in the buffer; False to close the connection."""
+        """Serve one request whose header is in the buffer; False to close the connection.
+
+        Its latency, from the header's arrival to the answer's departure, goes to the
+        plane's stats.
+        """
+        start = time.perf_counter()
         (magic, op_code, dtype, req_id, extent_id, offset, length, arg0, arg1,
          alpha) = wire.REQUEST.unpack(self._header)
         if magic != wire.MAGIC:
@@ -166,7 +149,9 @@ class _Connection:
             raise _Drop(f"length {length} exceeds the limit of {wire.MAX_PAYLOAD} bytes")
         self.pending = length if op in wire.PAYLOAD_OPS else 0
         if op is Op.HELLO:
-            return self._hello(req_id, length)
+            keep = self._hello(req_id, length)
+            self.plane.stats.observe("hello", time.perf_counter() - start)
+            return keep
         if self.ticket is None:
             raise _Drop(f"{op.name} before HELLO")
         try:
@@ -176,10 +161,11 @@ class _Connection:
             self.plane.stats.add(errors=1, operations=1)
             log.debug("tcp %s: %s on extent %d failed: %s", self.peer, op.name, extent_id, exc)
             self._reply(req_id, str(exc).encode(), error_status(exc))
-            return True
-        if body is not None:   # else already answered (and counted) by the operation
-            self.plane.stats.add(operations=1)
-            self._reply(req_id, body)
+        else:
+            if body is not None:   # else already answered (and counted) by the operation
+                self.plane.stats.add(operations=1)
+                self._reply(req_id, body)
+        self.plane.stats.observe(op.name.lower(), time.perf_counter() - start)
         return True
 
     def _hello(self, req_id: int, length: int) -> bool:
@@ -298,7 +284,7 @@ class TcpPlane:
         self.arena = arena
         self.secret = secret
         self.host = host
-        self.stats = stats if stats is not None else PlaneStats()
+        self.stats = stats if stats is not None else PlaneStats("tcp")
         self.max_connections = max_connections
         self.frame_timeout = frame_timeout
         self.closing = False

@@ -1,0 +1,78 @@
+"""Counters and latencies of a memory server's data planes.
+
+One root :class:`PlaneStats` per server holds the totals; each plane writes through
+its own view from :meth:`PlaneStats.for_transport` (``tcp``, ``shm``, ``rdma``), which
+adds to its transport's counters and to the totals. Latencies go to one histogram,
+labelled by operation and transport, shared by the root and its views.
+
+What a transport can see: the TCP plane moves every byte itself, so its byte counters
+are complete. A shm client copies with memcpy in its own process and an rdma client
+reads and writes with one-sided verbs: neither passes through this process, so for
+those transports only sessions, descriptor hand-outs (``attach``), server-side
+arithmetic (``accumulate``, ``axpy``, ``scale``) and errors are counted here.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+
+from ..metrics import Histogram
+
+log = logging.getLogger(__name__)
+
+COUNTERS = ("bytes_read", "bytes_written", "bytes_accumulated", "operations", "errors", "sessions")
+# seconds; from a small-message round trip to a multi-megabyte accumulate
+OP_BUCKETS = (2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25,
+              0.5, 1.0, 2.5)
+
+
+class PlaneStats:
+    """Counters (bytes, operations, errors; ``sessions`` is a gauge) and an operation
+    latency histogram. Thread-safe.
+
+    ``transport`` labels this object's latencies; ``parent`` (set by
+    :meth:`for_transport`) also receives every count.
+    """
+
+    def __init__(self, transport: str = "", parent: "PlaneStats | None" = None) -> None:
+        self.transport = transport
+        self._parent = parent
+        self._lock = threading.Lock()
+        self._counts = dict.fromkeys(COUNTERS, 0)
+        self._views: dict[str, PlaneStats] = {}
+        self.latency: Histogram = parent.latency if parent is not None else Histogram(
+            "smb_server_operation_seconds", "Data-plane operation latency on the server, seconds",
+            ["op", "transport"], buckets=OP_BUCKETS)
+
+    def add(self, **counts: int) -> None:
+        """Add to named counters (see :data:`COUNTERS`); raises KeyError for others."""
+        with self._lock:
+            for name, n in counts.items():
+                if name not in self._counts:
+                    raise KeyError(f"unknown counter {name!r}; known: {', '.join(COUNTERS)}")
+                self._counts[name] += n
+        if self._parent is not None:
+            self._parent.add(**counts)
+
+    def observe(self, op: str, seconds: float) -> None:
+        """Record one operation's latency (seconds) under this object's transport."""
+        self.latency.observe(seconds, op=op, transport=self.transport or "unknown")
+
+    def for_transport(self, name: str) -> "PlaneStats":
+        """The view a plane of transport ``name`` writes through (made once, then reused)."""
+        with self._lock:
+            view = self._views.get(name)
+            if view is None:
+                view = self._views[name] = PlaneStats(name, parent=self)
+            return view
+
+    def snapshot(self) -> dict[str, int]:
+        """The counters now, by name."""
+        with self._lock:
+            return dict(self._counts)
+
+    def by_transport(self) -> dict[str, dict[str, int]]:
+        """The counters of every view made by :meth:`for_transport`, by transport."""
+        with self._lock:
+            views = dict(self._views)
+        return {name: view.snapshot() for name, view in sorted(views.items())}
