@@ -122,13 +122,17 @@ class Region:
                     self._sessions[place.server_id] = s
         return s
 
-    def _retrying(self, fn: Callable[[], Any]) -> Any:
+    def _retrying(self, fn: Callable[[], Any], rerun: bool = True) -> Any:
+        """Run ``fn`` with a fresh ticket; once more after TicketExpired when ``rerun``
+        (False where part of ``fn`` may have taken effect and must not run twice)."""
         if time.time() > self._expires_at - REFRESH_MARGIN:
             self.refresh()
         try:
             return fn()
         except TicketExpired:
             self.refresh()
+            if not rerun:
+                raise
             return fn()
 
     def _run(self, tasks: list[Callable[[], Any]]) -> list[Any]:
@@ -313,6 +317,35 @@ class Region:
             self.layout.check_range(offset, len(view))
             return self._tasks(offset, view, 1, lambda s, e, o, b: s.read_into(e, o, b))
         self._many(items, plan)
+
+    def fetch_add_many(self, items: Iterable[tuple[int, int]]) -> list[int]:
+        """``fetch_add`` of each ``(offset, value)``; returns the old values in order.
+
+        Words of one extent go to its server as one batch (over rdma: pipelined atomics
+        on one queue pair, one round trip's wait for the lot); servers run in parallel.
+        Every word is checked (alignment, bounds) before any is touched. Each add is
+        atomic; the batch is not (another client's atomics may interleave).
+        """
+        self._check_writable()
+        batches: dict[int, tuple[ExtentPlace, list[int], list[tuple[int, int]]]] = {}
+        n = 0
+        for offset, value in items:
+            place, eoff = self._word(offset)
+            _, where, ops = batches.setdefault(place.extent_id, (place, [], []))
+            where.append(n)
+            ops.append((eoff, int(value)))
+            n += 1
+        olds = [0] * n
+
+        def batch(place: ExtentPlace, where: list[int], ops: list[tuple[int, int]]) -> Callable[[], None]:
+            def run() -> None:
+                for k, old in zip(where, self._session(place).fetch_add_many(place.extent_id, ops)):
+                    olds[k] = old
+            return run
+        tasks = [batch(*b) for b in batches.values()]
+        if tasks:
+            self._retrying(lambda: self._run(tasks), rerun=False)
+        return olds
 
     def accumulate_many(self, items: Iterable[tuple[int, Any]], dtype: Any = None) -> None:
         """Accumulate several ``(offset, data)`` pairs, all servers in parallel."""

@@ -44,6 +44,11 @@ class Session(abc.ABC):
     @abc.abstractmethod
     def fetch_add(self, extent_id: int, offset: int, value: int) -> int: ...
 
+    def fetch_add_many(self, extent_id: int, items: Sequence[tuple[int, int]]) -> list[int]:
+        """``fetch_add`` of each ``(offset, value)``, in order; the old values. A
+        transport that can keep several in flight overrides this."""
+        return [self.fetch_add(extent_id, offset, value) for offset, value in items]
+
     @abc.abstractmethod
     def compare_swap(self, extent_id: int, offset: int, expected: int, desired: int) -> int: ...
 

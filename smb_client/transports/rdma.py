@@ -79,6 +79,7 @@ YIELD_POLLS = 8           # empty polls with sleep(0) before napping
 NAP_FIRST = 10e-6         # seconds
 NAP_MAX = 500e-6          # seconds
 PAGE = mmap.PAGESIZE
+ATOMIC_SLOTS = PAGE // 8  # 8-byte result slots for atomics in flight (one page per QP)
 _I64 = struct.Struct("<q")
 _U64_MASK = (1 << 64) - 1
 RECV_WR_BASE = 1 << 40    # wr_id of receive slot i: RECV_WR_BASE + i (sends use sequence numbers)
@@ -366,6 +367,9 @@ class _Conn:
         self.broken = True
         name = verbs.wc_status_name(wc.status)
         s = self.session
+        # READ/WRITE may run again on a fresh QP; an atomic or a request whose fate is
+        # unknown (it may have been executed, only the answer lost) may not
+        again = what in ("read", "write")
         if (wc.status in (e.IBV_WC_REM_ACCESS_ERR, e.IBV_WC_REM_INV_REQ_ERR)
                 and what in ("write", "atomic") and s.mode == "ro"):
             # the QP grants REMOTE_READ only and the rkey is of a read-only registration
@@ -376,13 +380,13 @@ class _Conn:
                                           "extent is no longer registered (region deleted?)"), True)
         if wc.status in (e.IBV_WC_RETRY_EXC_ERR, e.IBV_WC_RNR_RETRY_EXC_ERR):
             return _Broken(ServerUnavailable(f"{self.where}: no answer from the server ({name}); "
-                                             "it died, or dropped this connection"), True)
+                                             "it died, or dropped this connection"), again)
         if wc.status == e.IBV_WC_REM_INV_REQ_ERR:
             return _Broken(OutOfRange(f"{self.where}: the server refused the request ({name})"), False)
         if wc.status == e.IBV_WC_WR_FLUSH_ERR:
-            return _Broken(ServerUnavailable(f"{self.where}: queue pair flushed ({name})"), True)
+            return _Broken(ServerUnavailable(f"{self.where}: queue pair flushed ({name})"), again)
         return _Broken(ServerError(f"{self.where}: {what} failed: {name} (vendor error "
-                                   f"{getattr(wc, 'vendor_err', 0)})"), True)
+                                   f"{getattr(wc, 'vendor_err', 0)})"), again)
 
     def _poll(self, what: str) -> int:
         """Take completions; updates ``done`` and ``replies``; raises _Broken."""
@@ -468,26 +472,48 @@ class _Conn:
                 continue
             self.wait(lambda: self.done >= last or (i < total and self.seq - self.done < window), what)
 
-    def atomic(self, rext: RemoteExtent, offset: int, compare_add: int, swap: int | None) -> int:
-        """One RDMA atomic on the word at ``offset``; returns the old value (signed)."""
+    def atomics(self, rext: RemoteExtent, ops: Sequence[tuple[int, int, int | None]]) -> list[int]:
+        """RDMA atomics ``(offset, compare_add, swap or None for fetch-add)`` on words of
+        ``rext``, pipelined: up to ``rd_atomic`` in flight, each landing in its own result
+        slot. Returns the old values (signed), in order. Executed in order, but not atomic
+        as a group."""
         qp = self.qp
         e = self.e
-        self.seq += 1
-        seq = self.seq
-        qp.wr_start()
-        qp.wr_id = seq
-        qp.wr_flags = e.IBV_SEND_SIGNALED
-        if swap is None:
-            qp.wr_atomic_fetch_add(rext.rkey, rext.address + offset, compare_add & _U64_MASK)
-        else:
-            qp.wr_atomic_cmp_swp(rext.rkey, rext.address + offset, compare_add & _U64_MASK,
-                                 swap & _U64_MASK)
         sge = self.sge
-        sge.addr, sge.length, sge.lkey = self.base + self._atomic_off, 8, self.lkey
-        qp.wr_set_sge(sge)
-        qp.wr_complete()
-        self.wait(lambda: self.done >= seq, "atomic")
-        return _I64.unpack_from(self.view, self._atomic_off)[0]
+        window = max(1, min(self.rd_atomic, ATOMIC_SLOTS, SQ_DEPTH))
+        olds = [0] * len(ops)
+        last = self.seq + len(ops)
+        slots = self.base + self._atomic_off
+
+        def take(k: int) -> None:   # op k completed: its slot is free after this
+            olds[k] = _I64.unpack_from(self.view, self._atomic_off + (k % window) * 8)[0]
+
+        i = 0
+        while i < len(ops) or self.done < last:
+            if i < len(ops) and self.seq - self.done < window:
+                qp.wr_start()
+                while i < len(ops) and self.seq - self.done < window:
+                    if i >= window:
+                        take(i - window)
+                    offset, compare_add, swap = ops[i]
+                    self.seq += 1
+                    qp.wr_id = self.seq
+                    qp.wr_flags = e.IBV_SEND_SIGNALED
+                    if swap is None:
+                        qp.wr_atomic_fetch_add(rext.rkey, rext.address + offset, compare_add & _U64_MASK)
+                    else:
+                        qp.wr_atomic_cmp_swp(rext.rkey, rext.address + offset, compare_add & _U64_MASK,
+                                             swap & _U64_MASK)
+                    sge.addr, sge.length, sge.lkey = slots + (i % window) * 8, 8, self.lkey
+                    qp.wr_set_sge(sge)
+                    i += 1
+                qp.wr_complete()
+                continue
+            self.wait(lambda: self.done >= last or (i < len(ops) and self.seq - self.done < window),
+                      "atomic")
+        for k in range(max(0, len(ops) - window), len(ops)):
+            take(k)
+        return olds
 
     def send_request(self, op: int, extent_id: int = 0, offset: int = 0, length: int = 0,
                      dtype: int = 0, staging_offset: int = 0, alpha: float = 0.0,
@@ -775,21 +801,27 @@ class RdmaSession(Session):
     def read_into(self, extent_id: int, offset: int, buffers: Sequence[memoryview]) -> None:
         self._transfer(extent_id, offset, buffers, read=True)
 
-    def _atomic(self, extent_id: int, offset: int, compare_add: int, swap: int | None) -> int:
-        if offset % 8:
-            raise Misaligned(f"atomic word offset {offset} is not 8-byte aligned")
+    def _atomics(self, extent_id: int, ops: Sequence[tuple[int, int, int | None]]) -> list[int]:
+        for offset, _, _ in ops:
+            if offset % 8:
+                raise Misaligned(f"atomic word offset {offset} is not 8-byte aligned")
 
-        def run(conn: _Conn) -> int:
+        def run(conn: _Conn) -> list[int]:
             rext = conn.extent(extent_id)
-            self._check(rext, extent_id, offset, 8)
-            return conn.atomic(rext, offset, compare_add, swap)
+            for offset, _, _ in ops:
+                self._check(rext, extent_id, offset, 8)
+            return conn.atomics(rext, ops)
         return self._do(run)
 
     def fetch_add(self, extent_id: int, offset: int, value: int) -> int:
-        return self._atomic(extent_id, offset, int(value), None)
+        return self._atomics(extent_id, [(offset, int(value), None)])[0]
+
+    def fetch_add_many(self, extent_id: int, items: Sequence[tuple[int, int]]) -> list[int]:
+        """All fetch-adds on one queue pair, pipelined (see :meth:`_Conn.atomics`)."""
+        return self._atomics(extent_id, [(offset, int(value), None) for offset, value in items])
 
     def compare_swap(self, extent_id: int, offset: int, expected: int, desired: int) -> int:
-        return self._atomic(extent_id, offset, int(expected), int(desired))
+        return self._atomics(extent_id, [(offset, int(expected), int(desired))])[0]
 
     # -- two-sided ------------------------------------------------------------------------
     def accumulate(self, extent_id: int, offset: int, buffers: Sequence[memoryview],

@@ -135,6 +135,31 @@ def test_atomics(tclient, name):
     tclient.delete_region(name)
 
 
+def test_fetch_add_many(tclient, name):
+    unit = 64 << 10
+    r = tclient.create_region(name, MiB, stripe_unit=unit)
+    # words on both servers, one of them hit three times in the batch, and more words
+    # than one queue pair keeps in flight
+    items = [(0, 1), (unit, 10), (0, 2), (unit + 8, -5), (0, 3)] + [(2 * unit + 8 * k, k) for k in range(300)]
+    olds = r.fetch_add_many(items)
+    assert olds[:5] == [0, 0, 1, 0, 3]                 # in order, each add sees the ones before
+    assert olds[5:] == [0] * 300
+    words = r.read(0, MiB, dtype="int64")
+    assert words[0] == 6 and words[unit // 8] == 10 and words[unit // 8 + 1] == -5
+    assert list(words[2 * unit // 8:2 * unit // 8 + 300]) == list(range(300))
+    assert r.fetch_add_many([]) == []
+    # a bad word anywhere refuses the whole batch before anything is added
+    for bad, error in [((12, 1), errors.Misaligned), ((MiB, 1), errors.OutOfRange)]:
+        with pytest.raises(error):
+            r.fetch_add_many([(0, 100), bad])
+    assert r.read(0, 8, dtype="int64")[0] == 6
+    ro = tclient.open_region(name, mode="ro")
+    with pytest.raises(errors.ReadOnly):
+        ro.fetch_add_many([(0, 1)])
+    ro.close()
+    tclient.delete_region(name)
+
+
 def test_async_and_batched_forms(tclient, name):
     r = tclient.create_region(name, 8 * MiB, stripe_unit=MiB)
     chunks = [np.full(MiB // 4, i, np.float32) for i in range(8)]

@@ -131,6 +131,21 @@ def test_atomics(server, uri, extent):
     s.close()
 
 
+def test_pipelined_atomics(server, uri, extent):
+    """More fetch-adds than the QP keeps in flight, on a few words, in one batch."""
+    s = session(uri, [extent], connections=1)
+    items = [(8 * (k % 3), 1) for k in range(1000)]
+    olds = s.fetch_add_many(extent, items)
+    for word in range(3):
+        assert [o for (off, _), o in zip(items, olds) if off == 8 * word] == list(range(len(items[word::3])))
+    assert list(np.frombuffer(server.arena.get(extent).data[:24], "<i8")) == [334, 333, 333]
+    assert s.compare_swap(extent, 0, 334, -1) == 334    # single atomics still work after a batch
+    with pytest.raises(errors.Misaligned):
+        s.fetch_add_many(extent, [(0, 1), (3, 1)])
+    assert s.fetch_add(extent, 0, 0) == -1
+    s.close()
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float64", "int32", "int64"])
 def test_accumulate_every_dtype(server, uri, extent, dtype):
     s = session(uri, [extent])
