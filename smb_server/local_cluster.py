@@ -32,6 +32,25 @@ class ClusterError(RuntimeError):
     pass
 
 
+def wait_for_json(path: Path, timeout: float, proc: subprocess.Popen | None = None,
+                  poll: float = 0.05) -> Any:
+    """Poll until ``path`` holds a whole JSON document and return it. Raises
+    ChildProcessError when ``proc`` (the writer) exits first, TimeoutError after
+    ``timeout`` seconds; callers turn these into their own errors, with the logs."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if path.exists():
+            try:
+                return json.loads(path.read_text())
+            except ValueError:
+                pass  # being written
+        if proc is not None and proc.poll() is not None:
+            raise ChildProcessError(f"exited with {proc.returncode} before writing {path.name}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {path.name} within {timeout:.0f} s")
+        time.sleep(poll)
+
+
 class LocalCluster:
     """Owns its processes and its work directory (a temporary one unless given)."""
 
@@ -113,18 +132,13 @@ class LocalCluster:
             logf.close()
 
     def _wait_file(self, path: Path, proc: subprocess.Popen, what: str) -> dict[str, Any]:
-        deadline = time.monotonic() + START_TIMEOUT
-        while time.monotonic() < deadline:
-            if path.exists():
-                try:
-                    return json.loads(path.read_text())
-                except ValueError:
-                    pass  # being written
-            if proc.poll() is not None:
-                raise ClusterError(f"{what} exited with {proc.returncode}; see {self.log_path(what)}:\n"
-                                   + self.log_tail(what))
-            time.sleep(0.05)
-        raise ClusterError(f"{what} not ready after {START_TIMEOUT} s; see {self.log_path(what)}")
+        try:
+            return wait_for_json(path, START_TIMEOUT, proc)
+        except ChildProcessError:
+            raise ClusterError(f"{what} exited with {proc.returncode}; see {self.log_path(what)}:\n"
+                               + self.log_tail(what)) from None
+        except TimeoutError:
+            raise ClusterError(f"{what} not ready after {START_TIMEOUT} s; see {self.log_path(what)}") from None
 
     def log_path(self, name: str) -> Path:
         return self.workdir / f"{name}.log"

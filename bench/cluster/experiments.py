@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from smb_server.local_cluster import wait_for_json
+
 from .cpuload import CpuSampler
 from .testbed import Testbed, TestbedError, live_pids
 
@@ -216,15 +218,14 @@ def allreduce(s: Settings, tick: Tick, cpu: CpuSampler | None = None) -> dict[st
 
 
 # -- failure ------------------------------------------------------------------------
-def _wait_file(path: Path, timeout: float, proc: subprocess.Popen, tb: Testbed, name: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        if proc.poll() is not None:
-            raise TestbedError(f"{name} exited with {proc.returncode} before {path.name}:\n"
-                               + tb.log_tail(name))
-        if time.monotonic() > deadline:
-            raise TestbedError(f"no {path.name} from {name} within {timeout:.0f} s:\n" + tb.log_tail(name))
-        time.sleep(FILE_POLL)
+def _wait_file(path: Path, timeout: float, proc: subprocess.Popen, tb: Testbed, name: str) -> Any:
+    try:
+        return wait_for_json(path, timeout, proc, FILE_POLL)
+    except ChildProcessError:
+        raise TestbedError(f"{name} exited with {proc.returncode} before {path.name}:\n"
+                           + tb.log_tail(name)) from None
+    except TimeoutError:
+        raise TestbedError(f"no {path.name} from {name} within {timeout:.0f} s:\n" + tb.log_tail(name)) from None
 
 
 def _signal_file(path: Path, doc: dict[str, Any]) -> None:
@@ -250,8 +251,7 @@ def link_failure(tb: Testbed, *, io_timeout: float | None = None, size: int = Mi
     proc, out = tb.start_worker(tb.workers[0], "failure", spec)
     host = None
     try:
-        _wait_file(sig / "ready.json", 60.0, proc, tb, "failure")
-        ready = json.loads((sig / "ready.json").read_text())
+        ready = _wait_file(sig / "ready.json", 60.0, proc, tb, "failure")
         host = tb.server_host(ready["a"])
         time.sleep(1.0)                       # let the reads run
         down = time.time()

@@ -40,6 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from smb_server.local_cluster import wait_for_json
+
 from . import netns
 
 log = logging.getLogger(__name__)
@@ -264,18 +266,13 @@ class Testbed:
         return self._procs[name].pid
 
     def _wait_ready(self, path: Path, name: str, timeout: float = START_TIMEOUT) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
         proc = self._procs[name]
-        while time.monotonic() < deadline:
-            if path.exists():
-                try:
-                    return json.loads(path.read_text())
-                except ValueError:
-                    pass  # being written
-            if proc.poll() is not None:
-                raise TestbedError(f"{name} exited with {proc.returncode}:\n{self.log_tail(name)}")
-            time.sleep(POLL)
-        raise TestbedError(f"{name} not ready after {timeout:.0f} s:\n{self.log_tail(name)}")
+        try:
+            return wait_for_json(path, timeout, proc, POLL)
+        except ChildProcessError:
+            raise TestbedError(f"{name} exited with {proc.returncode}:\n{self.log_tail(name)}") from None
+        except TimeoutError:
+            raise TestbedError(f"{name} not ready after {timeout:.0f} s:\n{self.log_tail(name)}") from None
 
     def _daemon(self, host: Host, name: str, args: list[str]) -> None:
         self.spawn(host, name, ["-m", "smb_server.cli", "--log-level", self.log_level, *args])

@@ -32,6 +32,7 @@ import numpy as np
 
 from smb_client import Client, errors
 from smb_client.transports import tcp
+from smb_server.local_cluster import wait_for_json
 
 log = logging.getLogger(__name__)
 
@@ -246,15 +247,10 @@ def allreduce(spec: dict[str, Any]) -> dict[str, Any]:
 
 # -- failure ------------------------------------------------------------------------
 def _wait_file(path: Path, timeout: float) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if path.exists():
-            try:
-                return json.loads(path.read_text())
-            except ValueError:
-                pass
-        time.sleep(0.02)
-    raise errors.Timeout(f"{path.name} did not appear within {timeout:.0f} s")
+    try:
+        return wait_for_json(path, timeout, poll=0.02)
+    except TimeoutError:
+        raise errors.Timeout(f"{path.name} did not appear within {timeout:.0f} s") from None
 
 
 def _write_file(path: Path, doc: dict[str, Any]) -> None:
