@@ -11,6 +11,7 @@ releasing extents).
 from __future__ import annotations
 
 import base64
+import enum
 import hashlib
 import hmac
 import json
@@ -20,7 +21,30 @@ from typing import Iterable
 
 from .errors import InvalidTicket, TicketExpired
 
-MODES = ("ro", "rw", "admin")
+
+class TicketMode(str, enum.Enum):
+    """What a ticket allows. A ``str`` enum: it compares equal to its text form and
+    travels as that text in tickets, protobuf fields and wire frames."""
+
+    RO = "ro"          # read
+    RW = "rw"          # read and write
+    ADMIN = "admin"    # the controller reserving or releasing extents
+
+    @property
+    def writes(self) -> bool:
+        return self is not TicketMode.RO
+
+    @classmethod
+    def parse(cls, text: str) -> "TicketMode":
+        """The mode named ``text``; ValueError naming the known modes otherwise."""
+        try:
+            return cls(text)
+        except ValueError:
+            raise ValueError(f"unknown ticket mode {text!r}: expected one of "
+                             + ", ".join(m.value for m in cls)) from None
+
+
+MODES = tuple(m.value for m in TicketMode)
 DEFAULT_TTL = 3600.0  # seconds
 
 
@@ -28,13 +52,13 @@ DEFAULT_TTL = 3600.0  # seconds
 class Ticket:
     region_uid: str
     extent_ids: frozenset[int]
-    mode: str
+    mode: TicketMode
     expires_at: float  # unix seconds
 
     def allows(self, extent_id: int, write: bool = False) -> bool:
         if extent_id not in self.extent_ids:
             return False
-        return not write or self.mode in ("rw", "admin")
+        return not write or self.mode.writes
 
 
 def _b64(data: bytes) -> str:
@@ -45,14 +69,13 @@ def _unb64(text: str) -> bytes:
     return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
 
 
-def sign(secret: bytes, region_uid: str, extent_ids: Iterable[int], mode: str,
+def sign(secret: bytes, region_uid: str, extent_ids: Iterable[int], mode: str | TicketMode,
          ttl: float = DEFAULT_TTL, now: float | None = None) -> tuple[str, float]:
     """A signed ticket and its expiry (unix seconds)."""
-    if mode not in MODES:
-        raise ValueError(f"unknown ticket mode {mode!r}")
+    mode = TicketMode.parse(mode)
     expires = (time.time() if now is None else now) + ttl
     payload = json.dumps({"r": region_uid, "e": sorted(int(e) for e in extent_ids),
-                          "m": mode, "x": round(expires, 3)}, separators=(",", ":")).encode()
+                          "m": mode.value, "x": round(expires, 3)}, separators=(",", ":")).encode()
     mac = hmac.new(secret, payload, hashlib.sha256).digest()
     return f"{_b64(payload)}.{_b64(mac)}", expires
 
@@ -68,12 +91,15 @@ def verify(secret: bytes, token: str, now: float | None = None) -> Ticket:
         raise InvalidTicket("ticket signature does not verify (forged, or another cluster's secret)")
     try:
         data = json.loads(payload)
-        ticket = Ticket(str(data["r"]), frozenset(int(e) for e in data["e"]), str(data["m"]),
-                        float(data["x"]))
+        mode = TicketMode.parse(str(data["m"]))
+    except ValueError as exc:
+        raise InvalidTicket(str(exc)) from None
+    except (KeyError, TypeError):
+        raise InvalidTicket("malformed ticket payload") from None
+    try:
+        ticket = Ticket(str(data["r"]), frozenset(int(e) for e in data["e"]), mode, float(data["x"]))
     except (ValueError, KeyError, TypeError):
         raise InvalidTicket("malformed ticket payload") from None
-    if ticket.mode not in MODES:
-        raise InvalidTicket(f"unknown ticket mode {ticket.mode!r}")
     if ticket.expires_at < (time.time() if now is None else now):
         raise TicketExpired("ticket expired; open the region again")
     return ticket
