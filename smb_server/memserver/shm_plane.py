@@ -29,7 +29,8 @@ from smb_client.errors import SMBError, Status, error_status
 from smb_client.tickets import verify
 
 from .arena import Arena
-from .tcp_plane import ACCEPT_POLL, PlaneStats, check_access
+from .access import ACCEPT_POLL, check_access
+from .stats import PlaneStats
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +154,7 @@ class ShmPlane:
             ticket = verify(self.secret, token.decode(errors="replace"))
             extent = check_access(ticket, self.arena, extent_id, write=False)
             with extent.pin():
-                writable = ticket.mode in ("rw", "admin")
+                writable = ticket.mode.writes
                 fd = extent.fd if writable else os.open(f"/proc/self/fd/{extent.fd}",
                                                         os.O_RDONLY | os.O_CLOEXEC)
                 try:
@@ -163,7 +164,7 @@ class ShmPlane:
                     if not writable:
                         os.close(fd)
             self.stats.add(operations=1)
-            log.debug("shm: passed extent %d (%s)", extent_id, "rw" if writable else "ro")
+            log.debug("shm: passed extent %d (%s)", extent_id, ticket.mode.value)
         except SMBError as exc:
             self.stats.add(operations=1, errors=1)
             message = str(exc).encode()

@@ -1,7 +1,8 @@
 """The TCP data plane of a memory server (protocol: :mod:`smb_client.wire`).
 
-One accept thread and one thread per connection. A connection is bound to a ticket by
-its first frame (``HELLO``); each later request is checked against that ticket and the
+One accept thread and one thread per connection. A connection presents tickets with
+``HELLO`` frames, one per region its client uses here, at any time; each request is
+checked against the ticket naming its extent (see :class:`.access.TicketBook`) and the
 arena, then served straight between the socket and extent memory: ``READ`` sends from
 the mapping with ``sendmsg``, ``WRITE`` receives into it with ``recvmsg_into`` (no
 copies); ``ACCUMULATE``/``AXPY`` receive into a per-connection scratch buffer of at
@@ -23,42 +24,28 @@ import time
 from smb_client import wire
 from smb_client.dtypes import FLOATING, STORAGE, DType
 from smb_client.errors import (
-    DtypeError, ExtentNotFound, InvalidArgument, InvalidTicket, Misaligned, ReadOnly, SMBError, Status,
-    TicketExpired, error_status,
+    DtypeError, ExtentNotFound, InvalidArgument, InvalidTicket, Misaligned, SMBError, Status, error_status,
 )
-from smb_client.tickets import Ticket, verify
+from smb_client.tickets import verify
 from smb_client.wire import Op
 
 from . import kernels
+from .access import ACCEPT_POLL, TicketBook, check_access
 from .arena import Arena, Extent
 from .stats import PlaneStats
 
 log = logging.getLogger(__name__)
 
+__all__ = ["TcpPlane", "check_access", "PlaneStats", "ACCEPT_POLL"]  # rdma_plane imports the middle two here
+
 SCRATCH_BYTES = 4 << 20   # bytes of payload received per accumulate step
 FRAME_TIMEOUT = 60.0      # seconds a started frame may stall before the connection is dropped
-ACCEPT_POLL = 0.5         # seconds between checks for close() in the accept loop
 BACKLOG = 128
 _OLD = struct.Struct("<q")
 
 
 class _Drop(Exception):
     """The peer broke the protocol (or went away): close this connection."""
-
-
-def check_access(ticket: Ticket, arena: Arena, extent_id: int, write: bool) -> Extent:
-    """The extent ``ticket`` may use; raises TicketExpired, InvalidTicket, ReadOnly, ExtentNotFound."""
-    if ticket.expires_at < time.time():
-        raise TicketExpired("ticket expired; open the region again for a fresh one")
-    if extent_id not in ticket.extent_ids:
-        raise InvalidTicket(f"the ticket does not name extent {extent_id}")
-    if not ticket.allows(extent_id, write=write):
-        raise ReadOnly(f"extent {extent_id}: write through a read-only ticket")
-    extent = arena.get(extent_id)
-    if extent.region_uid != ticket.region_uid:
-        raise ExtentNotFound(f"extent {extent_id} does not belong to region {ticket.region_uid!r} "
-                             f"(the region was deleted)")
-    return extent
 
 
 class _Connection:
@@ -68,7 +55,7 @@ class _Connection:
         self.plane = plane
         self.sock = sock
         self.peer = peer
-        self.ticket: Ticket | None = None
+        self.tickets = TicketBook()
         self.pending = 0                      # payload bytes of the current request not yet read
         self._header = bytearray(wire.REQUEST.size)
         self._scratch = bytearray()
@@ -152,7 +139,7 @@ class _Connection:
             keep = self._hello(req_id, length)
             self.plane.stats.observe("hello", time.perf_counter() - start)
             return keep
-        if self.ticket is None:
+        if not self.tickets:
             raise _Drop(f"{op.name} before HELLO")
         try:
             body = self._dispatch(op, dtype, extent_id, offset, length, arg0, arg1, alpha, req_id)
@@ -174,7 +161,7 @@ class _Connection:
         token = self._scratch_view(length)
         self._recv(token)
         try:
-            self.ticket = verify(self.plane.secret, bytes(token).decode())
+            self.tickets.add(verify(self.plane.secret, bytes(token).decode()))
         except (SMBError, UnicodeDecodeError) as exc:
             err = exc if isinstance(exc, SMBError) else InvalidTicket("ticket is not UTF-8")
             self.plane.stats.add(errors=1)
@@ -190,8 +177,7 @@ class _Connection:
         """Serve a checked request; returns the OK answer body, or None when already sent."""
         if op is Op.PING:
             return b""
-        assert self.ticket is not None
-        extent = check_access(self.ticket, self.plane.arena, extent_id, write=op in wire.WRITE_OPS)
+        extent = self.tickets.check(self.plane.arena, extent_id, write=op in wire.WRITE_OPS)
         extent.check_range(offset, length)
         if op is Op.READ:
             return self._read(extent, offset, length, req_id)

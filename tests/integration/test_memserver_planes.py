@@ -154,6 +154,24 @@ def test_ticket_expiring_on_an_open_connection(planes):
     c.close()
 
 
+def test_one_connection_carries_several_tickets_each_for_its_own_extents(planes):
+    arena, tcp, _shm, _stats = planes
+    arena.reserve(4, "region-b", 4096)
+    c = Raw(tcp.port, ticket([1], mode="ro"))
+    assert c.hello(ticket([4], uid="region-b"))[0] == Status.OK    # rw, another region
+    assert c.request(Op.WRITE, 4, 0, 4, payload=b"bbbb") == (Status.OK, b"")
+    status, msg = c.request(Op.WRITE, 1, 0, 4, payload=b"aaaa")     # b's rw ticket does not lend
+    assert status == Status.READ_ONLY, msg
+    assert c.request(Op.READ, 2, 0, 8)[0] == Status.INVALID_TICKET   # named by neither
+    assert c.request(Op.READ, 1, 0, 4) == (Status.OK, bytes(4))
+    assert c.hello(ticket([1]))[0] == Status.OK                      # rw for extent 1 replaces ro
+    assert c.request(Op.WRITE, 1, 0, 4, payload=b"aaaa") == (Status.OK, b"")
+    assert c.hello(ticket([1], mode="ro"))[0] == Status.OK           # and back
+    assert c.request(Op.WRITE, 1, 0, 4, payload=b"cccc")[0] == Status.READ_ONLY
+    assert bytes(arena.get(1).data[:4]) == b"aaaa" and bytes(arena.get(4).data[:4]) == b"bbbb"
+    c.close()
+
+
 def test_released_extent_is_not_found(planes):
     arena, tcp, _shm, _stats = planes
     c = Raw(tcp.port, ticket([1, 2]))
