@@ -16,9 +16,13 @@ from . import errors
 log = logging.getLogger(__name__)
 
 ERROR_KEY = "smb-error"
+MAX_MESSAGE_BYTES = 64 << 20  # the largest gRPC message either side sends or accepts
+MESSAGE_SIZE_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
 CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", 64 << 20),
-    ("grpc.max_receive_message_length", 64 << 20),
+    *MESSAGE_SIZE_OPTIONS,
     ("grpc.enable_retries", 0),
     # a restarted controller is found again within a fraction of a second, not after
     # gRPC's default exponential backoff (up to two minutes). "min_reconnect_backoff" is
@@ -28,37 +32,17 @@ CHANNEL_OPTIONS = [
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 
-_CODE_CLASS: dict[grpc.StatusCode, type[errors.SMBError]] = {
-    grpc.StatusCode.NOT_FOUND: errors.NotFound,
-    grpc.StatusCode.ALREADY_EXISTS: errors.RegionExists,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: errors.OutOfMemory,
-    grpc.StatusCode.PERMISSION_DENIED: errors.PermissionDenied,
-    grpc.StatusCode.UNAUTHENTICATED: errors.AuthenticationError,
-    grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgument,
-    grpc.StatusCode.OUT_OF_RANGE: errors.OutOfRange,
-    grpc.StatusCode.DEADLINE_EXCEEDED: errors.Timeout,
-    grpc.StatusCode.UNAVAILABLE: errors.Unavailable,
-    grpc.StatusCode.FAILED_PRECONDITION: errors.InvalidArgument,
-}
-_CLASS_CODE: list[tuple[type[errors.SMBError], grpc.StatusCode]] = [
-    (errors.RegionNotFound, grpc.StatusCode.NOT_FOUND),
-    (errors.NotFound, grpc.StatusCode.NOT_FOUND),
-    (errors.RegionExists, grpc.StatusCode.ALREADY_EXISTS),
-    (errors.OutOfMemory, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (errors.AuthenticationError, grpc.StatusCode.UNAUTHENTICATED),
-    (errors.PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
-    (errors.OutOfRange, grpc.StatusCode.OUT_OF_RANGE),
-    (errors.InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
-    (errors.Timeout, grpc.StatusCode.DEADLINE_EXCEEDED),
-    (errors.Unavailable, grpc.StatusCode.UNAVAILABLE),
-]
 
 
 def status_code_for(exc: BaseException) -> grpc.StatusCode:
-    for cls, code in _CLASS_CODE:
-        if isinstance(exc, cls):
-            return code
-    return grpc.StatusCode.INTERNAL
+    """The gRPC status code ``exc`` travels with (declared on its class or a base)."""
+    return grpc.StatusCode[errors.wire_class(exc).grpc_code]
+
+
+def code_class(code: grpc.StatusCode) -> type[errors.SMBError]:
+    """The class for a failed call that named none: the most general one declaring
+    ``code``; :class:`~smb_client.errors.ServerError` for codes no class declares."""
+    return errors.BY_GRPC_CODE.get(code.name, errors.ServerError)
 
 
 def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
@@ -86,7 +70,7 @@ def translate(exc: grpc.RpcError, unavailable: type[errors.SMBError] = errors.Un
     elif code == grpc.StatusCode.UNAVAILABLE:
         cls = unavailable
     else:
-        cls = _CODE_CLASS.get(code, errors.ServerError)
+        cls = code_class(code)
     return cls(detail or code.name)
 
 

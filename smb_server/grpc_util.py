@@ -10,7 +10,7 @@ from typing import Any, Callable, Iterable
 import grpc
 
 from smb_client import errors
-from smb_client.rpc import ERROR_KEY, status_code_for
+from smb_client.rpc import ERROR_KEY, MESSAGE_SIZE_OPTIONS, status_code_for
 
 log = logging.getLogger(__name__)
 
@@ -27,8 +27,8 @@ class BearerAuth(grpc.ServerInterceptor):
         self._exempt = frozenset(exempt)
 
         def deny(request: Any, context: grpc.ServicerContext) -> None:
-            context.set_trailing_metadata(((ERROR_KEY, "AuthenticationError"),))
-            context.abort(grpc.StatusCode.UNAUTHENTICATED,
+            context.set_trailing_metadata(((ERROR_KEY, errors.AuthenticationError.__name__),))
+            context.abort(status_code_for(errors.AuthenticationError()),
                           "missing or wrong bearer token (set SMB_TOKEN or pass token=...)")
 
         self._deny = grpc.unary_unary_rpc_method_handler(deny)
@@ -44,7 +44,7 @@ class BearerAuth(grpc.ServerInterceptor):
 
 def abort(context: grpc.ServicerContext, exc: BaseException) -> None:
     """End the call with the status code and typed name of ``exc``."""
-    name = type(exc).__name__ if isinstance(exc, errors.SMBError) else "ServerError"
+    name = errors.wire_class(exc).__name__
     context.set_trailing_metadata(((ERROR_KEY, name),))
     context.abort(status_code_for(exc), str(exc) or name)
 
@@ -70,6 +70,4 @@ def typed_errors(method: Callable) -> Callable:
 def make_server(max_workers: int = 32, interceptors: Iterable[grpc.ServerInterceptor] = ()) -> grpc.Server:
     return grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
                        interceptors=list(interceptors),
-                       options=[("grpc.max_send_message_length", 64 << 20),
-                                ("grpc.max_receive_message_length", 64 << 20),
-                                ("grpc.so_reuseport", 0)])
+                       options=[*MESSAGE_SIZE_OPTIONS, ("grpc.so_reuseport", 0)])
