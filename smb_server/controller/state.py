@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import secrets
 import sqlite3
 import threading
@@ -39,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Sequence
 
 from smb_client import placement as placement_mod
+from smb_client.names import check_region_name
 from smb_client.errors import (InvalidArgument, RegionExists, RegionNotFound,
                                ServerNotFound)
 from smb_client.placement import Layout
@@ -46,9 +46,9 @@ from smb_client.placement import Layout
 log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
-MAX_NAME_LENGTH = 255
+MAX_BYTES = (1 << 63) - 1  # the largest size, offset or capacity SQLite's INTEGER holds
+MAX_SERVERS = 1 << 16   # the most servers a region may be spread over
 SERVER_STATES = ("up", "down", "draining")
-_SEGMENT = re.compile(r"[A-Za-z0-9._-]+")
 _ID_ATTEMPTS = 16
 
 _SCHEMA = """
@@ -161,23 +161,18 @@ class RegionRecord:
 
 # -- validation ----------------------------------------------------------------------------
 def validate_name(name: str) -> str:
-    """Check a region name (``namespace/name``); returns it or raises InvalidArgument.
+    """Check a region name (``namespace/name``, see :mod:`smb_client.names`); returns it
+    or raises InvalidArgument saying what is allowed."""
+    return check_region_name(name)
 
-    1 to 255 characters; segments of ``[A-Za-z0-9._-]`` separated by ``/``; no empty
-    segment (so no leading, trailing or doubled ``/``).
-    """
-    if not isinstance(name, str) or not name:
-        raise InvalidArgument("region name must not be empty (e.g. 'job/params')")
-    if len(name) > MAX_NAME_LENGTH:
-        raise InvalidArgument(f"region name is {len(name)} characters long; at most "
-                              f"{MAX_NAME_LENGTH} allowed")
-    for segment in name.split("/"):
-        if not segment:
-            raise InvalidArgument(f"region name {name!r} has an empty segment; use 'namespace/name'")
-        if not _SEGMENT.fullmatch(segment):
-            raise InvalidArgument(f"region name {name!r}: segment {segment!r} may only hold "
-                                  "letters, digits, '.', '_' and '-'")
-    return name
+
+def check_bytes(what: str, value: int, minimum: int = 0) -> int:
+    """``value`` as an int if ``minimum <= value <= MAX_BYTES``; InvalidArgument otherwise."""
+    value = int(value)
+    if value < minimum or value > MAX_BYTES:
+        raise InvalidArgument(f"{what} must be {minimum} to {MAX_BYTES} (2^63-1) bytes, "
+                              f"got {value}")
+    return value
 
 
 # -- the state -----------------------------------------------------------------------------
@@ -287,8 +282,7 @@ class ControllerState:
         now = self._now(now)
         if not grpc_address:
             raise InvalidArgument("a memory server must give its gRPC address")
-        if capacity < 0:
-            raise InvalidArgument(f"capacity must not be negative, got {capacity}")
+        capacity = check_bytes("capacity", capacity)
         server_id = server_id or uuid.uuid4().hex[:12]
         held = list(held)
         with self._tx() as db:
@@ -438,6 +432,11 @@ class ControllerState:
         validate_name(name)
         if size <= 0:
             raise InvalidArgument(f"region size must be positive, got {size} bytes")
+        size = check_bytes("region size", size, 1)
+        stripe_unit = check_bytes("stripe unit", stripe_unit)
+        segment_sizes = [check_bytes("a segment size", s) for s in segment_sizes]
+        if not 0 <= int(num_servers) <= MAX_SERVERS:
+            raise InvalidArgument(f"num_servers must be 0 (all) to {MAX_SERVERS}, got {num_servers}")
         placement = placement or "striped"
         if placement != "layered" and segment_sizes:
             raise InvalidArgument(f"segment sizes are only for layered placement, not {placement!r}")

@@ -152,12 +152,13 @@ def test_layered_region_layout(state: ControllerState) -> None:
         state.begin_create_region("job/bad", 7 * MiB, placement="striped", segment_sizes=[7 * MiB])
 
 
-@pytest.mark.parametrize("name", ["job/params", "a", "a.b/c_d-e/F9", "x" * 255])
+@pytest.mark.parametrize("name", ["job/params", "a/b", "a.b/c_d-e/F9", "x/" + "x" * 253, "j/..x"])
 def test_good_names(name: str) -> None:
     assert validate_name(name) == name
 
 
-@pytest.mark.parametrize("name", ["", "/a", "a/", "a//b", "a b", "a/b?", "x" * 256, "é/x"])
+@pytest.mark.parametrize("name", ["", "/a", "a/", "a//b", "a b", "a/b?", "x/" + "x" * 254, "é/x",
+                                  "a", "..", ".", "../x", "x/..", "a/./b", "x" * (1 << 20)])
 def test_bad_names(state: ControllerState, name: str) -> None:
     add(state, "a")
     with pytest.raises(errors.InvalidArgument):
@@ -184,7 +185,7 @@ def test_region_exists_and_not_found(state: ControllerState) -> None:
 
 def test_list_regions_by_prefix(state: ControllerState) -> None:
     add(state, "a")
-    for name in ("job1/a", "job1/b", "job2/a", "other"):
+    for name in ("job1/a", "job1/b", "job2/a", "other/x"):
         make(state, name, MiB)
     assert [r.name for r in state.list_regions("job1/")] == ["job1/a", "job1/b"]
     assert len(state.list_regions()) == 4
@@ -229,3 +230,19 @@ def test_creating_rows_cleaned_on_reopen(db: str) -> None:
         held = [HeldExtent(half.extent_ids[0], half.uid, 2 * MiB, GRACE)]
         assert s.heartbeat("a", held, now=T0 + 1) == half.extent_ids
         s.begin_create_region("job/half", 2 * MiB, now=T0)  # the name is free again
+
+
+@pytest.mark.parametrize("field, value", [("size", 1 << 63), ("stripe_unit", 1 << 63),
+                                          ("stripe_unit", 1 << 64), ("segment_sizes", [1 << 63])])
+def test_sizes_beyond_int64_are_invalid(state: ControllerState, field: str, value: object) -> None:
+    add(state, "a")
+    kwargs: dict = {"size": MiB, field: value}
+    if field == "segment_sizes":
+        kwargs["placement"] = "layered"
+    with pytest.raises(errors.InvalidArgument, match="2\\^63-1"):
+        state.begin_create_region("job/huge", now=T0, **kwargs)
+
+
+def test_capacity_beyond_int64_is_invalid(state: ControllerState) -> None:
+    with pytest.raises(errors.InvalidArgument, match="capacity"):
+        state.register_server("big", "h", "127.0.0.1:1", [], 1 << 63, now=T0)
