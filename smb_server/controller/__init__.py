@@ -1,8 +1,11 @@
 """The controller: cluster membership, the region table, placement and tickets.
 
 - :mod:`.state` holds the durable state (SQLite, no gRPC, no sockets);
-- :mod:`.service` is the gRPC servicer that translates messages into state calls and
-  reserves/releases extents on memory servers;
+- :mod:`.creation` is the create/delete sequence (reserve on servers, commit, roll back),
+  written against the :class:`.memservers.MemoryServers` interface; :mod:`.memservers`
+  holds its gRPC implementation;
+- :mod:`.barriers` holds the in-memory barriers;
+- :mod:`.service` is the gRPC servicer that translates messages into calls on those;
 - :mod:`.main` runs the daemon (``smb controller``).
 """
 from __future__ import annotations

@@ -1,0 +1,178 @@
+"""Creating and deleting regions: the sequence between the state and the memory servers.
+
+Create: plan the region in the state (``creating``), reserve every extent on its server
+in parallel, then commit. If any reservation fails, what was reserved is released, the
+region is aborted, and one typed error names the server (``nothing was created``).
+With ``exist_ok``, a caller that finds the name being created by another caller waits
+(on a condition, woken when that creation ends) and then gets the region it made.
+
+Delete: remove the region from the state, then release its extents (best effort: an
+extent a server does not free now becomes an orphan it frees after the grace period).
+
+No gRPC here: memory servers are reached through :class:`.memservers.MemoryServers`.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass
+from typing import Sequence
+
+from smb_client import errors
+
+from .memservers import MemoryServers
+from .state import ControllerState, ExtentPlace, RegionRecord
+
+log = logging.getLogger(__name__)
+
+EXIST_OK_WAIT = 30.0         # seconds create(exist_ok) waits for a concurrent create of the name
+MEMSERVER_CALL_THREADS = 32  # parallel reserve/release calls, all regions together
+
+
+@dataclass(frozen=True)
+class RegionSpec:
+    """What a caller asks for; sizes in bytes, 0 meaning the default."""
+
+    name: str
+    size: int
+    placement: str = ""
+    stripe_unit: int = 0
+    num_servers: int = 0
+    segment_sizes: tuple[int, ...] = ()
+    persistent: bool = False
+
+
+class RegionCreator:
+    """Borrows ``state`` and ``servers`` (the caller closes them); owns a thread pool
+    for memory-server calls, shut down by :meth:`close`."""
+
+    def __init__(self, state: ControllerState, servers: MemoryServers,
+                 threads: int = MEMSERVER_CALL_THREADS,
+                 exist_ok_wait: float = EXIST_OK_WAIT) -> None:
+        self.state = state
+        self.servers = servers
+        self.exist_ok_wait = exist_ok_wait
+        self._pool = futures.ThreadPoolExecutor(threads, thread_name_prefix="memserver-call")
+        self._cond = threading.Condition()
+        self._creating: set[str] = set()  # names this controller is creating right now
+
+    def close(self) -> None:
+        """Wait for memory-server calls in flight; later calls fail."""
+        self._pool.shutdown(wait=True)
+
+    # -- create --------------------------------------------------------------------------
+    def create(self, spec: RegionSpec, exist_ok: bool = False) -> RegionRecord:
+        """Create the region (or, with ``exist_ok``, return the existing one if it has
+        the size and placement asked for). Raises typed errors; on any error nothing is
+        created."""
+        deadline = time.monotonic() + self.exist_ok_wait
+        while True:
+            self._claim(spec.name, exist_ok, deadline)
+            try:
+                try:
+                    region = self.state.begin_create_region(
+                        spec.name, spec.size, spec.placement, spec.stripe_unit, spec.num_servers,
+                        list(spec.segment_sizes), spec.persistent)
+                except errors.RegionExists:
+                    if not exist_ok:
+                        raise
+                    try:
+                        existing = self.state.get_region(spec.name)
+                    except errors.RegionNotFound:  # deleted meanwhile: try again
+                        if time.monotonic() > deadline:
+                            raise
+                        continue
+                    check_same(existing, spec)
+                    return existing
+                return self._reserve_and_commit(region)
+            finally:
+                self._unclaim(spec.name)
+
+    def _claim(self, name: str, exist_ok: bool, deadline: float) -> None:
+        """Mark ``name`` as being created here; with ``exist_ok`` first wait until no
+        other caller is creating it."""
+        with self._cond:
+            if exist_ok:
+                if not self._cond.wait_for(lambda: name not in self._creating,
+                                           max(0.0, deadline - time.monotonic())):
+                    raise errors.RegionExists(
+                        f"region {name!r} is still being created after {self.exist_ok_wait:g} s; "
+                        "try again")
+            elif name in self._creating:
+                raise errors.RegionExists(f"region {name!r} already exists (being created); "
+                                          "open it, delete it, or pass exist_ok")
+            self._creating.add(name)
+
+    def _unclaim(self, name: str) -> None:
+        with self._cond:
+            self._creating.discard(name)
+            self._cond.notify_all()
+
+    def _reserve_and_commit(self, region: RegionRecord) -> RegionRecord:
+        jobs = {self._pool.submit(self.servers.reserve, e.grpc_address, region.uid, e,
+                                  region.persistent): e for e in region.extents}
+        reserved: list[ExtentPlace] = []
+        failed: list[tuple[ExtentPlace, errors.SMBError]] = []
+        for job, extent in jobs.items():
+            try:
+                job.result()
+                reserved.append(extent)
+            except errors.SMBError as exc:
+                failed.append((extent, exc))
+            except Exception as exc:  # a bug; keep the cluster consistent anyway
+                log.exception("reserving extent %d", extent.extent_id)
+                failed.append((extent, errors.ServerError(str(exc))))
+        if failed:
+            self.release_all(region.uid, reserved)
+            self.state.abort_region(region.name, region.uid)
+            raise reserve_error(region.name, failed)
+        try:
+            return self.state.commit_region(region.name, region.uid)
+        except errors.SMBError:
+            self.release_all(region.uid, reserved)
+            raise
+
+    # -- delete --------------------------------------------------------------------------
+    def delete(self, name: str) -> None:
+        """Remove the region, then release its extents; raises RegionNotFound."""
+        region = self.state.get_region(name)
+        extents = self.state.delete_region(name)
+        self.release_all(region.uid, extents)
+
+    def release_all(self, region_uid: str, extents: Sequence[ExtentPlace]) -> None:
+        """Release extents in parallel, best effort: a server that is down or does not
+        answer keeps its extent as an orphan, freed after its next heartbeat's grace."""
+        jobs = {self._pool.submit(self.servers.release, e.grpc_address, region_uid, e): e
+                for e in extents if e.server_state != "down"}
+        for job, extent in jobs.items():
+            try:
+                job.result()
+            except Exception as exc:
+                log.warning("could not release extent %d on server %s (%s): %s; it will be freed "
+                            "as an orphan", extent.extent_id, extent.server_id,
+                            extent.grpc_address, exc)
+
+
+def check_same(existing: RegionRecord, spec: RegionSpec) -> None:
+    """exist_ok returns an existing region only if it is the one asked for."""
+    if spec.size and spec.size != existing.size:
+        raise errors.RegionExists(f"region {existing.name!r} exists with {existing.size} bytes, "
+                                  f"not {spec.size}; delete it or use another name")
+    if spec.placement and spec.placement != existing.placement:
+        raise errors.RegionExists(f"region {existing.name!r} exists with {existing.placement} "
+                                  f"placement, not {spec.placement}")
+
+
+def reserve_error(name: str, failed: list[tuple[ExtentPlace, errors.SMBError]]) -> errors.SMBError:
+    """One error for a failed create: out of memory first, unreachable servers as
+    ServerUnavailable; the message names the server."""
+    oom = [(e, x) for e, x in failed if isinstance(x, errors.OutOfMemory)]
+    extent, exc = (oom or failed)[0]
+    cls: type[errors.SMBError] = type(exc)
+    if isinstance(exc, (errors.Unavailable, errors.Timeout)):
+        cls = errors.ServerUnavailable
+    others = f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""
+    return cls(f"memory server {extent.server_id} at {extent.grpc_address} could not reserve "
+               f"{extent.length} bytes for region {name!r}: {exc}{others}; nothing was created")

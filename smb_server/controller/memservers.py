@@ -1,0 +1,90 @@
+"""How the controller reaches memory servers: the :class:`MemoryServers` interface the
+create/delete sequence (:mod:`.creation`) is written against, and its gRPC
+implementation (:class:`GrpcMemoryServers`, which owns a channel per server address).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Protocol
+
+import grpc
+
+from smb_client import errors, rpc, tickets
+from smb_client._proto.smb.v1 import memory_server_pb2, memory_server_pb2_grpc
+
+from .state import ExtentPlace
+
+log = logging.getLogger(__name__)
+
+RESERVE_TIMEOUT = 10.0   # seconds for one ReserveExtent call
+RELEASE_TIMEOUT = 5.0    # seconds for one ReleaseExtent call
+ADMIN_TICKET_TTL = 60.0  # seconds an admin ticket for one reserve/release lives
+
+
+class MemoryServers(Protocol):
+    """Reserve and release extents on memory servers; implementations are thread-safe.
+
+    Both raise typed errors (:mod:`smb_client.errors`): ``OutOfMemory`` when the server
+    has no room, ``ServerUnavailable`` when it cannot be reached.
+    """
+
+    def reserve(self, address: str, region_uid: str, extent: ExtentPlace,
+                persistent: bool = False) -> None:
+        """Reserve ``extent.length`` bytes as ``extent.extent_id`` on the server at
+        ``address`` for the region ``region_uid``."""
+
+    def release(self, address: str, region_uid: str, extent: ExtentPlace) -> bool:
+        """Free the extent; True if the server held it."""
+
+
+class GrpcMemoryServers:
+    """:class:`MemoryServers` over gRPC, with short-lived ``admin`` tickets signed with
+    ``secret`` and ``token`` as bearer token. Owns one channel per address, closed by
+    :meth:`close`. Timeouts in seconds."""
+
+    def __init__(self, secret: bytes, token: str = "",
+                 reserve_timeout: float = RESERVE_TIMEOUT,
+                 release_timeout: float = RELEASE_TIMEOUT) -> None:
+        self.secret = secret
+        self.token = token
+        self.reserve_timeout = reserve_timeout
+        self.release_timeout = release_timeout
+        self._stubs: dict[str, tuple[grpc.Channel, memory_server_pb2_grpc.MemoryServerStub]] = {}
+        self._lock = threading.Lock()
+
+    def _stub(self, address: str) -> memory_server_pb2_grpc.MemoryServerStub:
+        with self._lock:
+            entry = self._stubs.get(address)
+            if entry is None:
+                channel = rpc.channel(address)
+                entry = (channel, memory_server_pb2_grpc.MemoryServerStub(channel))
+                self._stubs[address] = entry
+            return entry[1]
+
+    def _admin_ticket(self, region_uid: str, extent_id: int) -> str:
+        return tickets.sign(self.secret, region_uid, [extent_id], "admin", ttl=ADMIN_TICKET_TTL)[0]
+
+    def reserve(self, address: str, region_uid: str, extent: ExtentPlace,
+                persistent: bool = False) -> None:
+        request = memory_server_pb2.ReserveExtentRequest(
+            ticket=self._admin_ticket(region_uid, extent.extent_id), extent_id=extent.extent_id,
+            region_uid=region_uid, length=extent.length, persistent=persistent)
+        reply = rpc.call(self._stub(address).ReserveExtent, request, self.token,
+                         self.reserve_timeout, errors.ServerUnavailable)
+        if reply.length and reply.length < extent.length:
+            raise errors.ServerError(f"reserved {reply.length} bytes, asked for {extent.length}")
+
+    def release(self, address: str, region_uid: str, extent: ExtentPlace) -> bool:
+        request = memory_server_pb2.ReleaseExtentRequest(
+            ticket=self._admin_ticket(region_uid, extent.extent_id), extent_id=extent.extent_id)
+        reply = rpc.call(self._stub(address).ReleaseExtent, request, self.token,
+                         self.release_timeout, errors.ServerUnavailable)
+        return bool(reply.released)
+
+    def close(self) -> None:
+        """Close every channel; later calls open new ones."""
+        with self._lock:
+            stubs, self._stubs = self._stubs, {}
+        for channel, _ in stubs.values():
+            channel.close()

@@ -1,0 +1,256 @@
+"""The create/delete sequence against an in-memory MemoryServers and a real (in-memory
+SQLite) ControllerState."""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Iterator
+
+import pytest
+
+from smb_client import errors
+from smb_server.controller.barriers import Barriers
+from smb_server.controller.creation import RegionCreator, RegionSpec
+from smb_server.controller.memservers import MemoryServers
+from smb_server.controller.state import ControllerState, ExtentPlace
+
+MiB = 1 << 20
+
+
+class InMemoryServers:
+    """A MemoryServers that keeps reservations in a dict per address.
+
+    ``fail[address]`` makes reserve on that address raise it (``fail_once``: the next
+    time only); ``gate`` (when set) makes
+    every reserve wait until it is set; ``release_fails`` makes release raise.
+    """
+
+    def __init__(self) -> None:
+        self.held: dict[str, dict[int, tuple[str, int]]] = {}
+        self.fail: dict[str, errors.SMBError] = {}
+        self.fail_once: dict[str, errors.SMBError] = {}
+        self.release_fails: errors.SMBError | None = None
+        self.released: list[int] = []
+        self.gate: threading.Event | None = None
+        self.reserving = threading.Event()
+        self.lock = threading.Lock()
+
+    def reserve(self, address: str, region_uid: str, extent: ExtentPlace,
+                persistent: bool = False) -> None:
+        self.reserving.set()
+        if self.gate is not None:
+            assert self.gate.wait(10)
+        if address in self.fail:
+            raise self.fail[address]
+        with self.lock:
+            once = self.fail_once.pop(address, None)
+        if once is not None:
+            raise once
+        with self.lock:
+            self.held.setdefault(address, {})[extent.extent_id] = (region_uid, extent.length)
+
+    def release(self, address: str, region_uid: str, extent: ExtentPlace) -> bool:
+        if self.release_fails is not None:
+            raise self.release_fails
+        with self.lock:
+            self.released.append(extent.extent_id)
+            return self.held.get(address, {}).pop(extent.extent_id, None) is not None
+
+    def total(self) -> int:
+        with self.lock:
+            return sum(len(h) for h in self.held.values())
+
+
+@pytest.fixture
+def state() -> Iterator[ControllerState]:
+    s = ControllerState(":memory:", lease_seconds=1e9)
+    for i in range(3):
+        s.register_server(f"s{i}", f"h{i}", f"mem{i}:1", [], 64 * MiB)
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def servers() -> InMemoryServers:
+    return InMemoryServers()
+
+
+@pytest.fixture
+def creator(state: ControllerState, servers: InMemoryServers) -> Iterator[RegionCreator]:
+    c = RegionCreator(state, servers, threads=4, exist_ok_wait=5.0)
+    yield c
+    c.close()
+
+
+def test_in_memory_servers_is_a_memory_servers() -> None:
+    impl: MemoryServers = InMemoryServers()  # checked by mypy
+    assert impl is not None
+
+
+def test_create_reserves_every_extent_then_commits(creator: RegionCreator,
+                                                   servers: InMemoryServers,
+                                                   state: ControllerState) -> None:
+    region = creator.create(RegionSpec("job/p", 6 * MiB, stripe_unit=MiB))
+    assert region.state == "ready"
+    assert len(region.extents) == 3
+    for e in region.extents:
+        assert servers.held[e.grpc_address][e.extent_id] == (region.uid, e.length)
+    assert state.get_region("job/p").uid == region.uid
+
+
+def test_failure_in_the_middle_releases_what_was_reserved(creator: RegionCreator,
+                                                          servers: InMemoryServers,
+                                                          state: ControllerState) -> None:
+    servers.fail["mem1:1"] = errors.ServerUnavailable("connection refused")
+    with pytest.raises(errors.ServerUnavailable, match=r"server s1 at mem1:1.*nothing was created"):
+        creator.create(RegionSpec("job/p", 6 * MiB, stripe_unit=MiB))
+    assert servers.total() == 0
+    assert len(servers.released) == 2          # the two that did reserve
+    with pytest.raises(errors.RegionNotFound):
+        state.get_region("job/p")
+    del servers.fail["mem1:1"]                 # the name is free again
+    assert creator.create(RegionSpec("job/p", 6 * MiB, stripe_unit=MiB)).state == "ready"
+
+
+def test_out_of_memory_is_reported_before_other_failures(creator: RegionCreator,
+                                                         servers: InMemoryServers) -> None:
+    servers.fail["mem0:1"] = errors.ServerUnavailable("down")
+    servers.fail["mem2:1"] = errors.OutOfMemory("no room")
+    with pytest.raises(errors.OutOfMemory, match=r"s2.*\(and 1 more\)"):
+        creator.create(RegionSpec("job/p", 6 * MiB, stripe_unit=MiB))
+    assert servers.total() == 0
+
+
+def test_a_bug_in_reserve_still_rolls_back(creator: RegionCreator, servers: InMemoryServers,
+                                           state: ControllerState) -> None:
+    servers.fail["mem0:1"] = RuntimeError("boom")  # type: ignore[assignment]
+    with pytest.raises(errors.ServerError, match="boom"):
+        creator.create(RegionSpec("job/p", 6 * MiB, stripe_unit=MiB))
+    assert servers.total() == 0
+    assert state.list_regions() == []
+
+
+def test_region_deleted_before_commit_releases(creator: RegionCreator, servers: InMemoryServers,
+                                               state: ControllerState) -> None:
+    servers.gate = threading.Event()
+    result: list[BaseException] = []
+
+    def create() -> None:
+        try:
+            creator.create(RegionSpec("job/p", 3 * MiB, stripe_unit=MiB))
+        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+            result.append(exc)
+
+    t = threading.Thread(target=create)
+    t.start()
+    assert servers.reserving.wait(5)
+    state.abort_region("job/p")                # removed while being created
+    servers.gate.set()
+    t.join(10)
+    assert isinstance(result[0], errors.RegionNotFound)
+    assert servers.total() == 0
+
+
+def test_exist_ok_waits_for_a_concurrent_create(creator: RegionCreator,
+                                                servers: InMemoryServers) -> None:
+    servers.gate = threading.Event()
+    first: list[object] = []
+    t = threading.Thread(target=lambda: first.append(
+        creator.create(RegionSpec("job/p", 3 * MiB, stripe_unit=MiB))))
+    t.start()
+    assert servers.reserving.wait(5)
+    with pytest.raises(errors.RegionExists, match="being created"):
+        creator.create(RegionSpec("job/p", 3 * MiB))          # without exist_ok: at once
+    threading.Timer(0.2, servers.gate.set).start()
+    started = time.monotonic()
+    second = creator.create(RegionSpec("job/p", 3 * MiB), exist_ok=True)
+    assert time.monotonic() - started >= 0.15                 # waited, not failed
+    t.join(10)
+    assert second.uid == first[0].uid  # type: ignore[attr-defined]
+
+
+def test_exist_ok_after_a_failed_concurrent_create_creates(creator: RegionCreator,
+                                                           servers: InMemoryServers) -> None:
+    servers.gate = threading.Event()
+    servers.fail_once["mem0:1"] = errors.OutOfMemory("full")
+    failed: list[BaseException] = []
+
+    def create() -> None:
+        try:
+            creator.create(RegionSpec("job/p", 3 * MiB, stripe_unit=MiB))
+        except errors.SMBError as exc:
+            failed.append(exc)
+
+    t = threading.Thread(target=create)
+    t.start()
+    assert servers.reserving.wait(5)
+    threading.Timer(0.1, servers.gate.set).start()
+    region = creator.create(RegionSpec("job/p", 3 * MiB, stripe_unit=MiB), exist_ok=True)
+    t.join(10)
+    assert isinstance(failed[0], errors.OutOfMemory)   # the first one failed and rolled back,
+    assert region.state == "ready"                     # then the waiting one created it
+    assert servers.total() == 3
+
+
+def test_exist_ok_gives_up_after_the_wait(state: ControllerState, servers: InMemoryServers) -> None:
+    c = RegionCreator(state, servers, threads=4, exist_ok_wait=0.2)
+    servers.gate = threading.Event()
+    t = threading.Thread(target=lambda: c.create(RegionSpec("job/p", MiB)))
+    t.start()
+    try:
+        assert servers.reserving.wait(5)
+        with pytest.raises(errors.RegionExists, match="still being created after 0.2 s"):
+            c.create(RegionSpec("job/p", MiB), exist_ok=True)
+    finally:
+        servers.gate.set()
+        t.join(10)
+        c.close()
+
+
+def test_exist_ok_checks_the_existing_region(creator: RegionCreator) -> None:
+    first = creator.create(RegionSpec("job/p", 2 * MiB))
+    assert creator.create(RegionSpec("job/p", 2 * MiB), exist_ok=True).uid == first.uid
+    with pytest.raises(errors.RegionExists, match="exists with 2097152 bytes, not 1048576"):
+        creator.create(RegionSpec("job/p", MiB), exist_ok=True)
+    with pytest.raises(errors.RegionExists, match="striped placement, not single"):
+        creator.create(RegionSpec("job/p", 2 * MiB, placement="single"), exist_ok=True)
+    with pytest.raises(errors.RegionExists, match="already exists"):
+        creator.create(RegionSpec("job/p", 2 * MiB))
+
+
+def test_delete_releases_and_skips_down_servers(creator: RegionCreator, servers: InMemoryServers,
+                                                state: ControllerState) -> None:
+    creator.create(RegionSpec("job/p", 6 * MiB, stripe_unit=MiB))
+    state.expire_leases(now=time.time() + 2e9)  # every server down
+    state.register_server("s0", "h0", "mem0:1", [], 64 * MiB, held=[])  # s0 back up
+    creator.delete("job/p")
+    assert servers.total() == 2                 # s1 and s2 are down: left as orphans
+    with pytest.raises(errors.RegionNotFound):
+        creator.delete("job/p")
+
+
+def test_release_failures_are_logged_not_raised(creator: RegionCreator, servers: InMemoryServers,
+                                                caplog: pytest.LogCaptureFixture) -> None:
+    creator.create(RegionSpec("job/p", 3 * MiB, stripe_unit=MiB))
+    servers.release_fails = errors.ServerUnavailable("gone")
+    creator.delete("job/p")
+    assert "freed as an orphan" in caplog.text
+
+
+def test_barriers_open_for_all_parties() -> None:
+    b = Barriers()
+    out: list[tuple[int, int]] = []
+    threads = [threading.Thread(target=lambda: out.append(b.wait("job/b", 3, timeout=5)))
+               for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert sorted(out) == [(0, 0), (0, 1), (0, 2)]
+    with pytest.raises(errors.InvalidArgument, match="1 to 255 characters"):
+        b.wait("x" * 256, 1)
+    with pytest.raises(errors.BarrierTimeout):
+        b.wait("job/b", 2, timeout=0.05)
+    b.close()
+    with pytest.raises(errors.ControllerUnavailable):
+        b.wait("job/b", 1)
