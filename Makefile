@@ -18,7 +18,7 @@ APT_PKGS := python3-venv python3-dev iproute2 procps \
             qemu-system-x86 linux-image-amd64 busybox-static systemd \
             slurmctld slurmd slurm-client python3-apt
 
-.PHONY: all deps apt venv proto demo test test-host test-unit test-integration test-rdma bench bench-rdma bench-cluster clean
+.PHONY: all deps apt venv proto demo lint test test-host test-unit test-integration test-rdma bench bench-rdma bench-cluster clean
 
 all: proto
 
@@ -50,6 +50,11 @@ deps: venv proto
 demo: deps
 	$(PY) examples/demo.py
 	$(PY) examples/train_digits.py --workers 4 --min-accuracy 0.95
+
+# static checks: ruff for the whole project, mypy --strict for the client library
+lint: deps
+	$(PY) -m ruff check .
+	$(PY) -m mypy
 
 # the host suite, then the rdma tier inside the Soft-RoCE VM (fails loudly if the VM
 # cannot start)

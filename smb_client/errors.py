@@ -242,7 +242,7 @@ def wire_class(exc: BaseException) -> type[SMBError]:
     (:class:`ServerError` for anything that is not an :class:`SMBError`)."""
     for cls in type(exc).__mro__:
         if _BY_NAME.get(cls.__name__) is cls:
-            return cls  # type: ignore[return-value]
+            return cls
     return ServerError
 
 

@@ -7,7 +7,8 @@ name, into the closest class for the status code).
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import grpc
 
@@ -60,9 +61,9 @@ def translate(exc: grpc.RpcError, unavailable: type[errors.SMBError] = errors.Un
     detail = exc.details() if hasattr(exc, "details") else str(exc)
     name = None
     try:
-        for key, value in exc.trailing_metadata() or ():
-            if key == ERROR_KEY:
-                name = value
+        for item in exc.trailing_metadata() or ():
+            if item.key == ERROR_KEY:
+                name = str(item.value)
     except Exception:  # a channel-level failure has no trailing metadata
         pass
     if name:

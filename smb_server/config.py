@@ -15,8 +15,9 @@ import dataclasses
 import os
 import secrets
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping, TypeVar
+from typing import Any, TypeVar
 
 from smb_client.errors import InvalidArgument
 from smb_client.units import parse_size

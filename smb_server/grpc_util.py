@@ -4,8 +4,9 @@ from __future__ import annotations
 import functools
 import hmac
 import logging
+from collections.abc import Callable, Iterable
 from concurrent import futures
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import grpc
 

@@ -9,7 +9,7 @@ need no bearer token (see :data:`HEALTH_METHODS`).
 from __future__ import annotations
 
 import logging
-from typing import Iterable
+from collections.abc import Iterable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc

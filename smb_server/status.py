@@ -16,9 +16,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from smb_client import Client, errors, rpc
+from smb_client._proto.smb.v1 import memory_server_pb2, memory_server_pb2_grpc
 from smb_client.addressing import format_hostport, parse_hostport
 from smb_client.units import format_bytes
-from smb_client._proto.smb.v1 import memory_server_pb2, memory_server_pb2_grpc
 
 from . import health
 from .metrics import histogram_quantile, parse
@@ -46,7 +46,8 @@ def gather(client: Client, metrics: bool = False, timeout: float = CALL_TIMEOUT)
              "heartbeat_age_seconds": round(now - s.last_heartbeat, 3) if s.last_heartbeat else None}
             for s in servers]
     with ThreadPoolExecutor(max(1, min(16, len(rows)))) as pool:
-        for row, extra in zip(rows, pool.map(lambda r: _ask_server(r, client.token, metrics, timeout), rows)):
+        for row, extra in zip(rows, pool.map(lambda r: _ask_server(r, client.token, metrics, timeout), rows),
+                              strict=True):
             row.update(extra)
     return {
         "controller": {"address": client.address, "health": health.check(client.address, timeout=timeout)},
@@ -108,8 +109,8 @@ def scrape_latency(url: str, timeout: float = CALL_TIMEOUT) -> list[dict[str, An
 
 
 def _table(rows: list[list[str]], header: list[str]) -> str:
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
-    return "\n".join("  ".join(str(x).ljust(w) for x, w in zip(r, widths)).rstrip()
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=True)]
+    return "\n".join("  ".join(str(x).ljust(w) for x, w in zip(r, widths, strict=True)).rstrip()
                      for r in [header, *rows])
 
 

@@ -2,10 +2,14 @@
 data-plane status byte and a gRPC call, both ways."""
 from __future__ import annotations
 
+from collections import namedtuple
+
 import grpc
 import pytest
 
 from smb_client import errors, rpc
+
+Metadatum = namedtuple("Metadatum", "key value")  # what grpc hands out
 
 
 class FakeRpcError(grpc.RpcError):
@@ -54,7 +58,7 @@ def test_grpc_round_trip(cls):
     exc = cls("boom")
     code = rpc.status_code_for(exc)
     assert isinstance(code, grpc.StatusCode) and code is not grpc.StatusCode.OK
-    back = rpc.translate(FakeRpcError(code, "boom", ((rpc.ERROR_KEY, cls.__name__),)))
+    back = rpc.translate(FakeRpcError(code, "boom", (Metadatum(rpc.ERROR_KEY, cls.__name__),)))
     assert type(back) is cls and str(back) == "boom"
     # without the name, the code alone gives a base of the class (or ServerError)
     unnamed = rpc.translate(FakeRpcError(code, "boom"))

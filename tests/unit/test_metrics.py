@@ -11,9 +11,9 @@ import urllib.request
 
 import pytest
 
+from smb_client.errors import Unavailable
 from smb_server import logs
 from smb_server.memserver.stats import PlaneStats
-from smb_client.errors import Unavailable
 from smb_server.metrics import MetricsServer, Registry, histogram_quantile, parse
 
 
