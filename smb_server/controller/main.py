@@ -1,26 +1,23 @@
 """The controller daemon (``smb controller``): state + gRPC service + lease keeper.
 
-Lifecycle: ``starting`` (constructed, or inside :meth:`Controller.start`), ``running``,
-``closing``, ``closed``. A :class:`Controller` is a context manager: ``with
-Controller(cfg) as c:`` starts it and stops it on exit.
+Lifecycle (:class:`..daemon.Daemon`): ``starting`` (constructed, or inside
+:meth:`Controller.start`), ``running``, ``closing``, ``closed``. ``with Controller(cfg)
+as c:`` starts it and stops it on exit.
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
-import signal
 import socket
-import tempfile
 import threading
-from types import FrameType
 from typing import Any
 
 from smb_client import errors
 from smb_client._proto.smb.v1 import controller_pb2_grpc
 
-from .. import sdnotify
 from ..config import ControllerConfig
+from ..daemon import Daemon, Status, write_atomic
 from ..grpc_util import BearerAuth, make_server
 from ..health import HEALTH_METHODS, Health
 from ..metrics import MetricsServer, Registry
@@ -32,18 +29,21 @@ log = logging.getLogger(__name__)
 
 GRPC_WORKERS = 64          # handler threads; also bounds the callers one Barrier can hold
 STOP_GRACE = 2.0           # seconds in-flight calls get to finish on stop
-STATUSES = ("starting", "running", "closing", "closed")
+STATUSES = tuple(s.value for s in Status)
 _WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
 
 
-class Controller:
+class Controller(Daemon):
     """One controller process's worth of parts; owns the database, the gRPC server,
     the servicer, the lease thread and the metrics endpoint, all closed by :meth:`stop`.
     """
 
+    kind = "controller"
+
     def __init__(self, config: ControllerConfig) -> None:
+        super().__init__()
         self.config = config
-        self.status = "starting"
+        self._grace = STOP_GRACE
         self.state: ControllerState | None = None
         self.servicer: ControllerServicer | None = None
         self._server: Any = None
@@ -53,7 +53,6 @@ class Controller:
         self._health: Health | None = None
         self._stop_leases = threading.Event()
         self._lease_thread: threading.Thread | None = None
-        self._lock = threading.Lock()
 
     # -- lifecycle -----------------------------------------------------------------------
     @property
@@ -68,19 +67,13 @@ class Controller:
 
     def start(self) -> "Controller":
         """Open the database, serve gRPC, start the lease keeper, write the ready file."""
-        with self._lock:
-            if self.status != "starting" or self._server is not None:
-                raise errors.InvalidArgument(f"cannot start a controller that is {self.status}")
-            try:
-                self._start()
-            except BaseException:
-                self._close_parts()
-                self.status = "closed"
-                raise
-            self.status = "running"
+        super().start()
         log.info("controller serving at %s (database %s, lease %.1f s)", self.address,
                  self.config.db_path, self.config.lease_seconds)
         return self
+
+    def ready_message(self) -> str:
+        return f"serving at {self.address}"
 
     def _start(self) -> None:
         cfg = self.config
@@ -115,7 +108,7 @@ class Controller:
             log.info("metrics on http://%s:%d/metrics", host, self._metrics.port)
         self._health.serving()
         if cfg.ready_file:
-            _write_atomic(cfg.ready_file, json.dumps({"address": self.address}))
+            write_atomic(cfg.ready_file, json.dumps({"address": self.address}))
 
     def _lease_loop(self) -> None:
         assert self.state is not None
@@ -152,28 +145,23 @@ class Controller:
         reg.gauge("smb_controller_region_bytes", "Bytes of all regions together",
                   fn=lambda: [((), sum(r.size for r in state.list_regions()))])
 
-    def stop(self, grace: float = STOP_GRACE) -> None:
+    def stop(self, grace: float = STOP_GRACE,  # type: ignore[override]  # grace first, as before
+             reason: str = "stopped") -> None:
         """Stop serving (in-flight calls get ``grace`` seconds) and close everything.
 
         Barrier waiters get ControllerUnavailable. Idempotent.
         """
-        with self._lock:
-            if self.status in ("closing", "closed"):
-                return
-            self.status = "closing"
-            sdnotify.notify("STOPPING=1")
-            if self._health is not None:
-                self._health.shutting_down()
-            self._close_parts(grace)
-            self.status = "closed"
-        log.info("controller stopped")
+        self._grace = grace
+        super().stop(reason)
 
-    def _close_parts(self, grace: float = 0.0) -> None:
+    def _close(self, was: Status) -> None:
+        if self._health is not None:
+            self._health.shutting_down()
         self._stop_leases.set()
         if self.servicer is not None:
             self.servicer.barriers.close()
         if self._server is not None:
-            self._server.stop(grace).wait()
+            self._server.stop(self._grace if was is Status.RUNNING else 0).wait()
         if self._lease_thread is not None:
             self._lease_thread.join()
         if self._metrics is not None:
@@ -188,35 +176,6 @@ class Controller:
             except OSError:
                 pass
 
-    def run_forever(self) -> None:
-        """Serve until SIGTERM or SIGINT (main thread only), then stop."""
-        done = threading.Event()
-
-        def on_signal(signum: int, frame: FrameType | None) -> None:
-            log.info("received %s; shutting down", signal.Signals(signum).name)
-            done.set()
-
-        previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
-        try:
-            if self.status == "starting":
-                self.start()
-            sdnotify.notify(f"READY=1\nSTATUS=serving at {self.address}")
-            while not done.wait(1.0):
-                pass
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-            self.stop()
-
-    def __enter__(self) -> "Controller":
-        """Start unless already started; stop on exit."""
-        if self.status == "starting" and self._server is None:
-            self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
 
 def _count_by(values: Any, always: tuple[str, ...] = SERVER_STATES) -> list[tuple[tuple[str], int]]:
     """``[((value,), count)]`` for every value seen and every one of ``always``."""
@@ -229,19 +188,3 @@ def _count_by(values: Any, always: tuple[str, ...] = SERVER_STATES) -> list[tupl
 def serve(config: ControllerConfig) -> None:
     """Run a controller until SIGTERM/SIGINT (the ``smb controller`` command)."""
     Controller(config).run_forever()
-
-
-def _write_atomic(path: str, text: str) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
