@@ -6,14 +6,26 @@ import os
 import signal
 import sys
 import time
-from typing import Sequence
+from collections.abc import Sequence
+from importlib import metadata
 
 from smb_client import Client, errors
 from smb_client.units import format_bytes, parse_size
 
 from . import doctor, logs
-from .config import (DEFAULT_CONTROLLER_FILE, DEFAULT_SERVER_FILE, ControllerConfig, ServerConfig,
-                     ConfigError, load, settings)
+from .config import (
+    DEFAULT_CONTROLLER_FILE,
+    DEFAULT_SERVER_FILE,
+    ConfigError,
+    ControllerConfig,
+    ServerConfig,
+    default_of,
+    load,
+    settings,
+)
+
+# set on the top-level parser; a daemon reads them from there (see _flags)
+GLOBAL_SETTINGS = ("log_level", "log_format")
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -21,6 +33,27 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="controller host:port (env SMB_CONTROLLER)")
     p.add_argument("--token", default=os.environ.get("SMB_TOKEN", ""),
                    help="bearer token (env SMB_TOKEN)")
+
+
+def add_setting_flags(p: argparse.ArgumentParser, cls: type) -> None:
+    """One flag per setting of ``cls`` (``--<name-with-dashes>`` and its aliases), with
+    the setting's documentation, default and variable as help. Values stay text (None
+    when not given) and are converted and checked by :func:`~smb_server.config.load`,
+    so a bad flag is reported like a bad file key."""
+    for f in settings(cls):
+        if f.name in GLOBAL_SETTINGS:
+            continue
+        meta = f.metadata
+        default = default_of(f)
+        if isinstance(default, list):
+            default = ",".join(default)
+        shown = f"default {default!r}" if default not in ("", None) else "default: none"
+        kind = meta.get("kind") or str(f.type)
+        metavar = {"int": "N", "float": "SECONDS" if f.name.endswith("_seconds") else "X",
+                   "size": "SIZE", "list[str]": "A,B"}.get(kind, f.name.upper())
+        p.add_argument("--" + f.name.replace("_", "-"), *meta.get("aliases", ()), dest=f.name,
+                       default=None, metavar=metavar,
+                       help=f"{meta['doc']} ({shown}; env SMB_{f.name.upper()}; key {f.name})")
 
 
 def _flags(args: argparse.Namespace, cls: type) -> dict:
@@ -60,9 +93,9 @@ def cmd_server(args: argparse.Namespace) -> int:
 
 
 def _server_drain(args: argparse.Namespace, undrain: bool) -> int:
-    """``smb server drain``: the server named by this host's configuration (its
-    ``server_id``, or the id kept in its ``state_dir``) takes no new extents; the
-    regions it holds keep working. ``smb server undrain`` reverses it."""
+    """``smb server drain``: the server named by ``--server-id``, or else by this host's
+    configuration (its ``server_id``, or the id kept in its ``state_dir``), takes no new
+    extents; the regions it holds keep working. ``smb server undrain`` reverses it."""
     from .memserver.main import read_server_id
     cfg = load(ServerConfig, args.config, default_path=DEFAULT_SERVER_FILE,
                flags=_flags(args, ServerConfig), with_secret=False)
@@ -92,7 +125,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 
 def cmd_up(args: argparse.Namespace) -> int:
     from .local_cluster import LocalCluster
-    cluster = LocalCluster(args.servers, args.capacity, workdir=args.workdir,
+    cluster = LocalCluster(args.memory_servers, args.capacity, workdir=args.workdir,
                            controller_port=args.port, token=args.token or None)
     stop = False
 
@@ -103,7 +136,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     cluster.start()
     try:
-        print(f"Soft Memory Box: controller at {cluster.address}, {args.servers} memory servers "
+        print(f"Soft Memory Box: controller at {cluster.address}, {args.memory_servers} memory servers "
               f"of {format_bytes(cluster.capacity)} (logs in {cluster.workdir})")
         print("Use it from another shell with:\n" + cluster.describe(), flush=True)
         while not stop:
@@ -114,14 +147,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     return 0
 
 
-def _table(rows: list[list[str]], header: list[str]) -> str:
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
-    lines = ["  ".join(str(x).ljust(w) for x, w in zip(r, widths)).rstrip() for r in [header, *rows]]
-    return "\n".join(lines)
-
-
 def cmd_status(args: argparse.Namespace) -> int:
     import json
+
     from . import status
     with Client(args.controller, args.token) as c:
         report = status.gather(c, metrics=args.metrics)
@@ -135,39 +163,23 @@ def cmd_region(args: argparse.Namespace) -> int:
             segments = [parse_size(s) for s in args.segments.split(",")] if args.segments else []
             size = parse_size(args.size) if args.size else sum(segments)
             r = c.create_region(args.name, size, placement=args.placement,
-                                stripe_unit=parse_size(args.stripe_unit), num_servers=args.servers,
+                                stripe_unit=parse_size(args.stripe_unit), num_servers=args.num_servers,
                                 segment_sizes=segments, persistent=args.persistent)
             print(f"created {r.name}: {format_bytes(r.size)} {r.placement} over {len(r.extents)} servers")
             r.close()
         elif args.action == "ls":
-            regions = c.list_regions(args.name or "")
-            print(_table([[r.name, str(r.size), r.placement, r.state, ",".join(r.servers)] for r in regions],
-                         ["NAME", "BYTES", "PLACEMENT", "STATE", "SERVERS"]))
+            from .status import region_row, region_table
+            print(region_table([region_row(r) for r in c.list_regions(args.name or "")]))
         elif args.action == "rm":
             c.delete_region(args.name)
             print(f"deleted {args.name}")
     return 0
 
 
-def cmd_drain(args: argparse.Namespace) -> int:
-    with Client(args.controller, args.token) as c:
-        s = c.drain_server(args.server_id, undrain=args.undrain)
-    print(f"{s.server_id}: {s.state}")
-    return 0
-
-
 def cmd_train(args: argparse.Namespace) -> int:
-    """Run a training example (``examples/train_<name>.py``) against a cluster."""
-    import subprocess
-    from pathlib import Path
-    script = Path(__file__).resolve().parent.parent / "examples" / f"train_{args.example}.py"
-    if not script.is_file():
-        known = sorted(p.stem.removeprefix("train_") for p in script.parent.glob("train_*.py"))
-        print(f"smb train: no example {args.example!r} ({script} is missing); examples: "
-              + (", ".join(known) or "none (run from a source checkout)"), file=sys.stderr)
-        return 2
-    argv = [sys.executable, str(script), "--scheme", args.scheme, "--workers", str(args.workers),
-            "--placement", args.placement]
+    """Run the digits example (:mod:`smb_server.train.digits`) against a cluster."""
+    from .train import digits
+    argv = ["--scheme", args.scheme, "--workers", str(args.workers), "--placement", args.placement]
     if args.epochs is not None:
         argv += ["--epochs", str(args.epochs)]
     if args.quiet:
@@ -176,74 +188,59 @@ def cmd_train(args: argparse.Namespace) -> int:
     if controller:  # otherwise the example starts a local cluster
         # "=" form: a token may start with "-"
         argv += [f"--controller={controller}", f"--token={args.token or os.environ.get('SMB_TOKEN', '')}"]
-    return subprocess.call(argv + list(args.extra))
+    return digits.main(argv + list(args.extra))
+
+
+def _version() -> str:
+    try:
+        return metadata.version("soft-memory-box")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="smb", description="Soft Memory Box")
+    parser.add_argument("--version", action="version", version=f"smb (soft-memory-box) {_version()}")
     parser.add_argument("--log-level", default=None,
                         help="DEBUG, INFO, WARNING, ERROR (env SMB_LOG_LEVEL; daemons: also log_level)")
     parser.add_argument("--log-format", default=None, choices=logs.FORMATS,
                         help="text or json lines (env SMB_LOG_FORMAT; daemons: also log_format)")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("controller", help="run the controller daemon")
+    p = sub.add_parser("controller", help="run the controller daemon",
+                       description="Settings: flag > SMB_* variable > --config file > default.")
     p.add_argument("--config", default=None, help=f"TOML file (default {DEFAULT_CONTROLLER_FILE} if present)")
-    p.add_argument("--listen", help="host:port to serve on")
-    p.add_argument("--db", dest="db_path", help="SQLite file")
-    p.add_argument("--token", help="bearer token")
-    p.add_argument("--secret-file")
-    p.add_argument("--lease", dest="lease_seconds", type=float, help="server lease, seconds")
-    p.add_argument("--orphan-grace", dest="orphan_grace_seconds", type=float,
-                   help="seconds before unknown extents are freed")
-    p.add_argument("--ticket-ttl", dest="ticket_ttl_seconds", type=float)
-    p.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (0: off)")
-    p.add_argument("--metrics-host", help="address of the metrics endpoint (default: the listen host)")
-    p.add_argument("--ready-file")
+    add_setting_flags(p, ControllerConfig)
     p.set_defaults(fn=cmd_controller)
 
     p = sub.add_parser("server", help="run a memory server daemon, or drain/undrain it",
                        description="smb server [run]: run the daemon. smb server drain: the server "
-                                   "this configuration names (server_id, or the id kept in "
-                                   "state_dir) takes no new extents; its regions keep working. "
-                                   "smb server undrain: it takes new extents again.")
-    p.add_argument("action", nargs="?", default="run", choices=["run", "drain", "undrain"])
+                                   "named by --server-id, or else by this configuration (server_id, "
+                                   "or the id kept in state_dir), takes no new extents; its regions "
+                                   "keep working. smb server undrain: it takes new extents again. "
+                                   "Settings: flag > SMB_* variable > --config file > default.")
+    p.add_argument("action", nargs="?", default="run", choices=["run", "drain", "undrain"],
+                   help="run the daemon (default), or drain/undrain the server")
     p.add_argument("--config", default=None, help=f"TOML file (default {DEFAULT_SERVER_FILE} if present)")
-    p.add_argument("--controller", help="controller host:port")
-    p.add_argument("--token", help="bearer token")
-    p.add_argument("--listen-host")
-    p.add_argument("--advertise-host")
-    p.add_argument("--grpc-port", type=int)
-    p.add_argument("--tcp-port", type=int)
-    p.add_argument("--capacity", help="RAM to offer, e.g. 512M, 16G")
-    p.add_argument("--secret-file")
-    p.add_argument("--server-id")
-    p.add_argument("--state-dir")
-    p.add_argument("--data-dir", help="directory for file-backed (persistent) extents")
-    p.add_argument("--transports", help="comma-separated: tcp,shm,rdma")
-    p.add_argument("--rdma-device")
-    p.add_argument("--heartbeat", dest="heartbeat_seconds", type=float, help="seconds between heartbeats")
-    p.add_argument("--tcp-connections-max", type=int, help="most concurrent TCP data-plane connections")
-    p.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (0: off)")
-    p.add_argument("--metrics-host", help="address of the metrics endpoint (default: listen host)")
-    p.add_argument("--ready-file")
+    add_setting_flags(p, ServerConfig)
     p.set_defaults(fn=cmd_server)
 
     p = sub.add_parser("check-config", help="validate a controller or memory server TOML file",
                        description="Exit 0 and print the effective settings when the file (and the "
                                    "secret file it names) is valid; exit 2 with the file, key and "
                                    "expected type otherwise.")
-    p.add_argument("kind", choices=["controller", "server"])
-    p.add_argument("path")
+    p.add_argument("kind", choices=["controller", "server"], help="which daemon's file")
+    p.add_argument("path", help="the TOML file")
     p.add_argument("--env", action="store_true", help="apply this environment's SMB_* variables too")
     p.set_defaults(fn=cmd_check_config)
 
     p = sub.add_parser("up", help="run a local cluster (controller + memory servers) in the foreground")
-    p.add_argument("--servers", type=int, default=2)
-    p.add_argument("--capacity", default="1G", help="per memory server")
-    p.add_argument("--port", type=int, default=7700, help="controller port (0: any)")
-    p.add_argument("--workdir", default=None)
-    p.add_argument("--token", default="")
+    p.add_argument("--memory-servers", "--servers", dest="memory_servers", type=int, default=2,
+                   help="memory servers to start (default 2)")
+    p.add_argument("--capacity", default="1G", help="RAM each memory server offers (default 1G)")
+    p.add_argument("--port", type=int, default=7700, help="controller port (default 7700; 0: any)")
+    p.add_argument("--workdir", default=None, help="logs, state and database (default: a new temporary one)")
+    p.add_argument("--token", default="", help="bearer token (default: a new random one)")
     p.set_defaults(fn=cmd_up)
 
     p = sub.add_parser("status", help="print the cluster: servers (health, counters), regions",
@@ -258,39 +255,37 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("region", help="create, list or delete regions")
     _common(p)
-    p.add_argument("action", choices=["create", "ls", "rm"])
-    p.add_argument("name", nargs="?")
-    p.add_argument("size", nargs="?", help="bytes, e.g. 64M")
-    p.add_argument("--placement", default="striped", choices=["striped", "layered", "single"])
-    p.add_argument("--stripe-unit", default="0")
-    p.add_argument("--servers", type=int, default=0)
+    p.add_argument("action", choices=["create", "ls", "rm"], help="what to do")
+    p.add_argument("name", nargs="?", help="region name (ls: a name prefix)")
+    p.add_argument("size", nargs="?", help="create: bytes, e.g. 64M (layered: default the segments' sum)")
+    p.add_argument("--placement", default="striped", choices=["striped", "layered", "single"],
+                   help="how extents are laid over servers (default striped)")
+    p.add_argument("--stripe-unit", default="0", help="striped: bytes per stripe (default 0: the controller's)")
+    p.add_argument("--num-servers", type=int, default=0,
+                   help="memory servers to spread the region over (default 0: all that fit)")
     p.add_argument("--segments", default="", help="layered: comma-separated segment sizes")
-    p.add_argument("--persistent", action="store_true")
+    p.add_argument("--persistent", action="store_true", help="file-backed extents (servers with data_dir)")
     p.set_defaults(fn=cmd_region)
 
     p = sub.add_parser("train", help="train an example model (digits) through the memory box",
-                       description="Runs examples/train_<example>.py: a local cluster unless --controller "
-                                   "or SMB_CONTROLLER names one, then each scheme under torchrun. "
-                                   "Arguments after -- go to the example.")
-    p.add_argument("--example", default="digits", help="examples/train_<example>.py (default digits)")
+                       description="Trains a small network on scikit-learn's digits: a local cluster "
+                                   "unless --controller or SMB_CONTROLLER names one, then each scheme "
+                                   "under torchrun. Arguments after -- go to the trainer "
+                                   "(python -m smb_server.train.digits --help lists them).")
     p.add_argument("--controller", default=None, help="controller host:port (default $SMB_CONTROLLER)")
     p.add_argument("--token", default=None, help="bearer token (default $SMB_TOKEN)")
     p.add_argument("--local", action="store_true", help="start a local cluster even if SMB_CONTROLLER is set")
-    p.add_argument("--scheme", default="all", choices=["all", "sync", "seasgd", "hybrid", "ddp"])
-    p.add_argument("--workers", type=int, default=4)
-    p.add_argument("--epochs", type=int, default=None)
-    p.add_argument("--placement", default="striped", choices=["striped", "layered", "single"])
+    p.add_argument("--scheme", default="all", choices=["all", "sync", "seasgd", "hybrid", "ddp"],
+                   help="update scheme (default all: sync, seasgd, hybrid)")
+    p.add_argument("--workers", type=int, default=4, help="worker processes (default 4)")
+    p.add_argument("--epochs", type=int, default=None, help="passes over the data (default 20)")
+    p.add_argument("--placement", default="striped", choices=["striped", "layered", "single"],
+                   help="placement of the parameter regions (default striped)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
-    p.add_argument("extra", nargs="*", help="further example options, after --")
+    p.add_argument("extra", nargs="*", help="further trainer options, after --")
     p.set_defaults(fn=cmd_train)
 
     doctor.add_parser(sub)
-
-    p = sub.add_parser("drain", help="stop placing new extents on a memory server")
-    _common(p)
-    p.add_argument("server_id")
-    p.add_argument("--undrain", action="store_true")
-    p.set_defaults(fn=cmd_drain)
     return parser
 
 

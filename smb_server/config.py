@@ -37,14 +37,17 @@ MAX_PORT = 65535
 
 
 def _f(default: Any, doc: str, kind: str = "", *, choices: tuple[str, ...] = (),
-       minimum: float | None = None, maximum: float | None = None, positive: bool = False) -> Any:
+       minimum: float | None = None, maximum: float | None = None, positive: bool = False,
+       aliases: tuple[str, ...] = ()) -> Any:
     """A setting: its default, its documentation and the checks its value must pass.
+    The ``smb`` command's flags are made from these (``--<name-with-dashes>``).
 
     ``choices``: allowed values (each element, for a list); ``minimum``/``maximum``:
-    inclusive bounds; ``positive``: strictly above zero.
+    inclusive bounds; ``positive``: strictly above zero; ``aliases``: further flag
+    names (``--db`` for ``db_path``).
     """
     meta = {"doc": doc, "kind": kind, "choices": choices, "minimum": minimum,
-            "maximum": maximum, "positive": positive}
+            "maximum": maximum, "positive": positive, "aliases": aliases}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -57,14 +60,16 @@ def _port(default: int, doc: str) -> Any:
 @dataclass
 class ControllerConfig:
     listen: str = _f("127.0.0.1:7700", "host:port of the gRPC service (port 0: any free port)")
-    db_path: str = _f("smb-controller.db", "SQLite database file (WAL mode)")
+    db_path: str = _f("smb-controller.db", "SQLite database file (WAL mode)", aliases=("--db",))
     token: str = _f("", "bearer token clients and servers must present; empty disables auth")
     secret_file: str = _f("", "file holding the HMAC ticket secret (hex), shared with memory servers")
     lease_seconds: float = _f(5.0, "a memory server silent this long (seconds) is marked down",
-                              positive=True)
+                              positive=True, aliases=("--lease",))
     orphan_grace_seconds: float = _f(30.0, "extents unknown to the controller are freed after "
-                                     "this age (seconds)", minimum=0)
-    ticket_ttl_seconds: float = _f(3600.0, "lifetime of region tickets (seconds)", positive=True)
+                                     "this age (seconds)", minimum=0,
+                                     aliases=("--orphan-grace",))
+    ticket_ttl_seconds: float = _f(3600.0, "lifetime of region tickets (seconds)", positive=True,
+                                    aliases=("--ticket-ttl",))
     metrics_port: int = _port(0, "Prometheus /metrics and /healthz HTTP port (0: off)")
     metrics_host: str = _f("", "address of the metrics endpoint (default: the host of listen)")
     ready_file: str = _f("", "written with the bound address once serving")
@@ -88,7 +93,8 @@ class ServerConfig:
     data_dir: str = _f("", "directory for file-backed (persistent) extents; empty: memory only")
     transports: list[str] = _f(["tcp", "shm"], "data planes to offer: tcp, shm, rdma", choices=TRANSPORTS)
     rdma_device: str = _f("", "RDMA device to use (default: the first active one)")
-    heartbeat_seconds: float = _f(1.0, "seconds between heartbeats to the controller", positive=True)
+    heartbeat_seconds: float = _f(1.0, "seconds between heartbeats to the controller", positive=True,
+                                   aliases=("--heartbeat",))
     tcp_connections_max: int = _f(1024, "most concurrent TCP data-plane connections", minimum=1)
     metrics_port: int = _port(0, "Prometheus /metrics and /healthz HTTP port (0: off)")
     metrics_host: str = _f("", "address of the metrics endpoint (default: listen_host)")
@@ -107,6 +113,11 @@ _TYPE_NAMES = {"str": "a string", "int": "an integer", "float": "a number", "boo
 def settings(cls: type) -> list[dataclasses.Field]:
     """The configurable fields of a config class."""
     return [f for f in dataclasses.fields(cls) if not f.metadata.get("internal")]
+
+
+def default_of(f: dataclasses.Field) -> Any:
+    """The built-in default of a setting."""
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
 
 
 def _convert(f: dataclasses.Field, value: Any, where: str) -> Any:
@@ -252,7 +263,7 @@ def render_example(cls: type) -> str:
     """A TOML file listing every key with its documentation and default."""
     lines = []
     for f in settings(cls):
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        default = default_of(f)
         lines.append(f"# {f.metadata['doc']}")
         if isinstance(default, str):
             lines.append(f"# {f.name} = \"{default}\"")

@@ -52,8 +52,7 @@ def gather(client: Client, metrics: bool = False, timeout: float = CALL_TIMEOUT)
     return {
         "controller": {"address": client.address, "health": health.check(client.address, timeout=timeout)},
         "servers": rows,
-        "regions": [{"name": r.name, "size_bytes": r.size, "placement": r.placement, "state": r.state,
-                     "persistent": r.persistent, "servers": list(r.servers)} for r in regions],
+        "regions": [region_row(r) for r in regions],
     }
 
 
@@ -147,10 +146,21 @@ def render(status: dict[str, Any]) -> str:
                             ["SERVER", "OP", "TRANSPORT", "COUNT", "P50", "P99"]))
     regions = status["regions"]
     lines += ["", f"regions ({len(regions)}):"]
-    lines.append(_table([[r["name"], format_bytes(r["size_bytes"]), r["placement"], r["state"],
-                          ",".join(r["servers"])] for r in regions],
-                        ["NAME", "SIZE", "PLACEMENT", "STATE", "SERVERS"]))
+    lines.append(region_table(regions))
     return "\n".join(lines)
+
+
+def region_row(r: Any) -> dict[str, Any]:
+    """A region as ``smb status --json`` prints it (``r``: a RegionInfo)."""
+    return {"name": r.name, "size_bytes": r.size, "placement": r.placement, "state": r.state,
+            "persistent": r.persistent, "servers": list(r.servers)}
+
+
+def region_table(regions: list[dict[str, Any]]) -> str:
+    """The regions table of ``smb status`` and ``smb region ls``, sizes readable."""
+    return _table([[r["name"], format_bytes(r["size_bytes"]), r["placement"], r["state"],
+                    ",".join(r["servers"])] for r in regions],
+                  ["NAME", "SIZE", "PLACEMENT", "STATE", "SERVERS"])
 
 
 def _io(s: dict[str, Any]) -> str:

@@ -177,7 +177,7 @@ def _wait_for(path, proc, timeout: float = 30.0) -> None:
 
 def test_cli_flags_are_only_those_given():
     args = build_parser().parse_args(["server", "--capacity", "2G", "--grpc-port", "7710"])
-    assert _flags(args, ServerConfig) == {"capacity": "2G", "grpc_port": 7710}
+    assert _flags(args, ServerConfig) == {"capacity": "2G", "grpc_port": "7710"}
     args = build_parser().parse_args(["--log-level", "debug", "--log-format", "json", "controller"])
     assert _flags(args, ControllerConfig) == {"log_level": "debug", "log_format": "json"}
 

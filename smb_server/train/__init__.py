@@ -1,0 +1,1 @@
+"""Example training jobs run through the memory box (``smb train``)."""
