@@ -23,7 +23,7 @@ MiB = 1 << 20
 
 
 def worker(address: str, token: str, rank: int, world: int, size: int, transport: str,
-           results: "mp.Queue") -> None:
+           results: mp.Queue) -> None:
     with smb_client.connect(address, token, transport=transport) as c:
         params = c.open_region("demo/params")
         grads = c.open_region("demo/grads")

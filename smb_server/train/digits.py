@@ -146,7 +146,8 @@ def launch(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="smb train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--scheme", default="all", choices=("all",) + ALL_SCHEMES)
     p.add_argument("--workers", type=int, default=4, help="worker processes (launcher)")
     p.add_argument("--controller", default=None,
