@@ -5,6 +5,7 @@ import argparse
 import subprocess
 import sys
 from importlib import metadata
+from pathlib import Path
 
 import pytest
 
@@ -84,3 +85,19 @@ def test_version():
                          text=True, timeout=60)
     assert out.returncode == 0
     assert out.stdout.strip() == f"smb (soft-memory-box) {metadata.version('soft-memory-box')}"
+
+
+@pytest.mark.parametrize(("command", "cls", "title"), [("controller", ControllerConfig, "### Controller keys"),
+                                                        ("server", ServerConfig, "### Memory server keys")])
+def test_operations_guide_tables_match_the_flags(command, cls, title):
+    """docs/operations.md lists, per key, its variable and a flag the command accepts."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "operations.md").read_text()
+    table = text.split(title, 1)[1].split("\n\n", 2)[1]
+    rows = [[c.strip().strip("`") for c in line.strip("|").split("|")] for line in table.splitlines()[2:]]
+    sub = _subparsers(build_parser())[command]
+    options = {a.dest: a.option_strings for a in sub._actions}
+    assert [r[0] for r in rows] == [f.name for f in settings(cls)]
+    for key, variable, flag, *_ in rows:
+        assert variable == f"SMB_{key.upper()}"
+        if key not in GLOBAL_SETTINGS:
+            assert flag in options[key], (key, flag)
