@@ -258,3 +258,15 @@ def status_error(status: int, message: str) -> SMBError:
 def error_status(exc: BaseException) -> Status:
     """The data-plane status code for an exception (its nearest known base class)."""
     return wire_class(exc).status
+
+
+# a literal list, so that type checkers see ``smb_client.RegionNotFound``; a unit test
+# keeps it equal to the tree
+__all__ = [
+    "SMBError", "Unavailable", "ControllerUnavailable", "ServerUnavailable", "Timeout",
+    "BarrierTimeout", "NotFound", "RegionNotFound", "ExtentNotFound", "ServerNotFound",
+    "RegionExists", "OutOfMemory", "PermissionDenied", "AuthenticationError", "InvalidTicket",
+    "TicketExpired", "ReadOnly", "InvalidArgument", "OutOfRange", "Misaligned", "DtypeError",
+    "ProtocolError", "ServerError", "Status", "error_class", "error_classes", "error_status",
+    "status_error", "wire_class",
+]

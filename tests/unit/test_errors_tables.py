@@ -7,6 +7,7 @@ from collections import namedtuple
 import grpc
 import pytest
 
+import smb_client
 from smb_client import errors, rpc
 
 Metadatum = namedtuple("Metadatum", "key value")  # what grpc hands out
@@ -42,6 +43,8 @@ def test_the_tables_hold_every_class_of_the_tree():
     assert set(errors.error_classes()) == set(CLASSES)
     assert len(CLASSES) >= 23
     assert len({c.status for c in CLASSES}) == len(CLASSES)
+    assert {c.__name__ for c in CLASSES} <= set(errors.__all__)
+    assert all(getattr(smb_client, c.__name__) is c for c in CLASSES)
 
 
 @pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__name__)
