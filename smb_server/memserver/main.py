@@ -20,7 +20,6 @@ import json
 import logging
 import os
 import shutil
-import signal
 import socket
 import tempfile
 import threading
@@ -30,10 +29,12 @@ from typing import Any
 from smb_client import errors, rpc, verbs
 from smb_client.addressing import format_hostport
 from smb_client.hostinfo import host_id
+from smb_client.retry import Backoff
 from smb_client._proto.smb.v1 import controller_pb2, controller_pb2_grpc, memory_server_pb2_grpc
 
 from .. import sdnotify
 from ..config import ServerConfig
+from ..daemon import Daemon, Status, write_atomic
 from ..grpc_util import BearerAuth, make_server
 from ..health import HEALTH_METHODS, Health
 from ..metrics import MetricsServer, Registry
@@ -51,21 +52,25 @@ RPC_TIMEOUT = 5.0          # seconds per controller call
 UNREGISTER_TIMEOUT = 2.0   # seconds the goodbye to the controller may take at stop()
 BACKOFF_FIRST = 0.1        # seconds before the first retry of a failed registration
 BACKOFF_MAX = 5.0          # seconds, the longest pause between retries
+BACKOFF_JITTER = 0.2       # fraction of each pause drawn at random (servers restarted together)
 GRPC_GRACE = 1.0           # seconds in-flight calls get at stop()
 SOCKET_NAME = "shm.sock"
 MAX_UNIX_PATH = 100        # bytes; sun_path holds 108 including the NUL
 
 
-class MemoryServer:
+class MemoryServer(Daemon):
     """One memory server. ``with MemoryServer(cfg) as s:`` starts and stops it.
 
-    States: ``starting`` -> ``running`` -> ``closing`` -> ``closed``. Owns everything it
-    opens (arena, planes, gRPC server, a temporary state dir) and closes it in :meth:`stop`.
+    Status (:class:`..daemon.Daemon`): ``starting`` -> ``running`` -> ``closing`` ->
+    ``closed``. Owns everything it opens (arena, planes, gRPC server, a temporary state
+    dir) and closes it in :meth:`stop`.
     """
 
+    kind = "memory server"
+
     def __init__(self, config: ServerConfig) -> None:
+        super().__init__()
         self.config = config
-        self.state = "created"
         self.server_id = ""
         self.grpc_address = ""
         self.endpoints: list[str] = []
@@ -86,24 +91,21 @@ class MemoryServer:
         self._thread: threading.Thread | None = None
         self._tmp_dirs: list[str] = []
         self._state_dir = ""
+        self._announced = False
 
     # -- lifecycle ----------------------------------------------------------------------
+    @property
+    def state(self) -> str:
+        """The status as a string (kept for callers of the earlier attribute)."""
+        return self.status.value
+
     def start(self) -> "MemoryServer":
         """Bring up arena, gRPC service and data planes; register in the background.
 
         Returns once the server serves data; use :meth:`wait_registered` to wait for the
         controller.
         """
-        if self.state != "created":
-            raise errors.InvalidArgument(f"cannot start a memory server that is {self.state}")
-        self.state = "starting"
-        try:
-            self._start()
-        except BaseException:
-            self.stop()
-            raise
-        self.state = "running"
-        return self
+        return super().start()
 
     def _start(self) -> None:
         cfg = self.config
@@ -154,7 +156,7 @@ class MemoryServer:
         if cfg.metrics_port:
             metrics_host = cfg.metrics_host or cfg.listen_host
             self._metrics = MetricsServer(self.registry, metrics_host, cfg.metrics_port,
-                                          healthy=lambda: self.state == "running")
+                                          healthy=lambda: self.status is Status.RUNNING)
             log.info("metrics on http://%s:%d/metrics", metrics_host, self._metrics.port)
         self._health.serving()
 
@@ -188,11 +190,11 @@ class MemoryServer:
     def stop(self, reason: str = "stopped") -> None:
         """Tell the controller, close the planes and gRPC, release every extent
         (idempotent). ``reason`` goes to the controller's log."""
-        if self.state in ("closing", "closed"):
-            return
-        was_running = self.state == "running"
-        self.state = "closing"
-        sdnotify.notify("STOPPING=1")
+        super().stop(reason)
+
+    def _close(self, was: Status) -> None:
+        was_running = was is Status.RUNNING
+        reason = self.stop_reason or "stopped"
         if self._health is not None:
             self._health.shutting_down()
         self._stop.set()
@@ -216,8 +218,6 @@ class MemoryServer:
             self._metrics.close()
         for path in self._tmp_dirs:
             shutil.rmtree(path, ignore_errors=True)
-        self.state = "closed"
-        log.info("memory server %s stopped", self.server_id)
 
     def _unregister(self, reason: str) -> None:
         """Best effort: a controller that does not answer marks us down after the lease."""
@@ -233,41 +233,16 @@ class MemoryServer:
                         "it marks it down after its lease", self.config.controller,
                         type(exc).__name__, exc)
 
-    def __enter__(self) -> "MemoryServer":
-        return self.start()
+    def ready_message(self) -> str:
+        return (f"serving {' '.join(self.endpoints)}; registering with "
+                f"{self.config.controller}")
 
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def run_forever(self) -> None:
-        """Block until SIGTERM or SIGINT (main thread only), then stop.
-
-        Tells systemd ``READY=1`` (``Type=notify``) once the data planes serve.
-        """
-        done = threading.Event()
-        received: list[str] = []
-
-        def on_signal(signum: int, frame: object) -> None:
-            received.append(signal.Signals(signum).name)
-            log.info("received %s: stopping", received[-1])
-            done.set()
-
-        previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-        try:
-            sdnotify.notify(f"READY=1\nSTATUS=serving {' '.join(self.endpoints)}; "
-                            f"registering with {self.config.controller}")
-            announced = False
-            while not done.wait(0.5):
-                if self.state != "running":
-                    break
-                if not announced and self.registered.is_set():
-                    sdnotify.notify(f"STATUS=serving {' '.join(self.endpoints)}; registered as "
-                                    f"{self.server_id} with {self.config.controller}")
-                    announced = True
-        finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
-            self.stop(received[0] if received else "stopped")
+    def tick(self) -> None:
+        """In run_forever: tell systemd once the controller has accepted this server."""
+        if not self._announced and self.registered.is_set():
+            sdnotify.notify(f"STATUS=serving {' '.join(self.endpoints)}; registered as "
+                            f"{self.server_id} with {self.config.controller}")
+            self._announced = True
 
     def wait_registered(self, timeout: float | None = None) -> bool:
         """True once the controller has accepted the registration (seconds to wait)."""
@@ -324,7 +299,7 @@ class MemoryServer:
         except FileNotFoundError:
             pass
         value = uuid.uuid4().hex[:12]
-        _write_atomic(path, value + "\n")
+        write_atomic(path, value + "\n")
         return value
 
     def _socket_path(self) -> str:
@@ -357,7 +332,7 @@ class MemoryServer:
         self._release_orphans(reply.orphan_extent_ids)
         if not self.registered.is_set():
             if self.config.ready_file:
-                _write_atomic(self.config.ready_file, json.dumps(
+                write_atomic(self.config.ready_file, json.dumps(
                     {"server_id": self.server_id, "grpc_address": self.grpc_address,
                      "endpoints": self.endpoints, "metrics_port": self.metrics_port}))
             self.registered.set()
@@ -386,7 +361,7 @@ class MemoryServer:
 
     def _control_loop(self) -> None:
         """Register (with backoff), then heartbeat; re-register when forgotten."""
-        backoff = BACKOFF_FIRST
+        backoff = Backoff(first=BACKOFF_FIRST, cap=BACKOFF_MAX, jitter=BACKOFF_JITTER)
         need_register = True
         failures = 0
         while not self._stop.is_set():
@@ -398,13 +373,14 @@ class MemoryServer:
                     self.heartbeat()
                 if failures:
                     log.info("controller at %s reachable again", self.config.controller)
-                failures, backoff = 0, BACKOFF_FIRST
+                failures = 0
+                backoff.reset()
                 wait = self._interval()
             except errors.NotFound as exc:
                 if need_register:  # registration itself refused: do not spin
                     failures += 1
                     log.warning("controller refused the registration: %s", exc)
-                    wait, backoff = backoff, min(BACKOFF_MAX, backoff * 2)
+                    wait = backoff.next_delay()
                 else:
                     log.warning("controller does not know this server (%s); registering again", exc)
                     need_register = True
@@ -414,11 +390,11 @@ class MemoryServer:
                 level = logging.WARNING if failures in (1, 10) or failures % 100 == 0 else logging.DEBUG
                 log.log(level, "controller at %s: %s: %s (attempt %d; still serving data)",
                         self.config.controller, type(exc).__name__, exc, failures)
-                wait, backoff = backoff, min(BACKOFF_MAX, backoff * 2)
+                wait = backoff.next_delay()
             except Exception:
                 failures += 1
                 log.exception("heartbeat failed")
-                wait, backoff = backoff, min(BACKOFF_MAX, backoff * 2)
+                wait = backoff.next_delay()
             self._stop.wait(wait)
 
 
@@ -438,22 +414,6 @@ def read_server_id(state_dir: str) -> str:
     if not value:
         raise errors.InvalidArgument(f"{path} is empty; pass --server-id")
     return value
-
-
-def _write_atomic(path: str, text: str) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
 
 
 def serve(config: ServerConfig) -> None:
