@@ -8,10 +8,14 @@ minutes, or is a fragment of a larger program) is preceded by a line
 """
 from __future__ import annotations
 
+import json
 import os
 import re
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -113,3 +117,65 @@ def test_region_ls_prints_readable_sizes(env, cluster):
     finally:
         with Client(cluster.address, cluster.token) as c:
             c.delete_region("cli/ls")
+
+
+def documented_metrics() -> dict[str, str]:
+    """Metric name -> type from the tables under "### Metrics" in docs/operations.md
+    (``_bytes_written_total`` after ``smb_server_bytes_read_total`` shares its prefix)."""
+    text = (ROOT / "docs" / "operations.md").read_text()
+    section = text.split("### Metrics", 1)[1].split("\n### ", 1)[0]
+    out: dict[str, str] = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 4 or not cells[0].startswith("`smb_"):
+            continue
+        names = re.findall(r"`([a-z_]+)`", cells[0])
+        kinds = [k.strip() for k in cells[1].split(",")]
+        prefix = "_".join(names[0].split("_")[:2])
+        for i, name in enumerate(names):
+            out[prefix + name if name.startswith("_") else name] = kinds[min(i, len(kinds) - 1)]
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _scrape_types(port: int) -> dict[str, str]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    return dict(re.findall(r"^# TYPE (\S+) (\S+)$", text, re.M))
+
+
+def test_documented_metrics_are_served(tmp_path):
+    """Every metric of the operations guide, with its type, on a real controller and
+    memory server (and nothing served that the guide leaves out)."""
+    secret = tmp_path / "secret"
+    secret.write_text("5a" * 32)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SMB_")}
+    env.update(SMB_SECRET_FILE=str(secret))
+    ports = {"controller": _free_port(), "server": _free_port()}
+    procs = []
+    try:
+        for kind, args in (("controller", ["--listen", "127.0.0.1:0", "--db", str(tmp_path / "c.db")]),
+                           ("server", ["--state-dir", str(tmp_path / "s"), "--capacity", "16M"])):
+            ready = tmp_path / f"{kind}.ready"
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "smb_server.cli", kind, *args, "--metrics-port", str(ports[kind]),
+                 "--ready-file", str(ready)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            deadline = time.monotonic() + 30
+            while not ready.exists() or not ready.read_text():
+                assert procs[-1].poll() is None and time.monotonic() < deadline, f"{kind} did not start"
+                time.sleep(0.05)
+            if kind == "controller":
+                env["SMB_CONTROLLER"] = json.loads(ready.read_text())["address"]
+        served = {**_scrape_types(ports["controller"]), **_scrape_types(ports["server"])}
+    finally:
+        for proc in procs:
+            proc.terminate()
+            proc.wait(30)
+    documented = documented_metrics()
+    assert len(documented) >= 20
+    assert served == documented
