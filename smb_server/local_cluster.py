@@ -2,15 +2,17 @@
 
 Used by ``smb up``, the demo and the integration tests. Every daemon binds port 0 (or
 the port asked for) and reports its address through a ready file; :meth:`start`
-returns once every memory server has registered.
+returns once every memory server has registered. Lifecycle: :class:`.daemon.Daemon`.
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -18,18 +20,39 @@ import time
 from pathlib import Path
 from typing import Any
 
-from smb_client import Client
+from smb_client import Client, errors
 from smb_client.units import parse_size
 
 from .config import new_secret, new_token
+from .daemon import Daemon, Status
 
 log = logging.getLogger(__name__)
 
 START_TIMEOUT = 30.0  # seconds
+STOP_TIMEOUT = 10.0   # seconds daemons get after SIGTERM before SIGKILL
+LOOPBACK = "127.0.0.1"
 
 
-class ClusterError(RuntimeError):
-    pass
+class ClusterError(errors.SMBError, RuntimeError):
+    """A local cluster could not start; the message says why and what to do."""
+
+
+def check_port_free(port: int, host: str = LOOPBACK) -> None:
+    """Raise ClusterError (naming the port and what to do) when ``port`` cannot be bound
+    on ``host``; port 0 is always free."""
+    if not port:
+        return
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise ClusterError(
+                    f"port {port} on {host} is already in use (another `smb up` or controller?); "
+                    f"stop what listens there, or pick another port with --port (0: any free port)"
+                ) from None
+            raise ClusterError(f"cannot listen on {host}:{port}: {exc.strerror}; pick another "
+                               "port with --port (0: any free port)") from None
 
 
 def wait_for_json(path: Path, timeout: float, proc: subprocess.Popen | None = None,
@@ -51,14 +74,18 @@ def wait_for_json(path: Path, timeout: float, proc: subprocess.Popen | None = No
         time.sleep(poll)
 
 
-class LocalCluster:
-    """Owns its processes and its work directory (a temporary one unless given)."""
+class LocalCluster(Daemon):
+    """Owns its processes and its work directory (a temporary one unless given, removed
+    at :meth:`stop`)."""
+
+    kind = "local cluster"
 
     def __init__(self, servers: int = 2, capacity: int | str = "1G", *, workdir: str | None = None,
                  controller_port: int = 0, token: str | None = None, transports: str = "tcp,shm",
                  lease_seconds: float = 3.0, heartbeat_seconds: float = 0.5,
                  orphan_grace_seconds: float = 5.0, persistent: bool = False,
                  env: dict[str, str] | None = None, log_level: str = "INFO") -> None:
+        super().__init__()
         self.num_servers = servers
         self.capacity = parse_size(capacity)
         self._own_workdir = workdir is None
@@ -76,36 +103,41 @@ class LocalCluster:
         self.controller: subprocess.Popen | None = None
         self.servers: list[subprocess.Popen | None] = []
         self.address = ""
-        self.state = "new"
+        self._stop_timeout = STOP_TIMEOUT
 
     # -- lifecycle -----------------------------------------------------------------
-    def __enter__(self) -> "LocalCluster":
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+    @property
+    def state(self) -> str:
+        """The status as a string (kept for callers of the earlier attribute)."""
+        return self.status.value
 
     def start(self) -> "LocalCluster":
-        self.state = "starting"
+        """Start the controller and the memory servers; returns once all registered.
+        Raises ClusterError (after stopping what did start)."""
+        return super().start()
+
+    def ready_message(self) -> str:
+        return f"controller at {self.address}, {self.num_servers} memory servers"
+
+    def _start(self) -> None:
+        check_port_free(self.controller_port)
         self.workdir.mkdir(parents=True, exist_ok=True)
         if not self.secret_file.exists():
             self.secret_file.write_text(new_secret().hex())
             self.secret_file.chmod(0o600)
-        try:
-            self.start_controller()
-            self.servers = [None] * self.num_servers
-            for i in range(self.num_servers):
-                self.start_server(i, wait=False)
-            self.wait_servers(self.num_servers)
-        except BaseException:
-            self.stop()
-            raise
-        self.state = "running"
-        return self
+        self.start_controller()
+        self.servers = [None] * self.num_servers
+        for i in range(self.num_servers):
+            self.start_server(i, wait=False)
+        self.wait_servers(self.num_servers)
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self, reason: str = "stopped", timeout: float = STOP_TIMEOUT) -> None:
         """SIGTERM every daemon, SIGKILL those still alive after ``timeout`` seconds."""
-        self.state = "closing"
+        self._stop_timeout = timeout
+        super().stop(reason)
+
+    def _close(self, was: Status) -> None:
+        timeout = self._stop_timeout
         procs = [p for p in [*self.servers, self.controller] if p is not None and p.poll() is None]
         for p in procs:
             p.send_signal(signal.SIGTERM)
@@ -118,7 +150,6 @@ class LocalCluster:
                 p.wait()
         if self._own_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
-        self.state = "closed"
 
     # -- processes -----------------------------------------------------------------
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
@@ -135,10 +166,24 @@ class LocalCluster:
         try:
             return wait_for_json(path, START_TIMEOUT, proc)
         except ChildProcessError:
-            raise ClusterError(f"{what} exited with {proc.returncode}; see {self.log_path(what)}:\n"
-                               + self.log_tail(what)) from None
+            tail = self.log_tail(what)
+            bind = [line for line in tail.splitlines() if "cannot listen on" in line]
+            if bind:  # the port was taken after check_port_free
+                detail = bind[-1].partition("cannot listen on")[2].strip()
+                raise ClusterError(f"{what} cannot listen on {detail}; pick another port with "
+                                   "--port (0: any free port)") from None
+            raise ClusterError(f"{what} exited with {proc.returncode}; {self._log_hint(what)}:\n"
+                               + tail) from None
         except TimeoutError:
-            raise ClusterError(f"{what} not ready after {START_TIMEOUT} s; see {self.log_path(what)}") from None
+            raise ClusterError(f"{what} not ready after {START_TIMEOUT} s; {self._log_hint(what)}:\n"
+                               + self.log_tail(what)) from None
+
+    def _log_hint(self, name: str) -> str:
+        """Where the log is; a temporary work directory goes when the cluster stops, so
+        then only its tail (printed below) remains."""
+        if self._own_workdir:
+            return "the end of its log (removed with the temporary work directory)"
+        return f"see {self.log_path(name)}"
 
     def log_path(self, name: str) -> Path:
         return self.workdir / f"{name}.log"

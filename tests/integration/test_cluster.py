@@ -197,3 +197,37 @@ def test_orphan_extent_freed_after_grace(tmp_path):
             time.sleep(0.2)
         again = c.create_region("job/again", 64 * MiB, placement="single", num_servers=1)
         again.write(0, np.ones(MiB, np.uint8))
+
+
+def test_up_on_a_busy_port_says_so_in_one_line(tmp_path):
+    """`smb up` on a port in use: one line naming the port and what to do, no traceback,
+    and no pointer to a log that is already gone."""
+    import socket
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "smb_server.cli", "up", "--port", str(port), "--servers", "1",
+             "--capacity", "64M"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert f"port {port}" in lines[0] and "--port" in lines[0] and "in use" in lines[0]
+    assert ".log" not in lines[0]
+
+
+def test_cluster_start_failure_is_typed_and_closes_everything(tmp_path):
+    from smb_server.daemon import Status
+    from smb_server.local_cluster import ClusterError, LocalCluster
+    import socket
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        cluster = LocalCluster(servers=1, capacity="64M", controller_port=busy.getsockname()[1])
+        with pytest.raises(ClusterError, match="already in use") as info:
+            cluster.start()
+    assert isinstance(info.value, errors.SMBError)
+    assert cluster.status is Status.CLOSED
+    assert not cluster.workdir.exists()
