@@ -32,16 +32,13 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT)
 D = TypeVar("D", bound="Daemon")
 
 
-class Status(str, enum.Enum):
+class Status(enum.StrEnum):
     """Lifecycle of a daemon; compares equal to its string value."""
 
     STARTING = "starting"
     RUNNING = "running"
     CLOSING = "closing"
     CLOSED = "closed"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 class Daemon:

@@ -55,7 +55,7 @@ def check_port_free(port: int, host: str = LOOPBACK) -> None:
                                "port with --port (0: any free port)") from None
 
 
-def wait_for_json(path: Path, timeout: float, proc: subprocess.Popen | None = None,
+def wait_for_json(path: Path, timeout: float, proc: subprocess.Popen[bytes] | None = None,
                   poll: float = 0.05) -> Any:
     """Poll until ``path`` holds a whole JSON document and return it. Raises
     ChildProcessError when ``proc`` (the writer) exits first, TimeoutError after
@@ -100,8 +100,8 @@ class LocalCluster(Daemon):
         self.env = dict(os.environ, **(env or {}))
         self.log_level = log_level
         self.secret_file = self.workdir / "secret"
-        self.controller: subprocess.Popen | None = None
-        self.servers: list[subprocess.Popen | None] = []
+        self.controller: subprocess.Popen[bytes] | None = None
+        self.servers: list[subprocess.Popen[bytes] | None] = []
         self.address = ""
         self._stop_timeout = STOP_TIMEOUT
 
@@ -111,7 +111,7 @@ class LocalCluster(Daemon):
         """The status as a string (kept for callers of the earlier attribute)."""
         return self.status.value
 
-    def start(self) -> "LocalCluster":
+    def start(self) -> LocalCluster:
         """Start the controller and the memory servers; returns once all registered.
         Raises ClusterError (after stopping what did start)."""
         return super().start()
@@ -152,7 +152,7 @@ class LocalCluster(Daemon):
             shutil.rmtree(self.workdir, ignore_errors=True)
 
     # -- processes -----------------------------------------------------------------
-    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
         logf = open(self.workdir / f"{name}.log", "ab")
         cmd = [sys.executable, "-m", "smb_server.cli", "--log-level", self.log_level, *args]
         env = dict(self.env, SMB_TOKEN=self.token)
@@ -162,9 +162,10 @@ class LocalCluster(Daemon):
         finally:
             logf.close()
 
-    def _wait_file(self, path: Path, proc: subprocess.Popen, what: str) -> dict[str, Any]:
+    def _wait_file(self, path: Path, proc: subprocess.Popen[bytes], what: str) -> dict[str, Any]:
         try:
-            return wait_for_json(path, START_TIMEOUT, proc)
+            doc: dict[str, Any] = wait_for_json(path, START_TIMEOUT, proc)
+            return doc
         except ChildProcessError:
             tail = self.log_tail(what)
             bind = [line for line in tail.splitlines() if "cannot listen on" in line]
@@ -219,9 +220,10 @@ class LocalCluster(Daemon):
                 "--heartbeat", str(self.heartbeat_seconds)]
         if self.persistent:
             args += ["--data-dir", str(state / "data")]
-        self.servers[i] = self._spawn(name, args)
+        proc = self._spawn(name, args)
+        self.servers[i] = proc
         if wait:
-            self._wait_file(ready, self.servers[i], name)
+            self._wait_file(ready, proc, name)
 
     def wait_servers(self, count: int, timeout: float = START_TIMEOUT) -> None:
         """Wait until ``count`` memory servers are registered and up."""
@@ -255,7 +257,7 @@ class LocalCluster(Daemon):
         return p.pid
 
     def server_id(self, i: int) -> str:
-        return json.loads((self.workdir / f"server-{i}" / "ready").read_text())["server_id"]
+        return str(json.loads((self.workdir / f"server-{i}" / "ready").read_text())["server_id"])
 
     def client(self, **kwargs: Any) -> Client:
         return Client(self.address, self.token, **kwargs)

@@ -16,9 +16,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from concurrent import futures
 from dataclasses import dataclass
-from typing import Sequence
 
 from smb_client import errors
 

@@ -65,7 +65,7 @@ class Controller(Daemon):
             host = socket.getfqdn()
         return f"{host}:{self._port}"
 
-    def start(self) -> "Controller":
+    def start(self) -> Controller:
         """Open the database, serve gRPC, start the lease keeper, write the ready file."""
         super().start()
         log.info("controller serving at %s (database %s, lease %.1f s)", self.address,

@@ -8,7 +8,8 @@ the result into a reply; typed errors become gRPC status codes (``typed_errors``
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import grpc
 

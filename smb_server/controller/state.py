@@ -33,14 +33,13 @@ import sqlite3
 import threading
 import time
 import uuid
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Sequence
 
 from smb_client import placement as placement_mod
+from smb_client.errors import InvalidArgument, RegionExists, RegionNotFound, ServerNotFound
 from smb_client.names import check_region_name
-from smb_client.errors import (InvalidArgument, RegionExists, RegionNotFound,
-                               ServerNotFound)
 from smb_client.placement import Layout
 
 log = logging.getLogger(__name__)
@@ -259,7 +258,7 @@ class ControllerState:
                 self._closed = True
                 self._db.close()
 
-    def __enter__(self) -> "ControllerState":
+    def __enter__(self) -> ControllerState:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -461,7 +460,7 @@ class ControllerState:
                 (name, uid, layout.size, layout.kind, layout.stripe_unit,
                  json.dumps(list(layout.segment_sizes)), json.dumps(list(layout.segment_extents)),
                  int(bool(persistent)), now))
-            for idx, (length, sid) in enumerate(zip(layout.extent_lengths, server_ids)):
+            for idx, (length, sid) in enumerate(zip(layout.extent_lengths, server_ids, strict=True)):
                 extent_id = self._new_extent_id(db)
                 db.execute("INSERT INTO extents (extent_id, region_name, idx, server_id, length) "
                            "VALUES (?,?,?,?,?)", (extent_id, name, idx, sid, length))

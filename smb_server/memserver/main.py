@@ -27,10 +27,10 @@ import uuid
 from typing import Any
 
 from smb_client import errors, rpc, verbs
+from smb_client._proto.smb.v1 import controller_pb2, controller_pb2_grpc, memory_server_pb2_grpc
 from smb_client.addressing import format_hostport
 from smb_client.hostinfo import host_id
 from smb_client.retry import Backoff
-from smb_client._proto.smb.v1 import controller_pb2, controller_pb2_grpc, memory_server_pb2_grpc
 
 from .. import sdnotify
 from ..config import ServerConfig
@@ -99,7 +99,7 @@ class MemoryServer(Daemon):
         """The status as a string (kept for callers of the earlier attribute)."""
         return self.status.value
 
-    def start(self) -> "MemoryServer":
+    def start(self) -> MemoryServer:
         """Bring up arena, gRPC service and data planes; register in the background.
 
         Returns once the server serves data; use :meth:`wait_registered` to wait for the

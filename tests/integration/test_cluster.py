@@ -219,9 +219,10 @@ def test_up_on_a_busy_port_says_so_in_one_line(tmp_path):
 
 
 def test_cluster_start_failure_is_typed_and_closes_everything(tmp_path):
+    import socket
+
     from smb_server.daemon import Status
     from smb_server.local_cluster import ClusterError, LocalCluster
-    import socket
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()

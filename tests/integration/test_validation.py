@@ -6,7 +6,8 @@ tested, whatever the Python client checks before sending); one test goes through
 client to see the typed error."""
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import grpc
 import pytest
