@@ -40,6 +40,7 @@ from ..health import HEALTH_METHODS, Health
 from ..metrics import MetricsServer, Registry
 from ..rpc_metrics import RpcMetrics
 from .arena import Arena
+from .controller_link import ControllerLink
 from .rdma_plane import RdmaPlane
 from .service import TICKET_METHODS, MemoryServerServicer, rss_bytes
 from .shm_plane import ShmPlane
@@ -361,41 +362,11 @@ class MemoryServer(Daemon):
 
     def _control_loop(self) -> None:
         """Register (with backoff), then heartbeat; re-register when forgotten."""
-        backoff = Backoff(first=BACKOFF_FIRST, cap=BACKOFF_MAX, jitter=BACKOFF_JITTER)
-        need_register = True
-        failures = 0
+        link = ControllerLink(self.register, self.heartbeat, self._interval,
+                              Backoff(first=BACKOFF_FIRST, cap=BACKOFF_MAX, jitter=BACKOFF_JITTER),
+                              where=f"at {self.config.controller}")
         while not self._stop.is_set():
-            try:
-                if need_register:
-                    self.register()
-                    need_register = False
-                else:
-                    self.heartbeat()
-                if failures:
-                    log.info("controller at %s reachable again", self.config.controller)
-                failures = 0
-                backoff.reset()
-                wait = self._interval()
-            except errors.NotFound as exc:
-                if need_register:  # registration itself refused: do not spin
-                    failures += 1
-                    log.warning("controller refused the registration: %s", exc)
-                    wait = backoff.next_delay()
-                else:
-                    log.warning("controller does not know this server (%s); registering again", exc)
-                    need_register = True
-                    wait = 0.0
-            except errors.SMBError as exc:
-                failures += 1
-                level = logging.WARNING if failures in (1, 10) or failures % 100 == 0 else logging.DEBUG
-                log.log(level, "controller at %s: %s: %s (attempt %d; still serving data)",
-                        self.config.controller, type(exc).__name__, exc, failures)
-                wait = backoff.next_delay()
-            except Exception:
-                failures += 1
-                log.exception("heartbeat failed")
-                wait = backoff.next_delay()
-            self._stop.wait(wait)
+            self._stop.wait(link.step())
 
 
 def read_server_id(state_dir: str) -> str:

@@ -1,0 +1,70 @@
+"""The memory server's register/heartbeat sequencing, with scripted calls."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from smb_client import errors
+from smb_client.retry import Backoff
+from smb_server.memserver.controller_link import ControllerLink
+
+INTERVAL = 0.5
+
+
+class Script:
+    """Calls that answer from a list of outcomes (None: success) and record themselves."""
+
+    def __init__(self, outcomes: list[BaseException | None]) -> None:
+        self.outcomes = outcomes
+        self.calls: list[str] = []
+
+    def call(self, name: str) -> Callable[[], None]:
+        def run() -> None:
+            self.calls.append(name)
+            outcome = self.outcomes.pop(0)
+            if outcome is not None:
+                raise outcome
+        return run
+
+
+def link_for(script: Script) -> ControllerLink:
+    return ControllerLink(script.call("register"), script.call("heartbeat"), lambda: INTERVAL,
+                          Backoff(first=0.1, cap=0.4, factor=2.0))
+
+
+def test_registers_with_backoff_then_heartbeats() -> None:
+    down = errors.ControllerUnavailable("connection refused")
+    script = Script([down, down, down, down, None, None, None])
+    link = link_for(script)
+    waits = [link.step() for _ in range(7)]
+    assert waits == [0.1, 0.2, 0.4, 0.4, INTERVAL, INTERVAL, INTERVAL]   # capped, then reset
+    assert script.calls == ["register"] * 5 + ["heartbeat"] * 2
+
+
+def test_backoff_starts_over_after_a_success() -> None:
+    down = errors.ControllerUnavailable("restarting")
+    script = Script([None, down, down, None, down])
+    link = link_for(script)
+    assert [link.step() for _ in range(5)] == [INTERVAL, 0.1, 0.2, INTERVAL, 0.1]
+    assert script.calls == ["register"] + ["heartbeat"] * 4   # unreachable is not forgotten
+
+
+def test_forgotten_server_registers_again_at_once() -> None:
+    script = Script([None, errors.ServerNotFound("unknown server"), None, None])
+    link = link_for(script)
+    assert [link.step() for _ in range(4)] == [INTERVAL, 0.0, INTERVAL, INTERVAL]
+    assert script.calls == ["register", "heartbeat", "register", "heartbeat"]
+
+
+def test_refused_registration_backs_off_instead_of_spinning() -> None:
+    refused = errors.NotFound("no such server")
+    script = Script([refused, refused, None])
+    link = link_for(script)
+    assert [link.step() for _ in range(3)] == [0.1, 0.2, INTERVAL]
+    assert script.calls == ["register"] * 3
+
+
+def test_a_bug_in_a_call_backs_off_and_the_loop_goes_on() -> None:
+    script = Script([RuntimeError("bug"), None])
+    link = link_for(script)
+    assert [link.step() for _ in range(2)] == [0.1, INTERVAL]
+    assert link.failures == 0
