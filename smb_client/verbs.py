@@ -257,11 +257,6 @@ class Device:
         from pyverbs.mr import MR
         return MR(self.pd, length, access, address=address)
 
-    def alloc_mr(self, length: int, access: int) -> Any:
-        """Register ``length`` bytes the MR allocates and owns."""
-        from pyverbs.mr import MR
-        return MR(self.pd, length, access)
-
     def create_qp(self, cq: Any, max_send_wr: int, max_recv_wr: int, max_send_sge: int = 1) -> Any:
         """An RC queue pair (extended API, ``QPEx``) in RESET on ``cq`` for both queues,
         no implicit signalling."""
@@ -292,7 +287,7 @@ class Device:
         self.pd.close()
         self.ctx.close()
 
-    def __enter__(self) -> "Device":
+    def __enter__(self) -> Device:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -307,7 +302,7 @@ def connect_qp(device: Device, qp: Any, local_psn: int, remote: QPInfo, mtu: int
     on this QP (``IBV_ACCESS_*``); ``rd_atomic``: READs/atomics in flight both ways.
     """
     import pyverbs.enums as e
-    from pyverbs.addr import AHAttr, GID, GlobalRoute
+    from pyverbs.addr import GID, AHAttr, GlobalRoute
     from pyverbs.qp import QPAttr
 
     attr = QPAttr(qp_state=e.IBV_QPS_INIT, port_num=PORT_NUM)

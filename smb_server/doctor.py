@@ -3,7 +3,7 @@
 Checks, in order: pyverbs imports; RDMA devices exist; each port is ACTIVE; the GID
 table has a RoCEv2 IPv4-mapped GID; the active MTU; the locked-memory limit
 (``ulimit -l``, which bounds registered memory); and a loopback self-test on the
-device (two RC queue pairs, an RDMA WRITE then an RDMA READ of a small buffer,
+device (two RC endpoints of :mod:`smb_client.rdma_endpoint`, an RDMA WRITE then an RDMA READ of a small buffer,
 verified). Each failed check says what to fix. Exit status 0 when every check passes,
 1 otherwise.
 """
@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import argparse
 import logging
-import mmap
 import os
 import resource
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, TextIO
+from typing import Any, TextIO
 
 from smb_client import verbs
+from smb_client.rdma_endpoint import RcEndpoint
 
 log = logging.getLogger(__name__)
 
@@ -114,48 +114,31 @@ def check_device(report: Report, name: str) -> verbs.Device | None:
 
 
 def loopback_selftest(dev: verbs.Device) -> None:
-    """Two RC QPs on ``dev`` wired to each other: RDMA WRITE a pattern from A into B,
-    RDMA READ it back into A, compare. Raises RuntimeError with the reason."""
+    """Two RC endpoints on ``dev`` wired to each other: RDMA WRITE a pattern from A into
+    B, RDMA READ it back into A, compare. Raises RuntimeError with the reason."""
     import numpy as np
     import pyverbs.enums as e
-    from pyverbs.wr import SGE
 
     rw = (e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_READ | e.IBV_ACCESS_REMOTE_WRITE)
     n = SELFTEST_BYTES
-    made: list[Any] = []           # closed in reverse: QPs, MRs, then CQs
-    maps: list[mmap.mmap] = []
+    eps: list[RcEndpoint] = []
     try:
-        cqs = [dev.create_cq(16) for _ in range(2)]
-        made += cqs
-        qps = [dev.create_qp(cq, 8, 1) for cq in cqs]
-        bufs, mrs = [], []
         for _ in range(2):
-            mm = mmap.mmap(-1, 2 * n)
-            maps.append(mm)
-            arr = np.frombuffer(mm, np.uint8)
-            bufs.append(arr)
-            mrs.append(dev.create_mr(int(arr.ctypes.data), 2 * n, rw))
-        made += mrs + qps
-        psns = [verbs.random_psn() for _ in qps]
-        infos = [dev.local_info(qp, psn) for qp, psn in zip(qps, psns)]
-        for i in (0, 1):
-            verbs.connect_qp(dev, qps[i], psns[i], infos[1 - i], dev.info.active_mtu, rw, 1)
-        pattern = np.random.default_rng().integers(0, 256, n, dtype=np.uint8)
-        bufs[0][:n] = pattern
-        a, b = (int(x.ctypes.data) for x in bufs)
+            eps.append(RcEndpoint(dev, 2 * n, sq_depth=8, recv_slots=0, slot_bytes=n, cq_depth=16,
+                                  access=rw))
+        a, b = eps
+        a.connect(b.local_info(), dev.info.active_mtu, rw, 1)
+        b.connect(a.local_info(), dev.info.active_mtu, rw, 1)
+        pattern = np.random.default_rng().integers(0, 256, n, dtype=np.uint8).tobytes()
+        a.view[:n] = pattern
 
-        def run(op: Callable[[Any], None], laddr: int) -> None:
-            qp = qps[0]
-            qp.wr_start()
-            qp.wr_id = 1
-            qp.wr_flags = e.IBV_SEND_SIGNALED
-            op(qp)
-            qp.wr_set_sge(SGE(laddr, n, mrs[0].lkey))
-            qp.wr_complete()
+        def run(op: str, laddr: int) -> None:
+            assert b.buffer is not None
+            a.post(1, True, op, laddr, n, rkey=b.buffer.rkey, raddr=b.base)
             deadline = time.monotonic() + SELFTEST_TIMEOUT
             while True:
-                got, wcs = cqs[0].poll(1)
-                if got:
+                wcs = a.poll(1)
+                if wcs:
                     if wcs[0].status != e.IBV_WC_SUCCESS:
                         raise RuntimeError(f"completion {verbs.wc_status_name(wcs[0].status)}")
                     return
@@ -163,24 +146,18 @@ def loopback_selftest(dev: verbs.Device) -> None:
                     raise RuntimeError(f"no completion within {SELFTEST_TIMEOUT} s")
                 time.sleep(0.001)
 
-        run(lambda qp: qp.wr_rdma_write(mrs[1].rkey, b), a)
-        if not np.array_equal(bufs[1][:n], pattern):
+        run("write", a.base)
+        if bytes(b.view[:n]) != pattern:
             raise RuntimeError("RDMA WRITE completed but the target bytes differ")
-        run(lambda qp: qp.wr_rdma_read(mrs[1].rkey, b), a + n)
-        if not np.array_equal(bufs[0][n:], pattern):
+        run("read", a.base + n)
+        if bytes(a.view[n:2 * n]) != pattern:
             raise RuntimeError("RDMA READ completed but the bytes read back differ")
-        del bufs
     finally:
-        for obj in reversed(made):
+        for ep in reversed(eps):
             try:
-                obj.close()
+                ep.close()
             except Exception as exc:
                 log.debug("close failed: %s", exc)
-        for mm in maps:
-            try:
-                mm.close()
-            except BufferError:
-                pass
 
 
 def run_doctor(args: argparse.Namespace, out: TextIO | None = None) -> int:

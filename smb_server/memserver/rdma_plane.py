@@ -7,67 +7,54 @@ queue pairs of every connection that may reach it are moved to ERROR and both
 registrations are deregistered *before* the arena punches out and unmaps its pages, so
 old rkeys stop working and can never reach memory handed to someone else later.
 
-Connections: :meth:`RdmaPlane.connect` serves the ``Connect`` gRPC call. It takes a
-verified ticket and the client's :class:`~smb_client.verbs.QPInfo`, creates a queue
-pair (remote rights: READ only for ``ro`` tickets), a staging area of
-:data:`STAGING_BYTES` for ``rw`` tickets and :data:`RECV_DEPTH` message slots, and
-answers with its own QPN/PSN/GID, the negotiated MTU and, for each extent of the
-ticket's region held here, the address and the rkey of the registration matching the
-ticket's mode.
+Connections (:class:`~.rdma_connection.ServerConnection`): :meth:`RdmaPlane.connect`
+serves the ``Connect`` gRPC call, which presents one verified ticket for the client's
+queue pair named by its :class:`~smb_client.verbs.QPInfo`. The first ``Connect`` of a
+queue pair (QPN, PSN, GID) creates the server's side; a later one adds its ticket to
+that connection. The answer holds the server QP's QPN/PSN/GID, the negotiated MTU and,
+for each extent of the ticket's region held here, the address and the rkey of the
+registration matching the ticket's mode, plus the staging area for a writing ticket.
+A ``Connect`` naming a queue pair this plane already dropped is refused
+(``ServerUnavailable``): the client must connect a new one.
 
 One-sided READ/WRITE and atomics never involve this process's CPU. Server-side
-arithmetic is two-sided (:mod:`smb_client.rdma_wire`): the client writes the operand
-into staging and SENDs a request; the progress thread computes with
-:mod:`.kernels` under the extent's lock and SENDs the reply.
+arithmetic is two-sided (:mod:`smb_client.rdma_wire`): the progress thread checks each
+request against the ticket presented for its extent and computes with :mod:`.kernels`
+under the extent's lock.
 
 Threads: one progress thread polls every connection's completion queue with back-off
 (pyverbs calls keep the GIL, so nothing blocks in verbs) and alone destroys
-connections; other threads only mark them doomed (and move their QP to ERROR).
-Connections end on the client's BYE, on an error completion, when their ticket
-expires, or when an extent they reach is released. In the last two cases the server
-first SENDs an unsolicited *notice* (a reply with ``req_id`` 0 and the error's status)
-so the client fails at once with a typed error instead of waiting for transport
-retries (rxe does not always report them when the peer QP is gone).
+connections; other threads only mark them doomed. Connections end on the client's BYE,
+on an error completion, when the ticket in force for one of their extents expires,
+or when an extent they reach is released. In the last two cases the server first SENDs
+an unsolicited *notice* (a reply with ``req_id`` 0 and the error's status) so the
+client fails at once with a typed error instead of waiting for transport retries.
 """
 from __future__ import annotations
 
+import collections
 import logging
-import mmap
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
+from smb_client import verbs
+from smb_client.errors import ExtentNotFound, InvalidArgument, OutOfMemory, ServerUnavailable, TicketExpired
+from smb_client.tickets import Ticket, TicketMode
 
-from smb_client import rdma_wire, verbs
-from smb_client.dtypes import FLOATING, STORAGE
-from smb_client.errors import (
-    DtypeError, ExtentNotFound, InvalidArgument, Misaligned, OutOfMemory, OutOfRange, ReadOnly, SMBError,
-    Status, TicketExpired, error_status,
-)
-from smb_client.rdma_wire import MSG_BYTES, MsgOp
-from smb_client.tickets import Ticket
-
-from . import kernels
 from .arena import Arena, Extent
-from .tcp_plane import PlaneStats, check_access
+from .rdma_connection import ServerConnection
+from .stats import PlaneStats
 
 log = logging.getLogger(__name__)
 
-STAGING_BYTES = 4 << 20   # bytes of operand staging per rw connection
-RECV_DEPTH = 16           # request slots (posted receives) per connection
-SEND_DEPTH = 2 * RECV_DEPTH
-CQ_DEPTH = 4 * RECV_DEPTH
-POLL_BATCH = 16           # completions taken per poll
+STAGING_BYTES = 4 << 20   # bytes of operand staging per connection with a writing ticket
 SPIN_POLLS = 64           # empty polls before the progress thread starts to nap
 NAP_FIRST = 20e-6         # seconds, first nap when idle
 NAP_MAX = 2e-3            # seconds, longest nap when idle
 REAP_INTERVAL = 1.0       # seconds between checks for expired tickets
-NOTICE_GRACE = 0.2        # seconds a doomed connection waits for its notice to go out
-NOTICE_SLOT = 2 * RECV_DEPTH  # message slot of the server's unsolicited notice
-RECV_WR_BASE = 0          # wr_id of receive slot i: i
-SEND_WR_BASE = 1 << 20    # wr_id of reply slot i: SEND_WR_BASE + i
+DROPPED_MEMORY = 4096     # queue pairs remembered as dropped (a late Connect for one is refused)
 
 
 def access_flags() -> tuple[int, int, int]:
@@ -76,14 +63,6 @@ def access_flags() -> tuple[int, int, int]:
     rw = (e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_READ | e.IBV_ACCESS_REMOTE_WRITE
           | e.IBV_ACCESS_REMOTE_ATOMIC)
     return rw, e.IBV_ACCESS_REMOTE_READ, e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE
-
-
-def _op_name(op: int) -> str:
-    """The metrics label of a two-sided request (``accumulate``, ``axpy``, ``scale``)."""
-    try:
-        return MsgOp(op).name.lower()
-    except ValueError:
-        return "unknown"
 
 
 @dataclass
@@ -101,202 +80,6 @@ class _Registration:
                 mr.close()
             except Exception as exc:
                 log.warning("extent %d: deregistration failed: %s", self.extent.extent_id, exc)
-
-
-class _Buffer:
-    """Anonymous, page-aligned memory registered with the device (owned; MR closed first)."""
-
-    def __init__(self, device: verbs.Device, length: int, access: int) -> None:
-        self.mm = mmap.mmap(-1, length)
-        self.view = memoryview(self.mm)
-        self.address = int(np.frombuffer(self.mm, np.uint8, count=1).ctypes.data)
-        self.length = length
-        self.mr = device.create_mr(self.address, length, access)
-
-    def close(self) -> None:
-        self.mr.close()
-        self.view.release()
-        self.mm.close()
-
-
-class _Connection:
-    """One client queue pair, its message slots and (rw) staging area."""
-
-    def __init__(self, plane: "RdmaPlane", ticket: Ticket, peer: verbs.QPInfo, peer_name: str) -> None:
-        from pyverbs.wr import RecvWR, SGE
-        import pyverbs.enums as e
-        self.plane = plane
-        self.ticket = ticket
-        self.writable = ticket.mode in ("rw", "admin")
-        self.peer = peer_name
-        self.extent_ids: set[int] = set()
-        self.doomed = ""
-        self.notice: tuple[int, str] | None = None   # (status, message) to tell the client
-        self.notice_deadline = 0.0                   # monotonic seconds; 0: not sent yet
-        self.notice_done = False
-        dev = plane.device
-        self.cq = dev.create_cq(CQ_DEPTH)
-        self.qp: Any = None
-        self.msgs: _Buffer | None = None
-        self.staging: _Buffer | None = None
-        try:
-            self.qp = dev.create_qp(self.cq, SEND_DEPTH, RECV_DEPTH)
-            self.msgs = _Buffer(dev, (NOTICE_SLOT + 1) * MSG_BYTES, e.IBV_ACCESS_LOCAL_WRITE)
-            if self.writable:
-                self.staging = _Buffer(dev, plane.staging_bytes, plane.staging_access)
-            self.psn = verbs.random_psn()
-            self.mtu = verbs.negotiate_mtu(peer.mtu, dev.info.active_mtu)
-            remote = (e.IBV_ACCESS_REMOTE_READ | e.IBV_ACCESS_REMOTE_WRITE | e.IBV_ACCESS_REMOTE_ATOMIC
-                      if self.writable else e.IBV_ACCESS_REMOTE_READ)
-            verbs.connect_qp(dev, self.qp, self.psn, peer, self.mtu, remote, dev.rd_atomic())
-            # receive slots, posted once and re-posted as they are consumed (objects reused)
-            lkey = self.msgs.mr.lkey
-            self._recv_wrs = [RecvWR(wr_id=RECV_WR_BASE + i, num_sge=1,
-                                     sg=[SGE(self.msgs.address + i * MSG_BYTES, MSG_BYTES, lkey)])
-                              for i in range(RECV_DEPTH)]
-            for wr in self._recv_wrs:
-                self.qp.post_recv(wr)
-            self._sge = SGE(self.msgs.address, MSG_BYTES, lkey)
-        except BaseException:
-            self.close()
-            raise
-        self.info = dev.local_info(self.qp, self.psn)
-        self.expires_at = ticket.expires_at
-
-    # -- messages -----------------------------------------------------------------------
-    def _reply(self, slot: int, req_id: int, status: int, message: str = "", notice: bool = False) -> None:
-        import pyverbs.enums as e
-        assert self.msgs is not None
-        off = (NOTICE_SLOT if notice else RECV_DEPTH + slot) * MSG_BYTES
-        n = rdma_wire.pack_reply(self.msgs.view[off:off + MSG_BYTES], req_id, status, message)
-        self._sge.addr = self.msgs.address + off
-        self._sge.length = n
-        qp = self.qp
-        qp.wr_start()
-        qp.wr_id = SEND_WR_BASE + (NOTICE_SLOT if notice else slot)
-        qp.wr_flags = e.IBV_SEND_SIGNALED
-        qp.wr_send()
-        qp.wr_set_sge(self._sge)
-        qp.wr_complete()
-
-    def progress(self) -> int:
-        """Poll once and serve what arrived; returns the number of completions."""
-        import pyverbs.enums as e
-        n, wcs = self.cq.poll(POLL_BATCH)
-        for wc in wcs:
-            if wc.status != e.IBV_WC_SUCCESS:
-                if not self.doomed:
-                    self.doomed = f"completion error {verbs.wc_status_name(wc.status)}"
-                self.notice_done = True
-                continue
-            if wc.wr_id == SEND_WR_BASE + NOTICE_SLOT:
-                self.notice_done = True
-            if wc.wr_id >= SEND_WR_BASE or self.doomed:
-                continue
-            slot = wc.wr_id - RECV_WR_BASE
-            self._serve(slot, wc.byte_len)
-        return n
-
-    def _serve(self, slot: int, nbytes: int) -> None:
-        assert self.msgs is not None
-        view = self.msgs.view[slot * MSG_BYTES:(slot + 1) * MSG_BYTES]
-        try:
-            op, dtype, req_id, extent_id, offset, length, staging, alpha = rdma_wire.unpack_request(view)
-        except (ValueError, Exception) as exc:
-            self.doomed = f"malformed message ({nbytes} bytes): {exc}"
-            return
-        if op == MsgOp.BYE:
-            self.doomed = "closed by the client"
-            return
-        self.qp.post_recv(self._recv_wrs[slot])   # the slot's content is parsed: reuse it
-        status, message = Status.OK, ""
-        start = time.perf_counter()
-        try:
-            self._compute(op, dtype, extent_id, offset, length, staging, alpha)
-            self.plane.stats.add(operations=1, bytes_accumulated=length if op != MsgOp.SCALE else 0)
-        except SMBError as exc:
-            status, message = error_status(exc), str(exc)
-            self.plane.stats.add(operations=1, errors=1)
-            log.debug("rdma %s: %s on extent %d failed: %s", self.peer, op, extent_id, exc)
-        except Exception as exc:
-            status, message = Status.INTERNAL, f"{type(exc).__name__}: {exc}"
-            self.plane.stats.add(operations=1, errors=1)
-            log.exception("rdma %s: %s on extent %d failed", self.peer, op, extent_id)
-        self._reply(slot, req_id, status, message)
-        self.plane.stats.observe(_op_name(op), time.perf_counter() - start)
-
-    def _compute(self, op: int, dtype: int, extent_id: int, offset: int, length: int,
-                 staging: int, alpha: float) -> None:
-        if op not in (MsgOp.ACCUMULATE, MsgOp.AXPY, MsgOp.SCALE):
-            raise InvalidArgument(f"unknown rdma request {op}")
-        if not self.writable:
-            raise ReadOnly(f"extent {extent_id}: write through a read-only ticket")
-        if self.expires_at < time.time():
-            raise TicketExpired("ticket expired; open the region again for a fresh one")
-        extent = check_access(self.ticket, self.plane.arena, extent_id, write=True)
-        extent.check_range(offset, length)
-        dt = kernels.element_type(dtype)
-        if op != MsgOp.ACCUMULATE and dt not in FLOATING:
-            raise DtypeError(f"{MsgOp(op).name.lower()} needs a floating element type, not {dt.name.lower()}")
-        size = STORAGE[dt].itemsize
-        if offset % size or length % size:
-            raise Misaligned(f"offset {offset} and length {length} must be multiples of the "
-                             f"{dt.name.lower()} element size ({size} bytes)")
-        if op == MsgOp.SCALE:
-            src = None
-        else:
-            assert self.staging is not None
-            if staging < 0 or staging + length > self.staging.length:
-                raise OutOfRange(f"staging range [{staging}, {staging + length}) outside the "
-                                 f"{self.staging.length}-byte staging area")
-            src = self.staging.view[staging:staging + length]
-        with extent.pin(), extent.lock, extent.data[offset:offset + length] as dst:
-            if op == MsgOp.ACCUMULATE:
-                kernels.accumulate(dst, src, dt)
-            elif op == MsgOp.AXPY:
-                kernels.axpy(dst, alpha, src, dt)
-            else:
-                kernels.scale(dst, alpha, dt)
-        if not extent.live:
-            raise ExtentNotFound(f"extent {extent_id} was released during the operation")
-
-    def doom(self, reason: str, notice: SMBError | None = None) -> None:
-        """Stop serving (any thread); the progress thread tells the client ``notice``
-        (when given, and the QP still works) and closes the connection."""
-        if notice is not None and self.notice is None:
-            self.notice = (int(error_status(notice)), str(notice))
-        if not self.doomed:
-            self.doomed = reason
-
-    def finish(self) -> bool:
-        """Progress-thread side of :meth:`doom`: send the notice and wait for it (at most
-        :data:`NOTICE_GRACE`); True once the connection may be closed."""
-        if self.notice is None or self.qp is None:
-            return True
-        if not self.notice_deadline:
-            self.notice_deadline = time.monotonic() + NOTICE_GRACE
-            try:
-                self._reply(0, 0, *self.notice, notice=True)
-            except Exception as exc:
-                log.debug("rdma %s: notice not sent: %s", self.peer, exc)
-                return True
-        if not self.notice_done:
-            try:
-                self.progress()      # doomed: requests are ignored, the notice's completion counts
-            except Exception:
-                return True
-        return self.notice_done or time.monotonic() > self.notice_deadline
-
-    def close(self) -> None:
-        """Destroy QP and registrations, then the CQ (progress thread or constructor)."""
-        if self.qp is not None:
-            self.qp.close()
-            self.qp = None
-        for buf in (self.staging, self.msgs):
-            if buf is not None:
-                buf.close()
-        self.staging = self.msgs = None
-        self.cq.close()
 
 
 class RdmaPlane:
@@ -318,7 +101,9 @@ class RdmaPlane:
         self.closing = False
         self._lock = threading.Lock()
         self._regs: dict[int, _Registration] = {}
-        self._conns: list[_Connection] = []
+        self._conns: list[ServerConnection] = []
+        self._by_peer: dict[tuple[bytes, int, int], ServerConnection] = {}
+        self._dropped: collections.OrderedDict[tuple[bytes, int, int], None] = collections.OrderedDict()
         try:
             arena.add_listener(self)
         except BaseException:
@@ -366,47 +151,67 @@ class RdmaPlane:
 
     # -- Connect ------------------------------------------------------------------------
     def connect(self, ticket: Ticket, peer: verbs.QPInfo, peer_name: str = "") -> dict[str, Any]:
-        """Set up a queue pair for ``ticket`` towards ``peer``; returns the fields of a
-        ``ConnectResponse`` (``extents`` as (extent_id, address, rkey, length) tuples).
+        """Present ``ticket`` for the client queue pair ``peer``: set up the server's side
+        on the first call for that queue pair, add the ticket on later ones. Returns the
+        fields of a ``ConnectResponse`` (``extents`` as (extent_id, address, rkey, length)
+        tuples; staging only for a writing ticket).
 
-        Raises ExtentNotFound when no extent of the ticket's region is held here.
+        Raises ExtentNotFound when no extent of the ticket's region is held here,
+        ServerUnavailable when the queue pair was already dropped.
         """
         if self.closing:
             raise ExtentNotFound("the rdma plane is closing")
         if len(peer.gid) != 16:
             raise InvalidArgument(f"Connect: a GID is 16 bytes, got {len(peer.gid)}")
-        if ticket.mode not in ("ro", "rw"):
-            raise InvalidArgument(f"Connect needs an ro or rw ticket, not {ticket.mode!r}")
+        mode = TicketMode(ticket.mode)
+        if mode not in (TicketMode.RO, TicketMode.RW):
+            raise InvalidArgument(f"Connect needs an ro or rw ticket, not {mode.value!r}")
+        key = (bytes(peer.gid), peer.qpn, peer.psn)
         with self._lock:
             regs = [self._regs[e] for e in sorted(ticket.extent_ids)
                     if e in self._regs and self._regs[e].extent.region_uid == ticket.region_uid
                     and self._regs[e].extent.live]
+            conn = self._by_peer.get(key)
+            dropped = key in self._dropped or (conn is not None and bool(conn.doomed))
+        if dropped:
+            raise ServerUnavailable(f"queue pair {peer.qpn} was closed by the server; connect a new one")
         if not regs:
             raise ExtentNotFound(f"no extent of region {ticket.region_uid!r} on this server "
                                  "(the region was deleted?)")
-        conn = _Connection(self, ticket, peer, peer_name)
-        conn.extent_ids = {r.extent.extent_id for r in regs}
-        with self._lock:
-            if self.closing:
+        new = conn is None
+        if conn is None:
+            conn = ServerConnection(self, peer, peer_name)
+        try:
+            staging = conn.ensure_staging() if mode.writes else None
+        except Exception as exc:
+            if new:
                 conn.close()
-                raise ExtentNotFound("the rdma plane is closing")
+            raise OutOfMemory(f"cannot register a staging area: {exc} (check `ulimit -l`)") from None
+        ids = frozenset(r.extent.extent_id for r in regs)
+        with self._lock:
+            if self.closing or (not new and conn not in self._conns):
+                if new:
+                    conn.close()
+                raise ServerUnavailable(f"queue pair {peer.qpn}: the connection is closing")
             # a release between the lookup and now must cut this connection too
             gone = [r for r in regs if self._regs.get(r.extent.extent_id) is not r]
-            self._conns.append(conn)
+            conn.add_ticket(ticket, ids)
+            if new:
+                self._conns.append(conn)
+                self._by_peer[key] = conn
         if gone:
             conn.doom("extent released during Connect")
             raise ExtentNotFound(f"extent {gone[0].extent.extent_id} was released during Connect")
-        self.stats.add(sessions=1)
-        writable = ticket.mode == "rw"
-        extents = [(r.extent.extent_id, r.address, (r.rw if writable else r.ro).rkey, r.extent.length)
+        if new:
+            self.stats.add(sessions=1)
+        extents = [(r.extent.extent_id, r.address, (r.rw if mode.writes else r.ro).rkey, r.extent.length)
                    for r in regs]
-        log.debug("rdma connect %s: qpn %d <-> %d, %s, mtu %d, %d extents", peer_name, conn.info.qpn,
-                  peer.qpn, ticket.mode, conn.mtu, len(extents))
-        staging = conn.staging
+        log.debug("rdma connect %s: qpn %d <-> %d, %s ticket (%s), mtu %d, %d extents", peer_name,
+                  conn.info.qpn, peer.qpn, mode.value, "new" if new else "added", conn.mtu, len(extents))
         return {"qpn": conn.info.qpn, "psn": conn.psn, "gid": conn.info.gid, "mtu": conn.mtu, "lid": 0,
                 "extents": extents,
                 "staging_address": staging.address if staging else 0,
-                "staging_rkey": staging.mr.rkey if staging else 0,
+                "staging_rkey": staging.rkey if staging else 0,
                 "staging_length": staging.length if staging else 0}
 
     @property
@@ -437,7 +242,7 @@ class RdmaPlane:
                 next_reap = now + REAP_INTERVAL
                 wall = time.time()
                 for conn in conns:
-                    if conn.expires_at < wall and not conn.doomed:
+                    if not conn.doomed and conn.expired(wall):
                         conn.doom("ticket expired", TicketExpired("ticket expired; open the region again"))
             if busy:
                 idle, nap = 0, NAP_FIRST
@@ -449,11 +254,16 @@ class RdmaPlane:
                 elif idle % 8 == 0:
                     time.sleep(0)
 
-    def _drop(self, conn: _Connection) -> None:
+    def _drop(self, conn: ServerConnection) -> None:
         with self._lock:
             if conn not in self._conns:
                 return
             self._conns.remove(conn)
+            if self._by_peer.get(conn.peer_key) is conn:
+                del self._by_peer[conn.peer_key]
+            self._dropped[conn.peer_key] = None
+            while len(self._dropped) > DROPPED_MEMORY:
+                self._dropped.popitem(last=False)
         log.debug("rdma %s: connection closed: %s", conn.peer, conn.doomed)
         try:
             conn.close()
@@ -465,11 +275,11 @@ class RdmaPlane:
     def _release_all(self) -> None:
         with self._lock:
             conns, self._conns = self._conns, []
+            self._by_peer = {}
             regs, self._regs = list(self._regs.values()), {}
         for conn in conns:          # children first: QPs and their buffers, CQs ...
             conn.doom("server closing")
-            if conn.qp is not None:
-                verbs.set_error(conn.qp)
+            conn.ep.set_error()
             conn.close()
             self.stats.add(sessions=-1)
         for reg in regs:            # ... extent registrations ...
@@ -487,7 +297,7 @@ class RdmaPlane:
         self._release_all()
         log.info("rdma data plane on %s closed", self.device.name)
 
-    def __enter__(self) -> "RdmaPlane":
+    def __enter__(self) -> RdmaPlane:
         return self
 
     def __exit__(self, *exc: object) -> None:

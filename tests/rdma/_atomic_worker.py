@@ -11,8 +11,8 @@ def adder(uri: str, token: str, extent: int, n: int, q: Any) -> None:
     try:
         from smb_client.addressing import parse_endpoint
         from smb_client.transports.rdma import RdmaSession
-        s = RdmaSession(parse_endpoint(uri), token, "rw", {})
-        olds = [s.fetch_add(extent, 8, 1) for _ in range(n)]
+        s = RdmaSession(parse_endpoint(uri), {})
+        olds = [s.fetch_add(token, extent, 8, 1) for _ in range(n)]
         s.close()
     except BaseException:
         q.put(("error", traceback.format_exc()))

@@ -13,10 +13,16 @@ import pytest
 from smb_client import errors
 from smb_server.local_cluster import LocalCluster
 from tests.integration.test_dataplane import (  # noqa: F401  (collected here with transport=rdma)
-    test_accumulate_bfloat16, test_accumulate_every_dtype, test_async_and_batched_forms, test_atomics,
+    test_accumulate_bfloat16,
+    test_accumulate_every_dtype,
+    test_async_and_batched_forms,
+    test_atomics,
     test_fetch_add_many,
-    test_open_by_name_sees_same_memory, test_scale_and_axpy, test_torch_tensors_zero_copy,
-    test_transport_is_the_one_asked_for, test_write_read_roundtrip,
+    test_open_by_name_sees_same_memory,
+    test_scale_and_axpy,
+    test_torch_tensors_zero_copy,
+    test_transport_is_the_one_asked_for,
+    test_write_read_roundtrip,
 )
 
 pytestmark = pytest.mark.rdma

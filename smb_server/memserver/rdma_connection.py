@@ -1,0 +1,238 @@
+"""One client queue pair on a memory server: its endpoint, the tickets presented on it,
+its staging area, and the two-sided requests it serves (see :mod:`.rdma_plane`)."""
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from smb_client import rdma_wire, verbs
+from smb_client.dtypes import FLOATING, STORAGE
+from smb_client.errors import (
+    DtypeError,
+    ExtentNotFound,
+    InvalidArgument,
+    Misaligned,
+    OutOfRange,
+    ReadOnly,
+    SMBError,
+    Status,
+    error_status,
+)
+from smb_client.rdma_endpoint import RcEndpoint, RegisteredBuffer
+from smb_client.rdma_wire import MSG_BYTES, MsgOp
+from smb_client.tickets import Ticket
+
+from . import kernels
+from .access import TicketBook
+
+if TYPE_CHECKING:
+    from .rdma_plane import RdmaPlane
+
+log = logging.getLogger(__name__)
+
+RECV_DEPTH = 16           # request slots (posted receives) per connection
+SEND_DEPTH = 2 * RECV_DEPTH
+CQ_DEPTH = 4 * RECV_DEPTH
+POLL_BATCH = 16           # completions taken per poll
+NOTICE_GRACE = 0.2        # seconds a doomed connection waits for its notice to go out
+NOTICE_SLOT = 2 * RECV_DEPTH  # message slot of the server's unsolicited notice
+RECV_WR_BASE = 0          # wr_id of receive slot i: i
+SEND_WR_BASE = 1 << 20    # wr_id of reply slot i: SEND_WR_BASE + i
+
+
+def _op_name(op: int) -> str:
+    """The metrics label of a two-sided request (``accumulate``, ``axpy``, ``scale``)."""
+    try:
+        return MsgOp(op).name.lower()
+    except ValueError:
+        return "unknown"
+
+
+class ServerConnection:
+    """One client queue pair: message slots, (once a writing ticket is presented) a
+    staging area, and the tickets presented on it.
+
+    The queue pair grants the peer REMOTE_READ | REMOTE_WRITE | REMOTE_ATOMIC; what the
+    peer may reach is decided by the rkeys it was given (a read-only ticket gets the
+    read-only registrations). Two-sided requests are checked against the ticket
+    presented for their extent (:class:`~.access.TicketBook`). Owns its endpoint and
+    staging area; only the plane's progress thread (or the plane's close) closes it.
+    """
+
+    def __init__(self, plane: RdmaPlane, peer: verbs.QPInfo, peer_name: str) -> None:
+        import pyverbs.enums as e
+        self.plane = plane
+        self.peer = peer_name
+        self.peer_key = (bytes(peer.gid), peer.qpn, peer.psn)
+        self.book = TicketBook()
+        self.tickets: tuple[Ticket, ...] = ()       # in the order presented (copy on write)
+        self.extent_ids: frozenset[int] = frozenset()
+        self.staging: RegisteredBuffer | None = None
+        self.doomed = ""
+        self.notice: tuple[int, str] | None = None   # (status, message) to tell the client
+        self.notice_deadline = 0.0                   # monotonic seconds; 0: not sent yet
+        self.notice_done = False
+        dev = plane.device
+        self.ep = RcEndpoint(dev, (NOTICE_SLOT + 1) * MSG_BYTES, sq_depth=SEND_DEPTH, recv_slots=RECV_DEPTH,
+                             slot_bytes=MSG_BYTES, recv_wr_base=RECV_WR_BASE, cq_depth=CQ_DEPTH)
+        try:
+            self.mtu = verbs.negotiate_mtu(peer.mtu, dev.info.active_mtu)
+            remote = e.IBV_ACCESS_REMOTE_READ | e.IBV_ACCESS_REMOTE_WRITE | e.IBV_ACCESS_REMOTE_ATOMIC
+            self.ep.connect(peer, self.mtu, remote, dev.rd_atomic())
+        except BaseException:
+            self.ep.close()
+            raise
+        self.psn = self.ep.psn
+        self.info = self.ep.local_info()
+
+    # -- tickets --------------------------------------------------------------------------
+    def ensure_staging(self) -> RegisteredBuffer:
+        """The staging area for arithmetic operands (made when first needed)."""
+        if self.staging is None:
+            self.staging = RegisteredBuffer(self.plane.device, self.plane.staging_bytes,
+                                            self.plane.staging_access)
+        return self.staging
+
+    def add_ticket(self, ticket: Ticket, extent_ids: frozenset[int]) -> None:
+        """Present ``ticket`` on this connection (the plane's lock held): its extents
+        here are ``extent_ids``."""
+        self.book.add(ticket)
+        tickets = self.tickets + (ticket,)
+        in_force = set(self._current(tickets).values())
+        self.tickets = tuple(t for t in tickets if t in in_force)   # superseded ones go
+        self.extent_ids = self.extent_ids | extent_ids
+
+    def _current(self, tickets: tuple[Ticket, ...] | None = None) -> dict[int, Ticket]:
+        """The ticket in force for each extent (the last one presented naming it)."""
+        out: dict[int, Ticket] = {}
+        for t in self.tickets if tickets is None else tickets:
+            for extent_id in t.extent_ids:
+                out[extent_id] = t
+        return out
+
+    def expired(self, now: float) -> bool:
+        """True when the ticket in force for some extent expired (a renewed ticket,
+        presented in time, supersedes the old one)."""
+        return any(t.expires_at < now for t in set(self._current().values()))
+
+    # -- messages -----------------------------------------------------------------------
+    def _reply(self, slot: int, req_id: int, status: int, message: str = "", notice: bool = False) -> None:
+        index = NOTICE_SLOT if notice else RECV_DEPTH + slot
+        n = rdma_wire.pack_reply(self.ep.slot(index), req_id, status, message)
+        self.ep.post(SEND_WR_BASE + (NOTICE_SLOT if notice else slot), True, "send",
+                     self.ep.base + index * MSG_BYTES, n)
+
+    def progress(self) -> int:
+        """Poll once and serve what arrived; returns the number of completions."""
+        import pyverbs.enums as e
+        wcs = self.ep.poll(POLL_BATCH)
+        for wc in wcs:
+            if wc.status != e.IBV_WC_SUCCESS:
+                if not self.doomed:
+                    self.doomed = f"completion error {verbs.wc_status_name(wc.status)}"
+                self.notice_done = True
+                continue
+            if wc.wr_id == SEND_WR_BASE + NOTICE_SLOT:
+                self.notice_done = True
+            if wc.wr_id >= SEND_WR_BASE or self.doomed:
+                continue
+            self._serve(wc.wr_id - RECV_WR_BASE, wc.byte_len)
+        return len(wcs)
+
+    def _serve(self, slot: int, nbytes: int) -> None:
+        try:
+            op, dtype, req_id, extent_id, offset, length, staging, alpha = rdma_wire.unpack_request(
+                self.ep.slot(slot))
+        except Exception as exc:
+            self.doomed = f"malformed message ({nbytes} bytes): {exc}"
+            return
+        if op == MsgOp.BYE:
+            self.doomed = "closed by the client"
+            return
+        self.ep.repost(slot)   # the slot's content is parsed: reuse it
+        stats = self.plane.stats
+        status, message = Status.OK, ""
+        start = time.perf_counter()
+        try:
+            self._compute(op, dtype, extent_id, offset, length, staging, alpha)
+            stats.add(operations=1, bytes_accumulated=length if op != MsgOp.SCALE else 0)
+        except SMBError as exc:
+            status, message = error_status(exc), str(exc)
+            stats.add(operations=1, errors=1)
+            log.debug("rdma %s: %s on extent %d failed: %s", self.peer, op, extent_id, exc)
+        except Exception as exc:
+            status, message = Status.INTERNAL, f"{type(exc).__name__}: {exc}"
+            stats.add(operations=1, errors=1)
+            log.exception("rdma %s: %s on extent %d failed", self.peer, op, extent_id)
+        self._reply(slot, req_id, status, message)
+        stats.observe(_op_name(op), time.perf_counter() - start)
+
+    def _compute(self, op: int, dtype: int, extent_id: int, offset: int, length: int,
+                 staging: int, alpha: float) -> None:
+        if op not in (MsgOp.ACCUMULATE, MsgOp.AXPY, MsgOp.SCALE):
+            raise InvalidArgument(f"unknown rdma request {op}")
+        extent = self.book.check(self.plane.arena, extent_id, write=True)
+        extent.check_range(offset, length)
+        dt = kernels.element_type(dtype)
+        if op != MsgOp.ACCUMULATE and dt not in FLOATING:
+            raise DtypeError(f"{MsgOp(op).name.lower()} needs a floating element type, not {dt.name.lower()}")
+        size = STORAGE[dt].itemsize
+        if offset % size or length % size:
+            raise Misaligned(f"offset {offset} and length {length} must be multiples of the "
+                             f"{dt.name.lower()} element size ({size} bytes)")
+        if op == MsgOp.SCALE:
+            src = None
+        else:
+            area = self.staging
+            if area is None:
+                raise ReadOnly(f"extent {extent_id}: no writing ticket was presented (no staging area)")
+            if staging < 0 or staging + length > area.length:
+                raise OutOfRange(f"staging range [{staging}, {staging + length}) outside the "
+                                 f"{area.length}-byte staging area")
+            src = area.view[staging:staging + length]
+        with extent.pin(), extent.lock, extent.data[offset:offset + length] as dst:
+            if op == MsgOp.ACCUMULATE:
+                kernels.accumulate(dst, src, dt)
+            elif op == MsgOp.AXPY:
+                kernels.axpy(dst, alpha, src, dt)
+            else:
+                kernels.scale(dst, alpha, dt)
+        if not extent.live:
+            raise ExtentNotFound(f"extent {extent_id} was released during the operation")
+
+    # -- ending ---------------------------------------------------------------------------
+    def doom(self, reason: str, notice: SMBError | None = None) -> None:
+        """Stop serving (any thread); the progress thread tells the client ``notice``
+        (when given, and the QP still works) and closes the connection."""
+        if notice is not None and self.notice is None:
+            self.notice = (int(error_status(notice)), str(notice))
+        if not self.doomed:
+            self.doomed = reason
+
+    def finish(self) -> bool:
+        """Progress-thread side of :meth:`doom`: send the notice and wait for it (at most
+        :data:`NOTICE_GRACE`); True once the connection may be closed."""
+        if self.notice is None or self.ep.closed:
+            return True
+        if not self.notice_deadline:
+            self.notice_deadline = time.monotonic() + NOTICE_GRACE
+            try:
+                self._reply(0, 0, *self.notice, notice=True)
+            except Exception as exc:
+                log.debug("rdma %s: notice not sent: %s", self.peer, exc)
+                return True
+        if not self.notice_done:
+            try:
+                self.progress()      # doomed: requests are ignored, the notice's completion counts
+            except Exception:
+                return True
+        return self.notice_done or time.monotonic() > self.notice_deadline
+
+    def close(self) -> None:
+        """Destroy the endpoint (QP first), then the staging area (progress thread or
+        the plane's close)."""
+        self.ep.close()
+        if self.staging is not None:
+            self.staging.close()
+            self.staging = None
