@@ -1,26 +1,34 @@
-"""The client: a session to the controller and the factory of region handles."""
+"""The client: a session to the controller and the factory of region handles.
+
+The client owns its gRPC channel and its :class:`~smb_client.dataplane.DataPlane` (one
+data-plane session per memory-server endpoint, shared by every region, and the thread
+pools). Regions use the client only through :attr:`Client.dataplane`,
+:meth:`Client.open_info` and :attr:`Client.chunk_bytes`.
+"""
 from __future__ import annotations
 
 import logging
 import os
-import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
-from . import rpc, transports, verbs
+from . import rpc
 from ._proto.smb.v1 import controller_pb2 as pb
 from ._proto.smb.v1 import controller_pb2_grpc as pb_grpc
-from .addressing import parse_endpoint
+from .dataplane import TRANSPORT_POLICIES, DataPlane, choose_endpoint
 from .errors import ControllerUnavailable, InvalidArgument, SMBError
 from .hostinfo import host_id
-from .region import ExtentPlace, Region
-from .transports import Session
+from .region import Region
+from .retry import Backoff, Retry
+from .tickets import TicketMode
 
 log = logging.getLogger(__name__)
 
 DEFAULT_CONTROLLER = "127.0.0.1:7700"
-TRANSPORT_POLICIES = ("auto", "tcp", "shm", "rdma")
+MAX_SIZE = (1 << 63) - 1     # bytes: sizes travel as 64-bit numbers
+RECONNECT_FIRST = 0.05       # seconds before the first retry of an unreachable controller
+RECONNECT_CAP = 0.5          # seconds between retries at most
 
 
 @dataclass(frozen=True)
@@ -47,39 +55,19 @@ class RegionStatus:
     created_at: float
 
 
-def choose_endpoint(place: ExtentPlace, policy: str, here: str) -> str:
-    """The data-plane URI to use for a server, by policy (``auto`` prefers shm on the
-    same host, then rdma where this client can do verbs, then tcp)."""
-    offered = {uri.partition("://")[0]: uri for uri in place.endpoints}
-    if policy != "auto":
-        if policy not in offered:
-            raise InvalidArgument(
-                f"server {place.server_id} does not offer {policy}://; it offers "
-                + (", ".join(sorted(offered)) or "nothing"))
-        if policy == "shm" and place.host_id != here:
-            raise InvalidArgument(f"shm needs the client on the server's host ({place.server_id})")
-        return offered[policy]
-    if "shm" in offered and place.host_id == here:
-        return offered["shm"]
-    if "rdma" in offered and "rdma" in transports.TRANSPORTS and verbs.has_device():
-        return offered["rdma"]
-    if "tcp" in offered:
-        return offered["tcp"]
-    raise InvalidArgument(f"server {place.server_id} offers no usable transport: {sorted(offered)}")
-
-
 class Client:
     """A connection to a Soft Memory Box cluster.
 
     ``address`` is the controller's ``host:port`` (default ``$SMB_CONTROLLER`` or
     127.0.0.1:7700); ``token`` the bearer token (default ``$SMB_TOKEN``); ``transport``
     one of auto, tcp, shm, rdma (default ``$SMB_TRANSPORT`` or auto). ``connections``
-    is the number of sockets per memory server and region; ``chunk_bytes`` the largest
-    single request; ``reconnect_timeout`` how long control calls keep retrying while the
-    controller is unreachable (e.g. restarting) before ControllerUnavailable.
-    ``transport_options`` go to every data-plane session on top of those (for example
-    ``{"max_message": 65536}`` for rdma; see each transport's session class). The client
-    owns its channel and thread pools; :meth:`close` them.
+    is the number of connections per memory server, shared by all of this client's
+    regions; ``chunk_bytes`` the largest single request; ``reconnect_timeout`` how long
+    control calls keep retrying while the controller is unreachable (e.g. restarting)
+    before ControllerUnavailable. ``transport_options`` go to every data-plane session
+    on top of those (for example ``{"max_message": 65536}`` for rdma; see each
+    transport's session class). The client owns its channel and its :attr:`dataplane`;
+    :meth:`close` closes both, after which its regions stop working.
     """
 
     def __init__(self, address: str | None = None, token: str | None = None, *,
@@ -93,43 +81,39 @@ class Client:
         if self.transport not in TRANSPORT_POLICIES:
             raise InvalidArgument(f"unknown transport {self.transport!r}: expected one of "
                                   + ", ".join(TRANSPORT_POLICIES))
+        if not isinstance(chunk_bytes, int) or chunk_bytes < 1:
+            raise InvalidArgument(f"chunk_bytes must be a positive number of bytes, not {chunk_bytes!r}")
         self.timeout = timeout
         self.reconnect_timeout = reconnect_timeout
         self.connections = connections
         self.chunk_bytes = chunk_bytes
         self.transport_options = dict(transport_options or {})
+        self.dataplane = DataPlane(self.transport, host_id(), connections=connections, token=self.token,
+                                   io_threads=io_threads, transport_options=self.transport_options)
         self._channel = rpc.channel(self.address)
         self._stub = pb_grpc.ControllerStub(self._channel)
-        self._io_pool = ThreadPoolExecutor(io_threads, thread_name_prefix="smb-io")
-        self._async_pool = ThreadPoolExecutor(io_threads, thread_name_prefix="smb-async")
-        self._here = host_id()
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
     def close(self) -> None:
-        self._async_pool.shutdown(wait=True)
-        self._io_pool.shutdown(wait=True)
+        """Close the data plane (after submitted work ends) and the controller channel."""
+        self.dataplane.close()
         self._channel.close()
 
     def _call(self, method: str, request: Any, timeout: float | None = None) -> Any:
         """One controller call; while the controller is unreachable (restarting), retry
-        with a short backoff for up to ``reconnect_timeout`` seconds, then raise
+        with backoff for up to ``reconnect_timeout`` seconds, then raise
         ControllerUnavailable."""
-        deadline = time.monotonic() + self.reconnect_timeout
-        delay = 0.05
-        while True:
-            try:
-                return rpc.call(getattr(self._stub, method), request, self.token,
-                                self.timeout if timeout is None else timeout, ControllerUnavailable)
-            except ControllerUnavailable:
-                if time.monotonic() + delay > deadline:
-                    raise
-                time.sleep(delay)
-                delay = min(delay * 2, 0.5)
+        stub_method = getattr(self._stub, method)
+        deadline = self.timeout if timeout is None else timeout
+        retry = Retry(on=(ControllerUnavailable,), timeout=self.reconnect_timeout,
+                      backoff=Backoff(first=RECONNECT_FIRST, cap=RECONNECT_CAP))
+        return retry(lambda: rpc.call(stub_method, request, self.token, deadline, ControllerUnavailable),
+                     what=f"controller {method}")
 
     # -- regions -------------------------------------------------------------------
     def create_region(self, name: str, size: int, *, placement: str = "striped",
@@ -140,22 +124,35 @@ class Client:
 
         ``placement``: ``striped`` (``stripe_unit`` bytes round-robin over
         ``num_servers``, 0 = all), ``layered`` (``segment_sizes``, each segment whole
-        on one server) or ``single``. Raises RegionExists unless ``exist_ok``,
-        OutOfMemory when it does not fit.
+        on one server) or ``single``. Raises InvalidArgument for a size that is not a
+        positive whole number of bytes below 2**63 (and the like), RegionExists unless
+        ``exist_ok``, OutOfMemory when it does not fit.
         """
+        _check_name(name)
+        _check_bytes("size", size, minimum=1)
+        _check_bytes("stripe_unit", stripe_unit, minimum=0)
+        if not isinstance(num_servers, int) or isinstance(num_servers, bool) or not 0 <= num_servers < 1 << 31:
+            raise InvalidArgument(f"num_servers must be a whole number >= 0 (0: all servers), not {num_servers!r}")
+        for k, seg in enumerate(segment_sizes):
+            _check_bytes(f"segment_sizes[{k}]", seg, minimum=1)
         resp = self._call("CreateRegion", pb.CreateRegionRequest(
             name=name, size=size, placement=placement, stripe_unit=stripe_unit,
             num_servers=num_servers, segment_sizes=list(segment_sizes),
             persistent=persistent, exist_ok=exist_ok))
-        return Region(self, resp.region, resp.ticket, "rw")
+        return Region(self, resp.region, resp.ticket, TicketMode.RW)
 
-    def _open(self, name: str, mode: str) -> tuple[Any, Any]:
-        resp = self._call("OpenRegion", pb.OpenRegionRequest(name=name, mode=mode))
+    def open_info(self, name: str, mode: str | TicketMode = TicketMode.RW) -> tuple[Any, Any]:
+        """Open region ``name`` at the controller: its description (extents, layout) and
+        a fresh ticket (``.token``, ``.expires_at`` in unix seconds). Regions call this
+        to renew their ticket."""
+        _check_name(name)
+        resp = self._call("OpenRegion", pb.OpenRegionRequest(name=name, mode=_mode(mode).value))
         return resp.region, resp.ticket
 
-    def open_region(self, name: str, mode: str = "rw") -> Region:
+    def open_region(self, name: str, mode: str | TicketMode = TicketMode.RW) -> Region:
         """Attach to an existing region by name; ``mode`` is ``rw`` or ``ro``."""
-        info, ticket = self._open(name, mode)
+        mode = _mode(mode)
+        info, ticket = self.open_info(name, mode)
         return Region(self, info, ticket, mode)
 
     def delete_region(self, name: str) -> None:
@@ -189,22 +186,30 @@ class Client:
         return self._call("Barrier", request, timeout=grpc_timeout).generation
 
     # -- data plane ----------------------------------------------------------------
-    def _open_session(self, place: ExtentPlace, ticket: str, mode: str) -> Session:
-        uri = choose_endpoint(place, self.transport, self._here)
-        endpoint = parse_endpoint(uri)
-        options: dict[str, Any] = {"connections": self.connections,
-                                   "grpc_address": place.grpc_address, "token": self.token}
-        tcp = [u for u in place.endpoints if u.startswith("tcp://")]
-        if tcp:
-            options["tcp_endpoint"] = tcp[0]
-        options.update(self.transport_options)
-        try:
-            factory = transports.TRANSPORTS[endpoint.scheme]
-        except KeyError:
-            raise InvalidArgument(f"no {endpoint.scheme} transport in this client; have "
-                                  + ", ".join(transports.available())) from None
-        log.debug("server %s via %s", place.server_id, uri)
-        return factory(endpoint, ticket, mode, options)
+    def open_sessions(self) -> dict[str, str]:
+        """The data-plane sessions this client holds: endpoint URI -> transport scheme."""
+        return {uri: s.scheme for uri, s in self.dataplane.sessions().items()}
+
+
+def _check_name(name: object) -> None:
+    if not isinstance(name, str) or not name:
+        raise InvalidArgument(f"a region name is a non-empty string, not {name!r}")
+
+
+def _check_bytes(what: str, value: object, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or not minimum <= value <= MAX_SIZE:
+        raise InvalidArgument(f"{what} must be a whole number of bytes, at least {minimum} and below "
+                              f"2**63, not {value!r}")
+
+
+def _mode(mode: object) -> TicketMode:
+    try:
+        parsed = TicketMode.parse(mode.value if isinstance(mode, TicketMode) else str(mode))
+    except ValueError as exc:
+        raise InvalidArgument(str(exc)) from None
+    if parsed is TicketMode.ADMIN:
+        raise InvalidArgument("regions open in mode rw or ro; admin tickets are the controller's")
+    return parsed
 
 
 def connect(address: str | None = None, token: str | None = None, **kwargs: Any) -> Client:
@@ -212,4 +217,4 @@ def connect(address: str | None = None, token: str | None = None, **kwargs: Any)
     return Client(address, token, **kwargs)
 
 
-__all__ = ["Client", "connect", "ServerStatus", "RegionStatus", "SMBError"]
+__all__ = ["Client", "connect", "ServerStatus", "RegionStatus", "SMBError", "choose_endpoint"]

@@ -14,8 +14,9 @@ Placements:
 from __future__ import annotations
 
 import bisect
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Any
 
 from .errors import InvalidArgument, OutOfMemory, OutOfRange
 
@@ -44,6 +45,25 @@ class Run:
 
 
 @dataclass(frozen=True)
+class ExtentPlace:
+    """Where one extent of a region lives, as the controller reports it."""
+
+    extent_id: int
+    server_id: str
+    length: int          # bytes
+    grpc_address: str
+    host_id: str
+    endpoints: tuple[str, ...]   # data-plane URIs the server offers
+    server_state: str
+
+    @classmethod
+    def from_message(cls, e: Any) -> ExtentPlace:
+        """From a protobuf ``ExtentInfo`` (or anything with the same fields)."""
+        return cls(e.extent_id, e.server_id, e.length, e.grpc_address, e.host_id,
+                   tuple(e.endpoints), e.server_state)
+
+
+@dataclass(frozen=True)
 class Layout:
     kind: str
     size: int
@@ -54,7 +74,7 @@ class Layout:
 
     # -- construction -------------------------------------------------------------
     @classmethod
-    def striped(cls, size: int, stripe_unit: int, num_extents: int) -> "Layout":
+    def striped(cls, size: int, stripe_unit: int, num_extents: int) -> Layout:
         _check_size(size)
         if stripe_unit <= 0:
             raise InvalidArgument(f"stripe unit must be positive, got {stripe_unit}")
@@ -72,7 +92,7 @@ class Layout:
         return cls("striped", size, tuple(lengths), stripe_unit=stripe_unit)
 
     @classmethod
-    def layered(cls, segment_sizes: Sequence[int], segment_extents: Sequence[int]) -> "Layout":
+    def layered(cls, segment_sizes: Sequence[int], segment_extents: Sequence[int]) -> Layout:
         if not segment_sizes:
             raise InvalidArgument("layered placement needs segment sizes")
         if len(segment_sizes) != len(segment_extents):
@@ -89,7 +109,7 @@ class Layout:
                    segment_sizes=tuple(segment_sizes), segment_extents=tuple(segment_extents))
 
     @classmethod
-    def single(cls, size: int) -> "Layout":
+    def single(cls, size: int) -> Layout:
         _check_size(size)
         return cls("single", size, (size,))
 
@@ -162,6 +182,38 @@ class Layout:
     def segment_offsets(self) -> list[int]:
         """Region offset of every layered segment."""
         return self._segment_tables()[0]
+
+
+def split_runs(runs: Sequence[Run], chunk: int, align: int = 1) -> list[Run]:
+    """Cut every run longer than ``chunk`` bytes into runs of at most that many (rounded
+    down to a multiple of ``align`` bytes, at least ``align``), so that several
+    connections can carry one long run. Region order and coverage are kept."""
+    if chunk <= 0 or align <= 0:
+        raise InvalidArgument(f"chunk ({chunk}) and align ({align}) must be positive numbers of bytes")
+    chunk = max(align, chunk - chunk % align)
+    out: list[Run] = []
+    for run in runs:
+        if run.length <= chunk:
+            out.append(run)
+            continue
+        parts = list(run.parts)
+        pos = 0
+        while pos < run.length:
+            n = min(chunk, run.length - pos)
+            sub = Run(run.extent, run.extent_offset + pos, n, [])
+            need = n
+            while need:
+                ro, pl = parts[0]
+                take = min(pl, need)
+                sub.parts.append((ro, take))
+                need -= take
+                if take == pl:
+                    parts.pop(0)
+                else:
+                    parts[0] = (ro + take, pl - take)
+            out.append(sub)
+            pos += n
+    return out
 
 
 def _check_size(size: int) -> None:

@@ -5,6 +5,9 @@ A :class:`Region` turns a region-relative operation into requests against extent
 servers in parallel, and waits for all of them. Every operation has an ``*_async``
 form returning a :class:`concurrent.futures.Future`.
 
+A region holds no connections: it borrows its client's data-plane sessions (one per
+memory-server endpoint, shared by every region) and hands each request its own ticket.
+
 Concurrency rules (enforced by the memory servers): accumulates into one range are
 serialized per extent; writes are last-writer-wins; a reader that needs a consistent
 snapshot uses a version word or a lock built on :meth:`Region.compare_swap`.
@@ -14,16 +17,18 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .buffers import as_view
 from .dtypes import STORAGE, DType, itemsize, resolve
 from .errors import DtypeError, InvalidArgument, Misaligned, ReadOnly, TicketExpired
-from .placement import Layout, Run
+from .placement import ExtentPlace, Layout, Run, split_runs
+from .retry import Backoff, Retry
+from .tickets import TicketMode
 from .transports import Session
 
 if TYPE_CHECKING:
@@ -31,20 +36,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-REFRESH_MARGIN = 60.0  # seconds before expiry a ticket is renewed
+REFRESH_MARGIN = 60.0      # seconds before expiry a ticket is renewed
+REFRESH_TIMEOUT = 2.0      # seconds an operation keeps renewing a ticket the server calls expired
+FLOATING_TYPES = (DType.FLOAT32, DType.FLOAT16, DType.BFLOAT16, DType.FLOAT64)
 
+__all__ = ["Region", "ExtentPlace", "layout_of"]
 
-@dataclass(frozen=True)
-class ExtentPlace:
-    """Where one extent of a region lives."""
-
-    extent_id: int
-    server_id: str
-    length: int          # bytes
-    grpc_address: str
-    host_id: str
-    endpoints: tuple[str, ...]
-    server_state: str
+#: op(session, ticket, extent_id, extent_offset, buffers)
+BufferOp = Callable[[Session, str, int, int, list[memoryview]], Any]
 
 
 def layout_of(info: Any) -> Layout:
@@ -61,13 +60,14 @@ def layout_of(info: Any) -> Layout:
 
 
 class Region:
-    """A handle on a named region. Owned by the caller; :meth:`close` (or ``with``)
-    closes its data-plane sessions. The :class:`Client` must outlive it."""
+    """A handle on a named region, under one ticket (renewed as needed). Uses the
+    client's data plane; the :class:`Client` must outlive it. :meth:`close` is kept
+    for ``with`` blocks: the connections belong to the client."""
 
-    def __init__(self, client: "Client", info: Any, ticket: Any, mode: str) -> None:
+    def __init__(self, client: Client, info: Any, ticket: Any, mode: str | TicketMode) -> None:
         self._client = client
-        self.mode = mode
-        self._sessions: dict[str, Session] = {}
+        self._dataplane = client.dataplane
+        self.mode = TicketMode(mode)
         self._lock = threading.Lock()
         self._apply(info, ticket)
 
@@ -79,120 +79,78 @@ class Region:
         self.stripe_unit: int = info.stripe_unit
         self.state: str = info.state
         self.layout = layout_of(info)
-        self.extents: tuple[ExtentPlace, ...] = tuple(
-            ExtentPlace(e.extent_id, e.server_id, e.length, e.grpc_address, e.host_id,
-                        tuple(e.endpoints), e.server_state) for e in info.extents)
+        self.extents: tuple[ExtentPlace, ...] = tuple(ExtentPlace.from_message(e) for e in info.extents)
         self._ticket: str = ticket.token
         self._expires_at: float = ticket.expires_at
 
     def __repr__(self) -> str:
         return (f"Region({self.name!r}, size={self.size}, placement={self.placement!r}, "
-                f"servers={len(self.extents)}, mode={self.mode!r})")
+                f"servers={len(self.extents)}, mode={self.mode.value!r})")
 
-    def __enter__(self) -> "Region":
+    def __enter__(self) -> Region:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
     def close(self) -> None:
-        with self._lock:
-            sessions, self._sessions = self._sessions, {}
-        for s in sessions.values():
-            s.close()
+        """Nothing to release: the sessions are the client's, shared by its regions."""
 
     # -- plumbing ------------------------------------------------------------------
     def refresh(self) -> None:
         """Open the region again: a fresh ticket and the current server list."""
-        info, ticket = self._client._open(self.name, self.mode)
-        self.close()
-        self._apply(info, ticket)
+        info, ticket = self._client.open_info(self.name, self.mode)
+        with self._lock:
+            self._apply(info, ticket)
 
     def transports(self) -> dict[str, str]:
         """The transport used for each server of this region (opening sessions)."""
         return {p.server_id: self._session(p).scheme for p in self.extents}
 
     def _session(self, place: ExtentPlace) -> Session:
-        s = self._sessions.get(place.server_id)
-        if s is None:
-            with self._lock:
-                s = self._sessions.get(place.server_id)
-                if s is None:
-                    s = self._client._open_session(place, self._ticket, self.mode)
-                    self._sessions[place.server_id] = s
-        return s
+        return self._dataplane.session(place)
 
     def _retrying(self, fn: Callable[[], Any], rerun: bool = True) -> Any:
-        """Run ``fn`` with a fresh ticket; once more after TicketExpired when ``rerun``
+        """Run ``fn`` under a fresh ticket; after TicketExpired, renew the ticket and run
+        it again (with backoff, for up to :data:`REFRESH_TIMEOUT` seconds) when ``rerun``
         (False where part of ``fn`` may have taken effect and must not run twice)."""
         if time.time() > self._expires_at - REFRESH_MARGIN:
             self.refresh()
-        try:
-            return fn()
-        except TicketExpired:
-            self.refresh()
-            if not rerun:
+        if not rerun:
+            try:
+                return fn()
+            except TicketExpired:
+                self.refresh()
                 raise
+        attempts = 0
+
+        def attempt() -> Any:
+            nonlocal attempts
+            attempts += 1
+            if attempts > 1:
+                self.refresh()
             return fn()
+        retry = Retry(on=(TicketExpired,), timeout=REFRESH_TIMEOUT, backoff=Backoff(first=0.01, cap=0.2))
+        return retry(attempt, what=f"region {self.name}")
 
     def _run(self, tasks: list[Callable[[], Any]]) -> list[Any]:
-        """Run tasks (one per request) in parallel; the first error wins, after all end."""
-        if len(tasks) == 1:
-            return [tasks[0]()]
-        pool = self._client._io_pool
-        futures = [pool.submit(t) for t in tasks[1:]]
-        results: list[Any] = []
-        error: BaseException | None = None
-        try:
-            results.append(tasks[0]())
-        except BaseException as exc:
-            error = exc
-        for f in futures:
-            try:
-                results.append(f.result())
-            except BaseException as exc:
-                error = error or exc
-        if error is not None:
-            raise error
-        return results
+        return self._dataplane.run(tasks)
 
     def _chunks(self, offset: int, length: int, align: int = 1) -> list[tuple[ExtentPlace, Run]]:
-        chunk = max(align, self._client.chunk_bytes - self._client.chunk_bytes % align)
-        out = []
-        for run in self.layout.runs(offset, length):
-            place = self.extents[run.extent]
-            if run.length <= chunk:
-                out.append((place, run))
-                continue
-            # split long runs so that several connections can carry them
-            pos = 0
-            parts = list(run.parts)
-            while pos < run.length:
-                n = min(chunk, run.length - pos)
-                sub = Run(run.extent, run.extent_offset + pos, n, [])
-                need = n
-                while need:
-                    ro, pl = parts[0]
-                    take = min(pl, need)
-                    sub.parts.append((ro, take))
-                    need -= take
-                    parts[0] = (ro + take, pl - take)
-                    if parts[0][1] == 0:
-                        parts.pop(0)
-                out.append((place, sub))
-                pos += n
-        return out
+        runs = split_runs(self.layout.runs(offset, length), self._client.chunk_bytes, align)
+        return [(self.extents[run.extent], run) for run in runs]
 
-    def _tasks(self, offset: int, view: memoryview, align: int,
-               op: Callable[[Session, int, int, list[memoryview]], Any]) -> list[Callable[[], Any]]:
+    def _tasks(self, offset: int, view: memoryview, align: int, op: BufferOp) -> list[Callable[[], Any]]:
+        """One task per request; each reads the region's current ticket when it runs."""
         tasks = []
         for place, run in self._chunks(offset, len(view), align):
             bufs = [view[ro - offset:ro - offset + n] for ro, n in run.parts]
-            tasks.append(lambda p=place, r=run, b=bufs: op(self._session(p), p.extent_id, r.extent_offset, b))
+            tasks.append(lambda p=place, r=run, b=bufs: op(self._session(p), self._ticket, p.extent_id,
+                                                           r.extent_offset, b))
         return tasks
 
     def _check_writable(self) -> None:
-        if self.mode == "ro":
+        if not self.mode.writes:
             raise ReadOnly(f"region {self.name} was opened read-only")
 
     # -- bytes ---------------------------------------------------------------------
@@ -201,13 +159,13 @@ class Region:
         self._check_writable()
         view, _ = as_view(data)
         self.layout.check_range(offset, len(view))
-        self._retrying(lambda: self._run(self._tasks(offset, view, 1, lambda s, e, o, b: s.write(e, o, b))))
+        self._retrying(lambda: self._run(self._tasks(offset, view, 1, _write)))
 
     def read_into(self, offset: int, out: Any) -> Any:
         """Fill the writable buffer ``out`` from ``offset``; returns ``out``."""
         view, _ = as_view(out, writable=True)
         self.layout.check_range(offset, len(view))
-        self._retrying(lambda: self._run(self._tasks(offset, view, 1, lambda s, e, o, b: s.read_into(e, o, b))))
+        self._retrying(lambda: self._run(self._tasks(offset, view, 1, _read)))
         return out
 
     def read(self, offset: int = 0, length: int | None = None, dtype: Any = None) -> Any:
@@ -223,7 +181,7 @@ class Region:
             raise Misaligned(f"{length} bytes is not a whole number of {dt.name.lower()} elements")
         return self.read_into(offset, np.empty(length // itemsize(dt), dtype=STORAGE[dt]))
 
-    # -- server-side arithmetic ----------------------------------------------------
+# -- server-side arithmetic ----------------------------------------------------
     def _typed(self, offset: int, data: Any, dtype: Any) -> tuple[memoryview, DType]:
         view, inferred = as_view(data)
         if dtype is None and inferred is None:
@@ -244,30 +202,32 @@ class Region:
         self._check_writable()
         view, dt = self._typed(offset, data, dtype)
         self._retrying(lambda: self._run(self._tasks(
-            offset, view, itemsize(dt), lambda s, e, o, b: s.accumulate(e, o, b, dt))))
+            offset, view, itemsize(dt), lambda s, t, e, o, b: s.accumulate(t, e, o, b, dt))))
 
-    def axpy(self, offset: int, alpha: float, x: Any, dtype: Any = None) -> None:
-        """Server-side ``region[offset:] += alpha * x`` elementwise."""
+    def axpy(self, offset: int, x: Any, alpha: float, dtype: Any = None) -> None:
+        """Server-side ``region[offset:] += alpha * x`` elementwise (a floating type)."""
         self._check_writable()
         view, dt = self._typed(offset, x, dtype)
-        if dt not in (DType.FLOAT32, DType.FLOAT16, DType.BFLOAT16, DType.FLOAT64):
+        if dt not in FLOATING_TYPES:
             raise DtypeError(f"axpy needs a floating type, not {dt.name.lower()}")
+        a = float(alpha)
         self._retrying(lambda: self._run(self._tasks(
-            offset, view, itemsize(dt), lambda s, e, o, b: s.accumulate(e, o, b, dt, float(alpha)))))
+            offset, view, itemsize(dt), lambda s, t, e, o, b: s.accumulate(t, e, o, b, dt, a))))
 
     def scale(self, offset: int, length: int, alpha: float, dtype: Any) -> None:
         """Server-side ``region[offset:offset+length] *= alpha`` (length in bytes)."""
         self._check_writable()
         dt = resolve(dtype)
-        if dt not in (DType.FLOAT32, DType.FLOAT16, DType.BFLOAT16, DType.FLOAT64):
+        if dt not in FLOATING_TYPES:
             raise DtypeError(f"scale needs a floating type, not {dt.name.lower()}")
         size = itemsize(dt)
         if offset % size or length % size:
             raise Misaligned(f"offset {offset} and length {length} must be multiples of {size}")
         self.layout.check_range(offset, length)
         chunks = self._chunks(offset, length, size)
+        a = float(alpha)
         self._retrying(lambda: self._run([
-            (lambda p=p, r=r: self._session(p).scale(p.extent_id, r.extent_offset, r.length, dt, float(alpha)))
+            (lambda p=p, r=r: self._session(p).scale(self._ticket, p.extent_id, r.extent_offset, r.length, dt, a))
             for p, r in chunks]))
 
     def _word(self, offset: int) -> tuple[ExtentPlace, int]:
@@ -282,7 +242,8 @@ class Region:
         """Atomically add ``value`` to the int64 at ``offset``; returns the old value."""
         self._check_writable()
         place, eoff = self._word(offset)
-        return self._retrying(lambda: self._session(place).fetch_add(place.extent_id, eoff, int(value)))
+        return self._retrying(lambda: self._session(place).fetch_add(self._ticket, place.extent_id, eoff,
+                                                                     int(value)))
 
     def compare_swap(self, offset: int, expected: int, desired: int) -> int:
         """Atomically set the int64 at ``offset`` to ``desired`` if it equals ``expected``;
@@ -290,7 +251,7 @@ class Region:
         self._check_writable()
         place, eoff = self._word(offset)
         return self._retrying(lambda: self._session(place).compare_swap(
-            place.extent_id, eoff, int(expected), int(desired)))
+            self._ticket, place.extent_id, eoff, int(expected), int(desired)))
 
     # -- batched forms -------------------------------------------------------------
     def _many(self, items: Iterable[tuple[int, Any]], fn: Callable[[int, Any], list]) -> None:
@@ -307,16 +268,21 @@ class Region:
         def plan(offset: int, data: Any) -> list:
             view, _ = as_view(data)
             self.layout.check_range(offset, len(view))
-            return self._tasks(offset, view, 1, lambda s, e, o, b: s.write(e, o, b))
+            return self._tasks(offset, view, 1, _write)
         self._many(items, plan)
 
-    def read_many(self, items: Iterable[tuple[int, Any]]) -> None:
-        """Fill several ``(offset, out)`` buffers, all servers in parallel."""
+    def read_many(self, items: Iterable[tuple[int, Any]]) -> list[Any]:
+        """Fill several ``(offset, out)`` buffers, all servers in parallel; returns the
+        buffers, in order (as :meth:`read_into` returns its buffer)."""
+        outs: list[Any] = []
+
         def plan(offset: int, out: Any) -> list:
             view, _ = as_view(out, writable=True)
             self.layout.check_range(offset, len(view))
-            return self._tasks(offset, view, 1, lambda s, e, o, b: s.read_into(e, o, b))
+            outs.append(out)
+            return self._tasks(offset, view, 1, _read)
         self._many(items, plan)
+        return outs
 
     def fetch_add_many(self, items: Iterable[tuple[int, int]]) -> list[int]:
         """``fetch_add`` of each ``(offset, value)``; returns the old values in order.
@@ -339,7 +305,8 @@ class Region:
 
         def batch(place: ExtentPlace, where: list[int], ops: list[tuple[int, int]]) -> Callable[[], None]:
             def run() -> None:
-                for k, old in zip(where, self._session(place).fetch_add_many(place.extent_id, ops)):
+                got = self._session(place).fetch_add_many(self._ticket, place.extent_id, ops)
+                for k, old in zip(where, got):
                     olds[k] = old
             return run
         tasks = [batch(*b) for b in batches.values()]
@@ -353,12 +320,12 @@ class Region:
 
         def plan(offset: int, data: Any) -> list:
             view, dt = self._typed(offset, data, dtype)
-            return self._tasks(offset, view, itemsize(dt), lambda s, e, o, b: s.accumulate(e, o, b, dt))
+            return self._tasks(offset, view, itemsize(dt), lambda s, t, e, o, b: s.accumulate(t, e, o, b, dt))
         self._many(items, plan)
 
     # -- asynchronous forms --------------------------------------------------------
     def _submit(self, fn: Callable, *args: Any, **kwargs: Any) -> Future:
-        return self._client._async_pool.submit(fn, *args, **kwargs)
+        return self._dataplane.submit(fn, *args, **kwargs)
 
     def write_async(self, offset: int, data: Any) -> Future:
         return self._submit(self.write, offset, data)
@@ -372,8 +339,8 @@ class Region:
     def accumulate_async(self, offset: int, data: Any, dtype: Any = None) -> Future:
         return self._submit(self.accumulate, offset, data, dtype)
 
-    def axpy_async(self, offset: int, alpha: float, x: Any, dtype: Any = None) -> Future:
-        return self._submit(self.axpy, offset, alpha, x, dtype)
+    def axpy_async(self, offset: int, x: Any, alpha: float, dtype: Any = None) -> Future:
+        return self._submit(self.axpy, offset, x, alpha, dtype)
 
     def scale_async(self, offset: int, length: int, alpha: float, dtype: Any) -> Future:
         return self._submit(self.scale, offset, length, alpha, dtype)
@@ -387,5 +354,21 @@ class Region:
     def write_many_async(self, items: Sequence[tuple[int, Any]]) -> Future:
         return self._submit(self.write_many, items)
 
+    def read_many_async(self, items: Sequence[tuple[int, Any]]) -> Future:
+        """A future of :meth:`read_many`'s list of buffers."""
+        return self._submit(self.read_many, items)
+
     def accumulate_many_async(self, items: Sequence[tuple[int, Any]], dtype: Any = None) -> Future:
         return self._submit(self.accumulate_many, items, dtype)
+
+    def fetch_add_many_async(self, items: Sequence[tuple[int, int]]) -> Future:
+        """A future of :meth:`fetch_add_many`'s old values."""
+        return self._submit(self.fetch_add_many, items)
+
+
+def _write(s: Session, ticket: str, extent_id: int, offset: int, bufs: list[memoryview]) -> None:
+    s.write(ticket, extent_id, offset, bufs)
+
+
+def _read(s: Session, ticket: str, extent_id: int, offset: int, bufs: list[memoryview]) -> None:
+    s.read_into(ticket, extent_id, offset, bufs)

@@ -1,9 +1,11 @@
 """The TCP data-plane protocol: framing shared by client and memory server.
 
-A connection starts with ``HELLO`` carrying a ticket; the server checks it and binds
-the connection to that ticket's extents. Then requests follow, each a fixed 56-byte
-header and, for ``WRITE``/``ACCUMULATE``/``AXPY``, ``length`` payload bytes. The
-server answers every request in order with a 16-byte header and, for ``READ`` and the
+A connection presents tickets with ``HELLO`` frames, one per region, before the first
+request that needs each (and again with a renewed ticket); the server verifies each and
+records it by the extent ids it names, a later ticket for an extent replacing the
+earlier one. Every request is checked against the ticket naming its extent. A request
+is a fixed 56-byte header and, for ``WRITE``/``ACCUMULATE``/``AXPY``, ``length``
+payload bytes. The server answers every request in order with a 16-byte header and, for ``READ`` and the
 atomics, a payload; an error answer carries a UTF-8 message as payload. All integers
 are little-endian. A header with a wrong magic, an unknown opcode or an oversized
 length closes the connection.
@@ -17,7 +19,7 @@ from __future__ import annotations
 import enum
 import socket
 import struct
-from typing import Sequence
+from collections.abc import Sequence
 
 from .errors import ProtocolError, ServerUnavailable
 

@@ -1,7 +1,8 @@
 """Data-plane transports, a registry keyed by URI scheme.
 
-A transport opens a :class:`Session` to one memory server for one region ticket. A
-session moves bytes between caller buffers and extents on that server. ``tcp`` and
+A transport opens a :class:`Session` to one memory server endpoint, shared by every
+region of a client. A session moves bytes between caller buffers and extents on that
+server. ``tcp`` and
 ``shm`` ship here; ``rdma`` registers itself when pyverbs imports. Third parties add
 one with :func:`register`.
 """
@@ -9,7 +10,8 @@ from __future__ import annotations
 
 import abc
 import logging
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from ..addressing import Endpoint
 from ..dtypes import DType
@@ -18,7 +20,12 @@ log = logging.getLogger(__name__)
 
 
 class Session(abc.ABC):
-    """Operations on the extents of one memory server under one ticket.
+    """Operations on the extents of one memory server, for every region of one client.
+
+    One session per (client, endpoint URI), shared by all the client's regions on that
+    server. Each operation carries the region's ticket token first; the session presents
+    a token on a connection (once per connection, before the first request that needs
+    it) and may keep many tokens per connection. A renewed ticket is just a new token.
 
     Offsets are extent offsets in bytes; ``buffers`` are byte memoryviews whose
     lengths add up to the length of the operation, in order (scatter/gather).
@@ -28,36 +35,40 @@ class Session(abc.ABC):
     scheme: str = ""
 
     @abc.abstractmethod
-    def write(self, extent_id: int, offset: int, buffers: Sequence[memoryview]) -> None: ...
+    def write(self, ticket: str, extent_id: int, offset: int, buffers: Sequence[memoryview]) -> None: ...
 
     @abc.abstractmethod
-    def read_into(self, extent_id: int, offset: int, buffers: Sequence[memoryview]) -> None: ...
+    def read_into(self, ticket: str, extent_id: int, offset: int, buffers: Sequence[memoryview]) -> None: ...
 
     @abc.abstractmethod
-    def accumulate(self, extent_id: int, offset: int, buffers: Sequence[memoryview],
+    def accumulate(self, ticket: str, extent_id: int, offset: int, buffers: Sequence[memoryview],
                    dtype: DType, alpha: float | None = None) -> None:
         """``extent += x`` (or ``extent += alpha * x`` when alpha is given)."""
 
     @abc.abstractmethod
-    def scale(self, extent_id: int, offset: int, length: int, dtype: DType, alpha: float) -> None: ...
+    def scale(self, ticket: str, extent_id: int, offset: int, length: int, dtype: DType,
+              alpha: float) -> None: ...
 
     @abc.abstractmethod
-    def fetch_add(self, extent_id: int, offset: int, value: int) -> int: ...
+    def fetch_add(self, ticket: str, extent_id: int, offset: int, value: int) -> int: ...
 
-    def fetch_add_many(self, extent_id: int, items: Sequence[tuple[int, int]]) -> list[int]:
+    def fetch_add_many(self, ticket: str, extent_id: int, items: Sequence[tuple[int, int]]) -> list[int]:
         """``fetch_add`` of each ``(offset, value)``, in order; the old values. A
         transport that can keep several in flight overrides this."""
-        return [self.fetch_add(extent_id, offset, value) for offset, value in items]
+        return [self.fetch_add(ticket, extent_id, offset, value) for offset, value in items]
 
     @abc.abstractmethod
-    def compare_swap(self, extent_id: int, offset: int, expected: int, desired: int) -> int: ...
+    def compare_swap(self, ticket: str, extent_id: int, offset: int, expected: int, desired: int) -> int: ...
 
     @abc.abstractmethod
     def close(self) -> None: ...
 
 
-#: factory(endpoint, ticket_token, ticket_mode, options) -> Session
-Factory = Callable[[Endpoint, str, str, dict], Session]
+#: factory(endpoint, options) -> Session. Options: ``connections`` (per session),
+#: ``grpc_address`` (the memory server's), ``token`` (the client's bearer token), the
+#: user's ``transport_options``, and for shm ``arithmetic``: the tcp Session of the same
+#: server (borrowed, not closed by the shm session) for server-side arithmetic.
+Factory = Callable[[Endpoint, dict[str, Any]], Session]
 TRANSPORTS: dict[str, Factory] = {}
 
 
@@ -69,8 +80,8 @@ def available() -> list[str]:
     return sorted(TRANSPORTS)
 
 
-from . import tcp as _tcp  # noqa: E402  (registers itself)
 from . import shm as _shm  # noqa: E402
+from . import tcp as _tcp  # noqa: E402  (registers itself)
 
 try:  # optional: needs pyverbs from the distribution's rdma-core
     from . import rdma as _rdma  # noqa: F401

@@ -15,8 +15,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Callable, Generic, Iterator, Protocol, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 from ..errors import InvalidArgument, ServerUnavailable, Timeout
 
@@ -145,7 +146,7 @@ class ConnectionPool(Generic[C]):
             except Exception as exc:  # closing must not stop closing the others
                 log.debug("%s: closing a connection: %s", self.name, exc)
 
-    def __enter__(self) -> "ConnectionPool[C]":
+    def __enter__(self) -> ConnectionPool[C]:
         return self
 
     def __exit__(self, *exc: object) -> None:

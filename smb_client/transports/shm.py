@@ -3,7 +3,8 @@
 The server hands over each extent's file descriptor on a Unix socket (SCM_RIGHTS)
 after checking the ticket; the client maps it and copies at memcpy speed. A read-only
 ticket gets a read-only descriptor and a read-only mapping. Operations that must stay
-atomic on the server (accumulate, scale, axpy, atomics) go over TCP to the same server.
+atomic on the server (accumulate, scale, axpy, atomics) go to the same server through
+the tcp session the data plane passes in (``options["arithmetic"]``).
 
 Every mapped extent starts with a 4096-byte header page; the word at byte 8 is 1 while
 the server holds the extent and 0 once it is released, so a deleted region is noticed
@@ -15,33 +16,36 @@ descriptor as ancillary data on success.
 """
 from __future__ import annotations
 
+import fcntl
 import logging
 import mmap
 import os
 import socket
 import struct
 import threading
-from typing import Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
-from ..addressing import Endpoint, parse_endpoint
+from ..addressing import Endpoint
 from ..dtypes import DType
 from ..errors import ExtentNotFound, OutOfRange, ProtocolError, ReadOnly, ServerUnavailable, status_error
 from . import Session, register
-from .tcp import TcpSession
 
 log = logging.getLogger(__name__)
 
 HEADER_BYTES = 4096
 LIVE_OFFSET = 8
+MAX_GRANTS = 4096      # (ticket, extent) grants remembered before forgetting them all
 REQUEST_HEAD = struct.Struct("<I")
 EXTENT_ID = struct.Struct("<Q")
 ANSWER_HEAD = struct.Struct("<BI")
 
 
-def fetch_extent_fd(path: str, ticket: str, extent_id: int, timeout: float = 10.0) -> tuple[int, int]:
-    """Ask the server at ``path`` for an extent's descriptor; returns (fd, length)."""
+def fetch_extent_fd(path: str, ticket: str, extent_id: int, timeout: float = 10.0) -> tuple[int, int, bool]:
+    """Ask the server at ``path`` for an extent's descriptor; returns (fd, length in
+    bytes, whether the descriptor is writable, i.e. the ticket allows writes)."""
     token = ticket.encode()
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
@@ -71,7 +75,8 @@ def fetch_extent_fd(path: str, ticket: str, extent_id: int, timeout: float = 10.
     if not fds:
         raise ProtocolError(f"shm://{path}: no descriptor passed")
     (length,) = EXTENT_ID.unpack_from(data, ANSWER_HEAD.size + n)
-    return fds[0], length
+    writable = fcntl.fcntl(fds[0], fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDWR
+    return fds[0], length, writable
 
 
 class _Mapping:
@@ -82,6 +87,7 @@ class _Mapping:
         finally:
             os.close(fd)
         self.length = length
+        self.writable = writable
         self.data = memoryview(self.mm)[HEADER_BYTES:]
         self.live = np.frombuffer(self.mm, dtype="<u8", count=1, offset=LIVE_OFFSET)
 
@@ -99,28 +105,47 @@ class _Mapping:
 
 
 class ShmSession(Session):
-    """Maps extents of one server; delegates server-side arithmetic to TCP."""
+    """Maps extents of one server for every region of a client; delegates server-side
+    arithmetic to ``options["arithmetic"]``, a :class:`Session` of the same server that
+    the caller owns (this session does not close it).
+
+    Each (ticket, extent) is shown to the server once; one mapping per extent serves
+    every ticket the server accepted for it, writable once a read-write ticket got it.
+    A read-only ticket does not write through a mapping made for a read-write one: the
+    session remembers what the server granted each ticket.
+    """
 
     scheme = "shm"
 
-    def __init__(self, endpoint: Endpoint, ticket: str, mode: str = "rw", options: dict | None = None) -> None:
+    def __init__(self, endpoint: Endpoint, options: dict[str, Any] | None = None) -> None:
         options = dict(options or {})
         self.path = endpoint.path
-        self.ticket = ticket
-        self.writable = mode in ("rw", "admin")
-        tcp = options.get("tcp_endpoint")
-        self._tcp = TcpSession(parse_endpoint(tcp), ticket, mode, options) if tcp else None
+        self._arithmetic: Session | None = options.get("arithmetic")
         self._maps: dict[int, _Mapping] = {}
+        self._granted: dict[tuple[str, int], bool] = {}   # (ticket, extent) -> may write
         self._lock = threading.Lock()
 
-    def _map(self, extent_id: int) -> _Mapping:
+    def _map(self, ticket: str, extent_id: int, write: bool = False) -> _Mapping:
+        """The extent's mapping, once the server has accepted ``ticket`` for it."""
+        key = (ticket, extent_id)
         m = self._maps.get(extent_id)
-        if m is None:
+        granted = self._granted.get(key)
+        if m is None or granted is None or (granted and not m.writable):
             with self._lock:
                 m = self._maps.get(extent_id)
-                if m is None:
-                    fd, length = fetch_extent_fd(self.path, self.ticket, extent_id)
-                    m = self._maps[extent_id] = _Mapping(fd, length, self.writable)
+                granted = self._granted.get(key)
+                if m is None or granted is None or (granted and not m.writable):
+                    fd, length, granted = fetch_extent_fd(self.path, ticket, extent_id)
+                    if len(self._granted) >= MAX_GRANTS:
+                        self._granted.clear()   # asking the server again is harmless
+                    self._granted[key] = granted
+                    if m is None or (granted and not m.writable):
+                        m = self._maps[extent_id] = _Mapping(fd, length, granted)
+                        # a replaced read-only mapping is unmapped once no view of it is left
+                    else:
+                        os.close(fd)
+        if write and not granted:
+            raise ReadOnly("write through a read-only ticket")
         m.check(extent_id)
         return m
 
@@ -129,10 +154,8 @@ class ShmSession(Session):
             raise OutOfRange(f"range [{offset}, {offset + length}) outside extent {extent_id} "
                              f"of {m.length} bytes")
 
-    def write(self, extent_id: int, offset: int, buffers: Sequence[memoryview]) -> None:
-        if not self.writable:
-            raise ReadOnly("write through a read-only ticket")
-        m = self._map(extent_id)
+    def write(self, ticket: str, extent_id: int, offset: int, buffers: Sequence[memoryview]) -> None:
+        m = self._map(ticket, extent_id, write=True)
         self._bounds(m, extent_id, offset, sum(len(b) for b in buffers))
         pos = offset
         for b in buffers:
@@ -140,8 +163,8 @@ class ShmSession(Session):
             pos += len(b)
         m.check(extent_id)
 
-    def read_into(self, extent_id: int, offset: int, buffers: Sequence[memoryview]) -> None:
-        m = self._map(extent_id)
+    def read_into(self, ticket: str, extent_id: int, offset: int, buffers: Sequence[memoryview]) -> None:
+        m = self._map(ticket, extent_id)
         self._bounds(m, extent_id, offset, sum(len(b) for b in buffers))
         pos = offset
         for b in buffers:
@@ -149,31 +172,33 @@ class ShmSession(Session):
             pos += len(b)
         m.check(extent_id)  # released meanwhile: what we copied may be zeros
 
-    def _server(self) -> TcpSession:
-        if self._tcp is None:
+    def _server(self) -> Session:
+        if self._arithmetic is None:
             raise ServerUnavailable(f"shm://{self.path}: server offers no tcp endpoint for arithmetic")
-        return self._tcp
+        return self._arithmetic
 
-    def accumulate(self, extent_id: int, offset: int, buffers: Sequence[memoryview],
+    def accumulate(self, ticket: str, extent_id: int, offset: int, buffers: Sequence[memoryview],
                    dtype: DType, alpha: float | None = None) -> None:
-        self._server().accumulate(extent_id, offset, buffers, dtype, alpha)
+        self._server().accumulate(ticket, extent_id, offset, buffers, dtype, alpha)
 
-    def scale(self, extent_id: int, offset: int, length: int, dtype: DType, alpha: float) -> None:
-        self._server().scale(extent_id, offset, length, dtype, alpha)
+    def scale(self, ticket: str, extent_id: int, offset: int, length: int, dtype: DType, alpha: float) -> None:
+        self._server().scale(ticket, extent_id, offset, length, dtype, alpha)
 
-    def fetch_add(self, extent_id: int, offset: int, value: int) -> int:
-        return self._server().fetch_add(extent_id, offset, value)
+    def fetch_add(self, ticket: str, extent_id: int, offset: int, value: int) -> int:
+        return self._server().fetch_add(ticket, extent_id, offset, value)
 
-    def compare_swap(self, extent_id: int, offset: int, expected: int, desired: int) -> int:
-        return self._server().compare_swap(extent_id, offset, expected, desired)
+    def fetch_add_many(self, ticket: str, extent_id: int, items: Sequence[tuple[int, int]]) -> list[int]:
+        return self._server().fetch_add_many(ticket, extent_id, items)
+
+    def compare_swap(self, ticket: str, extent_id: int, offset: int, expected: int, desired: int) -> int:
+        return self._server().compare_swap(ticket, extent_id, offset, expected, desired)
 
     def close(self) -> None:
+        """Unmaps every extent; the arithmetic session belongs to the caller."""
         with self._lock:
             maps, self._maps = self._maps, {}
         for m in maps.values():
             m.close()
-        if self._tcp is not None:
-            self._tcp.close()
 
 
 register("shm", ShmSession)

@@ -1,5 +1,6 @@
 """The TCP data plane: framed requests (see :mod:`smb_client.wire`) over a small pool
-of connections per memory server. Payloads move between caller buffers and the
+of connections per memory server, shared by every region of a client. Each connection
+presents a region's ticket (``HELLO``) before its first request for that region. Payloads move between caller buffers and the
 socket with ``sendmsg``/``recvmsg_into`` on memoryviews, without intermediate copies.
 
 Failure detection: a memory server that is gone (host down, link down) is found by the
@@ -16,17 +17,17 @@ from __future__ import annotations
 import errno
 import itertools
 import logging
-import queue
 import socket
 import struct
-import threading
-from typing import Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from .. import wire
 from ..addressing import Endpoint
 from ..dtypes import DType
 from ..errors import InvalidArgument, ProtocolError, ServerUnavailable, Timeout, status_error
 from . import Session, register
+from .pool import ConnectionPool
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,7 @@ DEAD_PEER_TIMEOUT = 3.0  # seconds without any TCP acknowledgement before the se
 KEEPALIVE_IDLE = 1      # seconds idle before the first keepalive probe
 KEEPALIVE_INTERVAL = 1  # seconds between probes
 SOCKET_BUFFER = 4 << 20  # bytes
+MAX_PRESENTED = 1024    # tickets a connection remembers having presented before forgetting them all
 _WORD = struct.Struct("<q")
 
 
@@ -52,9 +54,9 @@ def set_dead_peer_timeout(sock: socket.socket, seconds: float) -> None:
 
 
 class TcpConnection:
-    """One authenticated socket to a memory server's TCP data plane."""
+    """One socket to a memory server's TCP data plane, and the tickets presented on it."""
 
-    def __init__(self, host: str, port: int, ticket: str, io_timeout: float = IO_TIMEOUT,
+    def __init__(self, host: str, port: int, io_timeout: float = IO_TIMEOUT,
                  dead_peer_timeout: float = DEAD_PEER_TIMEOUT) -> None:
         try:
             self.sock = socket.create_connection(
@@ -69,12 +71,22 @@ class TcpConnection:
         self.sock.settimeout(io_timeout)
         self.where = f"tcp://{host}:{port}"
         self._ids = itertools.count(1)
+        self._presented: set[str] = set()
+
+    def present(self, ticket: str) -> None:
+        """Send ``HELLO`` with ``ticket`` unless this connection already did. A refused
+        ticket raises its typed error and the server closes the connection."""
+        if ticket in self._presented:
+            return
+        if len(self._presented) >= MAX_PRESENTED:
+            self._presented.clear()   # presenting again is harmless
         token = ticket.encode()
         try:
             self.request(wire.Op.HELLO, payload=[memoryview(token)], length=len(token))
         except BaseException:
             self.close()
             raise
+        self._presented.add(ticket)
 
     def request(self, op: int, extent_id: int = 0, offset: int = 0, length: int = 0,
                 dtype: int = 0, arg0: int = 0, arg1: int = 0, alpha: float = 0.0,
@@ -125,7 +137,8 @@ class TcpConnection:
 
 
 class TcpSession(Session):
-    """A pool of up to ``connections`` sockets to one server, bound to one ticket.
+    """A pool of up to ``connections`` sockets to one server, shared by every region
+    (ticket) of a client.
 
     Options: ``connections`` (default 2), ``io_timeout`` (seconds one send or receive may
     wait without progress on a live server, default :data:`IO_TIMEOUT`),
@@ -135,93 +148,49 @@ class TcpSession(Session):
 
     scheme = "tcp"
 
-    def __init__(self, endpoint: Endpoint, ticket: str, mode: str = "rw", options: dict | None = None) -> None:
+    def __init__(self, endpoint: Endpoint, options: dict[str, Any] | None = None) -> None:
         options = options or {}
         self.endpoint = endpoint
-        self.ticket = ticket
-        self.mode = mode
-        self.max_connections = int(options.get("connections", 2))
         self.io_timeout = float(options.get("io_timeout", IO_TIMEOUT))
         self.dead_peer_timeout = float(options.get("dead_peer_timeout", DEAD_PEER_TIMEOUT))
         for name in ("io_timeout", "dead_peer_timeout"):
             if not getattr(self, name) > 0:
                 raise InvalidArgument(f"{name} must be a positive number of seconds, not {getattr(self, name)}")
-        self._idle: queue.LifoQueue[TcpConnection] = queue.LifoQueue()
-        self._lock = threading.Lock()
-        self._open = 0
-        self._closed = False
+        self.pool: ConnectionPool[TcpConnection] = ConnectionPool(
+            self._connect, int(options.get("connections", 2)), name=str(endpoint))
 
-    def _acquire(self) -> TcpConnection:
-        while True:
-            try:
-                return self._idle.get_nowait()
-            except queue.Empty:
-                pass
-            with self._lock:
-                if self._closed:
-                    raise ServerUnavailable(f"session to {self.endpoint} is closed")
-                grow = self._open < self.max_connections
-                if grow:
-                    self._open += 1
-            if grow:
-                break
-            try:  # wait for a connection to come back (or a slot to free up)
-                return self._idle.get(timeout=0.05)
-            except queue.Empty:
-                continue
-        try:
-            return TcpConnection(self.endpoint.host, self.endpoint.port, self.ticket, self.io_timeout,
-                                 self.dead_peer_timeout)
-        except BaseException:
-            with self._lock:
-                self._open -= 1
-            raise
+    def _connect(self) -> TcpConnection:
+        return TcpConnection(self.endpoint.host, self.endpoint.port, self.io_timeout, self.dead_peer_timeout)
 
-    def _release(self, conn: TcpConnection) -> None:
-        if conn.closed or self._closed:
-            conn.close()
-            with self._lock:
-                self._open -= 1
-        else:
-            self._idle.put(conn)
-
-    def _do(self, *args, **kwargs) -> bytes:
-        conn = self._acquire()
-        try:
+    def _do(self, ticket: str, *args: Any, **kwargs: Any) -> bytes:
+        with self.pool.borrow() as conn:
+            conn.present(ticket)
             return conn.request(*args, **kwargs)
-        finally:
-            self._release(conn)
 
-    def write(self, extent_id: int, offset: int, buffers: Sequence[memoryview]) -> None:
-        self._do(wire.Op.WRITE, extent_id, offset, sum(len(b) for b in buffers), payload=buffers)
+    def write(self, ticket: str, extent_id: int, offset: int, buffers: Sequence[memoryview]) -> None:
+        self._do(ticket, wire.Op.WRITE, extent_id, offset, sum(len(b) for b in buffers), payload=buffers)
 
-    def read_into(self, extent_id: int, offset: int, buffers: Sequence[memoryview]) -> None:
-        self._do(wire.Op.READ, extent_id, offset, sum(len(b) for b in buffers), into=buffers)
+    def read_into(self, ticket: str, extent_id: int, offset: int, buffers: Sequence[memoryview]) -> None:
+        self._do(ticket, wire.Op.READ, extent_id, offset, sum(len(b) for b in buffers), into=buffers)
 
-    def accumulate(self, extent_id: int, offset: int, buffers: Sequence[memoryview],
+    def accumulate(self, ticket: str, extent_id: int, offset: int, buffers: Sequence[memoryview],
                    dtype: DType, alpha: float | None = None) -> None:
         op = wire.Op.ACCUMULATE if alpha is None else wire.Op.AXPY
-        self._do(op, extent_id, offset, sum(len(b) for b in buffers), dtype=dtype,
+        self._do(ticket, op, extent_id, offset, sum(len(b) for b in buffers), dtype=dtype,
                  alpha=0.0 if alpha is None else alpha, payload=buffers)
 
-    def scale(self, extent_id: int, offset: int, length: int, dtype: DType, alpha: float) -> None:
-        self._do(wire.Op.SCALE, extent_id, offset, length, dtype=dtype, alpha=alpha)
+    def scale(self, ticket: str, extent_id: int, offset: int, length: int, dtype: DType, alpha: float) -> None:
+        self._do(ticket, wire.Op.SCALE, extent_id, offset, length, dtype=dtype, alpha=alpha)
 
-    def fetch_add(self, extent_id: int, offset: int, value: int) -> int:
-        return _WORD.unpack(self._do(wire.Op.FETCH_ADD, extent_id, offset, 8, arg0=value))[0]
+    def fetch_add(self, ticket: str, extent_id: int, offset: int, value: int) -> int:
+        return _WORD.unpack(self._do(ticket, wire.Op.FETCH_ADD, extent_id, offset, 8, arg0=value))[0]
 
-    def compare_swap(self, extent_id: int, offset: int, expected: int, desired: int) -> int:
-        body = self._do(wire.Op.COMPARE_SWAP, extent_id, offset, 8, arg0=expected, arg1=desired)
+    def compare_swap(self, ticket: str, extent_id: int, offset: int, expected: int, desired: int) -> int:
+        body = self._do(ticket, wire.Op.COMPARE_SWAP, extent_id, offset, 8, arg0=expected, arg1=desired)
         return _WORD.unpack(body)[0]
 
     def close(self) -> None:
-        with self._lock:
-            self._closed = True
-        while True:
-            try:
-                self._idle.get_nowait().close()
-            except queue.Empty:
-                break
+        self.pool.close()
 
 
 register("tcp", TcpSession)

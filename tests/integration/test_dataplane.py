@@ -112,7 +112,7 @@ def test_scale_and_axpy(tclient, name):
     x = np.linspace(1, 2, n, dtype=np.float32)
     r.write(0, a)
     r.scale(0, a.nbytes, 0.5, "float32")
-    r.axpy(0, -2.0, x)
+    r.axpy(0, x, -2.0)
     np.testing.assert_allclose(r.read(dtype="float32"), a * np.float32(0.5) + np.float32(-2.0) * x, rtol=1e-6)
     # a sub-range only
     r.scale(400, 40, 10.0, "float32")

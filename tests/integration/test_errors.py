@@ -57,21 +57,23 @@ def test_range_alignment_dtype_errors(cluster, witness, name, transport):
         c.delete_region(name)
 
 
-def test_server_checks_bounds_too(client, witness, name):
+def test_server_checks_bounds_too(cluster, client, witness, name):
     """Requests that skip the client's own checks are refused by the memory server."""
     r = client.create_region(name, MiB, placement="single")
     place = r.extents[0]
     s = r._session(place)
     with pytest.raises(errors.OutOfRange):
-        s.write(place.extent_id, MiB - 1, [memoryview(b"xy")])
+        s.write(r._ticket, place.extent_id, MiB - 1, [memoryview(b"xy")])
     with pytest.raises(errors.Misaligned):
-        s.accumulate(place.extent_id, 3, [memoryview(b"\0" * 4)], smb_client.dtypes.DType.FLOAT32)
+        s.accumulate(r._ticket, place.extent_id, 3, [memoryview(b"\0" * 4)], smb_client.dtypes.DType.FLOAT32)
     with pytest.raises(errors.Misaligned):
-        s.fetch_add(place.extent_id, 12, 1)
+        s.fetch_add(r._ticket, place.extent_id, 12, 1)
     with pytest.raises(errors.DtypeError):
-        s.accumulate(place.extent_id, 0, [memoryview(b"\0" * 4)], 99)
-    with pytest.raises(errors.InvalidTicket):
-        s.write(witness.extents[0].extent_id, 0, [memoryview(b"steal")])  # not in this ticket
+        s.accumulate(r._ticket, place.extent_id, 0, [memoryview(b"\0" * 4)], 99)
+    with cluster.client(transport="tcp") as other:   # a client that never saw the witness's ticket
+        r2 = other.open_region(name)
+        with pytest.raises(errors.InvalidTicket):
+            r2._session(place).write(r2._ticket, witness.extents[0].extent_id, 0, [memoryview(b"steal")])
     r.write(0, b"ok")  # the session survived every refusal
     assert bytes(r.read(0, 2)) == b"ok"
     client.delete_region(name)
@@ -136,9 +138,9 @@ def test_read_only_ticket_cannot_write(cluster, client, name, transport):
         # the memory server refuses too, whatever the client library does
         place = ro.extents[0]
         with pytest.raises(errors.ReadOnly):
-            ro._session(place).write(place.extent_id, 0, [memoryview(b"changed!")])
+            ro._session(place).write(ro._ticket, place.extent_id, 0, [memoryview(b"changed!")])
         with pytest.raises(errors.ReadOnly):
-            ro._session(place).fetch_add(place.extent_id, 0, 1)
+            ro._session(place).fetch_add(ro._ticket, place.extent_id, 0, 1)
         ro.close()
     assert bytes(r.read(0, 8)) == b"original"
     client.delete_region(name)

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from smb_client import errors
-from smb_client.placement import Layout, assign_segments, plan
+from smb_client.placement import Layout, Run, assign_segments, plan, split_runs
 
 settings.register_profile("smb", max_examples=150, deadline=None)
 settings.load_profile("smb")
@@ -157,3 +157,40 @@ def test_plan_spreads_stripes_and_validates() -> None:
         plan(10, "diagonal", {"a": 100})
     with pytest.raises(errors.InvalidArgument, match="add up"):
         plan(10, "layered", {"a": 100}, segment_sizes=[3, 3])
+
+
+@given(layouts, st.data(), st.integers(1, 5000), st.sampled_from([1, 2, 4, 8]))
+def test_split_runs_covers_the_range_in_order_within_chunk(layout, data, chunk, align):
+    offset = data.draw(st.integers(0, layout.size - 1))
+    length = data.draw(st.integers(0, layout.size - offset))
+    runs = layout.runs(offset, length)
+    split = split_runs(runs, chunk, align)
+    limit = max(align, chunk - chunk % align)
+    assert all(0 < r.length <= limit for r in split)
+    assert sum(r.length for r in split) == length
+    for r in split:   # each run is contiguous on its extent and its parts add up
+        assert sum(n for _, n in r.parts) == r.length
+    # the byte-by-byte mapping is the one of the unsplit runs
+    def bytes_of(rs):
+        out = []
+        for r in rs:
+            eo = r.extent_offset
+            for ro, n in r.parts:
+                out.extend((ro + i, r.extent, eo + i) for i in range(n))
+                eo += n
+        return sorted(out)
+    if length <= 4096:
+        assert bytes_of(split) == bytes_of(runs)
+
+
+def test_split_runs_keeps_alignment():
+    run = Run(0, 8, 40, [(100, 12), (200, 28)])
+    split = split_runs([run], 10, 4)
+    assert [(r.extent_offset, r.length) for r in split] == [(8, 8), (16, 8), (24, 8), (32, 8), (40, 8)]
+    assert split[1].parts == [(108, 4), (200, 4)]
+
+
+@pytest.mark.parametrize("chunk,align", [(0, 1), (8, 0), (-1, 4)])
+def test_split_runs_bad_arguments(chunk, align):
+    with pytest.raises(errors.InvalidArgument):
+        split_runs([], chunk, align)

@@ -23,14 +23,14 @@ def test_dead_peer_timeout_sets_keepalive_and_user_timeout():
 @pytest.mark.parametrize("value", [0, -1.0])
 def test_non_positive_timeouts_are_refused(option, value):
     with pytest.raises(errors.InvalidArgument, match=option):
-        tcp.TcpSession(parse_endpoint("tcp://127.0.0.1:1"), "ticket", "rw", {option: value})
+        tcp.TcpSession(parse_endpoint("tcp://127.0.0.1:1"), {option: value})
 
 
 def test_unreachable_server_is_a_typed_error():
     with socket.socket() as s:           # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    session = tcp.TcpSession(parse_endpoint(f"tcp://127.0.0.1:{port}"), "ticket", "rw", {})
+    session = tcp.TcpSession(parse_endpoint(f"tcp://127.0.0.1:{port}"), {})
     with pytest.raises(errors.ServerUnavailable, match=f"127.0.0.1:{port}"):
-        session.read_into(1, 0, [memoryview(bytearray(8))])
+        session.read_into("ticket", 1, 0, [memoryview(bytearray(8))])
     session.close()

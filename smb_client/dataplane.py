@@ -1,0 +1,150 @@
+"""The client's data plane: one transport session per memory-server endpoint, shared by
+every region of the client, and the thread pools that run requests.
+
+:class:`DataPlane` is owned by a :class:`~smb_client.client.Client` and closed with it.
+Regions borrow sessions from it (:meth:`DataPlane.session`) and never close them; each
+request carries the region's own ticket, which the session presents on a connection
+before the first request that needs it. So a client with many regions on a server holds
+``connections`` sockets to it, not ``connections`` per region.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from . import transports, verbs
+from .addressing import parse_endpoint
+from .errors import InvalidArgument, ServerUnavailable
+from .placement import ExtentPlace
+from .transports import Session
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+TRANSPORT_POLICIES = ("auto", "tcp", "shm", "rdma")
+
+
+def choose_endpoint(place: ExtentPlace, policy: str, here: str) -> str:
+    """The data-plane URI to use for a server, by policy (``auto`` prefers shm on the
+    same host, then rdma where this client can do verbs, then tcp)."""
+    offered = {uri.partition("://")[0]: uri for uri in place.endpoints}
+    if policy != "auto":
+        if policy not in offered:
+            raise InvalidArgument(
+                f"server {place.server_id} does not offer {policy}://; it offers "
+                + (", ".join(sorted(offered)) or "nothing"))
+        if policy == "shm" and place.host_id != here:
+            raise InvalidArgument(f"shm needs the client on the server's host ({place.server_id})")
+        return offered[policy]
+    if "shm" in offered and place.host_id == here:
+        return offered["shm"]
+    if "rdma" in offered and "rdma" in transports.TRANSPORTS and verbs.has_device():
+        return offered["rdma"]
+    if "tcp" in offered:
+        return offered["tcp"]
+    raise InvalidArgument(f"server {place.server_id} offers no usable transport: {sorted(offered)}")
+
+
+class DataPlane:
+    """Sessions by endpoint URI (opened on first use, thread-safe) and the io and async
+    thread pools. ``policy`` is a transport policy (auto, tcp, shm, rdma); ``here`` this
+    host's id; ``connections`` the connections per session; ``token`` the client's bearer
+    token; ``transport_options`` go to every session factory. Owns the sessions and the
+    pools: :meth:`close` closes them."""
+
+    def __init__(self, policy: str, here: str, *, connections: int = 2, token: str = "",
+                 io_threads: int = 16, transport_options: dict[str, Any] | None = None) -> None:
+        if policy not in TRANSPORT_POLICIES:
+            raise InvalidArgument(f"unknown transport {policy!r}: expected one of "
+                                  + ", ".join(TRANSPORT_POLICIES))
+        if not isinstance(connections, int) or connections < 1:
+            raise InvalidArgument(f"connections must be a positive number per server, not {connections!r}")
+        self.policy = policy
+        self.here = here
+        self.connections = connections
+        self.token = token
+        self.transport_options = dict(transport_options or {})
+        self._sessions: dict[str, Session] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="smb-io")
+        self._async = ThreadPoolExecutor(io_threads, thread_name_prefix="smb-async")
+
+    # -- sessions ------------------------------------------------------------------
+    def session(self, place: ExtentPlace) -> Session:
+        """The session to the endpoint chosen for ``place``'s server (borrowed: do not close)."""
+        return self._session_for(choose_endpoint(place, self.policy, self.here), place)
+
+    def sessions(self) -> dict[str, Session]:
+        """A snapshot of the open sessions by endpoint URI."""
+        with self._lock:
+            return dict(self._sessions)
+
+    def _session_for(self, uri: str, place: ExtentPlace) -> Session:
+        s = self._sessions.get(uri)
+        if s is not None:
+            return s
+        options: dict[str, Any] = {"connections": self.connections,
+                                   "grpc_address": place.grpc_address, "token": self.token}
+        if uri.startswith("shm://"):
+            tcp = [u for u in place.endpoints if u.startswith("tcp://")]
+            if tcp:   # arithmetic goes to the same server over the shared tcp session
+                options["arithmetic"] = self._session_for(tcp[0], place)
+        options.update(self.transport_options)
+        endpoint = parse_endpoint(uri)
+        try:
+            factory = transports.TRANSPORTS[endpoint.scheme]
+        except KeyError:
+            raise InvalidArgument(f"no {endpoint.scheme} transport in this client; have "
+                                  + ", ".join(transports.available())) from None
+        with self._lock:
+            if self._closed:
+                raise ServerUnavailable("the client's data plane is closed")
+            s = self._sessions.get(uri)
+            if s is None:
+                log.debug("server %s via %s", place.server_id, uri)
+                s = self._sessions[uri] = factory(endpoint, options)
+        return s
+
+    # -- running requests ----------------------------------------------------------
+    def run(self, tasks: Sequence[Callable[[], T]]) -> list[T]:
+        """Run tasks in parallel on the io pool (the first in the caller's thread);
+        results in order. The first error wins, raised after every task ended."""
+        if len(tasks) == 1:
+            return [tasks[0]()]
+        futures = [self._io.submit(t) for t in tasks[1:]]
+        results: list[Any] = []
+        error: BaseException | None = None
+        try:
+            results.append(tasks[0]())
+        except BaseException as exc:
+            error = exc
+        for f in futures:
+            try:
+                results.append(f.result())
+            except BaseException as exc:
+                error = error or exc
+        if error is not None:
+            raise error
+        return results
+
+    def submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Future[T]:
+        """Run ``fn`` on the async pool (the ``*_async`` forms of Region)."""
+        return self._async.submit(fn, *args, **kwargs)
+
+    def close(self) -> None:
+        """Wait for submitted work, then close every session. Idempotent."""
+        self._async.shutdown(wait=True)
+        self._io.shutdown(wait=True)
+        with self._lock:
+            self._closed = True
+            sessions, self._sessions = self._sessions, {}
+        # shm sessions first: they borrow the tcp session of their server
+        for uri, s in sorted(sessions.items(), key=lambda kv: not kv[0].startswith("shm://")):
+            try:
+                s.close()
+            except Exception as exc:
+                log.debug("closing %s: %s", uri, exc)
