@@ -1,6 +1,7 @@
 """The controller: cluster membership, the region table, placement and tickets.
 
-- :mod:`.state` holds the durable state (SQLite, no gRPC, no sockets);
+- :mod:`.state` holds the durable state (SQLite, no gRPC, no sockets); its records and
+  input checks are in :mod:`.records`;
 - :mod:`.creation` is the create/delete sequence (reserve on servers, commit, roll back),
   written against the :class:`.memservers.MemoryServers` interface; :mod:`.memservers`
   holds its gRPC implementation;

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from smb_client import errors
 
 from .memservers import MemoryServers
-from .state import ControllerState, ExtentPlace, RegionRecord
+from .records import ExtentPlace, RegionRecord
+from .state import ControllerState
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ import grpc
 from smb_client import errors, rpc, tickets
 from smb_client._proto.smb.v1 import memory_server_pb2, memory_server_pb2_grpc
 
-from .state import ExtentPlace
+from .records import ExtentPlace
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,8 @@ from ..grpc_util import typed_errors
 from .barriers import Barriers
 from .creation import RegionCreator, RegionSpec
 from .memservers import RELEASE_TIMEOUT, RESERVE_TIMEOUT, GrpcMemoryServers
-from .state import ControllerState, HeldExtent, RegionRecord, ServerRecord
+from .records import HeldExtent, RegionRecord, ServerRecord
+from .state import ControllerState
 
 log = logging.getLogger(__name__)
 

@@ -35,17 +35,18 @@ import time
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 
 from smb_client import placement as placement_mod
 from smb_client.errors import InvalidArgument, RegionExists, RegionNotFound, ServerNotFound
-from smb_client.names import check_region_name
-from smb_client.placement import Layout
+
+from .records import MAX_BYTES, ExtentPlace, HeldExtent, RegionRecord, ServerRecord, check_bytes, validate_name
+
+__all__ = ["MAX_BYTES", "SERVER_STATES", "ControllerState", "ExtentPlace", "HeldExtent",
+           "RegionRecord", "ServerRecord", "check_bytes", "validate_name"]
 
 log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
-MAX_BYTES = (1 << 63) - 1  # the largest size, offset or capacity SQLite's INTEGER holds
 MAX_SERVERS = 1 << 16   # the most servers a region may be spread over
 SERVER_STATES = ("up", "down", "draining")
 _ID_ATTEMPTS = 16
@@ -87,91 +88,6 @@ CREATE TABLE IF NOT EXISTS issued_extent_ids (
     extent_id INTEGER PRIMARY KEY
 );
 """
-
-
-# -- records ------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class HeldExtent:
-    """An extent a memory server reports holding (from Register/Heartbeat)."""
-
-    extent_id: int
-    region_uid: str = ""
-    length: int = 0            # bytes
-    age_seconds: float = 0.0   # since the server reserved it
-
-
-@dataclass(frozen=True)
-class ServerRecord:
-    server_id: str
-    host_id: str
-    grpc_address: str
-    endpoints: tuple[str, ...]
-    capacity: int          # bytes
-    used: int              # bytes placed on it (sum of its extents)
-    extents: int           # number of extents placed on it
-    state: str             # up | down | draining
-    last_heartbeat: float  # unix seconds
-    registered_at: float   # unix seconds
-
-    @property
-    def free(self) -> int:
-        """Bytes not yet placed (never negative)."""
-        return max(0, self.capacity - self.used)
-
-
-@dataclass(frozen=True)
-class ExtentPlace:
-    """One extent of a region, with where it lives."""
-
-    extent_id: int
-    index: int             # position in the region's layout
-    server_id: str
-    length: int            # bytes
-    grpc_address: str = ""
-    host_id: str = ""
-    endpoints: tuple[str, ...] = ()
-    server_state: str = ""  # up | down | draining
-
-
-@dataclass(frozen=True)
-class RegionRecord:
-    name: str
-    uid: str
-    size: int                          # bytes
-    placement: str                     # striped | layered | single
-    stripe_unit: int                   # bytes (striped only, else 0)
-    segment_sizes: tuple[int, ...]     # bytes (layered only)
-    segment_extents: tuple[int, ...]   # extent index of each segment (layered only)
-    persistent: bool
-    created_at: float                  # unix seconds
-    state: str                         # creating | ready | degraded
-    extents: tuple[ExtentPlace, ...] = field(default=())  # in layout order
-
-    @property
-    def extent_ids(self) -> list[int]:
-        return [e.extent_id for e in self.extents]
-
-    def layout(self) -> Layout:
-        """The pure offset -> (extent, offset) mapping of this region."""
-        return Layout(self.placement, self.size, tuple(e.length for e in self.extents),
-                      stripe_unit=self.stripe_unit, segment_sizes=self.segment_sizes,
-                      segment_extents=self.segment_extents)
-
-
-# -- validation ----------------------------------------------------------------------------
-def validate_name(name: str) -> str:
-    """Check a region name (``namespace/name``, see :mod:`smb_client.names`); returns it
-    or raises InvalidArgument saying what is allowed."""
-    return check_region_name(name)
-
-
-def check_bytes(what: str, value: int, minimum: int = 0) -> int:
-    """``value`` as an int if ``minimum <= value <= MAX_BYTES``; InvalidArgument otherwise."""
-    value = int(value)
-    if value < minimum or value > MAX_BYTES:
-        raise InvalidArgument(f"{what} must be {minimum} to {MAX_BYTES} (2^63-1) bytes, "
-                              f"got {value}")
-    return value
 
 
 # -- the state -----------------------------------------------------------------------------
