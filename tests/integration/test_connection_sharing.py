@@ -1,0 +1,107 @@
+"""Connections belong to the client, per memory-server endpoint, not per region: a
+parameter store of many regions on a few servers holds ``connections`` sockets to each
+server (counted by the servers), and regions sharing a connection keep their own rights."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from smb_client import errors, rpc
+from smb_client._proto.smb.v1 import memory_server_pb2, memory_server_pb2_grpc
+from smb_server.local_cluster import LocalCluster
+
+MiB = 1 << 20
+SERVERS = 4
+REGIONS = 5
+CONNECTIONS = 2
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory):
+    """A private cluster of four memory servers, tcp only: no other client counts."""
+    with LocalCluster(servers=SERVERS, capacity="128M", transports="tcp",
+                      workdir=str(tmp_path_factory.mktemp("four")), log_level="WARNING") as c:
+        yield c
+
+
+def tcp_sessions(cluster: LocalCluster, client) -> dict[str, int]:
+    """Open data-plane connections on each server, as the server counts them."""
+    out = {}
+    for s in client.list_servers():
+        channel = rpc.channel(s.grpc_address)
+        try:
+            stub = memory_server_pb2_grpc.MemoryServerStub(channel)
+            out[s.server_id] = rpc.call(stub.Stats, memory_server_pb2.StatsRequest(), cluster.token, 5).sessions
+        finally:
+            channel.close()
+    return out
+
+
+def test_many_regions_share_connections_per_server(four):
+    with four.client(transport="tcp", connections=CONNECTIONS, chunk_bytes=64 << 10) as c:
+        names = [f"store/p{i}" for i in range(REGIONS)]
+        regions = [c.create_region(n, 2 * MiB + 4096 * i, stripe_unit=64 << 10) for i, n in enumerate(names)]
+        assert all(len({e.server_id for e in r.extents}) == SERVERS for r in regions)
+        rng = np.random.default_rng(3)
+        data = [rng.integers(0, 256, r.size, dtype=np.uint8) for r in regions]
+        errors_seen: list[BaseException] = []
+
+        def hammer(k: int) -> None:   # every region at once, many requests in flight per server
+            try:
+                for _ in range(3):
+                    for r, d in zip(regions, data):
+                        r.write(0, d)
+                        assert bytes(r.read()) == d.tobytes()
+            except BaseException as exc:
+                errors_seen.append(exc)
+
+        threads = [threading.Thread(target=hammer, args=(k,)) for k in range(8)]
+        for t in threads:
+            t.start()
+        peak: dict[str, int] = {}
+        while any(t.is_alive() for t in threads):
+            for sid, n in tcp_sessions(four, c).items():
+                peak[sid] = max(peak.get(sid, 0), n)
+        for t in threads:
+            t.join()
+        assert not errors_seen, errors_seen[0]
+        for sid, n in tcp_sessions(four, c).items():
+            peak[sid] = max(peak.get(sid, 0), n)
+        assert len(peak) == SERVERS
+        assert all(1 <= n <= CONNECTIONS for n in peak.values()), peak
+        assert len(c.open_sessions()) == SERVERS          # one session per endpoint
+        for r, d in zip(regions, data):
+            assert np.array_equal(np.frombuffer(r.read(), np.uint8), d)
+        for n in names:
+            c.delete_region(n)
+
+
+def test_shared_connection_keeps_each_regions_rights(four):
+    with four.client(transport="tcp") as creator:
+        a = creator.create_region("share/a", MiB, stripe_unit=64 << 10)
+        a.write(0, b"A-original")
+    with four.client(transport="tcp", connections=1) as c:   # one socket per server
+        b = c.create_region("share/b", MiB, stripe_unit=64 << 10)
+        b.write(0, b"B-written")                                # the connection now holds b's rw ticket
+        ro = c.open_region("share/a", mode="ro")
+        assert bytes(ro.read(0, 10)) == b"A-original"           # and a's ro ticket
+        with pytest.raises(errors.ReadOnly):
+            ro.write(0, b"changed")                             # the client refuses ...
+        place = ro.extents[0]
+        session = ro._session(place)
+        assert session is b._session(next(e for e in b.extents if e.server_id == place.server_id))
+        with pytest.raises(errors.ReadOnly):                    # ... and so does the server
+            session.write(ro._ticket, place.extent_id, 0, [memoryview(b"changed")])
+        with pytest.raises(errors.ReadOnly):                    # b's rw ticket lends nothing to a
+            session.write(b._ticket, place.extent_id, 0, [memoryview(b"changed")])
+        with pytest.raises(errors.ReadOnly):
+            session.fetch_add(ro._ticket, place.extent_id, 0, 1)
+        b.write(0, b"B-still-ok")
+        assert bytes(b.read(0, 10)) == b"B-still-ok"
+        assert bytes(ro.read(0, 10)) == b"A-original"
+        c.delete_region("share/b")
+    with four.client(transport="tcp") as creator:
+        assert bytes(creator.open_region("share/a").read(0, 10)) == b"A-original"
+        creator.delete_region("share/a")
