@@ -112,7 +112,7 @@ def test_scale_and_axpy(tclient, name):
     x = np.linspace(1, 2, n, dtype=np.float32)
     r.write(0, a)
     r.scale(0, a.nbytes, 0.5, "float32")
-    r.axpy(0, x, -2.0)
+    r.axpy(0, x, -2.0)                   # axpy(offset, x, alpha): the data follows the offset
     np.testing.assert_allclose(r.read(dtype="float32"), a * np.float32(0.5) + np.float32(-2.0) * x, rtol=1e-6)
     # a sub-range only
     r.scale(400, 40, 10.0, "float32")
@@ -168,10 +168,18 @@ def test_async_and_batched_forms(tclient, name):
         f.result(timeout=30)
     r.accumulate_many([(i * MiB, c) for i, c in enumerate(chunks)])
     outs = [np.empty(MiB // 4, np.float32) for _ in range(8)]
-    r.read_many([(i * MiB, o) for i, o in enumerate(outs)])
+    got = r.read_many([(i * MiB, o) for i, o in enumerate(outs)])
+    assert len(got) == 8 and all(g is o for g, o in zip(got, outs))   # the buffers, in order
     for i, o in enumerate(outs):
         assert np.all(o == 2 * i)
+    again = r.read_many_async([(i * MiB + 4, np.empty(2, np.float32)) for i in range(8)]).result(timeout=30)
+    assert [float(a[0]) for a in again] == [2.0 * i for i in range(8)]
     assert r.fetch_add_async(0, 1).result(timeout=30) == 0
+    word = 7 * MiB + 64
+    before = int(r.read(word, 8, dtype="int64")[0])
+    assert r.fetch_add_many_async([(word, 3), (word, 4)]).result(timeout=30) == [before, before + 3]
+    assert r.read(word, 8, dtype="int64")[0] == before + 7
+    r.write(word, np.full(2, 14, np.float32))
     whole = r.read_async(0, 8 * MiB, dtype="float32").result(timeout=30)
     assert whole[1] == 0 and whole[-1] == 14
     tclient.delete_region(name)

@@ -97,6 +97,18 @@ def test_bad_names_and_sizes(client):
         client.create_region("test/p", 10, placement="diagonal")
     with pytest.raises(errors.InvalidArgument):
         client.open_region("no/such", mode="wx")
+    # values protobuf cannot carry are typed errors that say what is allowed, not ValueError
+    for size in (-5, 1 << 64, 2.5, "10", True):
+        with pytest.raises(errors.InvalidArgument, match=r"size must be a whole number of bytes.*2\*\*63"):
+            client.create_region("test/bad-size", size)
+    with pytest.raises(errors.InvalidArgument, match="stripe_unit"):
+        client.create_region("test/bad-unit", 4096, stripe_unit=-1)
+    with pytest.raises(errors.InvalidArgument, match="num_servers"):
+        client.create_region("test/bad-k", 4096, num_servers=-2)
+    with pytest.raises(errors.InvalidArgument, match=r"segment_sizes\[1\]"):
+        client.create_region("test/bad-seg", 4096, placement="layered", segment_sizes=[4000, -96])
+    with pytest.raises(errors.InvalidArgument, match="admin"):
+        client.open_region("no/such", mode="admin")
 
 
 def test_region_exists(client, name):
