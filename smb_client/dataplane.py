@@ -113,9 +113,13 @@ class DataPlane:
     def run(self, tasks: Sequence[Callable[[], T]]) -> list[T]:
         """Run tasks in parallel on the io pool (the first in the caller's thread);
         results in order. The first error wins, raised after every task ended."""
+        self._check_open()
         if len(tasks) == 1:
             return [tasks[0]()]
-        futures = [self._io.submit(t) for t in tasks[1:]]
+        try:
+            futures = [self._io.submit(t) for t in tasks[1:]]
+        except RuntimeError:   # shut down meanwhile
+            raise ServerUnavailable("the client's data plane is closed") from None
         results: list[Any] = []
         error: BaseException | None = None
         try:
@@ -133,14 +137,22 @@ class DataPlane:
 
     def submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Future[T]:
         """Run ``fn`` on the async pool (the ``*_async`` forms of Region)."""
-        return self._async.submit(fn, *args, **kwargs)
+        self._check_open()
+        try:
+            return self._async.submit(fn, *args, **kwargs)
+        except RuntimeError:
+            raise ServerUnavailable("the client's data plane is closed") from None
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ServerUnavailable("the client's data plane is closed (Client.close was called)")
 
     def close(self) -> None:
-        """Wait for submitted work, then close every session. Idempotent."""
+        """Refuse new work, wait for submitted work, then close every session. Idempotent."""
+        self._closed = True
         self._async.shutdown(wait=True)
         self._io.shutdown(wait=True)
         with self._lock:
-            self._closed = True
             sessions, self._sessions = self._sessions, {}
         # shm sessions first: they borrow the tcp session of their server
         for uri, s in sorted(sessions.items(), key=lambda kv: not kv[0].startswith("shm://")):

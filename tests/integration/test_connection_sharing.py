@@ -105,3 +105,42 @@ def test_shared_connection_keeps_each_regions_rights(four):
     with four.client(transport="tcp") as creator:
         assert bytes(creator.open_region("share/a").read(0, 10)) == b"A-original"
         creator.delete_region("share/a")
+
+
+def test_shm_mapping_shared_by_read_only_and_read_write_handles(cluster, name):
+    """One client, one region opened ro then rw: the extent's mapping is shared and made
+    writable for the rw handle, and the ro handle still cannot write through it."""
+    with cluster.client(transport="shm") as owner:
+        owner.create_region(name, MiB, placement="single").write(0, b"original")
+    with cluster.client(transport="shm") as c:
+        ro = c.open_region(name, mode="ro")
+        assert bytes(ro.read(0, 8)) == b"original"          # mapped read-only first
+        rw = c.open_region(name)
+        rw.write(0, b"written!")                             # remapped writable
+        place = ro.extents[0]
+        session = ro._session(place)
+        assert session is rw._session(place) and session.scheme == "shm"
+        with pytest.raises(errors.ReadOnly):
+            session.write(ro._ticket, place.extent_id, 0, [memoryview(b"changed!")])
+        assert bytes(ro.read(0, 8)) == b"written!"
+        rw.accumulate(8, np.ones(2, np.float32))             # arithmetic over the shared tcp session
+        assert list(ro.read(8, 8, dtype="float32")) == [1.0, 1.0]
+        assert sorted(s.partition("://")[0] for s in c.open_sessions()) == ["shm", "tcp"]
+        c.delete_region(name)
+
+
+def test_regions_of_a_closed_client_raise_a_typed_error(cluster, name):
+    c = cluster.client(transport="tcp")
+    r = c.create_region(name, MiB, stripe_unit=64 << 10)
+    r.write(0, b"before close")
+    c.close()
+    c.close()                                                # idempotent
+    with pytest.raises(errors.ServerUnavailable, match="closed"):
+        r.read(0, MiB)                                       # several servers: the io pool path
+    with pytest.raises(errors.ServerUnavailable, match="closed"):
+        r.fetch_add(0, 1)
+    with pytest.raises(errors.ServerUnavailable, match="closed"):
+        r.write_async(0, b"x")
+    with cluster.client() as other:
+        assert bytes(other.open_region(name).read(0, 12)) == b"before close"
+        other.delete_region(name)
