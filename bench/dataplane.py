@@ -29,7 +29,7 @@ import socket
 import struct
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -127,7 +127,7 @@ class RawSocket:
 
 
 # -- gRPC reference -----------------------------------------------------------------
-def _grpc_server(port_queue: "mp.Queue") -> None:
+def _grpc_server(port_queue: mp.Queue) -> None:
     from concurrent import futures
     blob = bytes(max(SIZES))
 
@@ -194,14 +194,14 @@ def measure(sizes: list[int], seconds: float, repeats: int) -> dict:
                 s, d = memoryview(src[:size]), memoryview(dst[:size])
                 bar.set_postfix_str(format_bytes(size))
                 record("memcpy", "write", size,
-                       timed(lambda: np.copyto(dst[:size], src[:size]), size, seconds, repeats))
+                       timed(lambda size=size: np.copyto(dst[:size], src[:size]), size, seconds, repeats))
                 record("memcpy", "read", size, rows["memcpy"]["write"][str(size)])
                 bar.update()
-                record("raw socket", "write", size, timed(lambda: raw.write(s), size, seconds, repeats))
-                record("raw socket", "read", size, timed(lambda: raw.read(d), size, seconds, repeats))
+                record("raw socket", "write", size, timed(lambda s=s: raw.write(s), size, seconds, repeats))
+                record("raw socket", "read", size, timed(lambda d=d: raw.read(d), size, seconds, repeats))
                 bar.update()
-                record("gRPC", "write", size, timed(lambda: rpc.write(s), size, seconds, repeats))
-                record("gRPC", "read", size, timed(lambda: rpc.read(d), size, seconds, repeats))
+                record("gRPC", "write", size, timed(lambda s=s: rpc.write(s), size, seconds, repeats))
+                record("gRPC", "read", size, timed(lambda d=d: rpc.read(d), size, seconds, repeats))
                 bar.update()
                 for transport in ("tcp", "shm"):
                     with cluster.client(transport=transport) as c:
@@ -209,9 +209,9 @@ def measure(sizes: list[int], seconds: float, repeats: int) -> dict:
                             r = c.open_region(f"bench/{n}")
                             series = f"{transport}, {n} server{'s' if n > 1 else ''}"
                             record(series, "write", size,
-                                   timed(lambda: r.write(0, src[:size]), size, seconds, repeats))
+                                   timed(lambda r=r, size=size: r.write(0, src[:size]), size, seconds, repeats))
                             record(series, "read", size,
-                                   timed(lambda: r.read_into(0, dst[:size]), size, seconds, repeats))
+                                   timed(lambda r=r, size=size: r.read_into(0, dst[:size]), size, seconds, repeats))
                             assert np.array_equal(dst[:size], src[:size]), "read back differs"
                             r.close()
                             bar.update()
@@ -258,7 +258,7 @@ def plot(rows: dict, sizes: list[int], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
-    for ax, op in zip(axes, ("write", "read")):
+    for ax, op in zip(axes, ("write", "read"), strict=True):
         for series, data in rows.items():
             style = "--" if series in ("memcpy", "raw socket", "gRPC") else "-"
             ax.plot(sizes, [data[op][str(s)] for s in sizes], style, marker="o", ms=3, label=series)

@@ -16,13 +16,13 @@ import hashlib
 import hmac
 import json
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 from .errors import InvalidTicket, TicketExpired
 
 
-class TicketMode(str, enum.Enum):
+class TicketMode(enum.StrEnum):
     """What a ticket allows. A ``str`` enum: it compares equal to its text form and
     travels as that text in tickets, protobuf fields and wire frames."""
 
@@ -35,7 +35,7 @@ class TicketMode(str, enum.Enum):
         return self is not TicketMode.RO
 
     @classmethod
-    def parse(cls, text: str) -> "TicketMode":
+    def parse(cls, text: str) -> TicketMode:
         """The mode named ``text``; ValueError naming the known modes otherwise."""
         try:
             return cls(text)

@@ -14,7 +14,7 @@ import logging
 import os
 import threading
 import time
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 log = logging.getLogger(__name__)
 
@@ -55,13 +55,13 @@ class CpuSampler:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def __enter__(self) -> "CpuSampler":
+    def __enter__(self) -> CpuSampler:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def start(self) -> "CpuSampler":
+    def start(self) -> CpuSampler:
         self._thread = threading.Thread(target=self._loop, name="cpu-sampler", daemon=True)
         self._thread.start()
         return self

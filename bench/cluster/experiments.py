@@ -11,9 +11,10 @@ import logging
 import statistics
 import subprocess
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from smb_server.local_cluster import wait_for_json
 
@@ -118,12 +119,12 @@ def bandwidth(tb: Testbed, s: Settings, tick: Tick, cpu: CpuSampler | None = Non
             "link_MBps": cap, "points": points}
 
 
-def _usage(cpu: CpuSampler | None, runs: Sequence[dict[str, Any]],
-           window: Callable[[dict[str, Any]], list[float]]) -> dict[str, float] | None:
-    """CPU use over the workers' common measured window (see :meth:`CpuSampler.usage`)."""
+def _usage(cpu: CpuSampler | None, windows: Sequence[Sequence[float]]) -> dict[str, float] | None:
+    """CPU use over the workers' common measured window, given each worker's
+    ``[start, end]`` (see :meth:`CpuSampler.usage`)."""
     if cpu is None:
         return None
-    return cpu.usage(max(window(r)[0] for r in runs), min(window(r)[1] for r in runs))
+    return cpu.usage(max(w[0] for w in windows), min(w[1] for w in windows))
 
 
 # -- experiment 2: sharding ---------------------------------------------------------
@@ -170,7 +171,7 @@ def sharding(tb: Testbed, s: Settings, tick: Tick, cpu: CpuSampler | None = None
                 "pull_seconds": statistics.median(_max_per_step(runs, placement, "pull")),
                 "steps": _max_per_step(runs, placement, "step"),
                 "max_server_share": share,
-                "cpu": _usage(cpu, runs, lambda r: r[placement]["window"]),
+                "cpu": _usage(cpu, [r[placement]["window"] for r in runs]),
                 "verified": all(r[placement]["verified"] for r in runs)}
         point["speedup"] = point["layered"]["step_seconds"] / point["striped"]["step_seconds"]
         point["expected_speedup"] = point["layered"]["max_server_share"] / point["striped"]["max_server_share"]
@@ -202,7 +203,7 @@ def allreduce(s: Settings, tick: Tick, cpu: CpuSampler | None = None) -> dict[st
                 per_sync = [max(r[str(size)][system]["times"][i] for r in runs)
                             for i in range(s.syncs)]
                 point[system] = {"seconds": statistics.median(per_sync), "syncs": per_sync,
-                                 "cpu": _usage(cpu, runs, lambda r: r[str(size)][system]["window"]),
+                                 "cpu": _usage(cpu, [r[str(size)][system]["window"] for r in runs]),
                                  "verified": all(r[str(size)][system]["verified"] for r in runs)}
             point["smb"]["phases"] = {   # slowest worker per sync, median over syncs
                 phase: statistics.median(max(r[str(size)]["smb"]["phases"][i][phase] for r in runs)

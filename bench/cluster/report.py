@@ -37,7 +37,8 @@ def bandwidth_table(r: dict[str, Any]) -> str:
 
 def sharding_table(r: dict[str, Any]) -> str:
     lines = ["| workers | memory servers | striped step (s) | layered step (s) | speedup striped over layered "
-             "| expected from placement | busiest server's share, striped / layered | CPU cores used (striped, layered) |",
+             "| expected from placement | busiest server's share, striped / layered "
+             "| CPU cores used (striped, layered) |",
              "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for p in r["points"]:
         st, la = p["striped"], p["layered"]
@@ -178,7 +179,7 @@ def plot_sharding(r: dict[str, Any], path: str) -> None:
     w = 0.38
     ax.bar([i - w / 2 for i in x], [p["striped"]["step_seconds"] for p in pts], w, label="striped (memory-based)")
     ax.bar([i + w / 2 for i in x], [p["layered"]["step_seconds"] for p in pts], w, label="layered (layer-based)")
-    for i, p in zip(x, pts):
+    for i, p in enumerate(pts):
         ax.annotate(f"×{p['speedup']:.2f}", (i, max(p["striped"]["step_seconds"], p["layered"]["step_seconds"])),
                     ha="center", va="bottom", fontsize=9)
     ax.set_xticks(list(x), labels)
@@ -198,7 +199,7 @@ def plot_allreduce(r: dict[str, Any], path: str) -> None:
     fig, ax = plt.subplots(figsize=(6.0, 4.2))
     ax.bar([i - w / 2 for i in x], [p["smb"]["seconds"] for p in pts], w, label="memory box: accumulate, read")
     ax.bar([i + w / 2 for i in x], [p["gloo"]["seconds"] for p in pts], w, label="gloo all-reduce")
-    for i, p in zip(x, pts):
+    for i, p in enumerate(pts):
         bound = link_bound(r, p["bytes"])
         if bound:
             ax.hlines(bound, i - 1.2 * w, i + 1.2 * w, colors="black", linestyles="--", lw=0.8,

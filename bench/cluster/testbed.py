@@ -36,9 +36,10 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from smb_server.local_cluster import wait_for_json
 
@@ -57,7 +58,7 @@ POLL = 0.05                   # seconds between looks at processes and files
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)   # held off during teardown
 
 _counter = itertools.count()
-_live: set["Testbed"] = set()
+_live: set[Testbed] = set()
 _live_lock = threading.Lock()
 
 # run a child under `setpriv --pdeathsig TERM` (util-linux) where it exists, so that the
@@ -132,13 +133,13 @@ class Testbed:
         extra = [] if self.colocate else self.workers
         return [self.controller, *self.servers, *extra]
 
-    def __enter__(self) -> "Testbed":
+    def __enter__(self) -> Testbed:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def start(self) -> "Testbed":
+    def start(self) -> Testbed:
         """Build the network, start the controller and the memory servers; returns once
         every memory server has registered."""
         self.state = "starting"
@@ -302,7 +303,8 @@ class Testbed:
 
     def server_host(self, server_id: str) -> Host:
         """The host of the memory server with id ``server_id``."""
-        for host, info in zip(self.servers, self.server_info):
+        # server_info stays empty until start() has seen every server ready
+        for host, info in zip(self.servers, self.server_info, strict=False):
             if info["server_id"] == server_id:
                 return host
         raise KeyError(f"no memory server {server_id} in this testbed")

@@ -20,13 +20,15 @@ seconds, timestamps ``time.time`` (one clock for all namespaces of the machine).
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -50,6 +52,14 @@ def _open_shared(c: Client, spec: dict[str, Any], name: str, create: Callable[[]
     region = create() if spec["rank"] == 0 else None
     c.barrier(f"{name}/created", spec["world"], timeout=BARRIER_TIMEOUT)
     return region if region is not None else c.open_region(name)
+
+
+def _create_filled(c: Client, name: str, size: int, data: np.ndarray, **opts: Any) -> Any:
+    """Create region ``name`` (``opts`` as for :meth:`Client.create_region`) and write
+    ``data`` at its start."""
+    region = c.create_region(name, size, **opts)
+    region.write(0, data)
+    return region
 
 
 def _servers_bytes(region: Any) -> dict[str, int]:
@@ -119,13 +129,10 @@ def sharding(spec: dict[str, Any]) -> dict[str, Any]:
                 opts["segment_sizes"] = segments
             else:
                 opts["stripe_unit"] = spec["stripe_unit"]
-
-            def create_params() -> Any:
-                r = c.create_region(f"{base}/params", slot, **opts)
-                r.write(0, initial)
-                return r
-            p_region = _open_shared(c, spec, f"{base}/params", create_params)
-            g_region = _open_shared(c, spec, f"{base}/grads", lambda: c.create_region(f"{base}/grads", slot, **opts))
+            p_region = _open_shared(c, spec, f"{base}/params",
+                                    functools.partial(_create_filled, c, f"{base}/params", slot, initial, **opts))
+            g_region = _open_shared(c, spec, f"{base}/grads",
+                                    functools.partial(c.create_region, f"{base}/grads", slot, **opts))
             times: list[dict[str, float]] = []
             window = [0.0, 0.0]       # time.time() of the measured steps
             for s in range(steps):

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import enum
 import logging
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -41,13 +41,13 @@ TOTAL_WORD = 1
 FINISHED_WORD = 2
 
 
-class StopRule(str, enum.Enum):
+class StopRule(enum.StrEnum):
     MASTER = "master"
     FASTEST = "fastest"
     AVERAGE = "average"
 
     @classmethod
-    def parse(cls, value: "str | StopRule") -> "StopRule":
+    def parse(cls, value: str | StopRule) -> StopRule:
         try:
             return cls(value)
         except ValueError:
@@ -55,11 +55,27 @@ class StopRule(str, enum.Enum):
                                   + ", ".join(r.value for r in cls)) from None
 
 
+class CounterRegion(Protocol):
+    """What :class:`SharedCounters` uses of a region (a :class:`~smb_client.region.Region`)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def size(self) -> int: ...
+
+    def fetch_add(self, offset: int, value: int) -> int: ...
+
+    def compare_swap(self, offset: int, expected: int, desired: int) -> int: ...
+
+    def read(self, offset: int = 0, length: int | None = None, dtype: Any = None) -> Any: ...
+
+
 class SharedCounters:
     """One worker's view of the counters region (``store.region("counters")`` or any
     region of at least ``(8 + workers) * 8`` bytes). The region handle is the caller's."""
 
-    def __init__(self, region: Any, rank: int, workers: int, rule: "str | StopRule" = StopRule.MASTER,
+    def __init__(self, region: CounterRegion, rank: int, workers: int, rule: str | StopRule = StopRule.MASTER,
                  target: int = 0, *, lockstep: bool = False) -> None:
         if not 0 <= rank < workers:
             raise InvalidArgument(f"rank {rank} outside 0..{workers - 1}")

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from ..errors import InvalidArgument
 from .store import ParameterStore
@@ -39,7 +40,7 @@ class WorkerEnv:
         return self.world_size // self.local_world_size
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> "WorkerEnv":
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> WorkerEnv:
         """Read the torchrun variables (InvalidArgument when they contradict each other)."""
         env = os.environ if environ is None else environ
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 from ..errors import DtypeError, InvalidArgument
 
@@ -64,7 +65,7 @@ class FlatLayout:
 
     # -- construction -------------------------------------------------------------
     @classmethod
-    def of(cls, shapes: Iterable[tuple[str, Sequence[int]]]) -> "FlatLayout":
+    def of(cls, shapes: Iterable[tuple[str, Sequence[int]]]) -> FlatLayout:
         """A layout for ``(name, shape)`` pairs, in order."""
         out: list[TensorSlot] = []
         offset = 0
@@ -87,7 +88,7 @@ class FlatLayout:
         return cls(tuple(out))
 
     @classmethod
-    def of_module(cls, module: Any) -> "FlatLayout":
+    def of_module(cls, module: Any) -> FlatLayout:
         """The layout of ``module.named_parameters()``: float32 CPU tensors only."""
         shapes = []
         for name, p in module.named_parameters():
@@ -140,12 +141,12 @@ class FlatLayout:
         return out
 
     # -- comparison and (de)serialization -----------------------------------------
-    def check_same(self, other: "FlatLayout", where: str = "the region") -> None:
+    def check_same(self, other: FlatLayout, where: str = "the region") -> None:
         """Raise InvalidArgument naming the first difference between two layouts."""
         if len(self.tensors) != len(other.tensors):
             raise InvalidArgument(f"the model has {len(other.tensors)} parameter tensors, {where} "
                                   f"holds {len(self.tensors)}")
-        for mine, theirs in zip(self.tensors, other.tensors):
+        for mine, theirs in zip(self.tensors, other.tensors, strict=True):
             if mine.name != theirs.name or mine.shape != theirs.shape:
                 raise InvalidArgument(
                     f"parameter {theirs.name!r} {list(theirs.shape)} does not match {where}'s "
@@ -156,7 +157,7 @@ class FlatLayout:
                            "tensors": [[t.name, list(t.shape)] for t in self.tensors]})
 
     @classmethod
-    def from_json(cls, text: str) -> "FlatLayout":
+    def from_json(cls, text: str) -> FlatLayout:
         try:
             doc = json.loads(text)
             if doc["version"] != LAYOUT_VERSION or doc["dtype"] != DTYPE or doc["align"] != ALIGN:

@@ -50,8 +50,9 @@ import os
 import struct
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator, Protocol
+from typing import Protocol
 
 import numpy as np
 
@@ -103,9 +104,9 @@ def _encode_uid(region_uid: str) -> bytes:
 class ArenaListener(Protocol):
     """Told about extents as they come and go (see the module docstring)."""
 
-    def extent_added(self, extent: "Extent") -> None: ...
+    def extent_added(self, extent: Extent) -> None: ...
 
-    def extent_retiring(self, extent: "Extent") -> None: ...
+    def extent_retiring(self, extent: Extent) -> None: ...
 
 
 class Extent:
@@ -133,7 +134,7 @@ class Extent:
         self._released = False
         self._keep_data = False
         self._closed = False
-        self.retire_hooks: list[Callable[["Extent"], None]] = []  # run before the memory goes
+        self.retire_hooks: list[Callable[[Extent], None]] = []  # run before the memory goes
 
     @property
     def address(self) -> int:
@@ -164,7 +165,7 @@ class Extent:
 
     # -- access ---------------------------------------------------------------------
     @contextlib.contextmanager
-    def pin(self) -> Iterator["Extent"]:
+    def pin(self) -> Iterator[Extent]:
         """Keep the mapping alive for one operation; raises ExtentNotFound once released."""
         with self._state:
             if self._released:

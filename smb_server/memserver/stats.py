@@ -34,7 +34,7 @@ class PlaneStats:
     :meth:`for_transport`) also receives every count.
     """
 
-    def __init__(self, transport: str = "", parent: "PlaneStats | None" = None) -> None:
+    def __init__(self, transport: str = "", parent: PlaneStats | None = None) -> None:
         self.transport = transport
         self._parent = parent
         self._lock = threading.Lock()
@@ -58,7 +58,7 @@ class PlaneStats:
         """Record one operation's latency (seconds) under this object's transport."""
         self.latency.observe(seconds, op=op, transport=self.transport or "unknown")
 
-    def for_transport(self, name: str) -> "PlaneStats":
+    def for_transport(self, name: str) -> PlaneStats:
         """The view a plane of transport ``name`` writes through (made once, then reused)."""
         with self._lock:
             view = self._views.get(name)

@@ -155,7 +155,7 @@ PartitionName=smbtest Nodes=ALL Default=YES MaxTime=10 State=UP
         self.env = dict(os.environ, SLURM_CONF=str(self.conf))
         self.procs: list[subprocess.Popen] = []
 
-    def start(self) -> "LocalSlurm":
+    def start(self) -> LocalSlurm:
         for argv in (["slurmctld", "-D", "-i", "-f", str(self.conf)],
                      ["slurmd", "-D", "-N", self.node, "-f", str(self.conf)]):
             with open(self.workdir / f"{argv[0]}.out", "wb") as out:

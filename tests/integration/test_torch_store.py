@@ -11,8 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from smb_client.errors import DtypeError, InvalidArgument, RegionNotFound  # noqa: E402
-from smb_client.torch import (SEASGD, ParameterStore, SharedCounters, SyncDataParallel,  # noqa: E402
-                              open_store, WorkerEnv)
+from smb_client.torch import SEASGD, ParameterStore, SharedCounters, SyncDataParallel, WorkerEnv, open_store  # noqa: E402
 
 
 def mlp(seed: int = 0, hidden: int = 24) -> torch.nn.Module:
@@ -30,7 +29,7 @@ def test_create_attach_pull_push(client, name, placement):
         other = mlp(seed=2)
         assert not torch.equal(other[0].weight, master[0].weight)
         attached = ParameterStore.attach(client, name, other)
-        for a, b in zip(master.parameters(), other.parameters()):
+        for a, b in zip(master.parameters(), other.parameters(), strict=True):
             assert torch.equal(a, b)
         # a push from one side is a pull on the other, in place
         with torch.no_grad():

@@ -97,11 +97,11 @@ def test_sync_equals_single_process_on_union_of_batches(cluster, name, placement
             p.join(30)
             if p.is_alive():
                 p.kill()
-    for rank, steps, params, traffic in results:
+    for rank, steps, params, _traffic in results:
         assert steps == STEPS, (rank, params)
     ref = FlatModel(reference()).flat_params.numpy()
     start = FlatModel(make_model()).flat_params.numpy()
-    for rank, _, params, traffic in results:
+    for _rank, _, params, traffic in results:
         assert np.array_equal(params, results[0][2])              # all replicas identical
         np.testing.assert_allclose(params, ref, rtol=1e-5, atol=1e-6)
         assert traffic["sent"] > 0 and traffic["received"] > 0

@@ -60,8 +60,8 @@ def test_data_crosses_the_bridge_and_arrives_intact(testbed):
     assert all(p["verified"] for p in points)
     assert all(p["write_MBps"] > 0 and p["read_MBps"] > 0 for p in points)
     # every byte went through the memory servers' links (counted by their switch ports)
-    to_servers = sum(a["to_host"] - b["to_host"] for a, b in zip(after, before))
-    from_servers = sum(a["from_host"] - b["from_host"] for a, b in zip(after, before))
+    to_servers = sum(a["to_host"] - b["to_host"] for a, b in zip(after, before, strict=True))
+    from_servers = sum(a["from_host"] - b["from_host"] for a, b in zip(after, before, strict=True))
     assert to_servers >= sum(p["write_bytes"] for p in points)
     assert from_servers >= sum(p["read_bytes"] for p in points)
 

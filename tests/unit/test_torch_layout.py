@@ -1,13 +1,14 @@
 """Pure parts of smb_client.torch: flat layout, buckets, binding, hooks, torchrun variables."""
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 torch = pytest.importorskip("torch")
 
 from smb_client.errors import DtypeError, InvalidArgument  # noqa: E402
-from smb_client.torch import (ALIGN, FlatLayout, FlatModel, GradientHooks, StopRule,  # noqa: E402
-                              WorkerEnv, node_groups)
+from smb_client.torch import ALIGN, FlatLayout, FlatModel, GradientHooks, StopRule, WorkerEnv, node_groups  # noqa: E402
 
 
 def mlp(hidden: int = 5) -> torch.nn.Module:
@@ -51,7 +52,7 @@ def test_buckets_cover_the_slot_backwards_without_gaps():
     buckets = layout.buckets(1024)
     assert buckets[0].last == len(layout.tensors) - 1
     assert buckets[-1].first == 0
-    for a, b in zip(buckets, buckets[1:]):
+    for a, b in itertools.pairwise(buckets):
         assert b.last == a.first - 1
         assert b.offset + b.length == a.offset
     assert buckets[0].offset + buckets[0].length == layout.slot_bytes
@@ -91,17 +92,17 @@ def test_flat_model_binds_parameters_and_gradients_in_place():
     before = [p.detach().clone() for p in model.parameters()]
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     flat = FlatModel(model)
-    for p, b, t in zip(model.parameters(), before, flat.layout.tensors):
+    for p, b, t in zip(model.parameters(), before, flat.layout.tensors, strict=True):
         assert torch.equal(p, b)
         start = t.offset // 4
         assert p.data_ptr() == flat.flat_params[start:].data_ptr()
     flat.zero_grad()
     model(torch.ones(4, 3)).sum().backward()
     grads = [p.grad.clone() for p in model.parameters()]
-    for p, gv in zip(model.parameters(), flat.grad_views):
+    for p, gv in zip(model.parameters(), flat.grad_views, strict=True):
         assert p.grad.data_ptr() == gv.data_ptr()       # accumulated in place
     opt.step()                                          # the optimizer sees the same Parameters
-    for p, b, g in zip(model.parameters(), before, grads):
+    for p, b, g in zip(model.parameters(), before, grads, strict=True):
         assert torch.allclose(p, b - 0.5 * g)
     # padding stays zero
     covered = torch.zeros(flat.layout.slot_elements, dtype=torch.bool)
@@ -119,7 +120,7 @@ def test_collect_grad_copies_replaced_gradients_back():
     expect = [p.grad.clone() for p in model.parameters()]
     assert model[0].weight.grad.data_ptr() != flat.grad_views[0].data_ptr()
     flat.collect_grads()
-    for p, gv, e in zip(model.parameters(), flat.grad_views, expect):
+    for p, gv, e in zip(model.parameters(), flat.grad_views, expect, strict=True):
         assert p.grad.data_ptr() == gv.data_ptr()
         assert torch.equal(gv, e)
     model.to(torch.float64)
