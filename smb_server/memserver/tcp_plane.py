@@ -36,7 +36,8 @@ from .stats import PlaneStats
 
 log = logging.getLogger(__name__)
 
-__all__ = ["TcpPlane", "check_access", "PlaneStats", "ACCEPT_POLL"]  # rdma_plane imports the middle two here
+# check_access, PlaneStats and ACCEPT_POLL were imported from here before access.py
+__all__ = ["TcpPlane", "check_access", "PlaneStats", "ACCEPT_POLL"]
 
 SCRATCH_BYTES = 4 << 20   # bytes of payload received per accumulate step
 FRAME_TIMEOUT = 60.0      # seconds a started frame may stall before the connection is dropped

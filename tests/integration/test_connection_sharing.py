@@ -4,11 +4,12 @@ server (counted by the servers), and regions sharing a connection keep their own
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
 
-from smb_client import errors, rpc
+from smb_client import errors, rpc, tickets
 from smb_client._proto.smb.v1 import memory_server_pb2, memory_server_pb2_grpc
 from smb_server.local_cluster import LocalCluster
 
@@ -144,3 +145,27 @@ def test_regions_of_a_closed_client_raise_a_typed_error(cluster, name):
     with cluster.client() as other:
         assert bytes(other.open_region(name).read(0, 12)) == b"before close"
         other.delete_region(name)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_expired_ticket_is_renewed_and_the_operation_runs_again(cluster, name, transport):
+    """A ticket that expires on a connection that already presented it, and one that is
+    refused at HELLO: the region renews its ticket (a new token) and the operation runs."""
+    secret = bytes.fromhex(cluster.secret_file.read_text().strip())
+    with cluster.client(transport=transport, connections=1) as c:
+        r = c.create_region(name, MiB, stripe_unit=64 << 10)
+        r.write(0, b"payload!")
+        ids = [e.extent_id for e in r.extents]
+        r._expires_at = time.time() + 3600                   # skip the early renewal
+        r._ticket = tickets.sign(secret, r.uid, ids, "rw", ttl=0.5)[0]
+        assert bytes(r.read(0, 8)) == b"payload!"            # presented while still valid
+        time.sleep(0.6)
+        short = r._ticket
+        r.accumulate(8, np.ones(4, np.float32))              # expired: renewed, run again
+        assert r._ticket != short
+        assert list(r.read(8, 16, dtype="float32")) == [1.0] * 4
+        r._expires_at = time.time() + 3600
+        r._ticket = tickets.sign(secret, r.uid, ids, "rw", ttl=-1)[0]   # refused at HELLO
+        r.write(0, b"renewed!")
+        assert bytes(r.read(0, 8)) == b"renewed!"
+        c.delete_region(name)
