@@ -91,7 +91,7 @@ class Client:
         self.dataplane = DataPlane(self.transport, host_id(), connections=connections, token=self.token,
                                    io_threads=io_threads, transport_options=self.transport_options)
         self._channel = rpc.channel(self.address)
-        self._stub = pb_grpc.ControllerStub(self._channel)
+        self._stub = pb_grpc.ControllerStub(self._channel)  # type: ignore[no-untyped-call]
 
     def __enter__(self) -> Client:
         return self
@@ -183,7 +183,7 @@ class Client:
         """
         request = pb.BarrierRequest(name=name, parties=parties, timeout_seconds=timeout or 0.0)
         grpc_timeout = None if timeout is None else timeout + 10.0
-        return self._call("Barrier", request, timeout=grpc_timeout).generation
+        return int(self._call("Barrier", request, timeout=grpc_timeout).generation)
 
     # -- data plane ----------------------------------------------------------------
     def open_sessions(self) -> dict[str, str]:

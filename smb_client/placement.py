@@ -103,7 +103,7 @@ class Layout:
         if sorted(set(segment_extents)) != list(range(k)):
             raise InvalidArgument("segment extents must use every index from 0 without gaps")
         lengths = [0] * k
-        for s, e in zip(segment_sizes, segment_extents):
+        for s, e in zip(segment_sizes, segment_extents, strict=True):
             lengths[e] += s
         return cls("layered", sum(segment_sizes), tuple(lengths),
                    segment_sizes=tuple(segment_sizes), segment_extents=tuple(segment_extents))
@@ -144,7 +144,7 @@ class Layout:
     def _segment_tables(self) -> tuple[list[int], list[int]]:
         starts, ext_offsets, fill = [], [], [0] * len(self.extent_lengths)
         pos = 0
-        for s, e in zip(self.segment_sizes, self.segment_extents):
+        for s, e in zip(self.segment_sizes, self.segment_extents, strict=True):
             starts.append(pos)
             ext_offsets.append(fill[e])
             fill[e] += s
@@ -269,7 +269,7 @@ def plan(size: int, placement: str, free: Mapping[str, int], *,
     # the largest extents go to the servers with the most free memory
     order = sorted(range(len(layout.extent_lengths)), key=lambda e: -layout.extent_lengths[e])
     servers = [""] * len(order)
-    for e, sid in zip(order, by_free):
+    for e, sid in zip(order, by_free, strict=False):   # the k servers with most free memory
         servers[e] = sid
     short = [(servers[e], layout.extent_lengths[e], free[servers[e]])
              for e in order if layout.extent_lengths[e] > free[servers[e]]]

@@ -142,12 +142,10 @@ class Region:
 
     def _tasks(self, offset: int, view: memoryview, align: int, op: BufferOp) -> list[Callable[[], Any]]:
         """One task per request; each reads the region's current ticket when it runs."""
-        tasks = []
-        for place, run in self._chunks(offset, len(view), align):
-            bufs = [view[ro - offset:ro - offset + n] for ro, n in run.parts]
-            tasks.append(lambda p=place, r=run, b=bufs: op(self._session(p), self._ticket, p.extent_id,
-                                                           r.extent_offset, b))
-        return tasks
+        def task(place: ExtentPlace, run: Run, bufs: list[memoryview]) -> Callable[[], Any]:
+            return lambda: op(self._session(place), self._ticket, place.extent_id, run.extent_offset, bufs)
+        return [task(place, run, [view[ro - offset:ro - offset + n] for ro, n in run.parts])
+                for place, run in self._chunks(offset, len(view), align)]
 
     def _check_writable(self) -> None:
         if not self.mode.writes:
@@ -224,11 +222,13 @@ class Region:
         if offset % size or length % size:
             raise Misaligned(f"offset {offset} and length {length} must be multiples of {size}")
         self.layout.check_range(offset, length)
-        chunks = self._chunks(offset, length, size)
         a = float(alpha)
-        self._retrying(lambda: self._run([
-            (lambda p=p, r=r: self._session(p).scale(self._ticket, p.extent_id, r.extent_offset, r.length, dt, a))
-            for p, r in chunks]))
+
+        def task(place: ExtentPlace, run: Run) -> Callable[[], None]:
+            return lambda: self._session(place).scale(self._ticket, place.extent_id, run.extent_offset,
+                                                      run.length, dt, a)
+        tasks = [task(p, r) for p, r in self._chunks(offset, length, size)]
+        self._retrying(lambda: self._run(tasks))
 
     def _word(self, offset: int) -> tuple[ExtentPlace, int]:
         if offset % 8:
@@ -242,19 +242,19 @@ class Region:
         """Atomically add ``value`` to the int64 at ``offset``; returns the old value."""
         self._check_writable()
         place, eoff = self._word(offset)
-        return self._retrying(lambda: self._session(place).fetch_add(self._ticket, place.extent_id, eoff,
-                                                                     int(value)))
+        return int(self._retrying(lambda: self._session(place).fetch_add(self._ticket, place.extent_id, eoff,
+                                                                         int(value))))
 
     def compare_swap(self, offset: int, expected: int, desired: int) -> int:
         """Atomically set the int64 at ``offset`` to ``desired`` if it equals ``expected``;
         returns the old value (equal to ``expected`` when the swap happened)."""
         self._check_writable()
         place, eoff = self._word(offset)
-        return self._retrying(lambda: self._session(place).compare_swap(
-            self._ticket, place.extent_id, eoff, int(expected), int(desired)))
+        return int(self._retrying(lambda: self._session(place).compare_swap(
+            self._ticket, place.extent_id, eoff, int(expected), int(desired))))
 
     # -- batched forms -------------------------------------------------------------
-    def _many(self, items: Iterable[tuple[int, Any]], fn: Callable[[int, Any], list]) -> None:
+    def _many(self, items: Iterable[tuple[int, Any]], fn: Callable[[int, Any], list[Callable[[], Any]]]) -> None:
         tasks: list[Callable[[], Any]] = []
         for offset, data in items:
             tasks.extend(fn(offset, data))
@@ -265,7 +265,7 @@ class Region:
         """Write several ``(offset, data)`` pairs, all servers in parallel."""
         self._check_writable()
 
-        def plan(offset: int, data: Any) -> list:
+        def plan(offset: int, data: Any) -> list[Callable[[], Any]]:
             view, _ = as_view(data)
             self.layout.check_range(offset, len(view))
             return self._tasks(offset, view, 1, _write)
@@ -276,7 +276,7 @@ class Region:
         buffers, in order (as :meth:`read_into` returns its buffer)."""
         outs: list[Any] = []
 
-        def plan(offset: int, out: Any) -> list:
+        def plan(offset: int, out: Any) -> list[Callable[[], Any]]:
             view, _ = as_view(out, writable=True)
             self.layout.check_range(offset, len(view))
             outs.append(out)
@@ -306,7 +306,7 @@ class Region:
         def batch(place: ExtentPlace, where: list[int], ops: list[tuple[int, int]]) -> Callable[[], None]:
             def run() -> None:
                 got = self._session(place).fetch_add_many(self._ticket, place.extent_id, ops)
-                for k, old in zip(where, got):
+                for k, old in zip(where, got, strict=True):
                     olds[k] = old
             return run
         tasks = [batch(*b) for b in batches.values()]
@@ -318,50 +318,50 @@ class Region:
         """Accumulate several ``(offset, data)`` pairs, all servers in parallel."""
         self._check_writable()
 
-        def plan(offset: int, data: Any) -> list:
+        def plan(offset: int, data: Any) -> list[Callable[[], Any]]:
             view, dt = self._typed(offset, data, dtype)
             return self._tasks(offset, view, itemsize(dt), lambda s, t, e, o, b: s.accumulate(t, e, o, b, dt))
         self._many(items, plan)
 
     # -- asynchronous forms --------------------------------------------------------
-    def _submit(self, fn: Callable, *args: Any, **kwargs: Any) -> Future:
+    def _submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future[Any]:
         return self._dataplane.submit(fn, *args, **kwargs)
 
-    def write_async(self, offset: int, data: Any) -> Future:
+    def write_async(self, offset: int, data: Any) -> Future[Any]:
         return self._submit(self.write, offset, data)
 
-    def read_into_async(self, offset: int, out: Any) -> Future:
+    def read_into_async(self, offset: int, out: Any) -> Future[Any]:
         return self._submit(self.read_into, offset, out)
 
-    def read_async(self, offset: int = 0, length: int | None = None, dtype: Any = None) -> Future:
+    def read_async(self, offset: int = 0, length: int | None = None, dtype: Any = None) -> Future[Any]:
         return self._submit(self.read, offset, length, dtype)
 
-    def accumulate_async(self, offset: int, data: Any, dtype: Any = None) -> Future:
+    def accumulate_async(self, offset: int, data: Any, dtype: Any = None) -> Future[Any]:
         return self._submit(self.accumulate, offset, data, dtype)
 
-    def axpy_async(self, offset: int, x: Any, alpha: float, dtype: Any = None) -> Future:
+    def axpy_async(self, offset: int, x: Any, alpha: float, dtype: Any = None) -> Future[Any]:
         return self._submit(self.axpy, offset, x, alpha, dtype)
 
-    def scale_async(self, offset: int, length: int, alpha: float, dtype: Any) -> Future:
+    def scale_async(self, offset: int, length: int, alpha: float, dtype: Any) -> Future[Any]:
         return self._submit(self.scale, offset, length, alpha, dtype)
 
-    def fetch_add_async(self, offset: int, value: int) -> Future:
+    def fetch_add_async(self, offset: int, value: int) -> Future[Any]:
         return self._submit(self.fetch_add, offset, value)
 
-    def compare_swap_async(self, offset: int, expected: int, desired: int) -> Future:
+    def compare_swap_async(self, offset: int, expected: int, desired: int) -> Future[Any]:
         return self._submit(self.compare_swap, offset, expected, desired)
 
-    def write_many_async(self, items: Sequence[tuple[int, Any]]) -> Future:
+    def write_many_async(self, items: Sequence[tuple[int, Any]]) -> Future[Any]:
         return self._submit(self.write_many, items)
 
-    def read_many_async(self, items: Sequence[tuple[int, Any]]) -> Future:
+    def read_many_async(self, items: Sequence[tuple[int, Any]]) -> Future[Any]:
         """A future of :meth:`read_many`'s list of buffers."""
         return self._submit(self.read_many, items)
 
-    def accumulate_many_async(self, items: Sequence[tuple[int, Any]], dtype: Any = None) -> Future:
+    def accumulate_many_async(self, items: Sequence[tuple[int, Any]], dtype: Any = None) -> Future[Any]:
         return self._submit(self.accumulate_many, items, dtype)
 
-    def fetch_add_many_async(self, items: Sequence[tuple[int, int]]) -> Future:
+    def fetch_add_many_async(self, items: Sequence[tuple[int, int]]) -> Future[Any]:
         """A future of :meth:`fetch_add_many`'s old values."""
         return self._submit(self.fetch_add_many, items)
 

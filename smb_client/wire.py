@@ -98,7 +98,7 @@ def recv_exact(sock: socket.socket, n: int) -> bytearray:
     return buf
 
 
-def unpack_response(data: bytes) -> tuple[int, int, int]:
+def unpack_response(data: bytes | bytearray) -> tuple[int, int, int]:
     """(status, req_id, length) of a response header."""
     magic, status, _pad, req_id, length = RESPONSE.unpack(data)
     if magic != MAGIC:

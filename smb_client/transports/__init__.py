@@ -80,8 +80,8 @@ def available() -> list[str]:
     return sorted(TRANSPORTS)
 
 
-from . import shm as _shm  # noqa: E402
-from . import tcp as _tcp  # noqa: E402  (registers itself)
+from . import shm as _shm  # noqa: E402, F401  (registers itself)
+from . import tcp as _tcp  # noqa: E402, F401  (registers itself)
 
 try:  # optional: needs pyverbs from the distribution's rdma-core
     from . import rdma as _rdma  # noqa: F401

@@ -1,7 +1,8 @@
 """The TCP data plane: framed requests (see :mod:`smb_client.wire`) over a small pool
 of connections per memory server, shared by every region of a client. Each connection
-presents a region's ticket (``HELLO``) before its first request for that region. Payloads move between caller buffers and the
-socket with ``sendmsg``/``recvmsg_into`` on memoryviews, without intermediate copies.
+presents a region's ticket (``HELLO``) before its first request for that region.
+Payloads move between caller buffers and the socket with ``sendmsg``/``recvmsg_into``
+on memoryviews, without intermediate copies.
 
 Failure detection: a memory server that is gone (host down, link down) is found by the
 kernel, not by guessing from the application's silence. Every socket sends TCP
@@ -183,11 +184,11 @@ class TcpSession(Session):
         self._do(ticket, wire.Op.SCALE, extent_id, offset, length, dtype=dtype, alpha=alpha)
 
     def fetch_add(self, ticket: str, extent_id: int, offset: int, value: int) -> int:
-        return _WORD.unpack(self._do(ticket, wire.Op.FETCH_ADD, extent_id, offset, 8, arg0=value))[0]
+        return int(_WORD.unpack(self._do(ticket, wire.Op.FETCH_ADD, extent_id, offset, 8, arg0=value))[0])
 
     def compare_swap(self, ticket: str, extent_id: int, offset: int, expected: int, desired: int) -> int:
         body = self._do(ticket, wire.Op.COMPARE_SWAP, extent_id, offset, 8, arg0=expected, arg1=desired)
-        return _WORD.unpack(body)[0]
+        return int(_WORD.unpack(body)[0])
 
     def close(self) -> None:
         self.pool.close()

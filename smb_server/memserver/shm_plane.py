@@ -28,8 +28,8 @@ from smb_client import wire
 from smb_client.errors import SMBError, Status, error_status
 from smb_client.tickets import verify
 
-from .arena import Arena
 from .access import ACCEPT_POLL, check_access
+from .arena import Arena
 from .stats import PlaneStats
 
 log = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ class ShmPlane:
         while not self.closing:
             try:
                 sock, _addr = self._listener.accept()
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except OSError as exc:
                 if not self.closing:
@@ -135,7 +135,7 @@ class ShmPlane:
         while got < n:
             try:
                 k = sock.recv_into(view[got:])
-            except socket.timeout:
+            except TimeoutError:
                 if idle_ok and got == 0 and not self.closing:
                     continue
                 raise _Drop("request stalled") from None
@@ -203,7 +203,7 @@ class ShmPlane:
             pass
         log.info("shm data plane on %s closed", self.path)
 
-    def __enter__(self) -> "ShmPlane":
+    def __enter__(self) -> ShmPlane:
         return self
 
     def __exit__(self, *exc: object) -> None:

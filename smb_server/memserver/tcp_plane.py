@@ -24,7 +24,14 @@ import time
 from smb_client import wire
 from smb_client.dtypes import FLOATING, STORAGE, DType
 from smb_client.errors import (
-    DtypeError, ExtentNotFound, InvalidArgument, InvalidTicket, Misaligned, SMBError, Status, error_status,
+    DtypeError,
+    ExtentNotFound,
+    InvalidArgument,
+    InvalidTicket,
+    Misaligned,
+    SMBError,
+    Status,
+    error_status,
 )
 from smb_client.tickets import verify
 from smb_client.wire import Op
@@ -52,7 +59,7 @@ class _Drop(Exception):
 class _Connection:
     """One client socket, its ticket and its scratch buffer. Runs on its own thread."""
 
-    def __init__(self, plane: "TcpPlane", sock: socket.socket, peer: str) -> None:
+    def __init__(self, plane: TcpPlane, sock: socket.socket, peer: str) -> None:
         self.plane = plane
         self.sock = sock
         self.peer = peer
@@ -74,7 +81,7 @@ class _Connection:
         while got < len(view):
             try:
                 n = self.sock.recv_into(view[got:])
-            except socket.timeout:
+            except TimeoutError:
                 if got == 0 and not self.plane.closing:
                     continue  # idle between requests: fine
                 raise _Drop("frame stalled") from None
@@ -307,7 +314,7 @@ class TcpPlane:
         while not self.closing:
             try:
                 sock, addr = self._listener.accept()
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except OSError as exc:
                 if not self.closing:
@@ -366,7 +373,7 @@ class TcpPlane:
             thread.join(max(0.0, deadline - time.monotonic()))
         log.info("tcp data plane on port %d closed", self._port)
 
-    def __enter__(self) -> "TcpPlane":
+    def __enter__(self) -> TcpPlane:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -52,7 +52,7 @@ def test_many_regions_share_connections_per_server(four):
         def hammer(k: int) -> None:   # every region at once, many requests in flight per server
             try:
                 for _ in range(3):
-                    for r, d in zip(regions, data):
+                    for r, d in zip(regions, data, strict=True):
                         r.write(0, d)
                         assert bytes(r.read()) == d.tobytes()
             except BaseException as exc:
@@ -73,7 +73,7 @@ def test_many_regions_share_connections_per_server(four):
         assert len(peak) == SERVERS
         assert all(1 <= n <= CONNECTIONS for n in peak.values()), peak
         assert len(c.open_sessions()) == SERVERS          # one session per endpoint
-        for r, d in zip(regions, data):
+        for r, d in zip(regions, data, strict=True):
             assert np.array_equal(np.frombuffer(r.read(), np.uint8), d)
         for n in names:
             c.delete_region(n)

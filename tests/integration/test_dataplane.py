@@ -5,7 +5,6 @@ import numpy as np
 import pytest
 import torch
 
-import smb_client
 from smb_client import errors
 from smb_client.dtypes import bf16_to_f32, f32_to_bf16
 
@@ -169,7 +168,7 @@ def test_async_and_batched_forms(tclient, name):
     r.accumulate_many([(i * MiB, c) for i, c in enumerate(chunks)])
     outs = [np.empty(MiB // 4, np.float32) for _ in range(8)]
     got = r.read_many([(i * MiB, o) for i, o in enumerate(outs)])
-    assert len(got) == 8 and all(g is o for g, o in zip(got, outs))   # the buffers, in order
+    assert len(got) == 8 and all(g is o for g, o in zip(got, outs, strict=True))   # the buffers, in order
     for i, o in enumerate(outs):
         assert np.all(o == 2 * i)
     again = r.read_many_async([(i * MiB + 4, np.empty(2, np.float32)) for i in range(8)]).result(timeout=30)

@@ -19,12 +19,20 @@ import pytest
 
 from smb_client import rpc, tickets, wire
 from smb_client._proto.smb.v1 import (
-    controller_pb2, controller_pb2_grpc, memory_server_pb2, memory_server_pb2_grpc,
+    controller_pb2,
+    controller_pb2_grpc,
+    memory_server_pb2,
+    memory_server_pb2_grpc,
 )
 from smb_client.dtypes import DType
 from smb_client.errors import (
-    AuthenticationError, ExtentNotFound, InvalidArgument, InvalidTicket, OutOfMemory,
-    PermissionDenied, Status,
+    AuthenticationError,
+    ExtentNotFound,
+    InvalidArgument,
+    InvalidTicket,
+    OutOfMemory,
+    PermissionDenied,
+    Status,
 )
 from smb_client.wire import Op
 from smb_server.config import ServerConfig

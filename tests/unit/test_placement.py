@@ -111,7 +111,7 @@ def test_striped_extents_balanced_within_one_stripe_unit(layout: Layout) -> None
 @given(layered_layouts())
 def test_layered_segments_whole_on_one_extent(layout: Layout) -> None:
     for start, size, extent in zip(layout.segment_offsets(), layout.segment_sizes,
-                                   layout.segment_extents):
+                                   layout.segment_extents, strict=True):
         pieces = layout.map(start, size)
         assert len(pieces) == 1
         assert pieces[0].extent == extent
@@ -135,7 +135,7 @@ def test_plan_fits_or_raises_out_of_memory(size: int, placement: str, free: dict
         return
     assert layout.size == size
     assert len(servers) == len(layout.extent_lengths) == len(set(servers))
-    for length, server in zip(layout.extent_lengths, servers):
+    for length, server in zip(layout.extent_lengths, servers, strict=True):
         assert length <= free[server]
 
 
