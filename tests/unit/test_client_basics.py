@@ -8,9 +8,10 @@ import torch
 from smb_client import errors
 from smb_client.addressing import parse_endpoint, parse_hostport
 from smb_client.buffers import as_view
-from smb_client.client import Client, choose_endpoint
+from smb_client.client import Client
+from smb_client.dataplane import DataPlane, choose_endpoint
 from smb_client.dtypes import DType, resolve
-from smb_client.region import ExtentPlace
+from smb_client.placement import ExtentPlace
 from smb_client.units import format_bytes, parse_size
 
 
@@ -95,3 +96,26 @@ def test_transport_choice():
         choose_endpoint(place, "shm", "hostB")
     with pytest.raises(errors.InvalidArgument, match="unknown transport"):
         Client("127.0.0.1:1", transport="carrier-pigeon")
+
+
+def test_dataplane_arguments_and_lifecycle():
+    with pytest.raises(errors.InvalidArgument, match="connections"):
+        DataPlane("tcp", "hostA", connections=0)
+    with pytest.raises(errors.InvalidArgument, match="unknown transport"):
+        DataPlane("udp", "hostA")
+    with pytest.raises(errors.InvalidArgument, match="chunk_bytes"):
+        Client("127.0.0.1:1", chunk_bytes=0)
+    dp = DataPlane("tcp", "hostA", connections=1)
+    assert dp.run([lambda: 1, lambda: 2, lambda: 3]) == [1, 2, 3]
+    assert dp.submit(lambda x: x * 2, 21).result(timeout=5) == 42
+    place = ExtentPlace(1, "s1", 10, "h:1", "hostA", ("tcp://127.0.0.1:1",), "up")
+    session = dp.session(place)
+    assert dp.session(place) is session and list(dp.sessions()) == ["tcp://127.0.0.1:1"]
+    dp.close()
+    dp.close()
+    with pytest.raises(errors.ServerUnavailable, match="closed"):
+        dp.session(place)
+    with pytest.raises(errors.ServerUnavailable, match="closed"):
+        dp.run([lambda: 1])
+    with pytest.raises(errors.ServerUnavailable):       # the session's pool was closed too
+        session.read_into("t", 1, 0, [memoryview(bytearray(8))])
