@@ -19,6 +19,7 @@ from ._proto.smb.v1 import controller_pb2_grpc as pb_grpc
 from .dataplane import TRANSPORT_POLICIES, DataPlane, choose_endpoint
 from .errors import ControllerUnavailable, InvalidArgument, SMBError
 from .hostinfo import host_id
+from .names import check_region_name
 from .region import Region
 from .retry import Backoff, Retry
 from .tickets import TicketMode
@@ -192,8 +193,9 @@ class Client:
 
 
 def _check_name(name: object) -> None:
-    if not isinstance(name, str) or not name:
-        raise InvalidArgument(f"a region name is a non-empty string, not {name!r}")
+    # checked here too, not only by the controller: a name too large for one gRPC
+    # message would otherwise fail in the channel with an unrelated error
+    check_region_name(name)
 
 
 def _check_bytes(what: str, value: object, minimum: int) -> None:

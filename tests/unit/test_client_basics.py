@@ -119,3 +119,15 @@ def test_dataplane_arguments_and_lifecycle():
         dp.run([lambda: 1])
     with pytest.raises(errors.ServerUnavailable):       # the session's pool was closed too
         session.read_into("t", 1, 0, [memoryview(bytearray(8))])
+
+
+@pytest.mark.parametrize("name", ["x" * (70 << 20), "a/" + "b" * 300, "..", ".", "../x",
+                                  "params", "job//p", "job/.."])
+def test_region_names_checked_before_any_call(name):
+    # no controller listens here: the name is refused before the request is built,
+    # including one too large for a gRPC message (which the controller never sees)
+    with Client("127.0.0.1:1", "t", reconnect_timeout=0.0) as c:
+        with pytest.raises(errors.InvalidArgument, match="namespace/name"):
+            c.create_region(name, 4096)
+        with pytest.raises(errors.InvalidArgument, match="namespace/name"):
+            c.open_region(name)
