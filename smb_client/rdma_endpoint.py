@@ -38,11 +38,11 @@ class RegisteredBuffer:
 
     @property
     def lkey(self) -> int:
-        return self.mr.lkey
+        return int(self.mr.lkey)
 
     @property
     def rkey(self) -> int:
-        return self.mr.rkey
+        return int(self.mr.rkey)
 
     def close(self) -> None:
         if self.mr is None:

@@ -139,7 +139,8 @@ def test_pipelined_atomics(server, uri, extent):
     items = [(8 * (k % 3), 1) for k in range(1000)]
     olds = s.fetch_add_many(tok, extent, items)
     for word in range(3):
-        assert [o for (off, _), o in zip(items, olds, strict=True) if off == 8 * word] == list(range(len(items[word::3])))
+        mine = [o for (off, _), o in zip(items, olds, strict=True) if off == 8 * word]
+        assert mine == list(range(len(items[word::3])))
     assert list(np.frombuffer(server.arena.get(extent).data[:24], "<i8")) == [334, 333, 333]
     assert s.compare_swap(tok, extent, 0, 334, -1) == 334    # single atomics still work after a batch
     with pytest.raises(errors.Misaligned):

@@ -286,7 +286,7 @@ class RdmaConnection:
                     qp.wr_set_sge(sge)
                 qp.wr_complete()
                 continue
-            self.wait(lambda i=i: self.done >= last or (i < total and self.seq - self.done < window), what)
+            self.wait(lambda: self.done >= last or (i < total and self.seq - self.done < window), what)  # noqa: B023
 
     def atomics(self, rext: RemoteExtent, ops: Sequence[tuple[int, int, int | None]]) -> list[int]:
         """RDMA atomics ``(offset, compare_add, swap or None for fetch-add)`` on words of
@@ -325,7 +325,7 @@ class RdmaConnection:
                     i += 1
                 qp.wr_complete()
                 continue
-            self.wait(lambda i=i: self.done >= last or (i < len(ops) and self.seq - self.done < window),
+            self.wait(lambda: self.done >= last or (i < len(ops) and self.seq - self.done < window),  # noqa: B023
                       "atomic")
         for k in range(max(0, len(ops) - window), len(ops)):
             take(k)

@@ -5,6 +5,7 @@ cache works with any object that has it (tests use a fake device, no RDMA needed
 """
 from __future__ import annotations
 
+import functools
 import logging
 import mmap
 import threading
@@ -93,7 +94,7 @@ class RegistrationCache:
                 self._drop_locked(key, reg)
             self.misses += 1
         try:
-            ref = weakref.ref(owner, lambda _r, k=key: self._owner_died(k))
+            ref = weakref.ref(owner, functools.partial(self._on_owner_died, key))
         except TypeError:
             return None
         pstart = start - start % PAGE
@@ -125,6 +126,9 @@ class RegistrationCache:
             reg.users -= 1
             if reg.users == 0 and reg.dead:
                 reg.mr.close()
+
+    def _on_owner_died(self, key: int, _ref: Any) -> None:
+        self._owner_died(key)
 
     def _owner_died(self, key: int) -> None:
         with self._lock:
@@ -171,7 +175,7 @@ def owner_of(view: memoryview) -> tuple[Any, int, int] | None:
     """(owner, start address, end address) of the memory behind ``view``, for owners
     whose lifetime says whether the memory is still theirs (numpy arrays, mmaps, torch
     storages); None otherwise."""
-    obj = view.obj
+    obj: Any = view.obj
     while isinstance(obj, np.ndarray):
         base = obj.base
         if base is None:

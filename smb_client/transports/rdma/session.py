@@ -194,7 +194,8 @@ class RdmaSession(Session):
             for offset, _, _ in ops:
                 self._check(rext, extent_id, offset, 8)
             return conn.atomics(rext, ops)
-        return self._do(ticket, run)
+        olds: list[int] = self._do(ticket, run)
+        return olds
 
     def fetch_add(self, ticket: str, extent_id: int, offset: int, value: int) -> int:
         return self._atomics(ticket, extent_id, [(offset, int(value), None)])[0]
@@ -215,7 +216,7 @@ class RdmaSession(Session):
         if offset % size or total % size:
             raise Misaligned(f"offset {offset} and length {total} must be multiples of {size}")
 
-        def run(conn: RdmaConnection, keys: TicketKeys, state: dict) -> None:
+        def run(conn: RdmaConnection, keys: TicketKeys, state: dict[str, bool]) -> None:
             rext = conn.extent(keys, extent_id)
             self._check(rext, extent_id, offset, total)
             self._writable(conn, keys)
@@ -257,7 +258,7 @@ class RdmaSession(Session):
         self._do_arith(ticket, run)
 
     def scale(self, ticket: str, extent_id: int, offset: int, length: int, dtype: DType, alpha: float) -> None:
-        def run(conn: RdmaConnection, keys: TicketKeys, state: dict) -> None:
+        def run(conn: RdmaConnection, keys: TicketKeys, state: dict[str, bool]) -> None:
             rext = conn.extent(keys, extent_id)
             self._check(rext, extent_id, offset, length)
             self._writable(conn, keys)
@@ -270,7 +271,7 @@ class RdmaSession(Session):
         if not keys.writable or not conn.staging[2]:
             raise ReadOnly(f"{self.where}: the region was opened read-only (no staging area)")
 
-    def _do_arith(self, ticket: str, run: Callable[[RdmaConnection, TicketKeys, dict], None]) -> None:
+    def _do_arith(self, ticket: str, run: Callable[[RdmaConnection, TicketKeys, dict[str, bool]], None]) -> None:
         """Server errors arrive as replies (typed, QP intact); error completions as
         _Broken. Retrying after a request was sent could apply it twice, so only
         failures before the first request (a stale extent map) connect again."""
