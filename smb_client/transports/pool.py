@@ -79,6 +79,7 @@ class ConnectionPool(Generic[C]):
                 while self._idle:
                     conn = self._idle.pop()
                     if conn.closed:       # broke while idle (peer went away)
+                        conn.close()      # still frees what it holds (sockets, verbs resources)
                         self._cond.notify()
                         continue
                     self._busy.add(id(conn))

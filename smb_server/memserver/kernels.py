@@ -12,6 +12,7 @@ processed in chunks of :data:`CHUNK_BYTES` so temporaries stay small.
 """
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 from collections.abc import Callable
@@ -54,6 +55,44 @@ def check_length(nbytes: int, dt: DType) -> None:
     if nbytes % size:
         raise Misaligned(f"{nbytes} bytes is not a multiple of the {dt.name.lower()} element size "
                          f"({size} bytes)")
+
+
+class Arith(enum.Enum):
+    """The server-side vector operations every data plane offers."""
+
+    ACCUMULATE = "accumulate"   # dst += src
+    AXPY = "axpy"               # dst += alpha * src
+    SCALE = "scale"             # dst *= alpha
+
+
+def check_arith(op: Arith, dtype: int, offset: int, length: int) -> DType:
+    """Validate an arithmetic request as every plane must: a known element type (a
+    floating one for axpy and scale), offset and length whole elements. Returns the
+    element type; raises DtypeError or Misaligned with what is allowed."""
+    dt = element_type(dtype)
+    if op is not Arith.ACCUMULATE and dt not in FLOATING:
+        raise DtypeError(f"{op.value} needs a floating element type (float32, float16, bfloat16, "
+                         f"float64), not {dt.name.lower()}")
+    size = STORAGE[dt].itemsize
+    if offset % size or length % size:
+        raise Misaligned(f"offset {offset} and length {length} must be multiples of the "
+                         f"{dt.name.lower()} element size ({size} bytes)")
+    return dt
+
+
+def apply(op: Arith, dst: memoryview, src: memoryview | bytes | bytearray | None, dt: DType,
+          alpha: float = 1.0) -> None:
+    """Run ``op`` on ``dst`` in place (``src`` is unused by scale). The caller holds the
+    extent's lock and validated the request with :func:`check_arith`."""
+    if op is Arith.SCALE:
+        scale(dst, alpha, dt)
+        return
+    if src is None:
+        raise InvalidArgument(f"{op.value} needs a source buffer")
+    if op is Arith.ACCUMULATE:
+        accumulate(dst, src, dt)
+    else:
+        axpy(dst, alpha, src, dt)
 
 
 def _view(buf: memoryview | bytes | bytearray, dt: DType) -> np.ndarray:

@@ -7,12 +7,9 @@ import time
 from typing import TYPE_CHECKING
 
 from smb_client import rdma_wire, verbs
-from smb_client.dtypes import FLOATING, STORAGE
 from smb_client.errors import (
-    DtypeError,
     ExtentNotFound,
     InvalidArgument,
-    Misaligned,
     OutOfRange,
     ReadOnly,
     SMBError,
@@ -30,6 +27,9 @@ if TYPE_CHECKING:
     from .rdma_plane import RdmaPlane
 
 log = logging.getLogger(__name__)
+
+_ARITH = {MsgOp.ACCUMULATE: kernels.Arith.ACCUMULATE, MsgOp.AXPY: kernels.Arith.AXPY,
+          MsgOp.SCALE: kernels.Arith.SCALE}
 
 RECV_DEPTH = 16           # request slots (posted receives) per connection
 SEND_DEPTH = 2 * RECV_DEPTH
@@ -174,13 +174,8 @@ class ServerConnection:
             raise InvalidArgument(f"unknown rdma request {op}")
         extent = self.book.check(self.plane.arena, extent_id, write=True)
         extent.check_range(offset, length)
-        dt = kernels.element_type(dtype)
-        if op != MsgOp.ACCUMULATE and dt not in FLOATING:
-            raise DtypeError(f"{MsgOp(op).name.lower()} needs a floating element type, not {dt.name.lower()}")
-        size = STORAGE[dt].itemsize
-        if offset % size or length % size:
-            raise Misaligned(f"offset {offset} and length {length} must be multiples of the "
-                             f"{dt.name.lower()} element size ({size} bytes)")
+        arith = _ARITH[MsgOp(op)]
+        dt = kernels.check_arith(arith, dtype, offset, length)
         if op == MsgOp.SCALE:
             src = None
         else:
@@ -192,12 +187,7 @@ class ServerConnection:
                                  f"{area.length}-byte staging area")
             src = area.view[staging:staging + length]
         with extent.pin(), extent.lock, extent.data[offset:offset + length] as dst:
-            if op == MsgOp.ACCUMULATE:
-                kernels.accumulate(dst, src, dt)
-            elif op == MsgOp.AXPY:
-                kernels.axpy(dst, alpha, src, dt)
-            else:
-                kernels.scale(dst, alpha, dt)
+            kernels.apply(arith, dst, src, dt, alpha)
         if not extent.live:
             raise ExtentNotFound(f"extent {extent_id} was released during the operation")
 

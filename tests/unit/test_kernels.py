@@ -179,3 +179,27 @@ def test_bfloat16_paths_match_reference_across_blocks():
         np.testing.assert_array_equal(got[name], ref[name], err_msg=name)
     assert got["accumulate"][5] == 0x7FC0 and got["accumulate"][7] == 0x7FC0
     assert got["accumulate"][8] == 0x7F80
+
+
+def test_check_arith_is_the_one_rule_for_every_plane():
+    assert kernels.check_arith(kernels.Arith.ACCUMULATE, DType.INT32, 8, 16) is DType.INT32
+    assert kernels.check_arith(kernels.Arith.SCALE, DType.BFLOAT16, 2, 6) is DType.BFLOAT16
+    with pytest.raises(DtypeError, match="axpy needs a floating element type"):
+        kernels.check_arith(kernels.Arith.AXPY, DType.INT64, 0, 8)
+    with pytest.raises(Misaligned, match="multiples of the float32 element size"):
+        kernels.check_arith(kernels.Arith.ACCUMULATE, DType.FLOAT32, 2, 8)
+    with pytest.raises(DtypeError):
+        kernels.check_arith(kernels.Arith.ACCUMULATE, DType.NONE, 0, 8)
+
+
+def test_apply_dispatches_each_operation():
+    dst = np.arange(8, dtype=np.float32)
+    src = np.ones(8, dtype=np.float32)
+    kernels.apply(kernels.Arith.ACCUMULATE, memoryview(dst).cast("B"), memoryview(src).cast("B"), DType.FLOAT32)
+    np.testing.assert_array_equal(dst, np.arange(8) + 1)
+    kernels.apply(kernels.Arith.AXPY, memoryview(dst).cast("B"), memoryview(src).cast("B"), DType.FLOAT32, 2.0)
+    np.testing.assert_array_equal(dst, np.arange(8) + 3)
+    kernels.apply(kernels.Arith.SCALE, memoryview(dst).cast("B"), None, DType.FLOAT32, 0.5)
+    np.testing.assert_array_equal(dst, (np.arange(8) + 3) / 2)
+    with pytest.raises(InvalidArgument):
+        kernels.apply(kernels.Arith.ACCUMULATE, memoryview(dst).cast("B"), None, DType.FLOAT32)

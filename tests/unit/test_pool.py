@@ -190,3 +190,29 @@ def test_release_of_foreign_connection():
     with pytest.raises(InvalidArgument):
         pool.release(PairConnection())
     pool.close()
+
+
+def test_connection_broken_while_idle_is_closed_when_dropped():
+    # a connection can report itself broken (its peer went away) without anyone having
+    # called close(): the pool must still free what it holds when it drops it
+    class Breakable(PairConnection):
+        broken = False
+        close_calls = 0
+
+        @property
+        def closed(self) -> bool:
+            return self.broken or super().closed
+
+        def close(self) -> None:
+            self.close_calls += 1
+            super().close()
+
+    made: list[Breakable] = []
+    pool = ConnectionPool(lambda: made.append(Breakable()) or made[-1], size=1)
+    conn = pool.acquire()
+    pool.release(conn)
+    conn.broken = True
+    with pool.borrow() as fresh:
+        assert fresh is not conn
+    assert conn.close_calls == 1 and conn.peer.fileno() < 0
+    pool.close()
