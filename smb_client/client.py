@@ -92,7 +92,7 @@ class Client:
         self.dataplane = DataPlane(self.transport, host_id(), connections=connections, token=self.token,
                                    io_threads=io_threads, transport_options=self.transport_options)
         self._channel = rpc.channel(self.address)
-        self._stub = pb_grpc.ControllerStub(self._channel)  # type: ignore[no-untyped-call]
+        self._stub = pb_grpc.ControllerStub(self._channel)  # type: ignore[no-untyped-call]  # generated stub, untyped __init__
 
     def __enter__(self) -> Client:
         return self

@@ -9,15 +9,16 @@ server runs no rdma plane; ``Stats`` needs the bearer token.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from smb_client._proto.smb.v1 import memory_server_pb2 as pb
+from smb_client._proto.smb.v1 import memory_server_pb2_grpc as pb_grpc
 from smb_client.errors import InvalidArgument, InvalidTicket, PermissionDenied
 from smb_client.tickets import Ticket, verify
 from smb_client.verbs import QPInfo
-from smb_client._proto.smb.v1 import memory_server_pb2 as pb
-from smb_client._proto.smb.v1 import memory_server_pb2_grpc as pb_grpc
 
 from ..grpc_util import typed_errors
 from .arena import Arena
@@ -53,7 +54,7 @@ class MemoryServerServicer(pb_grpc.MemoryServerServicer):
     def __init__(self, arena: Arena, secret: bytes, stats: PlaneStats,
                  server_id: Callable[[], str] = lambda: "",
                  endpoints: Callable[[], Sequence[str]] = lambda: (),
-                 rdma: Callable[[], "RdmaPlane | None"] = lambda: None,
+                 rdma: Callable[[], RdmaPlane | None] = lambda: None,
                  metrics_port: Callable[[], int] = lambda: 0) -> None:
         self.arena = arena
         self.secret = secret

@@ -4,16 +4,17 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import grpc
 import pytest
 
 from smb_client import errors, rpc, tickets
-from smb_client._proto.smb.v1 import (controller_pb2 as pb, controller_pb2_grpc,
-                                      memory_server_pb2, memory_server_pb2_grpc)
+from smb_client._proto.smb.v1 import controller_pb2 as pb
+from smb_client._proto.smb.v1 import controller_pb2_grpc, memory_server_pb2, memory_server_pb2_grpc
 from smb_server.config import ControllerConfig
 from smb_server.controller.main import Controller
 from smb_server.grpc_util import typed_errors

@@ -242,7 +242,7 @@ def test_drain_then_rolling_restart_keeps_file_backed_data(tmp_path):
             assert cluster.servers[i].returncode == 0
             assert {s.server_id: s.state for s in c.list_servers()}[cluster.server_id(i)] == "down"
             cluster.start_server(i)
-            wait_until(lambda: {s.server_id: s.state for s in c.list_servers()}[cluster.server_id(i)]
+            wait_until(lambda i=i: {s.server_id: s.state for s in c.list_servers()}[cluster.server_id(i)]
                        in ("up", "draining"), f"server {i} back")
             back = c.open_region("ops/weights")                 # new ports: open again
             np.testing.assert_array_equal(back.read(dtype="float32"), 2 * data)

@@ -133,7 +133,7 @@ class RdmaConnection:
         from ..._proto.smb.v1 import memory_server_pb2_grpc as pb_grpc
         s = self.session
         local = self.ep.local_info()
-        stub = pb_grpc.MemoryServerStub(s.channel())
+        stub = pb_grpc.MemoryServerStub(s.channel())  # type: ignore[no-untyped-call]  # generated stub, untyped __init__
         try:
             resp = rpc.call(stub.Connect, pb.ConnectRequest(
                 ticket=token, qpn=local.qpn, psn=local.psn, gid=local.gid, mtu=local.mtu, lid=0),
