@@ -8,7 +8,8 @@ reads into and writes from these buffers in place.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -24,25 +25,31 @@ class FlatModel:
     The model keeps its ``Parameter`` objects (optimizers built before or after see the
     same ones); only their storage moves. Buffers such as batch-norm statistics are not
     part of the flat layout.
+
+    Frozen parameters (``requires_grad=False`` when the model is bound) keep their
+    place in the layout but get no gradient view: their ``.grad`` stays None, so an
+    optimizer leaves them alone, and :meth:`runs` and :meth:`buckets` skip them.
     """
 
     def __init__(self, model: Any) -> None:
         self.model = model
         self.layout = FlatLayout.of_module(model)
         self.params: list[torch.nn.Parameter] = [p for _, p in model.named_parameters()]
+        self.trainable: list[bool] = [bool(p.requires_grad) for p in self.params]
         n = self.layout.slot_elements
         self.flat_params = torch.zeros(n, dtype=torch.float32)
         self.flat_grads = torch.zeros(n, dtype=torch.float32)
         self.param_views: list[torch.Tensor] = []
         self.grad_views: list[torch.Tensor] = []
         with torch.no_grad():
-            for p, t in zip(self.params, self.layout.tensors):
+            for p, t in zip(self.params, self.layout.tensors, strict=True):
                 start = t.offset // ELEMENT_BYTES
                 pv = self.flat_params[start:start + t.numel].view(t.shape)
                 gv = self.flat_grads[start:start + t.numel].view(t.shape)
                 pv.copy_(p.detach())
                 p.data = pv
-                p.grad = gv
+                if p.requires_grad:
+                    p.grad = gv
                 self.param_views.append(pv)
                 self.grad_views.append(gv)
 
@@ -52,14 +59,59 @@ class FlatModel:
         return self.layout.slot_bytes
 
     def zero_grad(self) -> None:
-        """Zero the flat gradient buffer and point every ``.grad`` back at it."""
+        """Zero the flat gradient buffer and point every trainable ``.grad`` back at it."""
         self.flat_grads.zero_()
-        for p, gv in zip(self.params, self.grad_views):
-            p.grad = gv
+        for p, gv, trainable in zip(self.params, self.grad_views, self.trainable, strict=True):
+            if trainable:
+                p.grad = gv
+
+    def check_trainable(self) -> None:
+        """Raise InvalidArgument if a parameter was frozen or unfrozen after binding."""
+        for (name, p), trainable in zip(self.model.named_parameters(), self.trainable, strict=True):
+            if bool(p.requires_grad) != trainable:
+                raise InvalidArgument(f"parameter {name!r} changed requires_grad after the model was bound; "
+                                      "build the FlatModel (store) and the training scheme again")
+
+    def buckets(self, bucket_bytes: int) -> list[Bucket]:
+        """Consecutive trainable tensors grouped into buckets of about ``bucket_bytes``,
+        from the last tensor to the first; a frozen tensor ends a bucket, so no bucket
+        covers one."""
+        if bucket_bytes <= 0:
+            raise InvalidArgument(f"bucket size must be positive, got {bucket_bytes}")
+        tensors = self.layout.tensors
+        out: list[Bucket] = []
+        last = -1
+        size = 0
+
+        def close(first: int) -> None:
+            start = tensors[first].offset
+            end = tensors[last].offset + tensors[last].padded
+            out.append(Bucket(first, last, start, end - start))
+
+        for i in range(len(tensors) - 1, -1, -1):
+            if not self.trainable[i]:
+                if last >= 0:
+                    close(i + 1)
+                last, size = -1, 0
+                continue
+            if last < 0:
+                last = i
+            size += tensors[i].padded
+            if size >= bucket_bytes or i == 0:
+                close(i)
+                last, size = -1, 0
+        return out
+
+    def runs(self) -> list[tuple[int, int]]:
+        """``(offset, length)`` byte ranges of a slot that hold trainable tensors
+        (maximal, in increasing order): what gradient traffic has to cover."""
+        return sorted((b.offset, b.length) for b in self.buckets(1 << 62))
 
     def collect_grad(self, i: int) -> None:
         """Make sure parameter ``i``'s gradient lives in its flat view (copy it in when
         something, e.g. ``optimizer.zero_grad(set_to_none=True)``, replaced it)."""
+        if not self.trainable[i]:
+            return
         p, gv = self.params[i], self.grad_views[i]
         g = p.grad
         if g is None:
@@ -77,7 +129,7 @@ class FlatModel:
     def check_bound(self) -> None:
         """Raise InvalidArgument if a parameter no longer lives in the flat buffer
         (e.g. the model was moved with ``.to()`` after binding)."""
-        for (name, p), pv in zip(self.model.named_parameters(), self.param_views):
+        for (name, p), pv in zip(self.model.named_parameters(), self.param_views, strict=True):
             if p.data_ptr() != pv.data_ptr():
                 raise InvalidArgument(f"parameter {name!r} was moved out of the flat buffer "
                                       "(by .to(), .cuda() or load_state_dict with assign=True); bind again")
@@ -90,7 +142,13 @@ class FlatModel:
 class GradientHooks:
     """Calls ``launch(bucket)`` as soon as every gradient of a bucket is final during a
     backward pass (``register_post_accumulate_grad_hook``), always in bucket order, so
-    that communication of late layers overlaps the backward pass of early ones.
+    that communication of late layers overlaps the backward pass of early ones. Frozen
+    parameters get no hook and belong to no bucket.
+
+    While :attr:`paused` (gradient accumulation, ``no_sync``) the hooks only keep the
+    gradients in the flat buffer and launch nothing. A second backward pass without a
+    pause before :meth:`finish` raises InvalidArgument: its gradients would race with
+    the pushes already launched.
 
     :meth:`finish` launches what is left (parameters that got no gradient), returns
     the values ``launch`` returned, in bucket order, and re-arms for the next pass.
@@ -98,26 +156,32 @@ class GradientHooks:
 
     def __init__(self, flat: FlatModel, bucket_bytes: int, launch: Callable[[Bucket], Any]) -> None:
         self.flat = flat
-        self.buckets = flat.layout.buckets(bucket_bytes)
+        self.buckets = flat.buckets(bucket_bytes)
+        self.paused = False
         self._launch = launch
         self._bucket_of: dict[int, int] = {}
         for b, bucket in enumerate(self.buckets):
             for i in range(bucket.first, bucket.last + 1):
                 self._bucket_of[i] = b
         self._handles = [p.register_post_accumulate_grad_hook(self._hook(i))
-                         for i, p in enumerate(flat.params)]
+                         for i, p in enumerate(flat.params) if flat.trainable[i]]
         self._reset()
 
     def _reset(self) -> None:
-        self._fired = [False] * len(self.flat.params)
+        self._fired = [not t for t in self.flat.trainable]
         self._pending = [b.last - b.first + 1 for b in self.buckets]
         self._next = 0
         self._results: list[Any] = []
 
     def _hook(self, i: int) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:
-            if self._fired[i]:  # a second backward before finish(): gradients accumulate
+            if self.paused:
+                self.flat.collect_grad(i)
                 return
+            if self._fired[i]:
+                raise InvalidArgument(
+                    "a second backward pass before synchronize(): its gradients would race with the "
+                    "pushes of the first; accumulate micro-batches inside no_sync() (all but the last)")
             self._fired[i] = True
             self.flat.collect_grad(i)
             self._pending[self._bucket_of[i]] -= 1

@@ -16,13 +16,23 @@ barrier per step, and the zeroing is spread over all workers.
 
 With ``overlap=True`` gradients are pushed bucket by bucket from backward hooks as
 asynchronous operations, so the communication of the last layers overlaps the backward
-pass of the first ones.
+pass of the first ones. Inside :meth:`SyncDataParallel.no_sync` backward passes only
+accumulate locally (gradient accumulation over micro-batches).
+
+Frozen parameters (``requires_grad=False``) are neither pushed, pulled nor zeroed.
+
+Publishing. Every ``publish_every`` steps, and in :meth:`SyncDataParallel.close`, each
+worker writes its share of the current weights (the same ``1/world`` byte range it
+zeroes) into the ``params`` region, so the store holds the trained weights for
+evaluators and late joiners.
 """
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from typing import Any
 
 from ..errors import InvalidArgument
@@ -34,6 +44,7 @@ from .store import ParameterStore
 log = logging.getLogger(__name__)
 
 SYNC_SLOTS = 3                    # gradient slots the rotation needs
+DEFAULT_PUBLISH_EVERY = 1         # steps between publications of the weights
 DEFAULT_BUCKET_BYTES = 256 << 10  # bytes per pushed bucket
 BARRIER_TIMEOUT = 300.0           # seconds
 
@@ -48,12 +59,18 @@ class SyncDataParallel:
     ``rank`` is this worker's index among ``world`` workers. With ``counters`` (a
     lockstep :class:`SharedCounters`) every step is published and :attr:`stop` turns
     true, on every worker after the same step, when the stopping rule fires.
-    The store stays the caller's; :meth:`close` removes the hooks.
+
+    ``publish_every`` (steps; 0: only at :meth:`close`) is how often the workers write
+    the current weights into the store's ``params`` region, each its ``1/world`` share.
+    Use :meth:`no_sync` for all but the last micro-batch of an accumulated step.
+    The store stays the caller's; :meth:`close` publishes the final weights and removes
+    the hooks.
     """
 
     def __init__(self, store: ParameterStore, rank: int, world: int, *, overlap: bool = True,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, counters: SharedCounters | None = None,
-                 barrier_timeout: float = BARRIER_TIMEOUT) -> None:
+                 barrier_timeout: float = BARRIER_TIMEOUT,
+                 publish_every: int = DEFAULT_PUBLISH_EVERY) -> None:
         if store.grad_slots < SYNC_SLOTS:
             raise InvalidArgument(f"synchronous training needs a store with grad_slots >= {SYNC_SLOTS}, "
                                   f"{store.prefix!r} has {store.grad_slots}")
@@ -61,6 +78,8 @@ class SyncDataParallel:
             raise InvalidArgument(f"rank {rank} outside 0..{world - 1}")
         if counters is not None and not counters.lockstep:
             raise InvalidArgument("synchronous workers need SharedCounters(..., lockstep=True)")
+        if publish_every < 0:
+            raise InvalidArgument(f"publish_every must be >= 0 (0: only at close), got {publish_every}")
         self.store = store
         self.flat = store.flat
         self.rank = rank
@@ -68,13 +87,21 @@ class SyncDataParallel:
         self.overlap = overlap
         self.counters = counters
         self.barrier_timeout = barrier_timeout
+        self.publish_every = publish_every
         self.barrier_name = f"{store.prefix}/sync"
         self.step = 0
         self.stop = False
         self.comm_wait = 0.0   # seconds spent waiting for pushes, barrier and pull
         slot = store.layout.slot_bytes
         share = -(-slot // world // ALIGN) * ALIGN
-        self._zero_range = (min(slot, rank * share), min(slot, (rank + 1) * share))
+        lo, hi = min(slot, rank * share), min(slot, (rank + 1) * share)
+        self._runs = self.flat.runs()              # trainable byte ranges of a slot
+        # this worker's share of the trainable ranges: zeroed in grads, published in params
+        self._share = [(max(lo, off), min(hi, off + n) - max(lo, off)) for off, n in self._runs
+                       if max(lo, off) < min(hi, off + n)]
+        self._published = 0                        # steps the stored weights reflect
+        self._accumulating = False
+        self._closed = False
         self._hooks = GradientHooks(self.flat, bucket_bytes, self._push_bucket) if overlap else None
 
     # -- per step -----------------------------------------------------------------
@@ -87,26 +114,47 @@ class SyncDataParallel:
         return self.store.accumulate_async("grads", base + bucket.offset, data)
 
     def zero_grad(self) -> None:
-        """Zero the local gradients (call before each backward pass)."""
+        """Zero the local gradients (call before each step's first backward pass)."""
         self.flat.zero_grad()
 
-    def synchronize(self) -> None:
-        """Finish pushing this step's gradients, wait for every worker, and replace the
-        local gradients by the average over all workers."""
-        store = self.store
-        nxt = self.store.slot_offset("grads", self._slot(self.step + 1))
-        lo, hi = self._zero_range
-        futures: list[Future] = []
-        if hi > lo:
-            futures.append(store.write_async("grads", nxt + lo,
-                                             self._zeros(hi - lo)))
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside only accumulate gradients locally, as with DDP::
+
+            dp.zero_grad()
+            with dp.no_sync():
+                for x, y in micro_batches[:-1]:
+                    loss_fn(model(x), y).backward()
+            loss_fn(model(x_last), y_last).backward()   # pushes the accumulated sum
+            dp.synchronize()
+        """
+        if self._accumulating:
+            yield
+            return
+        self._accumulating = True
         if self._hooks is not None:
-            futures.extend(self._hooks.finish())
-        else:
-            self.flat.collect_grads()
-            futures.append(store.accumulate_async("grads", store.slot_offset("grads", self._slot(self.step)),
-                                                  self.flat.flat_grads))
-        t0 = time.perf_counter()
+            self._hooks.paused = True
+        try:
+            yield
+        finally:
+            self._accumulating = False
+            if self._hooks is not None:
+                self._hooks.paused = False
+
+    def _publish_async(self) -> list[Future]:
+        data = self.flat.flat_params
+        return [self.store.write_async("params", off, self.flat.byte_range(data, off, n))
+                for off, n in self._share]
+
+    def publish(self) -> None:
+        """Write this worker's share of the current weights into the ``params`` region
+        (every worker does it in :meth:`close`; the store holds the whole model once all
+        have)."""
+        self._wait(self._publish_async())
+        self._published = self.step
+
+    @staticmethod
+    def _wait(futures: list[Future]) -> None:
         error: BaseException | None = None
         for f in futures:
             try:
@@ -115,10 +163,43 @@ class SyncDataParallel:
                 error = error or exc
         if error is not None:
             raise error
+
+    def synchronize(self) -> None:
+        """Finish pushing this step's gradients, wait for every worker, and replace the
+        local gradients by the average over all workers."""
+        if self._accumulating:
+            raise InvalidArgument("synchronize() inside no_sync(): run the last micro-batch's backward "
+                                  "pass outside no_sync(), then synchronize")
+        if self._closed:
+            raise InvalidArgument("synchronize() after close()")
+        self.flat.check_trainable()
+        store = self.store
+        nxt = self.store.slot_offset("grads", self._slot(self.step + 1))
+        futures: list[Future] = []
+        for off, n in self._share:
+            futures.append(store.write_async("grads", nxt + off, self._zeros(n)))
+        publish = bool(self.publish_every) and self.step > self._published and \
+            self.step % self.publish_every == 0
+        if publish:   # the weights after `step` optimizer steps; nobody changes them before we return
+            futures.extend(self._publish_async())
+        if self._hooks is not None:
+            futures.extend(self._hooks.finish())
+        else:
+            self.flat.collect_grads()
+            base = store.slot_offset("grads", self._slot(self.step))
+            for off, n in self._runs:
+                futures.append(store.accumulate_async("grads", base + off,
+                                                      self.flat.byte_range(self.flat.flat_grads, off, n)))
+        t0 = time.perf_counter()
+        self._wait(futures)
+        if publish:
+            self._published = self.step
         if self.counters is not None:
             self.counters.publish()
         store.client.barrier(self.barrier_name, self.world, timeout=self.barrier_timeout)
-        store.read_into("grads", store.slot_offset("grads", self._slot(self.step)), self.flat.flat_grads)
+        base = store.slot_offset("grads", self._slot(self.step))
+        for off, n in self._runs:
+            store.read_into("grads", base + off, self.flat.byte_range(self.flat.flat_grads, off, n))
         self.flat.flat_grads.mul_(1.0 / self.world)
         if self.counters is not None:
             self.stop = self.counters.should_stop()
@@ -132,13 +213,22 @@ class SyncDataParallel:
             self._zero_cache = memoryview(bytes(nbytes))
         return self._zero_cache[:nbytes]
 
-    def close(self) -> None:
-        if self._hooks is not None:
-            self._hooks.remove()
-            self._hooks = None
+    def close(self, publish: bool = True) -> None:
+        """Publish the final weights (unless ``publish`` is False or they already are)
+        and remove the hooks. Call it after the last optimizer step; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if publish and self.step != self._published:
+                self.publish()
+        finally:
+            if self._hooks is not None:
+                self._hooks.remove()
+                self._hooks = None
 
-    def __enter__(self) -> "SyncDataParallel":
+    def __enter__(self) -> SyncDataParallel:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self.close(publish=exc_type is None)

@@ -1,0 +1,135 @@
+"""Frozen parameters (requires_grad=False) under synchronous training: untouched, no
+.grad, no traffic; the trainable ones equal one process on the union of the batches
+(worker threads with their own clients on a real local cluster)."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from smb_client.torch import FlatModel, ParameterStore, SyncDataParallel  # noqa: E402
+
+WORLD = 2
+BATCH = 8
+STEPS = 4
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(7)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16),
+                                torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    model[2].requires_grad_(False)          # a frozen layer between two trainable ones
+    model[0].bias.requires_grad_(False)
+    return model
+
+
+def data():
+    g = torch.Generator().manual_seed(11)
+    return torch.randn(STEPS * WORLD * BATCH, 6, generator=g), torch.randint(0, 3, (STEPS * WORLD * BATCH,),
+                                                                             generator=g)
+
+
+def optimizer(model):
+    # over all parameters, with weight decay: a zero .grad on a frozen weight would move it
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
+
+
+def run_workers(cluster, name, fn):
+    """fn(rank, client) in WORLD threads; re-raises the first failure."""
+    errors: list[BaseException] = []
+    results: dict[int, object] = {}
+
+    def main(rank):
+        try:
+            with cluster.client() as c:
+                results[rank] = fn(rank, c)
+        except BaseException as exc:   # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=main, args=(r,)) for r in range(WORLD)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    if errors:
+        raise errors[0]
+    assert not any(t.is_alive() for t in threads)
+    return results
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_frozen_parameters_stay_untouched_and_cost_no_traffic(cluster, name, overlap):
+    x, y = data()
+    models = [make_model() for _ in range(WORLD)]
+    frozen = {n: p.detach().clone() for n, p in models[0].named_parameters() if not p.requires_grad}
+    assert set(frozen) == {"0.bias", "2.weight", "2.bias"}
+    master_client = cluster.client()
+    store0 = ParameterStore.create(master_client, name, models[0], grad_slots=3, workers=WORLD)
+    try:
+        def worker(rank, client):
+            model = models[rank]
+            store = store0 if rank == 0 else ParameterStore.attach(client, name, model)
+            dp = SyncDataParallel(store, rank, WORLD, overlap=overlap, bucket_bytes=256, publish_every=0)
+            opt = optimizer(model)
+            before = store.traffic.as_dict()
+            for step in range(STEPS):
+                lo = (step * WORLD + rank) * BATCH
+                dp.zero_grad()
+                torch.nn.functional.cross_entropy(model(x[lo:lo + BATCH]), y[lo:lo + BATCH]).backward()
+                dp.synchronize()
+                for n, p in model.named_parameters():
+                    assert (p.grad is None) == (n in frozen), n
+                opt.step()
+            dp.close(publish=False)
+            after = store.traffic.as_dict()
+            if rank:
+                store.close()
+            return {k: after[k] - before[k] for k in after}, store.flat.flat_params.clone()
+
+        results = run_workers(cluster, name, worker)
+        runs = FlatModel(make_model()).runs()
+        trainable_bytes = sum(n for _, n in runs)
+        slot = store0.layout.slot_bytes
+        assert trainable_bytes < slot - 16 * 16 * 4      # the frozen 16x16 weight is not covered
+        # per step: every worker pushes and pulls the trainable bytes once; the zeroing of
+        # the next slot, split over the workers, covers them once more
+        assert sum(r[0]["sent"] for r in results.values()) == STEPS * (WORLD + 1) * trainable_bytes
+        assert all(r[0]["received"] == STEPS * trainable_bytes for r in results.values())
+
+        ref = make_model()
+        opt = optimizer(ref)
+        for step in range(STEPS):
+            lo, hi = step * WORLD * BATCH, (step + 1) * WORLD * BATCH
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(ref(x[lo:hi]), y[lo:hi]).backward()
+            opt.step()
+        for rank, model in enumerate(models):
+            assert torch.equal(results[rank][1], results[0][1])
+            for n, p in model.named_parameters():
+                if n in frozen:
+                    assert torch.equal(p, frozen[n]), n
+                    assert p.grad is None
+            for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
+                torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=n)
+    finally:
+        store0.destroy()
+        master_client.close()
+
+
+def test_changing_requires_grad_after_binding_is_an_error(cluster, name):
+    from smb_client.errors import InvalidArgument
+    model = make_model()
+    with cluster.client() as c:
+        store = ParameterStore.create(c, name, model, grad_slots=3)
+        dp = SyncDataParallel(store, 0, 1)
+        try:
+            model[2].weight.requires_grad_(True)
+            dp.zero_grad()
+            model(torch.randn(2, 6)).sum().backward()
+            with pytest.raises(InvalidArgument, match="requires_grad"):
+                dp.synchronize()
+        finally:
+            dp.close(publish=False)
+            store.destroy()

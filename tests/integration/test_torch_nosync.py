@@ -1,0 +1,110 @@
+"""Gradient accumulation over micro-batches with SyncDataParallel.no_sync(): k-1
+backward passes inside, the last outside, equal one process on the union of every
+worker's micro-batches (worker threads on a real local cluster)."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from smb_client.errors import InvalidArgument  # noqa: E402
+from smb_client.torch import ParameterStore, SyncDataParallel  # noqa: E402
+
+WORLD = 2
+MICRO = 3       # micro-batches per step
+BATCH = 4       # samples per micro-batch
+STEPS = 3
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(21)
+    return torch.nn.Sequential(torch.nn.Linear(8, 24), torch.nn.Tanh(), torch.nn.Linear(24, 24),
+                               torch.nn.Tanh(), torch.nn.Linear(24, 4))
+
+
+def data():
+    g = torch.Generator().manual_seed(5)
+    n = STEPS * WORLD * MICRO * BATCH
+    return torch.randn(n, 8, generator=g), torch.randint(0, 4, (n,), generator=g)
+
+
+def loss_fn(out, y):
+    return torch.nn.functional.cross_entropy(out, y) / MICRO
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_accumulation_under_no_sync_equals_union_of_micro_batches(cluster, name, overlap):
+    x, y = data()
+    models = [make_model() for _ in range(WORLD)]
+    errors: list[BaseException] = []
+    with cluster.client() as master:
+        store0 = ParameterStore.create(master, name, models[0], grad_slots=3, workers=WORLD)
+        try:
+            def worker(rank):
+                try:
+                    with cluster.client() as c:
+                        model = models[rank]
+                        store = store0 if rank == 0 else ParameterStore.attach(c, name, model)
+                        dp = SyncDataParallel(store, rank, WORLD, overlap=overlap, bucket_bytes=512)
+                        opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.5)
+                        for step in range(STEPS):
+                            def micro(j, step=step):
+                                lo = ((step * WORLD + rank) * MICRO + j) * BATCH
+                                loss_fn(model(x[lo:lo + BATCH]), y[lo:lo + BATCH]).backward()
+                            opt.zero_grad()        # set_to_none: the hooks bring .grad back
+                            with dp.no_sync():
+                                for j in range(MICRO - 1):
+                                    micro(j)
+                            micro(MICRO - 1)
+                            dp.synchronize()
+                            opt.step()
+                        dp.close()
+                        if rank:
+                            store.close()
+                except BaseException as exc:  # noqa: BLE001 - reported below
+                    errors.append(exc)
+
+            threads = [threading.Thread(target=worker, args=(r,)) for r in range(WORLD)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+            assert not errors, errors[0]
+        finally:
+            store0.destroy()
+    ref = make_model()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.2, momentum=0.5)
+    per_step = WORLD * MICRO * BATCH
+    for step in range(STEPS):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(ref(x[step * per_step:(step + 1) * per_step]),
+                                          y[step * per_step:(step + 1) * per_step]).backward()
+        opt.step()
+    start = make_model()
+    for model in models:
+        for p, q, s in zip(model.parameters(), ref.parameters(), start.parameters(), strict=True):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+            assert not torch.equal(p, s)
+    for p, q in zip(models[0].parameters(), models[1].parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_second_backward_outside_no_sync_is_an_error(client, name):
+    model = make_model()
+    store = ParameterStore.create(client, name, model, grad_slots=3)
+    dp = SyncDataParallel(store, 0, 1)
+    try:
+        dp.zero_grad()
+        model(torch.randn(2, 8)).sum().backward()
+        with pytest.raises(InvalidArgument, match="no_sync"):
+            model(torch.randn(2, 8)).sum().backward()
+        dp.zero_grad()
+        with dp.no_sync():
+            model(torch.randn(2, 8)).sum().backward()
+            with pytest.raises(InvalidArgument, match="no_sync"):
+                dp.synchronize()
+    finally:
+        dp.close(publish=False)
+        store.destroy()
