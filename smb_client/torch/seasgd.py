@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import torch
 
@@ -66,7 +67,7 @@ class SEASGD:
         self.read_wait = 0.0   # seconds spent reading the global weights
         self.push_wait = 0.0   # seconds spent waiting for a previous push to finish
         self._pusher = ThreadPoolExecutor(1, thread_name_prefix="smb-seasgd")
-        self._pending: Future | None = None
+        self._pending: Future[Any] | None = None
 
     def after_step(self) -> bool:
         """Count one local step; run an elastic update when one is due (True then)."""
@@ -114,7 +115,7 @@ class SEASGD:
         finally:
             self._pusher.shutdown(wait=True)
 
-    def __enter__(self) -> "SEASGD":
+    def __enter__(self) -> SEASGD:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -12,7 +12,8 @@ Regions under a prefix ``job``:
 
 The master creates them (:meth:`ParameterStore.create`, ``meta`` last, so that its
 presence means "ready"); the others attach by name (:meth:`ParameterStore.attach`),
-which checks their model against the stored layout.
+which checks their model against the stored layout. Creating over an existing store
+raises :class:`~smb_client.errors.RegionExists` unless ``replace=True``.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ..errors import InvalidArgument, RegionNotFound
+from ..errors import InvalidArgument, RegionExists, RegionNotFound
 from ..placement import PLACEMENTS
 from .flat import FlatModel
 from .layout import ALIGN, FlatLayout, align_up
@@ -41,6 +42,8 @@ ZERO_CHUNK = 8 << 20                    # bytes written per request when zeroing
 ATTACH_POLL = 0.05                      # seconds between looks for a store being created
 COUNTER_WORDS = 8                       # int64 control words before the per-worker counts
 KINDS = ("params", "grads", "deltas", "counters", "meta")
+SYNC_SLOTS = 3                          # gradient slots synchronous training rotates through
+SCHEMES = ("sync", "seasgd", "hybrid")  # what ParameterStore.create sizes the slots for by default
 
 
 @dataclass
@@ -87,26 +90,45 @@ class ParameterStore:
         return f"{prefix}/{kind}"
 
     @classmethod
-    def create(cls, client: Any, prefix: str, model: Any, *, placement: str = "striped",
-               grad_slots: int = 0, delta_slots: int = 0, workers: int = 1,
-               stripe_unit: int | None = None, num_servers: int = 0,
-               replace: bool = True) -> "ParameterStore":
+    def create(cls, client: Any, prefix: str, model: Any, *, scheme: str | None = None,
+               placement: str = "striped", grad_slots: int | None = None, delta_slots: int | None = None,
+               workers: int = 1, stripe_unit: int | None = None, num_servers: int = 0,
+               replace: bool = False) -> ParameterStore:
         """Lay ``model`` out in new regions under ``prefix`` and store its parameters.
+
+        ``scheme`` sizes the slots that are not given: ``sync`` (the default when
+        neither count is given) 3 gradient slots and no delta slots; ``seasgd`` and
+        ``hybrid`` one delta slot per worker (``workers``) and no gradient slots. A count
+        that is given wins; when only one is given, the other is 0.
 
         ``placement``: ``striped`` ("memory-based sharding": every slot spread over the
         servers; ``stripe_unit`` bytes, by default one slot divided by the number of
         servers) or ``layered`` ("layer-based sharding": each tensor whole on one
-        server) or ``single``. ``workers`` sizes the counter region. ``replace``
-        deletes regions a previous run left under the same prefix.
+        server) or ``single``. ``workers`` sizes the counter region.
+
+        A store (any of its regions) already under ``prefix`` raises RegionExists;
+        ``replace=True`` deletes it first.
         """
         if placement not in PLACEMENTS:
             raise InvalidArgument(f"unknown placement {placement!r}: expected one of {', '.join(PLACEMENTS)}")
-        if grad_slots < 0 or delta_slots < 0 or workers < 1:
-            raise InvalidArgument("grad_slots and delta_slots must be >= 0 and workers >= 1")
+        if scheme is not None and scheme not in SCHEMES:
+            raise InvalidArgument(f"unknown scheme {scheme!r}: expected one of {', '.join(SCHEMES)}")
+        if workers < 1:
+            raise InvalidArgument(f"workers must be >= 1, got {workers}")
+        if scheme is None and grad_slots is None and delta_slots is None:
+            scheme = "sync"
+        if grad_slots is None:
+            grad_slots = SYNC_SLOTS if scheme == "sync" else 0
+        if delta_slots is None:
+            delta_slots = workers if scheme in ("seasgd", "hybrid") else 0
+        if grad_slots < 0 or delta_slots < 0:
+            raise InvalidArgument("grad_slots and delta_slots must be >= 0")
         flat = model if isinstance(model, FlatModel) else FlatModel(model)
         layout = flat.layout
         if replace:
             cls.destroy_prefix(client, prefix)
+        else:
+            cls._check_free(client, prefix)
         if placement == "striped" and not stripe_unit:
             up = [s for s in client.list_servers() if s.state == "up"]
             stripe_unit = layout.stripe_unit(num_servers or max(1, len(up)))
@@ -145,17 +167,28 @@ class ParameterStore:
                 cls.region_name(prefix, "meta"), align_up(len(blob), META_PAGE), placement="single")
             regions["meta"].write(0, blob)
         except BaseException:
-            for r in regions.values():
+            for r in regions.values():   # only what this call created: never another store's
                 r.close()
-            cls.destroy_prefix(client, prefix)
+                try:
+                    client.delete_region(r.name)
+                except RegionNotFound:
+                    pass
             raise
         log.info("created parameter store %s: %d tensors, %d bytes per slot, %s", prefix,
                  len(layout.tensors), layout.slot_bytes, placement)
         return store
 
     @classmethod
+    def _check_free(cls, client: Any, prefix: str) -> None:
+        names = {cls.region_name(prefix, kind) for kind in KINDS}
+        found = sorted(r.name for r in client.list_regions(f"{prefix}/") if r.name in names)
+        if found:
+            raise RegionExists(f"parameter store {prefix!r} already exists ({', '.join(found)}); pass "
+                               "replace=True to delete it and create a new one, or attach to it")
+
+    @classmethod
     def attach(cls, client: Any, prefix: str, model: Any, *, timeout: float = 60.0,
-               pull: bool = True) -> "ParameterStore":
+               pull: bool = True) -> ParameterStore:
         """Open the store the master created under ``prefix`` (waiting up to ``timeout``
         seconds for it to appear), check ``model`` against its layout (InvalidArgument
         or DtypeError on a mismatch) and, with ``pull``, load the stored parameters."""
@@ -215,7 +248,7 @@ class ParameterStore:
                 pass
 
     # -- lifecycle ----------------------------------------------------------------
-    def __enter__(self) -> "ParameterStore":
+    def __enter__(self) -> ParameterStore:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -264,12 +297,12 @@ class ParameterStore:
         self.region(kind).accumulate(offset, data)
         self._count(sent=_nbytes(data))
 
-    def accumulate_async(self, kind: str, offset: int, data: torch.Tensor) -> Future:
+    def accumulate_async(self, kind: str, offset: int, data: torch.Tensor) -> Future[Any]:
         fut = self.region(kind).accumulate_async(offset, data)
         self._count(sent=_nbytes(data))
         return fut
 
-    def write_async(self, kind: str, offset: int, data: Any) -> Future:
+    def write_async(self, kind: str, offset: int, data: Any) -> Future[Any]:
         fut = self.region(kind).write_async(offset, data)
         self._count(sent=_nbytes(data))
         return fut
@@ -306,7 +339,7 @@ class ParameterStore:
         buf = torch.empty(self.layout.slot_elements, dtype=torch.float32)
         self.pull_params(buf)
         with torch.no_grad():
-            for p, t in zip(model.parameters(), self.layout.tensors):
+            for p, t in zip(model.parameters(), self.layout.tensors, strict=True):
                 start = t.offset // 4
                 p.copy_(buf[start:start + t.numel].view(t.shape))
 

@@ -39,11 +39,12 @@ from ..errors import InvalidArgument
 from .counters import SharedCounters
 from .flat import GradientHooks
 from .layout import ALIGN, Bucket
-from .store import ParameterStore
+from .store import SYNC_SLOTS, ParameterStore
 
 log = logging.getLogger(__name__)
 
-SYNC_SLOTS = 3                    # gradient slots the rotation needs
+__all__ = ["DEFAULT_BUCKET_BYTES", "DEFAULT_PUBLISH_EVERY", "SYNC_SLOTS", "SyncDataParallel"]
+
 DEFAULT_PUBLISH_EVERY = 1         # steps between publications of the weights
 DEFAULT_BUCKET_BYTES = 256 << 10  # bytes per pushed bucket
 BARRIER_TIMEOUT = 300.0           # seconds
@@ -108,7 +109,7 @@ class SyncDataParallel:
     def _slot(self, step: int) -> int:
         return step % SYNC_SLOTS
 
-    def _push_bucket(self, bucket: Bucket) -> Future:
+    def _push_bucket(self, bucket: Bucket) -> Future[Any]:
         base = self.store.slot_offset("grads", self._slot(self.step))
         data = self.flat.byte_range(self.flat.flat_grads, bucket.offset, bucket.length)
         return self.store.accumulate_async("grads", base + bucket.offset, data)
@@ -141,7 +142,7 @@ class SyncDataParallel:
             if self._hooks is not None:
                 self._hooks.paused = False
 
-    def _publish_async(self) -> list[Future]:
+    def _publish_async(self) -> list[Future[Any]]:
         data = self.flat.flat_params
         return [self.store.write_async("params", off, self.flat.byte_range(data, off, n))
                 for off, n in self._share]
@@ -154,7 +155,7 @@ class SyncDataParallel:
         self._published = self.step
 
     @staticmethod
-    def _wait(futures: list[Future]) -> None:
+    def _wait(futures: list[Future[Any]]) -> None:
         error: BaseException | None = None
         for f in futures:
             try:
@@ -175,7 +176,7 @@ class SyncDataParallel:
         self.flat.check_trainable()
         store = self.store
         nxt = self.store.slot_offset("grads", self._slot(self.step + 1))
-        futures: list[Future] = []
+        futures: list[Future[Any]] = []
         for off, n in self._share:
             futures.append(store.write_async("grads", nxt + off, self._zeros(n)))
         publish = bool(self.publish_every) and self.step > self._published and \
