@@ -46,6 +46,7 @@ class Status(enum.IntEnum):
     SERVER_NOT_FOUND = 21
     REGION_EXISTS = 22
     UNAUTHENTICATED = 23
+    SERVER_BUSY = 24
 
 
 class SMBError(Exception):
@@ -72,6 +73,14 @@ class ServerUnavailable(Unavailable):
     """A memory server did not answer or dropped the connection."""
 
     status: ClassVar[Status] = Status.SERVER_UNAVAILABLE
+
+
+class ServerBusy(ServerUnavailable):
+    """A memory server refused a new data-plane connection: it is full, this client's
+    address holds its per-peer share, or the server ran out of file descriptors. The
+    message names the limit; retry later, close idle connections, or raise the limit."""
+
+    status: ClassVar[Status] = Status.SERVER_BUSY
 
 
 class Timeout(SMBError):
@@ -263,7 +272,8 @@ def error_status(exc: BaseException) -> Status:
 # a literal list, so that type checkers see ``smb_client.RegionNotFound``; a unit test
 # keeps it equal to the tree
 __all__ = [
-    "SMBError", "Unavailable", "ControllerUnavailable", "ServerUnavailable", "Timeout",
+    "SMBError", "Unavailable", "ControllerUnavailable", "ServerUnavailable", "ServerBusy",
+    "Timeout",
     "BarrierTimeout", "NotFound", "RegionNotFound", "ExtentNotFound", "ServerNotFound",
     "RegionExists", "OutOfMemory", "PermissionDenied", "AuthenticationError", "InvalidTicket",
     "TicketExpired", "ReadOnly", "InvalidArgument", "OutOfRange", "Misaligned", "DtypeError",

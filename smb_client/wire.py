@@ -10,6 +10,12 @@ atomics, a payload; an error answer carries a UTF-8 message as payload. All inte
 are little-endian. A header with a wrong magic, an unknown opcode or an oversized
 length closes the connection.
 
+A server refuses a connection it cannot take (full, too many from one peer address,
+out of descriptors) with one unsolicited error answer, ``req_id`` 0 and status
+``SERVER_BUSY``, whose message names the limit, and closes it. It also closes a
+connection that sends no ``HELLO`` within its HELLO deadline, or whose frame (header
+and payload) does not arrive whole within its frame deadline.
+
 Request:  magic u16 | op u8 | dtype u8 | req_id u32 | extent_id u64 | offset u64 |
           length u64 | arg0 i64 | arg1 i64 | alpha f64
 Response: magic u16 | status u8 | pad u8 | req_id u32 | length u64
@@ -19,6 +25,7 @@ from __future__ import annotations
 import enum
 import socket
 import struct
+import time
 from collections.abc import Sequence
 
 from .errors import ProtocolError, ServerUnavailable
@@ -74,10 +81,20 @@ def sendmsg_all(sock: socket.socket, buffers: Sequence[memoryview | bytes]) -> N
                 sent = 0
 
 
-def recv_into_all(sock: socket.socket, buffers: Sequence[memoryview]) -> None:
-    """Fill every buffer, in order, straight from the socket (no copies)."""
+def recv_into_all(sock: socket.socket, buffers: Sequence[memoryview],
+                  deadline: float | None = None) -> None:
+    """Fill every buffer, in order, straight from the socket (no copies).
+
+    ``deadline`` (a :func:`time.monotonic` time): raise TimeoutError once it passes,
+    however slowly the bytes trickle in (it sets the socket's timeout as it goes).
+    """
     views = [memoryview(b).cast("B") for b in buffers if len(b)]
     while views:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the frame's deadline passed")
+            sock.settimeout(left)
         got = sock.recvmsg_into(views[:IOV_MAX])[0]
         if got == 0:
             raise ServerUnavailable("connection closed by peer")

@@ -96,6 +96,15 @@ class ServerConfig:
     heartbeat_seconds: float = _f(1.0, "seconds between heartbeats to the controller", positive=True,
                                    aliases=("--heartbeat",))
     tcp_connections_max: int = _f(1024, "most concurrent TCP data-plane connections", minimum=1)
+    tcp_connections_per_peer: int = _f(64, "most concurrent TCP data-plane connections from one "
+                                       "client address", minimum=1)
+    tcp_hello_timeout_seconds: float = _f(5.0, "seconds a new TCP data-plane connection has to "
+                                          "present its first ticket", positive=True)
+    tcp_frame_timeout_seconds: float = _f(60.0, "seconds a TCP data-plane request (header and "
+                                          "payload) has to arrive whole", positive=True)
+    tcp_scratch_bytes: int = _f(64 << 20, "bytes of scratch buffers the TCP data plane shares "
+                                "among its connections for accumulate (e.g. 64M)", "size",
+                                minimum=4 << 20)
     metrics_port: int = _port(0, "Prometheus /metrics and /healthz HTTP port (0: off)")
     metrics_host: str = _f("", "address of the metrics endpoint (default: listen_host)")
     ready_file: str = _f("", "written with the server id once registered")

@@ -97,11 +97,15 @@ class TcpConnection:
         ``into`` receives a READ's payload in place. Socket failures raise
         :class:`ServerUnavailable` and leave the connection unusable.
         """
-        req_id = next(self._ids) & 0xFFFFFFFF
+        req_id = next(self._ids) & 0xFFFFFFFF or next(self._ids)   # 0 marks a refusal
         header = wire.pack_request(op, req_id, extent_id, offset, length, dtype, arg0, arg1, alpha)
         try:
             wire.sendmsg_all(self.sock, [header, *payload])
             status, got_id, n = wire.unpack_response(wire.recv_exact(self.sock, wire.RESPONSE.size))
+            if got_id == 0 and status != 0:     # the server refused the connection, then closed it
+                refusal = bytes(wire.recv_exact(self.sock, n)) if n else b""
+                self.close()
+                raise status_error(status, f"{self.where}: {refusal.decode(errors='replace')}")
             if got_id != req_id:
                 raise ProtocolError(f"{self.where}: answer {got_id} to request {req_id}")
             if status == 0 and into:

@@ -5,6 +5,10 @@ Pure state: no gRPC, no sockets. The servicer and the data planes call into it.
 An extent is a memfd (``os.memfd_create``) or, when persistence is asked for and the
 arena has a ``data_dir``, a file ``<data_dir>/<extent_id>.extent``. Either holds one
 4096-byte header page followed by ``length`` data bytes, and the server maps all of it.
+An extent costs one file descriptor: the mapping (:class:`Mapping`) keeps none of its
+own. The arena refuses a new extent with :class:`OutOfMemory` while fewer than
+``fd_reserve`` descriptors are left under the process's ``RLIMIT_NOFILE`` (sockets and
+files need some too); :func:`raise_fd_limit` lifts the soft limit to the hard one.
 Shared-memory clients receive the descriptor and map the whole thing, header included.
 
 Header page layout (all integers little-endian):
@@ -47,9 +51,11 @@ import glob
 import logging
 import mmap
 import os
+import resource
 import struct
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
@@ -68,13 +74,81 @@ UID_BYTES = 64
 HEADER = struct.Struct("<QQQQ64s")   # magic, live, extent_id, length, region_uid
 FILE_SUFFIX = ".extent"
 
+FD_RESERVE = 64          # descriptors kept free for sockets and files when reserving extents
+
 FALLOC_FL_KEEP_SIZE = 0x01
 FALLOC_FL_PUNCH_HOLE = 0x02
+MS_SYNC = 4
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _fallocate = _libc.fallocate
 _fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
 _fallocate.restype = ctypes.c_int
+_mmap = _libc.mmap
+_mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                  ctypes.c_int64]
+_mmap.restype = ctypes.c_void_p
+_munmap = _libc.munmap
+_munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_munmap.restype = ctypes.c_int
+_msync = _libc.msync
+_msync.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_msync.restype = ctypes.c_int
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def raise_fd_limit() -> tuple[int, int]:
+    """Lift this process's ``RLIMIT_NOFILE`` soft limit to its hard limit (each extent
+    and each connection takes a descriptor); returns (soft, hard) as they are now."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError) as exc:
+            log.warning("cannot raise the descriptor limit from %d to %d: %s", soft, hard, exc)
+    return soft, hard
+
+
+def open_fds() -> int:
+    """Descriptors this process has open; raises OSError (EMFILE) when it has no free one
+    to count them with."""
+    return len(os.listdir("/proc/self/fd")) - 1   # less the one listdir used
+
+
+class Mapping:
+    """A shared read-write mapping of ``size`` bytes of a descriptor that keeps no
+    descriptor of its own (:class:`mmap.mmap` keeps a duplicate). ``view`` is a writable
+    byte memoryview of it; the pages are unmapped once the last view is gone.
+    """
+
+    def __init__(self, fd: int, size: int) -> None:
+        addr = _mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+        if addr is None or addr == _MAP_FAILED:
+            err = ctypes.get_errno()
+            raise OSError(err, f"mmap of {size} bytes: {os.strerror(err)}")
+        self.address = int(addr)
+        self.size = size
+        pages = (ctypes.c_ubyte * size).from_address(self.address)
+        weakref.finalize(pages, _munmap, self.address, size)
+        self.view: memoryview | None = memoryview(pages).cast("B")
+
+    def flush(self) -> None:
+        """Write dirty pages back to the file (msync)."""
+        if self.view is not None and _msync(self.address, self.size, MS_SYNC) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` dropped this object's view."""
+        return self.view is None
+
+    def close(self) -> None:
+        """Drop this object's view; the pages go when no other view is left."""
+        if self.view is not None:
+            self.view.release()
+            self.view = None
 
 
 def punch_hole(fd: int, offset: int, length: int) -> bool:
@@ -117,7 +191,7 @@ class Extent:
     """
 
     def __init__(self, extent_id: int, region_uid: str, length: int, fd: int,
-                 mm: mmap.mmap, path: str = "", persistent: bool = False) -> None:
+                 mm: Mapping, path: str = "", persistent: bool = False) -> None:
         self.extent_id = extent_id
         self.region_uid = region_uid
         self.length = length            # bytes of data (header excluded)
@@ -127,8 +201,9 @@ class Extent:
         self.created = time.monotonic()
         self.lock = threading.Lock()    # serializes read-modify-write operations
         self._mm = mm
-        self._header = memoryview(mm)[:HEADER_BYTES]
-        self.data = memoryview(mm)[HEADER_BYTES:HEADER_BYTES + length]  # writable, bytes
+        assert mm.view is not None
+        self._header = mm.view[:HEADER_BYTES]
+        self.data = mm.view[HEADER_BYTES:HEADER_BYTES + length]  # writable, bytes
         self._state = threading.Lock()
         self._pins = 0
         self._released = False
@@ -238,8 +313,8 @@ class Extent:
         self._header.release()
         self.data.release()
         try:
-            self._mm.close()
-        except BufferError:  # a borrowed view is still alive; the GC unmaps it later
+            self._mm.close()   # unmapped now, or when the last borrowed view is collected
+        except BufferError:
             log.debug("extent %d: mapping still exported; unmapped when collected", self.extent_id)
         if self.path and not self._keep_data:
             with contextlib.suppress(FileNotFoundError):
@@ -266,13 +341,15 @@ class Arena:
 
     ``data_dir``: where file-backed (persistent) extents live; existing ``*.extent``
     files there are adopted on construction, so a restarted server keeps their data.
+    ``fd_reserve``: descriptors that must stay free for a new extent to be made.
     """
 
-    def __init__(self, capacity: int, data_dir: str = "") -> None:
+    def __init__(self, capacity: int, data_dir: str = "", fd_reserve: int = FD_RESERVE) -> None:
         if capacity < 0:
             raise InvalidArgument(f"capacity must be >= 0 bytes, got {capacity}")
         self.capacity = int(capacity)
         self.data_dir = data_dir
+        self.fd_reserve = fd_reserve
         self._lock = threading.Lock()
         self._extents: dict[int, Extent] = {}
         self._used = 0
@@ -319,8 +396,9 @@ class Arena:
         """Create extent ``extent_id`` of ``length`` bytes (zeros) for ``region_uid``.
 
         Idempotent: reserving a held id again for the same region and length returns
-        the held extent. Raises OutOfMemory when the budget is exceeded, InvalidArgument
-        on a zero length or an id held for another region or length.
+        the held extent. Raises OutOfMemory when the budget is exceeded or the process
+        is short of file descriptors, InvalidArgument on a zero length or an id held for
+        another region or length.
         """
         extent_id = int(extent_id)
         length = int(length)
@@ -343,12 +421,16 @@ class Arena:
                 raise OutOfMemory(
                     f"cannot reserve {length} bytes for extent {extent_id}: {self._used} of "
                     f"{self.capacity} bytes in use, {self.capacity - self._used} free")
+            self._check_fds(extent_id)
             self._used += length  # claim the budget before the (slow) allocation
         try:
             extent = self._create(extent_id, region_uid, length, persistent)
-        except BaseException:
+        except BaseException as exc:
             with self._lock:
                 self._used -= length
+            if isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE):
+                soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+                raise self._no_fds(extent_id, soft, soft) from None
             raise
         try:
             self._announce(extent, list(self._listeners))
@@ -361,6 +443,26 @@ class Arena:
             self._extents[extent_id] = extent
         log.debug("reserved %r", extent)
         return extent
+
+    def _check_fds(self, extent_id: int) -> None:
+        """Raise OutOfMemory when a new extent would leave fewer than ``fd_reserve``
+        descriptors free."""
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        if soft == resource.RLIM_INFINITY:
+            return
+        try:
+            used = open_fds()
+        except OSError:
+            used = soft               # not even one free to count with
+        if used + 1 + self.fd_reserve > soft:
+            raise self._no_fds(extent_id, used, soft)
+
+    def _no_fds(self, extent_id: int, used: int, soft: int) -> OutOfMemory:
+        return OutOfMemory(
+            f"cannot make extent {extent_id}: {used} of {soft} file descriptors are open and "
+            f"{self.fd_reserve} are kept for connections (each extent takes one); raise the "
+            f"memory server's descriptor limit (LimitNOFILE= in its systemd unit, ulimit -n), "
+            f"or place the region on other servers")
 
     def _create(self, extent_id: int, region_uid: str, length: int, persistent: bool) -> Extent:
         size = HEADER_BYTES + length
@@ -379,7 +481,7 @@ class Arena:
             if not path:
                 # clients get this descriptor: forbid them to shrink it under our mapping
                 fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
-            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            mm = Mapping(fd, size)
             extent = Extent(extent_id, region_uid, length, fd, mm, path, persistent=bool(path))
             extent._write_header(1)
             if path:
@@ -464,7 +566,7 @@ class Arena:
             if os.path.basename(path) != f"{extent_id}{FILE_SUFFIX}":
                 raise ValueError(f"header names extent {extent_id}")
             region_uid = raw_uid.rstrip(b"\0").decode()
-            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            mm = Mapping(fd, size)
         except BaseException:
             os.close(fd)
             raise

@@ -39,7 +39,7 @@ from ..grpc_util import BearerAuth, make_server
 from ..health import HEALTH_METHODS, Health
 from ..metrics import MetricsServer, Registry
 from ..rpc_metrics import RpcMetrics
-from .arena import Arena
+from .arena import Arena, raise_fd_limit
 from .controller_link import ControllerLink
 from .rdma_plane import RdmaPlane
 from .service import TICKET_METHODS, MemoryServerServicer, rss_bytes
@@ -113,6 +113,8 @@ class MemoryServer(Daemon):
         self._state_dir = cfg.state_dir or self._mkdtemp()
         os.makedirs(self._state_dir, exist_ok=True)
         self.server_id = cfg.server_id or self._load_server_id()
+        soft, _hard = raise_fd_limit()   # each extent and each connection takes a descriptor
+        log.info("descriptor limit: %d", soft)
         self.arena = Arena(cfg.capacity, cfg.data_dir)
         host = cfg.advertise_host or cfg.listen_host
         if host in ("0.0.0.0", "::", ""):
@@ -137,7 +139,11 @@ class MemoryServer(Daemon):
         endpoints = []
         if "tcp" in cfg.transports:
             self.tcp = TcpPlane(self.arena, cfg.secret, cfg.listen_host, cfg.tcp_port,
-                                self.stats.for_transport("tcp"), max_connections=cfg.tcp_connections_max)
+                                self.stats.for_transport("tcp"), max_connections=cfg.tcp_connections_max,
+                                frame_timeout=cfg.tcp_frame_timeout_seconds,
+                                max_per_peer=cfg.tcp_connections_per_peer,
+                                hello_timeout=cfg.tcp_hello_timeout_seconds,
+                                scratch_bytes=cfg.tcp_scratch_bytes)
             endpoints.append(f"tcp://{format_hostport(host, self.tcp.port)}")
         if "shm" in cfg.transports:
             self.shm = ShmPlane(self.arena, cfg.secret, self._socket_path(), self.stats.for_transport("shm"))

@@ -21,6 +21,12 @@ from ..metrics import Histogram
 log = logging.getLogger(__name__)
 
 COUNTERS = ("bytes_read", "bytes_written", "bytes_accumulated", "operations", "errors", "sessions")
+#: counts of the data planes' limits, read with :meth:`PlaneStats.limits` (not part of
+#: :meth:`PlaneStats.snapshot` nor of the metrics): connections refused at accept (full,
+#: per-peer share, no descriptors), connections dropped for missing their HELLO or frame
+#: deadline, and the TCP plane's shared scratch buffers (``scratch_bytes`` allocated and
+#: ``scratch_in_use`` lent, both gauges; ``scratch_waits``: requests that waited for one)
+LIMIT_COUNTS = ("refused", "dropped", "scratch_bytes", "scratch_in_use", "scratch_waits")
 # seconds; from a small-message round trip to a multi-megabyte accumulate
 OP_BUCKETS = (2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25,
               0.5, 1.0, 2.5)
@@ -38,18 +44,20 @@ class PlaneStats:
         self.transport = transport
         self._parent = parent
         self._lock = threading.Lock()
-        self._counts = dict.fromkeys(COUNTERS, 0)
+        self._counts = dict.fromkeys(COUNTERS + LIMIT_COUNTS, 0)
         self._views: dict[str, PlaneStats] = {}
         self.latency: Histogram = parent.latency if parent is not None else Histogram(
             "smb_server_operation_seconds", "Data-plane operation latency on the server, seconds",
             ["op", "transport"], buckets=OP_BUCKETS)
 
     def add(self, **counts: int) -> None:
-        """Add to named counters (see :data:`COUNTERS`); raises KeyError for others."""
+        """Add to named counters (see :data:`COUNTERS`, :data:`LIMIT_COUNTS`); raises
+        KeyError for others."""
         with self._lock:
             for name, n in counts.items():
                 if name not in self._counts:
-                    raise KeyError(f"unknown counter {name!r}; known: {', '.join(COUNTERS)}")
+                    raise KeyError(f"unknown counter {name!r}; known: "
+                                   f"{', '.join(COUNTERS + LIMIT_COUNTS)}")
                 self._counts[name] += n
         if self._parent is not None:
             self._parent.add(**counts)
@@ -67,9 +75,14 @@ class PlaneStats:
             return view
 
     def snapshot(self) -> dict[str, int]:
-        """The counters now, by name."""
+        """The counters of :data:`COUNTERS` now, by name."""
         with self._lock:
-            return dict(self._counts)
+            return {name: self._counts[name] for name in COUNTERS}
+
+    def limits(self) -> dict[str, int]:
+        """The counts of :data:`LIMIT_COUNTS` now, by name."""
+        with self._lock:
+            return {name: self._counts[name] for name in LIMIT_COUNTS}
 
     def by_transport(self) -> dict[str, dict[str, int]]:
         """The counters of every view made by :meth:`for_transport`, by transport."""

@@ -5,8 +5,21 @@ One accept thread and one thread per connection. A connection presents tickets w
 checked against the ticket naming its extent (see :class:`.access.TicketBook`) and the
 arena, then served straight between the socket and extent memory: ``READ`` sends from
 the mapping with ``sendmsg``, ``WRITE`` receives into it with ``recvmsg_into`` (no
-copies); ``ACCUMULATE``/``AXPY`` receive into a per-connection scratch buffer of at
-most :data:`SCRATCH_BYTES` and apply the kernel chunk by chunk under the extent's lock.
+copies); ``ACCUMULATE``/``AXPY`` receive into a scratch buffer of at most
+:data:`SCRATCH_BYTES` and apply the kernel chunk by chunk under the extent's lock.
+Scratch buffers come from one :class:`ScratchPool` per plane, lent for one request and
+bounded in bytes across all connections; payloads of at most :data:`SMALL_SCRATCH`
+bytes use a buffer made for the request and dropped after it.
+
+Limits, so that peers without a ticket cannot lock the plane up: a connection must
+complete its first ``HELLO`` within ``hello_timeout`` seconds of being accepted, and
+every frame (header and payload) must arrive whole within ``frame_timeout`` seconds of
+its first byte, however slowly it trickles; a connection is then dropped. At most
+``max_connections`` connections in all and ``max_per_peer`` from one peer address are
+open; one more, or one accepted while the process is out of file descriptors, gets an
+unsolicited ``SERVER_BUSY`` answer naming the limit (:class:`ServerBusy` on the client)
+and is closed. The accept loop survives EMFILE: it sheds the waiting connection with a
+spare descriptor kept for that, and backs off.
 
 A request that fails a check is answered with a status code and a UTF-8 message after
 its payload was read and discarded, so the connection stays usable. A frame that
@@ -15,11 +28,16 @@ breaks the protocol (bad magic, unknown opcode, oversized length, truncated fram
 """
 from __future__ import annotations
 
+import errno
 import logging
+import os
 import socket
 import struct
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 from smb_client import wire
 from smb_client.dtypes import FLOATING, STORAGE, DType
@@ -29,6 +47,7 @@ from smb_client.errors import (
     InvalidArgument,
     InvalidTicket,
     Misaligned,
+    ServerBusy,
     SMBError,
     Status,
     error_status,
@@ -46,9 +65,18 @@ log = logging.getLogger(__name__)
 # check_access, PlaneStats and ACCEPT_POLL were imported from here before access.py
 __all__ = ["TcpPlane", "check_access", "PlaneStats", "ACCEPT_POLL"]
 
-SCRATCH_BYTES = 4 << 20   # bytes of payload received per accumulate step
-FRAME_TIMEOUT = 60.0      # seconds a started frame may stall before the connection is dropped
+SCRATCH_BYTES = 4 << 20   # bytes of payload received per accumulate step (one pooled buffer)
+SMALL_SCRATCH = 64 << 10  # bytes; payloads up to this use a buffer of their own, dropped after use
+SCRATCH_POOL_BYTES = 64 << 20  # bytes of pooled scratch buffers a plane may hold in all
+SCRATCH_KEEP = 2          # idle pooled buffers kept for reuse; the others are freed
+HELLO_TIMEOUT = 5.0       # seconds from accept to the end of the first HELLO
+FRAME_TIMEOUT = 60.0      # seconds from a frame's first byte to its last
+MAX_CONNECTIONS = 1024    # connections open at once
+MAX_PER_PEER = 64         # connections open at once from one peer address
 BACKLOG = 128
+ACCEPT_BACKOFF_FIRST = 0.05  # seconds the accept loop pauses after a failure, doubling
+ACCEPT_BACKOFF_MAX = 1.0     # seconds, the longest such pause
+REFUSAL_LOG_EVERY = 10.0     # seconds between warnings about refused connections
 _OLD = struct.Struct("<q")
 
 
@@ -56,8 +84,67 @@ class _Drop(Exception):
     """The peer broke the protocol (or went away): close this connection."""
 
 
+class ScratchPool:
+    """Scratch buffers of ``chunk`` bytes lent to connections for one request each; at
+    most ``limit`` bytes of them exist at once (at least one buffer), and at most
+    :data:`SCRATCH_KEEP` idle ones are kept. ``stats`` counts them (see
+    :data:`.stats.LIMIT_COUNTS`). Thread-safe.
+    """
+
+    def __init__(self, limit: int = SCRATCH_POOL_BYTES, chunk: int = SCRATCH_BYTES,
+                 stats: PlaneStats | None = None) -> None:
+        self.chunk = chunk
+        self.limit = max(int(limit), chunk)
+        self.stats = stats if stats is not None else PlaneStats("tcp")
+        self.allocated = 0           # bytes
+        self._idle: list[bytearray] = []
+        self._cond = threading.Condition()
+
+    def acquire(self, deadline: float) -> bytearray:
+        """A buffer of :attr:`chunk` bytes; waits for one until ``deadline`` (a
+        :func:`time.monotonic` time), then raises TimeoutError."""
+        with self._cond:
+            waited = False
+            while not self._idle and self.allocated + self.chunk > self.limit:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"no scratch buffer free ({self.allocated} bytes lent)")
+                if not waited:
+                    self.stats.add(scratch_waits=1)
+                    waited = True
+                self._cond.wait(left)
+            if self._idle:
+                buf = self._idle.pop()
+            else:
+                buf = bytearray(self.chunk)
+                self.allocated += self.chunk
+                self.stats.add(scratch_bytes=self.chunk)
+        self.stats.add(scratch_in_use=1)
+        return buf
+
+    def release(self, buf: bytearray) -> None:
+        """Give a buffer from :meth:`acquire` back."""
+        self.stats.add(scratch_in_use=-1)
+        with self._cond:
+            if len(self._idle) < SCRATCH_KEEP:
+                self._idle.append(buf)
+            else:
+                self.allocated -= len(buf)
+                self.stats.add(scratch_bytes=-len(buf))
+            self._cond.notify()
+
+    def close(self) -> None:
+        """Free the idle buffers."""
+        with self._cond:
+            freed = sum(len(b) for b in self._idle)
+            self._idle.clear()
+            self.allocated -= freed
+        if freed:
+            self.stats.add(scratch_bytes=-freed)
+
+
 class _Connection:
-    """One client socket, its ticket and its scratch buffer. Runs on its own thread."""
+    """One client socket and its tickets. Runs on its own thread."""
 
     def __init__(self, plane: TcpPlane, sock: socket.socket, peer: str) -> None:
         self.plane = plane
@@ -65,46 +152,89 @@ class _Connection:
         self.peer = peer
         self.tickets = TicketBook()
         self.pending = 0                      # payload bytes of the current request not yet read
+        self.hello_deadline = time.monotonic() + plane.hello_timeout
+        self.deadline = self.hello_deadline   # monotonic time the current frame must be in by
         self._header = bytearray(wire.REQUEST.size)
-        self._scratch = bytearray()
 
     # -- socket helpers -------------------------------------------------------------
-    def _scratch_view(self, n: int) -> memoryview:
-        if len(self._scratch) < n:
-            self._scratch = bytearray(min(SCRATCH_BYTES, max(n, 64 << 10)))
-        return memoryview(self._scratch)[:n]
+    @contextmanager
+    def _scratch(self, n: int) -> Iterator[memoryview]:
+        """A scratch buffer of ``min(n, SCRATCH_BYTES)`` bytes for this request: a small
+        one of its own, or one lent by the plane's pool until the request ends."""
+        if n <= SMALL_SCRATCH:
+            yield memoryview(bytearray(n))
+            return
+        try:
+            buf = self.plane.scratch.acquire(self.deadline)
+        except TimeoutError as exc:
+            raise _Drop(f"frame not read within {self.plane.frame_timeout:g} s: {exc}") from None
+        try:
+            yield memoryview(buf)[:min(n, len(buf))]
+        finally:
+            self.plane.scratch.release(buf)
 
     def _recv_header(self) -> bool:
-        """Fill the header buffer; False on a clean close between frames."""
+        """Fill the header buffer; False on a clean close between frames.
+
+        Before the first ``HELLO`` the connection waits at most until its HELLO deadline;
+        once a ticket is in, it may idle between frames. A frame's first byte starts
+        its frame deadline.
+        """
         view = memoryview(self._header)
         got = 0
         while got < len(view):
+            hello = not self.tickets
+            if got:
+                deadline: float | None = self.deadline
+            else:
+                deadline = self.hello_deadline if hello else None
+            left = self.plane.frame_timeout if deadline is None else deadline - time.monotonic()
             try:
+                if left <= 0:
+                    raise TimeoutError
+                self.sock.settimeout(left)
                 n = self.sock.recv_into(view[got:])
             except TimeoutError:
-                if got == 0 and not self.plane.closing:
+                if deadline is None and not self.plane.closing:
                     continue  # idle between requests: fine
-                raise _Drop("frame stalled") from None
+                self.plane.stats.add(dropped=1)
+                if hello:
+                    raise _Drop(f"no HELLO within {self.plane.hello_timeout:g} s of connecting "
+                                "(tcp_hello_timeout_seconds)") from None
+                raise _Drop(f"frame not complete within {self.plane.frame_timeout:g} s "
+                            "(tcp_frame_timeout_seconds)") from None
             if n == 0:
                 if got == 0:
                     return False
                 raise _Drop(f"truncated header ({got} of {len(view)} bytes)")
+            if got == 0:
+                self.deadline = time.monotonic() + self.plane.frame_timeout
+                if hello:
+                    self.deadline = min(self.deadline, self.hello_deadline)
             got += n
         return True
 
     def _recv(self, view: memoryview) -> None:
         try:
-            wire.recv_into_all(self.sock, [view])
+            wire.recv_into_all(self.sock, [view], deadline=self.deadline)
+        except TimeoutError:
+            self.plane.stats.add(dropped=1)
+            raise _Drop(f"frame not complete within {self.plane.frame_timeout:g} s "
+                        "(tcp_frame_timeout_seconds)") from None
         except (OSError, SMBError) as exc:
             raise _Drop(f"payload: {exc}") from None
         self.pending -= len(view)
 
     def _drain(self) -> None:
-        while self.pending > 0:
-            self._recv(self._scratch_view(min(self.pending, SCRATCH_BYTES)))
+        if self.pending <= 0:
+            return
+        with self._scratch(self.pending) as scratch:
+            while self.pending > 0:
+                self._recv(scratch[:min(self.pending, len(scratch))])
 
     def _send(self, buffers: list) -> None:
         try:
+            self.sock.settimeout(self.plane.frame_timeout)
             wire.sendmsg_all(self.sock, buffers)
         except OSError as exc:
             raise _Drop(f"send: {exc}") from None
@@ -166,10 +296,11 @@ class _Connection:
     def _hello(self, req_id: int, length: int) -> bool:
         if length > wire.MAX_TICKET:
             raise _Drop(f"HELLO ticket of {length} bytes exceeds {wire.MAX_TICKET}")
-        token = self._scratch_view(length)
-        self._recv(token)
+        with self._scratch(length) as token:
+            self._recv(token)
+            raw = bytes(token)
         try:
-            self.tickets.add(verify(self.plane.secret, bytes(token).decode()))
+            self.tickets.add(verify(self.plane.secret, raw.decode()))
         except (SMBError, UnicodeDecodeError) as exc:
             err = exc if isinstance(exc, SMBError) else InvalidTicket("ticket is not UTF-8")
             self.plane.stats.add(errors=1)
@@ -226,16 +357,17 @@ class _Connection:
                     alpha: float | None) -> bytes:
         with extent.pin():
             pos, end = offset, offset + length
-            while pos < end:
-                n = min(end - pos, SCRATCH_BYTES)
-                chunk = self._scratch_view(n)
-                self._recv(chunk)
-                with extent.lock, extent.data[pos:pos + n] as dst:
-                    if alpha is None:
-                        kernels.accumulate(dst, chunk, dt)
-                    else:
-                        kernels.axpy(dst, alpha, chunk, dt)
-                pos += n
+            with self._scratch(length) as scratch:
+                while pos < end:
+                    n = min(end - pos, len(scratch))
+                    chunk = scratch[:n]
+                    self._recv(chunk)
+                    with extent.lock, extent.data[pos:pos + n] as dst:
+                        if alpha is None:
+                            kernels.accumulate(dst, chunk, dt)
+                        else:
+                            kernels.axpy(dst, alpha, chunk, dt)
+                    pos += n
             if not extent.live:
                 raise ExtentNotFound(f"extent {extent.extent_id} was released during the operation")
         self.plane.stats.add(bytes_accumulated=length)
@@ -268,22 +400,34 @@ class TcpPlane:
     """Listens on ``host:port`` (0: any free port) and serves the TCP data plane.
 
     Borrows ``arena`` (not closed here); ``secret`` verifies tickets; ``stats`` (a
-    :class:`PlaneStats`, shared with other planes) receives counters. Starts serving
-    on construction; :meth:`close` stops accepting and closes every connection.
+    :class:`PlaneStats`, shared with other planes) receives counters. Limits (see the
+    module docstring): ``max_connections`` in all, ``max_per_peer`` from one peer
+    address, ``hello_timeout`` and ``frame_timeout`` (seconds), ``scratch_bytes`` of
+    pooled scratch buffers. Starts serving on construction; :meth:`close` stops
+    accepting and closes every connection.
     """
 
     def __init__(self, arena: Arena, secret: bytes, host: str = "127.0.0.1", port: int = 0,
-                 stats: PlaneStats | None = None, max_connections: int = 1024,
-                 frame_timeout: float = FRAME_TIMEOUT) -> None:
+                 stats: PlaneStats | None = None, max_connections: int = MAX_CONNECTIONS,
+                 frame_timeout: float = FRAME_TIMEOUT, *, max_per_peer: int = MAX_PER_PEER,
+                 hello_timeout: float = HELLO_TIMEOUT,
+                 scratch_bytes: int = SCRATCH_POOL_BYTES) -> None:
         self.arena = arena
         self.secret = secret
         self.host = host
         self.stats = stats if stats is not None else PlaneStats("tcp")
         self.max_connections = max_connections
+        self.max_per_peer = max_per_peer
+        self.hello_timeout = hello_timeout
         self.frame_timeout = frame_timeout
+        self.scratch = ScratchPool(scratch_bytes, SCRATCH_BYTES, self.stats)
         self.closing = False
         self._lock = threading.Lock()
         self._conns: dict[socket.socket, threading.Thread] = {}
+        self._per_peer: dict[str, int] = {}
+        self._refused_since_log = 0
+        self._refusal_logged = 0.0
+        self._spare = self._open_spare()
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.socket(family, socket.SOCK_STREAM)
         try:
@@ -293,6 +437,7 @@ class TcpPlane:
             self._listener.settimeout(ACCEPT_POLL)
         except BaseException:
             self._listener.close()
+            self._close_spare()
             raise
         self._port = self._listener.getsockname()[1]
         self._thread = threading.Thread(target=self._accept_loop, name=f"tcp-accept-{self._port}",
@@ -310,31 +455,111 @@ class TcpPlane:
         with self._lock:
             return len(self._conns)
 
+    # -- accepting ------------------------------------------------------------------
+    @staticmethod
+    def _open_spare() -> int:
+        """A descriptor held back so that a refusal can be sent when the process has no
+        other one left; -1 when even that fails."""
+        try:
+            return os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return -1
+
+    def _close_spare(self) -> None:
+        if self._spare >= 0:
+            os.close(self._spare)
+            self._spare = -1
+
     def _accept_loop(self) -> None:
+        backoff = ACCEPT_BACKOFF_FIRST
         while not self.closing:
             try:
                 sock, addr = self._listener.accept()
             except TimeoutError:
                 continue
             except OSError as exc:
-                if not self.closing:
-                    log.warning("tcp accept failed: %s", exc)
-                    time.sleep(0.05)
+                if self.closing:
+                    break
+                if exc.errno in (errno.EMFILE, errno.ENFILE) and self._shed():
+                    continue
+                log.warning("tcp accept failed: %s; pausing %.2f s (existing connections are "
+                            "still served)", exc, backoff)
+                time.sleep(backoff)
+                backoff = min(backoff * 2, ACCEPT_BACKOFF_MAX)
                 continue
-            peer = f"{addr[0]}:{addr[1]}"
-            with self._lock:
-                full = len(self._conns) >= self.max_connections
-                if not full and not self.closing:
-                    thread = threading.Thread(target=self._serve, args=(sock, peer),
-                                              name=f"tcp-{peer}", daemon=True)
-                    self._conns[sock] = thread
-            if full or self.closing:
-                log.warning("tcp %s: refused: %d connections open (the limit)", peer, self.max_connections)
-                sock.close()
-                continue
-            thread.start()
+            backoff = ACCEPT_BACKOFF_FIRST
+            self._admit(sock, addr)
 
-    def _serve(self, sock: socket.socket, peer: str) -> None:
+    def _shed(self) -> bool:
+        """Out of descriptors: accept the waiting connection with the spare one and refuse
+        it. False when there was no spare or nothing to accept."""
+        if self._spare < 0:
+            self._spare = self._open_spare()
+            return False
+        self._close_spare()
+        try:
+            sock, addr = self._listener.accept()
+        except OSError:
+            return False
+        finally:
+            if self._spare < 0:
+                self._spare = self._open_spare()
+        self._refuse(sock, f"{addr[0]}:{addr[1]}", ServerBusy(
+            "the memory server is out of file descriptors; retry later, or raise its "
+            "descriptor limit (LimitNOFILE= in the systemd unit, ulimit -n)"))
+        if self._spare < 0:   # the socket closed above freed one
+            self._spare = self._open_spare()
+        return True
+
+    def _admit(self, sock: socket.socket, addr: tuple[Any, ...]) -> None:
+        ip = str(addr[0])
+        peer = f"{ip}:{addr[1]}"
+        refusal: SMBError | None = None
+        with self._lock:
+            if self.closing:
+                refusal = ServerBusy("the memory server is stopping")
+            elif len(self._conns) >= self.max_connections:
+                refusal = ServerBusy(
+                    f"the memory server is full: {len(self._conns)} data-plane connections open, "
+                    f"the limit (tcp_connections_max); retry later, close idle clients, or raise it")
+            elif self._per_peer.get(ip, 0) >= self.max_per_peer:
+                refusal = ServerBusy(
+                    f"{self._per_peer[ip]} data-plane connections are open from {ip}, the per-peer "
+                    f"limit (tcp_connections_per_peer); close idle connections or raise it")
+            else:
+                thread = threading.Thread(target=self._serve, args=(sock, ip, peer),
+                                          name=f"tcp-{peer}", daemon=True)
+                self._conns[sock] = thread
+                self._per_peer[ip] = self._per_peer.get(ip, 0) + 1
+        if refusal is not None:
+            self._refuse(sock, peer, refusal)
+            return
+        thread.start()
+
+    def _refuse(self, sock: socket.socket, peer: str, err: SMBError) -> None:
+        """Answer a connection that is not taken with ``err`` (req_id 0), then close it.
+        Never blocks: the answer fits in a fresh socket's send buffer."""
+        self.stats.add(refused=1)
+        body = str(err).encode()
+        try:
+            sock.setblocking(False)
+            sock.send(wire.pack_response(error_status(err), 0, len(body)) + body)
+            sock.shutdown(socket.SHUT_WR)
+            while sock.recv(1 << 16):   # read what already came, so close() sends FIN, not RST
+                pass
+        except OSError:
+            pass
+        finally:
+            sock.close()
+        now = time.monotonic()
+        self._refused_since_log += 1
+        if now - self._refusal_logged >= REFUSAL_LOG_EVERY:
+            log.warning("tcp %s: refused (%d refused since the last such warning): %s", peer,
+                        self._refused_since_log, err)
+            self._refusal_logged = now
+            self._refused_since_log = 0
+
+    def _serve(self, sock: socket.socket, ip: str, peer: str) -> None:
         self.stats.add(sessions=1)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -347,6 +572,11 @@ class TcpPlane:
             self.stats.add(sessions=-1)
             with self._lock:
                 self._conns.pop(sock, None)
+                left = self._per_peer.get(ip, 1) - 1
+                if left > 0:
+                    self._per_peer[ip] = left
+                else:
+                    self._per_peer.pop(ip, None)
             sock.close()
             log.debug("tcp %s: closed", peer)
 
@@ -371,6 +601,8 @@ class TcpPlane:
         deadline = time.monotonic() + timeout
         for _sock, thread in conns:
             thread.join(max(0.0, deadline - time.monotonic()))
+        self.scratch.close()
+        self._close_spare()
         log.info("tcp data plane on port %d closed", self._port)
 
     def __enter__(self) -> TcpPlane:

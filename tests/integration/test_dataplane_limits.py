@@ -1,0 +1,324 @@
+"""Limits of the memory server's TCP data plane, against real planes and real sockets
+on loopback: HELLO and frame deadlines, connections per peer and in all, clear
+refusals, shared scratch buffers, one descriptor per extent, and a child memory server
+process with a low ``RLIMIT_NOFILE``.
+
+An "attacker" connects from 127.0.0.2 (any 127/8 address is loopback on Linux) and the
+legitimate client from 127.0.0.1, so the per-peer limit tells them apart.
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from smb_client import tickets, wire
+from smb_client.addressing import parse_endpoint
+from smb_client.dtypes import DType
+from smb_client.errors import InvalidTicket, ServerBusy, ServerUnavailable, Status
+from smb_client.transports.tcp import TcpConnection, TcpSession
+from smb_client.wire import Op
+from smb_server.memserver.arena import Arena
+from smb_server.memserver.stats import PlaneStats
+from smb_server.memserver.tcp_plane import SCRATCH_BYTES, TcpPlane
+
+SECRET = b"k" * 32
+UID = "limits-region"
+MiB = 1 << 20
+ROOT = Path(__file__).resolve().parents[2]
+ATTACKER = "127.0.0.2"
+
+
+def ticket(extent_ids: list[int]) -> str:
+    return tickets.sign(SECRET, UID, extent_ids, "rw", ttl=600.0)[0]
+
+
+def attacker_socket(port: int, source: str = ATTACKER) -> socket.socket:
+    sock = socket.socket()
+    sock.bind((source, 0))
+    sock.settimeout(10)
+    sock.connect(("127.0.0.1", port))
+    return sock
+
+
+def refusal(sock: socket.socket) -> tuple[int, str]:
+    """The unsolicited answer of a refused connection: (status, message)."""
+    status, req_id, n = wire.unpack_response(wire.recv_exact(sock, wire.RESPONSE.size))
+    assert req_id == 0
+    return status, bytes(wire.recv_exact(sock, n)).decode()
+
+
+def closed_within(sock: socket.socket, seconds: float) -> float:
+    """Seconds until the server closed ``sock``; fails after ``seconds``."""
+    start = time.monotonic()
+    sock.settimeout(seconds)
+    try:
+        while sock.recv(4096):
+            pass
+    except ConnectionResetError:
+        pass
+    except TimeoutError:
+        pytest.fail(f"the server kept the connection open for more than {seconds} s")
+    return time.monotonic() - start
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def hello(sock: socket.socket, token: str) -> int:
+    raw = token.encode()
+    wire.sendmsg_all(sock, [wire.pack_request(Op.HELLO, 1, length=len(raw)), raw])
+    status, _req, n = wire.unpack_response(wire.recv_exact(sock, wire.RESPONSE.size))
+    wire.recv_exact(sock, n)
+    return status
+
+
+@pytest.fixture
+def arena():
+    a = Arena(64 * MiB)
+    a.reserve(1, UID, 8 * MiB)
+    yield a
+    a.close()
+
+
+def session(port: int) -> TcpSession:
+    return TcpSession(parse_endpoint(f"tcp://127.0.0.1:{port}"), {"io_timeout": 10})
+
+
+def test_idle_connections_without_hello_are_dropped(arena):
+    with TcpPlane(arena, SECRET, max_connections=8, max_per_peer=4, hello_timeout=0.5) as plane:
+        idle = [attacker_socket(plane.port) for _ in range(4)]
+        for sock in idle:
+            assert closed_within(sock, 5) < 3
+            sock.close()
+        assert plane.stats.limits()["dropped"] >= 4
+        deadline = time.monotonic() + 5
+        while plane.connections and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert plane.connections == 0
+
+
+def test_hello_trickled_byte_by_byte_misses_its_deadline(arena):
+    with TcpPlane(arena, SECRET, hello_timeout=1.0, frame_timeout=30.0) as plane:
+        sock = attacker_socket(plane.port)
+        raw = ticket([1]).encode()
+        frame = wire.pack_request(Op.HELLO, 1, length=len(raw)) + raw
+        start = time.monotonic()
+        with pytest.raises(OSError):
+            for i in range(len(frame)):          # one byte every 0.1 s: each recv makes progress
+                sock.send(frame[i:i + 1])
+                time.sleep(0.1)
+                if time.monotonic() - start > 10:
+                    pytest.fail("a trickled HELLO was never dropped")
+            closed_within(sock, 0.1)
+            raise OSError("dropped at the end")
+        assert time.monotonic() - start < 5
+        sock.close()
+
+
+def test_frame_must_arrive_whole_within_its_deadline(arena):
+    with TcpPlane(arena, SECRET, frame_timeout=1.0) as plane:
+        sock = attacker_socket(plane.port, "127.0.0.1")
+        assert hello(sock, ticket([1])) == Status.OK
+        sock.send(wire.pack_request(Op.WRITE, 2, 1, 0, 1000))
+        start = time.monotonic()
+        with pytest.raises(OSError):
+            for _ in range(100):                  # one payload byte every 0.1 s
+                sock.send(b"x")
+                time.sleep(0.1)
+        assert time.monotonic() - start < 4
+        # an idle connection with a ticket is left alone between frames
+        other = TcpConnection("127.0.0.1", plane.port)
+        other.present(ticket([1]))
+        time.sleep(1.5)
+        assert other.request(Op.PING) == b""
+        other.close()
+        sock.close()
+
+
+def test_per_peer_limit_refuses_clearly_and_others_keep_working(arena):
+    with TcpPlane(arena, SECRET, max_connections=16, max_per_peer=3, hello_timeout=30) as plane:
+        held = [attacker_socket(plane.port) for _ in range(3)]
+        for sock in held:                         # slowloris: a byte now and then, never a frame
+            sock.send(b"\x42")
+        extra = attacker_socket(plane.port)
+        status, message = refusal(extra)
+        assert status == Status.SERVER_BUSY
+        assert ATTACKER in message and "tcp_connections_per_peer" in message
+        assert extra.recv(1) == b""
+        extra.close()
+        # the legitimate client, through the real client transport
+        s = session(plane.port)
+        data = np.arange(1024, dtype=np.float32)
+        s.write(ticket([1]), 1, 0, [memoryview(data).cast("B")])
+        back = np.zeros_like(data)
+        s.read_into(ticket([1]), 1, 0, [memoryview(back).cast("B")])
+        assert np.array_equal(back, data)
+        s.close()
+        assert plane.stats.limits()["refused"] == 1
+        for sock in held:
+            sock.close()
+
+
+def test_full_server_refuses_with_a_typed_error(arena):
+    with TcpPlane(arena, SECRET, max_connections=3, max_per_peer=3, hello_timeout=30) as plane:
+        held = [TcpConnection("127.0.0.1", plane.port) for _ in range(3)]
+        for conn in held:
+            conn.present(ticket([1]))
+        refused = TcpConnection("127.0.0.1", plane.port)
+        with pytest.raises(ServerBusy) as info:
+            refused.present(ticket([1]))
+        assert isinstance(info.value, ServerUnavailable)    # retry policies treat it alike
+        assert "full" in str(info.value) and "tcp_connections_max" in str(info.value)
+        held[0].close()
+        deadline = time.monotonic() + 5
+        while plane.connections >= 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        again = TcpConnection("127.0.0.1", plane.port)
+        again.present(ticket([1]))
+        assert again.request(Op.PING) == b""
+        for conn in [*held[1:], again]:
+            conn.close()
+
+
+def test_scratch_buffers_are_shared_and_bounded(arena):
+    n = 6 * MiB // 4
+    ones = np.ones(n, dtype=np.float32)
+    stats = PlaneStats("tcp")
+    with TcpPlane(arena, SECRET, stats=stats, scratch_bytes=SCRATCH_BYTES) as plane:
+        conns = [TcpConnection("127.0.0.1", plane.port) for _ in range(4)]
+        errors: list[BaseException] = []
+
+        def add(conn: TcpConnection) -> None:
+            try:
+                conn.present(ticket([1]))
+                conn.request(Op.ACCUMULATE, 1, 0, n * 4, dtype=DType.FLOAT32,
+                             payload=[memoryview(ones).cast("B")])
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=add, args=(c,)) for c in conns]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert not errors
+        assert np.all(arena.get(1).array(np.float32, 0, n * 4) == 4.0)
+        limits = stats.limits()
+        assert plane.scratch.allocated <= SCRATCH_BYTES           # one buffer for 4 connections
+        assert limits["scratch_bytes"] == plane.scratch.allocated
+        assert limits["scratch_in_use"] == 0                       # nothing kept by idle connections
+        for c in conns:
+            c.close()
+
+
+def test_an_extent_costs_one_descriptor():
+    a = Arena(64 * MiB)
+    try:
+        before = open_fds()
+        for i in range(10):
+            a.reserve(100 + i, UID, MiB)
+        assert open_fds() - before == 10
+    finally:
+        a.close()
+
+
+CHILD = r"""
+import json, resource, socket, sys, time
+from smb_client.errors import OutOfMemory
+from smb_server.memserver.arena import Arena, raise_fd_limit
+from smb_server.memserver.tcp_plane import TcpPlane
+
+soft, hard = raise_fd_limit()
+arena = Arena(1 << 30, fd_reserve=int(sys.argv[1]))
+made, error = 0, ""
+try:
+    for i in range(10_000):
+        arena.reserve(i, "limits-region", 4096)
+        made += 1
+except OutOfMemory as exc:
+    error = str(exc)
+for i in range(int(sys.argv[2])):
+    arena.release(i)           # give back a few descriptors
+plane = TcpPlane(arena, bytes(32), max_connections=10_000, max_per_peer=10_000, hello_timeout=60)
+print(json.dumps({"soft": soft, "hard": hard, "made": made, "error": error,
+                  "port": plane.port}), flush=True)
+sys.stdin.read()
+plane.close()
+"""
+
+
+def child_server(nofile: int, fd_reserve: int, free: int) -> tuple[subprocess.Popen[str], dict]:
+    """A child process serving a memory server's arena and tcp plane under
+    ``RLIMIT_NOFILE`` = ``nofile`` (soft and hard), after it made extents until refused
+    and released ``free`` of them."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(fd_reserve), str(free)], cwd=ROOT, text=True,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile)))
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line, f"the child exited with {proc.wait(10)}"
+    return proc, json.loads(line)
+
+
+def test_low_descriptor_limit_refuses_extents_before_running_out():
+    proc, info = child_server(nofile=200, fd_reserve=32, free=0)
+    try:
+        assert info["soft"] == info["hard"] == 200
+        assert 100 < info["made"] < 200 - 32
+        assert "file descriptors" in info["error"] and "LimitNOFILE" in info["error"]
+        # the server still has descriptors for clients
+        conn = TcpConnection("127.0.0.1", info["port"])
+        with pytest.raises(InvalidTicket):   # another secret: refused, but answered
+            conn.present(ticket([0]))
+        conn.close()
+    finally:
+        proc.communicate("", timeout=20)
+
+
+def test_accept_loop_survives_emfile_and_keeps_serving():
+    proc, info = child_server(nofile=64, fd_reserve=0, free=8)
+    port = info["port"]
+    try:
+        # the child is nearly out of descriptors; connections fill what is left
+        socks: list[socket.socket] = []
+        busy = None
+        for _ in range(64):
+            s = socket.create_connection(("127.0.0.1", port), timeout=10)
+            s.settimeout(0.3)
+            try:
+                status, _req, n = wire.unpack_response(wire.recv_exact(s, wire.RESPONSE.size))
+                busy = (status, bytes(wire.recv_exact(s, n)).decode())
+                s.close()
+                break
+            except TimeoutError:
+                socks.append(s)                  # accepted, waiting for its HELLO
+        assert busy is not None, "no refusal once the server ran out of descriptors"
+        assert busy[0] == Status.SERVER_BUSY and "file descriptors" in busy[1]
+        assert proc.poll() is None
+        # free some descriptors: new connections are served again
+        for s in socks[:5]:
+            s.close()
+        time.sleep(0.5)
+        conn = TcpConnection("127.0.0.1", port)
+        assert conn.sock.fileno() >= 0
+        conn.sock.settimeout(5)
+        wire.sendmsg_all(conn.sock, [wire.pack_request(Op.HELLO, 1, length=3), b"bad"])
+        status, _req, _n = wire.unpack_response(wire.recv_exact(conn.sock, wire.RESPONSE.size))
+        assert status == Status.INVALID_TICKET       # answered: the loop is serving
+        conn.close()
+        for s in socks[5:]:
+            s.close()
+    finally:
+        proc.communicate("", timeout=20)
