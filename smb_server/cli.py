@@ -21,8 +21,10 @@ from .config import (
     ServerConfig,
     default_of,
     load,
+    load_secret,
     settings,
 )
+from .credentials import admin_credential
 
 # set on the top-level parser; a daemon reads them from there (see _flags)
 GLOBAL_SETTINGS = ("log_level", "log_format")
@@ -51,8 +53,9 @@ def add_setting_flags(p: argparse.ArgumentParser, cls: type) -> None:
         kind = meta.get("kind") or str(f.type)
         metavar = {"int": "N", "float": "SECONDS" if f.name.endswith("_seconds") else "X",
                    "size": "SIZE", "list[str]": "A,B"}.get(kind, f.name.upper())
+        extra: dict = {"nargs": "?", "const": "true"} if kind == "bool" else {}
         p.add_argument("--" + f.name.replace("_", "-"), *meta.get("aliases", ()), dest=f.name,
-                       default=None, metavar=metavar,
+                       default=None, metavar=metavar, **extra,
                        help=f"{meta['doc']} ({shown}; env SMB_{f.name.upper()}; key {f.name})")
 
 
@@ -68,10 +71,13 @@ def cmd_controller(args: argparse.Namespace) -> int:
                flags=_flags(args, ControllerConfig))
     logs.setup(cfg.log_level, cfg.log_format)
     logs.set_context(daemon="controller")
-    if not cfg.secret:
+    if not cfg.secret and not cfg.insecure:
         print("smb controller: no secret: set secret_file in the config, pass --secret-file "
-              "or set SMB_SECRET", file=sys.stderr)
+              "or set SMB_SECRET (or, for a trusted test setup only, --insecure)", file=sys.stderr)
         return 2
+    if not cfg.insecure:
+        from .controller.main import check_credentials
+        check_credentials(cfg)  # ConfigError (exit 2) when a credential is missing
     serve(cfg)
     return 0
 
@@ -100,7 +106,7 @@ def _server_drain(args: argparse.Namespace, undrain: bool) -> int:
     cfg = load(ServerConfig, args.config, default_path=DEFAULT_SERVER_FILE,
                flags=_flags(args, ServerConfig), with_secret=False)
     server_id = cfg.server_id or read_server_id(cfg.state_dir)
-    with Client(cfg.controller, cfg.token) as c:
+    with Client(cfg.controller, admin_token(cfg.secret_file) or cfg.token) as c:
         s = c.drain_server(server_id, undrain=undrain)
     if undrain:
         print(f"server {s.server_id} at {s.grpc_address}: {s.state}; new extents may be placed on it")
@@ -108,6 +114,25 @@ def _server_drain(args: argparse.Namespace, undrain: bool) -> int:
         print(f"server {s.server_id} at {s.grpc_address}: {s.state}; no new extents go there, "
               f"its {s.extents} extent(s) ({format_bytes(s.used)}) keep serving")
     return 0
+
+
+def admin_token(secret_file: str = "") -> str:
+    """The operator's credential: ``$SMB_ADMIN_TOKEN``, the file ``$SMB_ADMIN_TOKEN_FILE``
+    names, or the one derived from the shared secret (``secret_file`` or
+    ``$SMB_SECRET``); "" when none is at hand. Never taken from the command line."""
+    token = os.environ.get("SMB_ADMIN_TOKEN", "")
+    path = os.environ.get("SMB_ADMIN_TOKEN_FILE", "")
+    if not token and path:
+        try:
+            with open(path) as f:
+                token = f.read().strip()
+        except OSError as exc:
+            raise ConfigError(f"admin token file {path} (SMB_ADMIN_TOKEN_FILE): {exc.strerror}") from None
+    if not token:
+        secret = load_secret(secret_file)
+        if secret:
+            token = admin_credential(secret)
+    return token
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
@@ -126,7 +151,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 def cmd_up(args: argparse.Namespace) -> int:
     from .local_cluster import LocalCluster
     cluster = LocalCluster(args.memory_servers, args.capacity, workdir=args.workdir,
-                           controller_port=args.port, token=args.token or None)
+                           controller_port=args.port)
     stop = False
 
     def on_signal(signum: int, frame: object) -> None:
@@ -138,7 +163,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     try:
         print(f"Soft Memory Box: controller at {cluster.address}, {args.memory_servers} memory servers "
               f"of {format_bytes(cluster.capacity)} (logs in {cluster.workdir})")
-        print("Use it from another shell with:\n" + cluster.describe(), flush=True)
+        print("Use it from another shell with (new credentials for this cluster; keep them "
+              "private):\n" + cluster.describe(), flush=True)
         while not stop:
             time.sleep(0.2)
     finally:
@@ -186,8 +212,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         argv.append("--quiet")
     controller = None if args.local else (args.controller or os.environ.get("SMB_CONTROLLER"))
     if controller:  # otherwise the example starts a local cluster
-        # "=" form: a token may start with "-"
-        argv += [f"--controller={controller}", f"--token={args.token or os.environ.get('SMB_TOKEN', '')}"]
+        # the token stays in the environment (SMB_TOKEN), never on a command line
+        argv += [f"--controller={controller}"]
     return digits.main(argv + list(args.extra))
 
 
@@ -240,7 +266,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--capacity", default="1G", help="RAM each memory server offers (default 1G)")
     p.add_argument("--port", type=int, default=7700, help="controller port (default 7700; 0: any)")
     p.add_argument("--workdir", default=None, help="logs, state and database (default: a new temporary one)")
-    p.add_argument("--token", default="", help="bearer token (default: a new random one)")
     p.set_defaults(fn=cmd_up)
 
     p = sub.add_parser("status", help="print the cluster: servers (health, counters), regions",
@@ -273,7 +298,6 @@ def build_parser() -> argparse.ArgumentParser:
                                    "under torchrun. Arguments after -- go to the trainer "
                                    "(python -m smb_server.train.digits --help lists them).")
     p.add_argument("--controller", default=None, help="controller host:port (default $SMB_CONTROLLER)")
-    p.add_argument("--token", default=None, help="bearer token (default $SMB_TOKEN)")
     p.add_argument("--local", action="store_true", help="start a local cluster even if SMB_CONTROLLER is set")
     p.add_argument("--scheme", default="all", choices=["all", "sync", "seasgd", "hybrid", "ddp"],
                    help="update scheme (default all: sync, seasgd, hybrid)")

@@ -61,8 +61,13 @@ def _port(default: int, doc: str) -> Any:
 class ControllerConfig:
     listen: str = _f("127.0.0.1:7700", "host:port of the gRPC service (port 0: any free port)")
     db_path: str = _f("smb-controller.db", "SQLite database file (WAL mode)", aliases=("--db",))
-    token: str = _f("", "bearer token clients and servers must present; empty disables auth")
+    token: str = _f("", "bearer token of the client role (set it in the file or SMB_TOKEN, "
+                    "not on a command line)")
     secret_file: str = _f("", "file holding the HMAC ticket secret (hex), shared with memory servers")
+    insecure: bool = _f(False, "serve without authentication (no token or secret needed); "
+                        "anyone who reaches the port may do anything")
+    barrier_waits_max: int = _f(64, "callers that may wait in barriers at once; more are "
+                                "refused as busy", minimum=1)
     lease_seconds: float = _f(5.0, "a memory server silent this long (seconds) is marked down",
                               positive=True, aliases=("--lease",))
     orphan_grace_seconds: float = _f(30.0, "extents unknown to the controller are freed after "

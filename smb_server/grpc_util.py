@@ -1,10 +1,13 @@
-"""Server-side gRPC helpers: bearer-token auth and typed errors."""
+"""Server-side gRPC helpers: bearer-token auth, roles, admission and typed errors."""
 from __future__ import annotations
 
+import contextvars
 import functools
 import hmac
 import logging
-from collections.abc import Callable, Iterable
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
 from concurrent import futures
 from typing import Any
 
@@ -13,7 +16,13 @@ import grpc
 from smb_client import errors
 from smb_client.rpc import ERROR_KEY, MESSAGE_SIZE_OPTIONS, status_code_for
 
+from .credentials import INSECURE, SERVER, Credentials, Principal
+
 log = logging.getLogger(__name__)
+
+REFUSAL_LOG_INTERVAL = 10.0  # seconds; refusals beyond one a second are logged as a count
+_PRINCIPAL: contextvars.ContextVar[Principal | None] = contextvars.ContextVar("smb_principal",
+                                                                             default=None)
 
 
 class BearerAuth(grpc.ServerInterceptor):
@@ -41,6 +50,119 @@ class BearerAuth(grpc.ServerInterceptor):
             if key == "authorization" and hmac.compare_digest(value.encode(), self._expected):
                 return continuation(details)
         return self._deny
+
+
+def current_principal() -> Principal | None:
+    """The caller of the call this thread serves (set by :class:`RoleAuth`)."""
+    return _PRINCIPAL.get()
+
+
+def bearer(metadata: Iterable[Any] | None) -> str:
+    """The credential of ``authorization: Bearer <credential>`` metadata ("" if none)."""
+    for key, value in metadata or ():
+        if key == "authorization" and isinstance(value, str) and value.startswith("Bearer "):
+            return value[len("Bearer "):]
+    return ""
+
+
+class _RefusalLog:
+    """Logs refused calls as warnings: each at first, then a count per interval, so a
+    flood of bad calls does not flood the log."""
+
+    def __init__(self, interval: float = REFUSAL_LOG_INTERVAL) -> None:
+        self._interval = interval
+        self._lock = threading.Lock()
+        self._window = 0.0
+        self._logged = 0
+        self._quiet = 0
+
+    def __call__(self, method: str, peer: str, reason: str) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if now - self._window >= self._interval:
+                if self._quiet:
+                    log.warning("refused %d more call(s) in the last %.0f s", self._quiet, self._interval)
+                self._window, self._logged, self._quiet = now, 0, 0
+            self._logged += 1
+            if self._logged > self._interval:  # about one a second
+                self._quiet += 1
+                return
+        log.warning("refused %s from %s: %s", method, peer, reason)
+
+
+class RoleAuth(grpc.ServerInterceptor):
+    """Authenticate every unary call, check the role its method needs, and keep
+    ``server_slots`` handler threads for memory servers.
+
+    ``roles`` maps a method name (``RegisterServer``) to the roles that may call it
+    (the first is named in refusals); a method not listed needs ``admin``. ``exempt``
+    holds full method names anyone may call (health checks). ``credentials`` None:
+    authentication is off and every caller may do anything. ``client_slots``: calls by
+    callers other than memory servers that may run at once (0: no limit); one more is
+    refused at once with ControllerUnavailable ("busy"), so that heartbeats always
+    find a free handler thread. The handler sees its caller in
+    :func:`current_principal`.
+    """
+
+    def __init__(self, credentials: Credentials | None, roles: Mapping[str, tuple[str, ...]],
+                 exempt: Iterable[str] = (), client_slots: int = 0) -> None:
+        self._credentials = credentials
+        self._roles = dict(roles)
+        self._exempt = frozenset(exempt)
+        self._client_slots = client_slots
+        self._busy = 0
+        self._lock = threading.Lock()
+        self._refused = _RefusalLog()
+
+    def _refuse(self, context: grpc.ServicerContext, method: str, exc: errors.SMBError) -> None:
+        self._refused(method, context.peer(), str(exc))
+        abort(context, exc)
+
+    def _principal(self, metadata: Any) -> Principal | None:
+        if self._credentials is None:
+            return INSECURE
+        credential = bearer(metadata)
+        return self._credentials.identify(credential) if credential else None
+
+    def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
+        handler = continuation(details)
+        if details.method in self._exempt or handler is None or handler.unary_unary is None:
+            return handler
+        method = details.method
+        name = method.rpartition("/")[2]
+        allowed = self._roles.get(name, ("admin",))
+        principal = self._principal(details.invocation_metadata)
+        behavior = handler.unary_unary
+
+        def guarded(request: Any, context: grpc.ServicerContext) -> Any:
+            if principal is None:
+                self._refuse(context, name, errors.AuthenticationError(
+                    f"{name}: missing or wrong credential (clients: set SMB_TOKEN or pass "
+                    "token=...; memory servers: the shared secret; operators: SMB_ADMIN_TOKEN)"))
+            assert principal is not None
+            if not any(principal.has(role) for role in allowed):
+                also = f" (or {' or '.join(allowed[1:])})" if len(allowed) > 1 else ""
+                self._refuse(context, name, errors.PermissionDenied(
+                    f"{name} needs the {allowed[0]} role{also}; this caller is {principal}"))
+            counted = principal.role != SERVER and self._client_slots > 0
+            if counted:
+                with self._lock:
+                    full = self._busy >= self._client_slots
+                    if not full:
+                        self._busy += 1
+                if full:
+                    self._refuse(context, name, errors.ControllerUnavailable(
+                        f"controller busy: {self._client_slots} calls in progress; retry later"))
+            token = _PRINCIPAL.set(principal)
+            try:
+                return behavior(request, context)
+            finally:
+                _PRINCIPAL.reset(token)
+                if counted:
+                    with self._lock:
+                        self._busy -= 1
+
+        return handler._replace(unary_unary=guarded)
 
 
 def abort(context: grpc.ServicerContext, exc: BaseException) -> None:

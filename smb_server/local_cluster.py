@@ -24,6 +24,7 @@ from smb_client import Client, errors
 from smb_client.units import parse_size
 
 from .config import new_secret, new_token
+from .credentials import admin_credential
 from .daemon import Daemon, Status
 
 log = logging.getLogger(__name__)
@@ -259,9 +260,22 @@ class LocalCluster(Daemon):
     def server_id(self, i: int) -> str:
         return str(json.loads((self.workdir / f"server-{i}" / "ready").read_text())["server_id"])
 
+    @property
+    def admin_token(self) -> str:
+        """The admin credential of this cluster (derived from its secret file)."""
+        return admin_credential(bytes.fromhex(self.secret_file.read_text().strip()))
+
     def client(self, **kwargs: Any) -> Client:
+        """A client with the client token (regions, data, barriers)."""
         return Client(self.address, self.token, **kwargs)
 
+    def admin_client(self, **kwargs: Any) -> Client:
+        """A client with the admin credential (drain, undrain, remove servers)."""
+        return Client(self.address, self.admin_token, **kwargs)
+
     def describe(self) -> str:
+        """Shell lines that point clients (and, with the admin line, operators) here."""
         return (f"export SMB_CONTROLLER={self.address}\n"
-                f"export SMB_TOKEN={self.token}\n")
+                f"export SMB_TOKEN={self.token}\n"
+                f"# operators only (drain, undrain, remove servers):\n"
+                f"export SMB_ADMIN_TOKEN={self.admin_token}\n")

@@ -15,6 +15,7 @@ from smb_client import errors
 from smb_client.names import check_barrier_name
 
 BARRIER_POLL = 0.5  # seconds between checks that a barrier caller is still there
+MAX_WAITERS = 64    # callers that may wait in barriers at once, all barriers together
 
 
 @dataclass
@@ -38,12 +39,17 @@ class Barriers:
     each gets the generation (how many times the barrier opened before) and its
     0-based order of arrival. A caller that times out, goes away, or is woken by
     :meth:`close` is removed and does not count.
+
+    At most ``max_waiters`` callers wait at once (each holds a server thread); the
+    next one is refused with ControllerUnavailable ("busy"), whatever barrier it names.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_waiters: int = MAX_WAITERS) -> None:
         self._cond = threading.Condition()
         self._barriers: dict[str, _Barrier] = {}
         self._closed = False
+        self.max_waiters = max_waiters
+        self._waiting = 0
 
     def wait(self, name: str, parties: int, timeout: float | None = None,
              is_active: Callable[[], bool] = lambda: True) -> tuple[int, int]:
@@ -51,7 +57,8 @@ class Barriers:
 
         ``timeout`` in seconds (None or <= 0: forever). Raises InvalidArgument (no name,
         ``parties`` 0, or a ``parties`` other than the waiting callers'), BarrierTimeout,
-        or ControllerUnavailable when the controller closes or ``is_active`` turns false.
+        or ControllerUnavailable when the controller closes, ``is_active`` turns false,
+        or ``max_waiters`` callers already wait.
         """
         check_barrier_name(name)
         if parties <= 0:
@@ -66,27 +73,43 @@ class Barriers:
                 raise errors.InvalidArgument(
                     f"barrier {name!r} is waiting for {barrier.parties} parties "
                     f"({len(barrier.waiters)} arrived); this caller says {parties}")
+            opens = len(barrier.waiters) + 1 >= parties
+            if not opens and self._waiting >= self.max_waiters:
+                raise errors.ControllerUnavailable(
+                    f"controller busy: {self._waiting} callers wait in barriers (the most "
+                    f"allowed); barrier {name!r} refused, retry later")
             barrier.parties = parties
             me = _Waiter()
             barrier.waiters.append(me)
-            if len(barrier.waiters) >= parties:
+            if opens:
                 self._open(barrier)
-            while not me.done:
-                problem: errors.SMBError | None = None
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if self._closed:
-                    problem = errors.ControllerUnavailable("the controller is shutting down")
-                elif remaining is not None and remaining <= 0:
-                    problem = errors.BarrierTimeout(
-                        f"barrier {name!r}: {len(barrier.waiters)} of {parties} parties arrived "
-                        f"within {timeout:g} s")
-                elif not is_active():
-                    problem = errors.ControllerUnavailable("the caller went away")
-                if problem is not None:
-                    barrier.waiters.remove(me)
-                    raise problem
-                self._cond.wait(BARRIER_POLL if remaining is None else min(remaining, BARRIER_POLL))
-            return me.generation, me.arrival
+                return me.generation, me.arrival
+            self._waiting += 1
+            try:
+                return self._wait(name, parties, timeout, deadline, barrier, me, is_active)
+            finally:
+                self._waiting -= 1
+
+    def _wait(self, name: str, parties: int, timeout: float | None, deadline: float | None,
+              barrier: _Barrier, me: _Waiter, is_active: Callable[[], bool]) -> tuple[int, int]:
+        """Wait (holding the condition) until ``me`` is released; see :meth:`wait`."""
+        assert barrier.waiters is not None
+        while not me.done:
+            problem: errors.SMBError | None = None
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if self._closed:
+                problem = errors.ControllerUnavailable("the controller is shutting down")
+            elif remaining is not None and remaining <= 0:
+                problem = errors.BarrierTimeout(
+                    f"barrier {name!r}: {len(barrier.waiters)} of {parties} parties arrived "
+                    f"within {timeout:g} s")
+            elif not is_active():
+                problem = errors.ControllerUnavailable("the caller went away")
+            if problem is not None:
+                barrier.waiters.remove(me)
+                raise problem
+            self._cond.wait(BARRIER_POLL if remaining is None else min(remaining, BARRIER_POLL))
+        return me.generation, me.arrival
 
     def _open(self, barrier: _Barrier) -> None:
         assert barrier.waiters is not None

@@ -16,18 +16,20 @@ from typing import Any
 from smb_client import errors
 from smb_client._proto.smb.v1 import controller_pb2_grpc
 
-from ..config import ControllerConfig
+from ..config import ConfigError, ControllerConfig
+from ..credentials import Credentials
 from ..daemon import Daemon, Status, write_atomic
-from ..grpc_util import BearerAuth, make_server
+from ..grpc_util import RoleAuth, make_server
 from ..health import HEALTH_METHODS, Health
 from ..metrics import MetricsServer, Registry
 from ..rpc_metrics import RpcMetrics
-from .service import ControllerServicer
+from .service import METHOD_ROLES, ControllerServicer
 from .state import SERVER_STATES, ControllerState
 
 log = logging.getLogger(__name__)
 
-GRPC_WORKERS = 64          # handler threads; also bounds the callers one Barrier can hold
+SHORT_CALL_WORKERS = 32    # handler threads for clients' short calls, beyond barrier waits
+SERVER_WORKERS = 16        # handler threads only memory servers' calls (heartbeats) may use
 STOP_GRACE = 2.0           # seconds in-flight calls get to finish on stop
 STATUSES = tuple(s.value for s in Status)
 _WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
@@ -77,16 +79,20 @@ class Controller(Daemon):
 
     def _start(self) -> None:
         cfg = self.config
-        if not cfg.secret:
-            log.warning("no ticket secret configured: tickets are signed with an empty key")
+        credentials = check_credentials(cfg)
         directory = os.path.dirname(os.path.abspath(cfg.db_path))
         if cfg.db_path != ":memory:":
             os.makedirs(directory, exist_ok=True)
         self.state = ControllerState(cfg.db_path, cfg.lease_seconds, cfg.orphan_grace_seconds)
         self.state.expire_leases()  # servers silent since the last run are down until they call
-        self.servicer = ControllerServicer(self.state, cfg.secret, cfg.token, cfg.ticket_ttl_seconds)
-        self._server = make_server(max_workers=GRPC_WORKERS, interceptors=[
-            RpcMetrics(self.registry, "smb_controller"), BearerAuth(cfg.token, exempt=HEALTH_METHODS)])
+        self.servicer = ControllerServicer(self.state, cfg.secret, cfg.token, cfg.ticket_ttl_seconds,
+                                           max_barrier_waits=cfg.barrier_waits_max)
+        # barrier waits, then clients' short calls, then memory servers: a flood of client
+        # calls is refused ("busy") before it takes the threads heartbeats need
+        client_slots = cfg.barrier_waits_max + SHORT_CALL_WORKERS
+        self._server = make_server(max_workers=client_slots + SERVER_WORKERS, interceptors=[
+            RpcMetrics(self.registry, "smb_controller"),
+            RoleAuth(credentials, METHOD_ROLES, exempt=HEALTH_METHODS, client_slots=client_slots)])
         controller_pb2_grpc.add_ControllerServicer_to_server(self.servicer, self._server)
         self._health = Health(self._server, ["smb.v1.Controller"])
         try:
@@ -145,8 +151,7 @@ class Controller(Daemon):
         reg.gauge("smb_controller_region_bytes", "Bytes of all regions together",
                   fn=lambda: [((), sum(r.size for r in state.list_regions()))])
 
-    def stop(self, grace: float = STOP_GRACE,  # type: ignore[override]  # grace first, as before
-             reason: str = "stopped") -> None:
+    def stop(self, reason: str = "stopped", *, grace: float = STOP_GRACE) -> None:
         """Stop serving (in-flight calls get ``grace`` seconds) and close everything.
 
         Barrier waiters get ControllerUnavailable. Idempotent.
@@ -175,6 +180,26 @@ class Controller(Daemon):
                 os.unlink(self.config.ready_file)
             except OSError:
                 pass
+
+
+def check_credentials(cfg: ControllerConfig) -> Credentials | None:
+    """The credentials the controller checks; None when ``insecure`` turns checks off.
+
+    Raises ConfigError (saying what to set) when the client token or the shared secret
+    is missing and ``insecure`` is not set.
+    """
+    if cfg.insecure:
+        log.warning("INSECURE: authentication is off (insecure = true); anyone who reaches %s "
+                    "may register servers, drain them and read or delete every region", cfg.listen)
+        return None
+    missing = [what for what, value in (("a client token (token: SMB_TOKEN or the config file)",
+                                         cfg.token),
+                                        ("the shared secret (secret_file or SMB_SECRET)", cfg.secret))
+               if not value]
+    if missing:
+        raise ConfigError(f"the controller needs {' and '.join(missing)} to authenticate callers; "
+                          "for a trusted test setup only, pass --insecure (insecure = true)")
+    return Credentials(cfg.token, cfg.secret)
 
 
 def _count_by(values: Any, always: tuple[str, ...] = SERVER_STATES) -> list[tuple[tuple[str], int]]:

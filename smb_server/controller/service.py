@@ -16,8 +16,9 @@ import grpc
 from smb_client import errors, tickets
 from smb_client._proto.smb.v1 import common_pb2, controller_pb2, controller_pb2_grpc
 
-from ..grpc_util import typed_errors
-from .barriers import Barriers
+from ..credentials import ADMIN, CLIENT, SERVER
+from ..grpc_util import current_principal, typed_errors
+from .barriers import MAX_WAITERS, Barriers
 from .creation import RegionCreator, RegionSpec
 from .memservers import RELEASE_TIMEOUT, RESERVE_TIMEOUT, GrpcMemoryServers
 from .records import HeldExtent, RegionRecord, ServerRecord
@@ -26,6 +27,30 @@ from .state import ControllerState
 log = logging.getLogger(__name__)
 
 TICKET_MODES = ("ro", "rw")
+
+# who may call what (RoleAuth); the first role is the one a refusal names. A server may
+# also speak only for itself (checked in the handlers).
+METHOD_ROLES: dict[str, tuple[str, ...]] = {
+    "RegisterServer": (SERVER,),
+    "Heartbeat": (SERVER,),
+    "UnregisterServer": (SERVER, ADMIN),
+    "DrainServer": (ADMIN,),
+    "ListServers": (CLIENT, SERVER),
+    "CreateRegion": (CLIENT,),
+    "OpenRegion": (CLIENT,),
+    "DeleteRegion": (CLIENT,),
+    "ListRegions": (CLIENT,),
+    "Barrier": (CLIENT,),
+}
+
+
+def _check_acts_for(server_id: str) -> None:
+    """Raise PermissionDenied unless the caller may speak for memory server ``server_id``."""
+    principal = current_principal()
+    if principal is not None and not principal.acts_for(server_id):
+        raise errors.PermissionDenied(
+            f"this caller is {principal}; it may not act for server {server_id!r} "
+            "(a server credential speaks for its own server id only)")
 
 
 # -- message conversion -------------------------------------------------------------------
@@ -63,13 +88,14 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
     def __init__(self, state: ControllerState, secret: bytes, token: str = "",
                  ticket_ttl: float = tickets.DEFAULT_TTL,
                  reserve_timeout: float = RESERVE_TIMEOUT,
-                 release_timeout: float = RELEASE_TIMEOUT) -> None:
+                 release_timeout: float = RELEASE_TIMEOUT,
+                 max_barrier_waits: int = MAX_WAITERS) -> None:
         self.state = state
         self.secret = secret
         self.ticket_ttl = ticket_ttl
         self.memservers = GrpcMemoryServers(secret, token, reserve_timeout, release_timeout)
         self.creator = RegionCreator(state, self.memservers)
-        self.barriers = Barriers()
+        self.barriers = Barriers(max_barrier_waits)
 
     def close(self) -> None:
         """Wake barrier waiters, finish memory-server calls, close channels."""
@@ -88,6 +114,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
     @typed_errors
     def RegisterServer(self, request: controller_pb2.RegisterServerRequest,
                        context: grpc.ServicerContext) -> Any:
+        _check_acts_for(request.server_id)
         server_id, orphans = self.state.register_server(
             request.server_id, request.host_id, request.grpc_address, list(request.endpoints),
             request.capacity_bytes, _held(request.extents))
@@ -97,6 +124,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
     @typed_errors
     def Heartbeat(self, request: controller_pb2.HeartbeatRequest,
                   context: grpc.ServicerContext) -> Any:
+        _check_acts_for(request.server_id)
         orphans = self.state.heartbeat(request.server_id, _held(request.extents))
         return controller_pb2.HeartbeatResponse(lease_seconds=self.state.lease_seconds,
                                                 orphan_extent_ids=orphans)
@@ -104,6 +132,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
     @typed_errors
     def UnregisterServer(self, request: controller_pb2.UnregisterServerRequest,
                          context: grpc.ServicerContext) -> Any:
+        _check_acts_for(request.server_id)
         server = self.state.unregister(request.server_id, request.reason)
         return controller_pb2.UnregisterServerResponse(server=server_info(server))
 

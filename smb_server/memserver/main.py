@@ -34,6 +34,7 @@ from smb_client.retry import Backoff
 
 from .. import sdnotify
 from ..config import ServerConfig
+from ..credentials import server_credential
 from ..daemon import Daemon, Status, write_atomic
 from ..grpc_util import BearerAuth, make_server
 from ..health import HEALTH_METHODS, Health
@@ -231,7 +232,7 @@ class MemoryServer(Daemon):
         assert self._stub is not None
         request = controller_pb2.UnregisterServerRequest(server_id=self.server_id, reason=reason)
         try:
-            rpc.call(self._stub.UnregisterServer, request, self.config.token, UNREGISTER_TIMEOUT,
+            rpc.call(self._stub.UnregisterServer, request, self._credential(), UNREGISTER_TIMEOUT,
                      errors.ControllerUnavailable)
             log.info("told the controller at %s that %s is stopping", self.config.controller,
                      self.server_id)
@@ -324,13 +325,17 @@ class MemoryServer(Daemon):
                                           length=h.length, age_seconds=h.age_seconds)
                 for h in self.arena.held()]
 
+    def _credential(self) -> str:
+        """What this server presents to the controller: its id, signed with the secret."""
+        return server_credential(self.config.secret, self.server_id)
+
     def register(self) -> None:
         """One RegisterServer call; releases the orphans it names. Raises typed errors."""
         assert self._stub is not None
         request = controller_pb2.RegisterServerRequest(
             server_id=self.server_id, host_id=host_id(), grpc_address=self.grpc_address,
             endpoints=self.endpoints, capacity_bytes=self.config.capacity, extents=self._held())
-        reply = rpc.call(self._stub.RegisterServer, request, self.config.token, RPC_TIMEOUT,
+        reply = rpc.call(self._stub.RegisterServer, request, self._credential(), RPC_TIMEOUT,
                          errors.ControllerUnavailable)
         if reply.server_id and reply.server_id != self.server_id:
             log.warning("controller calls this server %s (asked for %s)", reply.server_id, self.server_id)
@@ -349,7 +354,7 @@ class MemoryServer(Daemon):
         """One Heartbeat call; releases the orphans it names. Raises typed errors."""
         assert self._stub is not None
         request = controller_pb2.HeartbeatRequest(server_id=self.server_id, extents=self._held())
-        reply = rpc.call(self._stub.Heartbeat, request, self.config.token, RPC_TIMEOUT,
+        reply = rpc.call(self._stub.Heartbeat, request, self._credential(), RPC_TIMEOUT,
                          errors.ControllerUnavailable)
         self.lease_seconds = reply.lease_seconds
         self._release_orphans(reply.orphan_extent_ids)

@@ -109,7 +109,7 @@ def launch(args: argparse.Namespace) -> int:
     from smb_client.units import format_bytes
     schemes = list(SCHEMES) if args.scheme == "all" else [args.scheme]
     cluster = None
-    controller, token = args.controller, args.token or os.environ.get("SMB_TOKEN", "")
+    controller, token = args.controller, os.environ.get("SMB_TOKEN", "")
     if not controller:
         from smb_server.local_cluster import LocalCluster
         print("starting a local cluster: 1 controller + 2 memory servers ...", flush=True)
@@ -152,7 +152,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=4, help="worker processes (launcher)")
     p.add_argument("--controller", default=None,
                    help="controller host:port of a running cluster (launcher; default: a local cluster)")
-    p.add_argument("--token", default=None, help="bearer token (default $SMB_TOKEN)")
     p.add_argument("--epochs", type=int, default=20)
     p.add_argument("--batch", type=int, default=32, help="samples per worker and step")
     p.add_argument("--lr", type=float, default=0.05)

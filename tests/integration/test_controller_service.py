@@ -17,6 +17,7 @@ from smb_client._proto.smb.v1 import controller_pb2 as pb
 from smb_client._proto.smb.v1 import controller_pb2_grpc, memory_server_pb2, memory_server_pb2_grpc
 from smb_server.config import ControllerConfig
 from smb_server.controller.main import Controller
+from smb_server.credentials import admin_credential, server_credential
 from smb_server.grpc_util import typed_errors
 
 MiB = 1 << 20
@@ -100,6 +101,12 @@ def memservers() -> Iterator[list[FakeMemoryServer]]:
 
 
 def call(stub: Any, method: str, request: Any, token: str = TOKEN, timeout: float = TIMEOUT) -> Any:
+    """One call; with the default token, memory-server calls carry the credential of the
+    server they name and DrainServer the admin credential (as in a real cluster)."""
+    if token == TOKEN and method in ("RegisterServer", "Heartbeat", "UnregisterServer"):
+        token = server_credential(SECRET, request.server_id)
+    elif token == TOKEN and method == "DrainServer":
+        token = admin_credential(SECRET)
     return rpc.call(getattr(stub, method), request, token, timeout)
 
 

@@ -208,8 +208,9 @@ def test_health_metrics_and_status(tmp_path, cluster_env):
 
 
 def _server_args(cluster: LocalCluster, i: int) -> list[str]:
+    # the server's own configuration: its secret file gives the admin credential
     return ["--state-dir", str(cluster.workdir / f"server-{i}"), "--controller", cluster.address,
-            "--token", cluster.token]
+            "--secret-file", str(cluster.secret_file)]
 
 
 def test_drain_then_rolling_restart_keeps_file_backed_data(tmp_path):

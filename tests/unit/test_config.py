@@ -149,7 +149,7 @@ def test_daemon_applies_file_then_environment_then_flags(tmp_path):
     ready, db_env, log = tmp_path / "ready", tmp_path / "from-env.db", tmp_path / "log"
     f = tmp_path / "controller.toml"
     f.write_text(f'log_format = "json"\nlisten = "127.0.0.1:1"\ndb_path = "{tmp_path}/from-file.db"\n')
-    env = _env(SMB_SECRET="ab" * 32, SMB_DB_PATH=str(db_env), SMB_LISTEN="127.0.0.1:2")
+    env = _env(SMB_SECRET="ab" * 32, SMB_TOKEN="t0ken", SMB_DB_PATH=str(db_env), SMB_LISTEN="127.0.0.1:2")
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "smb_server.cli", "controller", "--config", str(f),
                                  "--listen", "127.0.0.1:0", "--ready-file", str(ready)],
