@@ -1,7 +1,8 @@
 """Limits of the memory server's TCP data plane, against real planes and real sockets
 on loopback: HELLO and frame deadlines, connections per peer and in all, clear
-refusals, shared scratch buffers, one descriptor per extent, and a child memory server
-process with a low ``RLIMIT_NOFILE``.
+refusals, shared scratch buffers, one descriptor per extent, a child process serving
+an arena and a tcp plane under a low ``RLIMIT_NOFILE``, and real ``smb server``
+processes configured through the environment.
 
 An "attacker" connects from 127.0.0.2 (any 127/8 address is loopback on Linux) and the
 legitimate client from 127.0.0.1, so the per-peer limit tells them apart.
@@ -27,6 +28,7 @@ from smb_client.dtypes import DType
 from smb_client.errors import InvalidTicket, ServerBusy, ServerUnavailable, Status
 from smb_client.transports.tcp import TcpConnection, TcpSession
 from smb_client.wire import Op
+from smb_server.local_cluster import LocalCluster
 from smb_server.memserver.arena import Arena
 from smb_server.memserver.stats import PlaneStats
 from smb_server.memserver.tcp_plane import SCRATCH_BYTES, TcpPlane
@@ -322,3 +324,55 @@ def test_accept_loop_survives_emfile_and_keeps_serving():
             s.close()
     finally:
         proc.communicate("", timeout=20)
+
+
+def test_memory_server_daemon_keeps_clients_working_under_a_connection_flood(tmp_path):
+    """A real ``smb server`` process configured through the environment: an attacker
+    holding its per-peer share and more idle connections is refused or dropped, while a
+    client keeps creating, writing and reading regions."""
+    env = {"SMB_TCP_CONNECTIONS_PER_PEER": "4", "SMB_TCP_HELLO_TIMEOUT_SECONDS": "1"}
+    with LocalCluster(servers=1, capacity="64M", workdir=str(tmp_path / "cluster"),
+                      transports="tcp", env=env, log_level="INFO") as cluster:
+        with cluster.client() as client:
+            (server,) = client.list_servers()
+            port = int(next(e for e in server.endpoints if e.startswith("tcp://")).rpartition(":")[2])
+            held = [attacker_socket(port) for _ in range(4)]
+            status, message = refusal(attacker_socket(port))
+            assert status == Status.SERVER_BUSY and "tcp_connections_per_peer" in message
+            region = client.create_region("limits/flood", MiB)
+            data = np.arange(MiB // 4, dtype=np.float32)
+            region.write(0, data)
+            back = np.zeros_like(data)
+            region.read_into(0, back)
+            assert np.array_equal(back, data)
+            for sock in held:                       # no HELLO within 1 s: dropped
+                assert closed_within(sock, 5) < 4
+                sock.close()
+            again = attacker_socket(port)           # the share is free again
+            assert hello(again, "not a ticket") == Status.INVALID_TICKET
+            again.close()
+            client.delete_region("limits/flood")
+
+
+def test_memory_server_daemon_raises_its_descriptor_limit(tmp_path):
+    """``smb server`` lifts its RLIMIT_NOFILE soft limit to the hard one at start."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SMB_")}
+    env["SMB_SECRET"] = "ab" * 32
+    log = tmp_path / "server.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "smb_server.cli", "server", "--controller", "127.0.0.1:1",
+             "--state-dir", str(tmp_path / "state"), "--capacity", "16M", "--transports", "tcp"],
+            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, 1024)))
+    try:
+        deadline = time.monotonic() + 30
+        while b"descriptor limit" not in log.read_bytes():
+            assert proc.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        assert resource.prlimit(proc.pid, resource.RLIMIT_NOFILE) == (1024, 1024)
+        assert "descriptor limit: 1024" in log.read_text()
+    finally:
+        proc.terminate()
+        proc.wait(30)
