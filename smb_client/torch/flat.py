@@ -1,4 +1,4 @@
-"""A model whose parameters and gradients are views into two flat float32 tensors.
+"""A model whose parameters and gradients are views into two flat tensors.
 
 :class:`FlatModel` re-points every parameter's ``.data`` (and ``.grad``) at a slice of
 one contiguous buffer laid out by :class:`~smb_client.torch.layout.FlatLayout`, so a
@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from ..errors import InvalidArgument
-from .layout import ELEMENT_BYTES, Bucket, FlatLayout
+from .layout import Bucket, FlatLayout
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +26,11 @@ class FlatModel:
     same ones); only their storage moves. Buffers such as batch-norm statistics are not
     part of the flat layout.
 
+    ``flat_params`` and ``flat_grads`` are of the parameters' element type (float32,
+    bfloat16 or float16); a model that mixes types gets ``uint8`` byte buffers instead,
+    each tensor at its byte offset in its own type (:meth:`typed` cuts byte ranges into
+    typed views).
+
     Frozen parameters (``requires_grad=False`` when the model is bound) keep their
     place in the layout but get no gradient view: their ``.grad`` stays None, so an
     optimizer leaves them alone, and :meth:`runs` and :meth:`buckets` skip them.
@@ -36,16 +41,20 @@ class FlatModel:
         self.layout = FlatLayout.of_module(model)
         self.params: list[torch.nn.Parameter] = [p for _, p in model.named_parameters()]
         self.trainable: list[bool] = [bool(p.requires_grad) for p in self.params]
-        n = self.layout.slot_elements
-        self.flat_params = torch.zeros(n, dtype=torch.float32)
-        self.flat_grads = torch.zeros(n, dtype=torch.float32)
+        n = self.layout.slot_bytes
+        self.param_bytes = torch.zeros(n, dtype=torch.uint8)
+        self.grad_bytes = torch.zeros(n, dtype=torch.uint8)
+        uniform = self.layout.uniform
+        self.dtype = torch_dtype(uniform) if uniform else None   # None: mixed types
+        self.flat_params = self.param_bytes if self.dtype is None else self.param_bytes.view(self.dtype)
+        self.flat_grads = self.grad_bytes if self.dtype is None else self.grad_bytes.view(self.dtype)
         self.param_views: list[torch.Tensor] = []
         self.grad_views: list[torch.Tensor] = []
         with torch.no_grad():
             for p, t in zip(self.params, self.layout.tensors, strict=True):
-                start = t.offset // ELEMENT_BYTES
-                pv = self.flat_params[start:start + t.numel].view(t.shape)
-                gv = self.flat_grads[start:start + t.numel].view(t.shape)
+                dt = torch_dtype(t.dtype)
+                pv = self.param_bytes[t.offset:t.offset + t.nbytes].view(dt).view(t.shape)
+                gv = self.grad_bytes[t.offset:t.offset + t.nbytes].view(dt).view(t.shape)
                 pv.copy_(p.detach())
                 p.data = pv
                 if p.requires_grad:
@@ -136,7 +145,35 @@ class FlatModel:
 
     def byte_range(self, flat: torch.Tensor, offset: int, length: int) -> torch.Tensor:
         """The elements of ``flat`` covering bytes ``[offset, offset+length)`` (a view)."""
-        return flat[offset // ELEMENT_BYTES:(offset + length) // ELEMENT_BYTES]
+        size = flat.element_size()
+        return flat[offset // size:(offset + length) // size]
+
+    def typed(self, flat: torch.Tensor, offset: int, length: int) -> list[tuple[int, torch.Tensor]]:
+        """Bytes ``[offset, offset+length)`` of a flat buffer of this layout as
+        ``(offset, view)`` pieces, each view of one element type (one piece unless the
+        model mixes types)."""
+        raw = flat.view(torch.uint8)
+        return [(off, raw[off:off + n].view(torch_dtype(dt)))
+                for off, n, dt in self.layout.typed_runs(offset, length)]
+
+    def scale_(self, flat: torch.Tensor, alpha: float) -> None:
+        """``flat *= alpha`` for a flat buffer of this layout, each tensor in its type."""
+        if self.dtype is not None:
+            flat.mul_(alpha)
+            return
+        for _, view in self.typed(flat, 0, self.layout.slot_bytes):
+            view.mul_(alpha)
+
+    def new_flat(self) -> torch.Tensor:
+        """A zeroed flat buffer shaped like ``flat_params``."""
+        return torch.zeros_like(self.flat_params)
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """``"bfloat16"`` -> ``torch.bfloat16``."""
+    dt = getattr(torch, name)
+    assert isinstance(dt, torch.dtype)
+    return dt
 
 
 class GradientHooks:
@@ -163,7 +200,8 @@ class GradientHooks:
         for b, bucket in enumerate(self.buckets):
             for i in range(bucket.first, bucket.last + 1):
                 self._bucket_of[i] = b
-        self._handles = [p.register_post_accumulate_grad_hook(self._hook(i))
+        # (torch leaves this method unannotated)
+        self._handles = [cast(Any, p).register_post_accumulate_grad_hook(self._hook(i))
                          for i, p in enumerate(flat.params) if flat.trainable[i]]
         self._reset()
 

@@ -3,8 +3,8 @@
 The workers of one node form a ``torch.distributed`` group (gloo on CPU) and average
 their gradients with all-reduce every step, so they hold one replica. One *leader*
 per node runs :class:`~smb_client.torch.seasgd.SEASGD` against the memory box every
-``update_interval`` steps and broadcasts the updated weights to its group. Nodes never
-wait for each other.
+``update_interval`` steps (the leader's ``SEASGD.update_interval``, told to the whole
+node) and broadcasts the updated weights to its group. Nodes never wait for each other.
 """
 from __future__ import annotations
 
@@ -47,10 +47,15 @@ class HybridSEASGD:
     None. Use::
 
         hy.zero_grad(); loss.backward(); hy.synchronize(); optimizer.step(); hy.after_step()
+
+    The elastic update runs every ``seasgd.update_interval`` steps: the leader sends
+    its interval to the node's workers when they construct this (a collective call on
+    the group). ``update_interval``, when given on any worker, must equal it
+    (InvalidArgument on every worker of the node otherwise).
     """
 
     def __init__(self, flat: FlatModel, group: Any, group_ranks: Sequence[int], *,
-                 seasgd: SEASGD | None, update_interval: int = 4, overlap: bool = True,
+                 seasgd: SEASGD | None, update_interval: int | None = None, overlap: bool = True,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
         rank = dist.get_rank()
         if rank not in group_ranks:
@@ -59,20 +64,35 @@ class HybridSEASGD:
         self.is_leader = rank == self.leader
         if self.is_leader != (seasgd is not None):
             raise InvalidArgument("the node leader (first rank of the group) and only it passes seasgd")
-        if update_interval < 1:
+        if update_interval is not None and update_interval < 1:
             raise InvalidArgument(f"update_interval must be >= 1, got {update_interval}")
         self.flat = flat
         self.group = group
         self.group_size = len(group_ranks)
         self.seasgd = seasgd
-        self.update_interval = update_interval
+        self.update_interval = self._agree_interval(update_interval)
         self.step = 0
         self.comm_wait = 0.0   # seconds waiting for all-reduce (after backward) and broadcast
         self._hooks = GradientHooks(flat, bucket_bytes, self._reduce_bucket) if overlap else None
 
-    def _reduce_bucket(self, bucket: Bucket) -> Any:
-        data = self.flat.byte_range(self.flat.flat_grads, bucket.offset, bucket.length)
-        return dist.all_reduce(data, group=self.group, async_op=True)
+    def _agree_interval(self, asked: int | None) -> int:
+        """The leader's SEASGD interval on every worker of the node; a worker that asked
+        for another one makes all of them raise InvalidArgument."""
+        interval = torch.tensor([self.seasgd.update_interval if self.seasgd is not None else 0],
+                                dtype=torch.int64)
+        dist.broadcast(interval, src=self.leader, group=self.group)
+        leader = int(interval.item())
+        conflict = torch.tensor([asked if asked is not None and asked != leader else 0], dtype=torch.int64)
+        dist.all_reduce(conflict, op=dist.ReduceOp.MAX, group=self.group)
+        if int(conflict.item()):
+            raise InvalidArgument(f"update_interval={int(conflict.item())} on a worker of the node, but the "
+                                  f"leader's SEASGD updates every {leader} steps: pass the same interval "
+                                  "to SEASGD, or leave HybridSEASGD's out")
+        return leader
+
+    def _reduce_bucket(self, bucket: Bucket) -> list[Any]:
+        return [dist.all_reduce(view, group=self.group, async_op=True)
+                for _, view in self.flat.typed(self.flat.flat_grads, bucket.offset, bucket.length)]
 
     def broadcast_params(self) -> None:
         """Give every worker of the node the leader's weights."""
@@ -85,12 +105,14 @@ class HybridSEASGD:
         """Average the gradients over the node."""
         t0 = time.perf_counter()
         if self._hooks is not None:
-            for work in self._hooks.finish():
-                work.wait()
+            for works in self._hooks.finish():
+                for work in works:
+                    work.wait()
         else:
             self.flat.collect_grads()
-            dist.all_reduce(self.flat.flat_grads, group=self.group)
-        self.flat.flat_grads.mul_(1.0 / self.group_size)
+            for _, view in self.flat.typed(self.flat.flat_grads, 0, self.flat.layout.slot_bytes):
+                dist.all_reduce(view, group=self.group)
+        self.flat.scale_(self.flat.flat_grads, 1.0 / self.group_size)
         self.comm_wait += time.perf_counter() - t0
 
     def after_step(self) -> bool:

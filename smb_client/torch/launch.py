@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import InvalidArgument
+from ..errors import BarrierTimeout, InvalidArgument
 from .store import ParameterStore
 
 log = logging.getLogger(__name__)
 
 READY_TIMEOUT = 300.0  # seconds the others wait for the master to create the store
+FAILURE_POLL = 1.0     # seconds between the others' looks for the master's creation error
 
 
 @dataclass(frozen=True)
@@ -76,15 +78,46 @@ def open_store(client: Any, env: WorkerEnv, prefix: str, model: Any, *,
 
     ``members`` is how many processes call this (default: every worker); ``creator``
     whether this one creates (default: rank 0).
+
+    When the creation fails, the master leaves its error in ``<prefix>/failed`` and
+    raises it; the others, who look for that record about every second while they wait,
+    raise the same error class within seconds (not after ``ready_timeout``), its
+    message saying that the master failed and why.
     """
     parties = env.world_size if members is None else members
     creates = env.is_master if creator is None else creator
     if parties < 1:
         raise InvalidArgument(f"members must be >= 1, got {parties}")
     store = None
+    name = f"{prefix}/ready"
     if creates:
-        store = ParameterStore.create(client, prefix, model, **create)
-    client.barrier(f"{prefix}/ready", parties, timeout=ready_timeout)
+        try:
+            store = ParameterStore.create(client, prefix, model, **create)
+        except BaseException as exc:
+            ParameterStore.publish_failure(client, prefix, exc)
+            raise
+        client.barrier(name, parties, timeout=ready_timeout)
+    else:
+        _await_master(client, prefix, name, parties, ready_timeout)
     if store is None:
         store = ParameterStore.attach(client, prefix, model, timeout=ready_timeout)
     return store
+
+
+def _await_master(client: Any, prefix: str, name: str, parties: int, timeout: float) -> None:
+    """The barrier ``name``, waited for in slices of :data:`FAILURE_POLL` seconds with a
+    look for the master's failure record between them (a caller whose wait times out
+    leaves the barrier, so arriving again is safe)."""
+    deadline = time.monotonic() + timeout
+    since = time.time()
+    while True:
+        ParameterStore.check_failure(client, prefix, since)
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise BarrierTimeout(f"barrier {name!r}: the master did not create parameter store {prefix!r} "
+                                 f"within {timeout:g} s")
+        try:
+            client.barrier(name, parties, timeout=min(FAILURE_POLL, remaining))
+            return
+        except BarrierTimeout:
+            continue

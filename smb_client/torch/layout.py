@@ -1,7 +1,8 @@
 """Flat layout of a model's tensors in one region slot (pure: no I/O).
 
-Every tensor gets a float32 range that starts on an :data:`ALIGN`-byte boundary; the
-gap after it is padding (kept at zero). A *slot* is one copy of all tensors; a
+Every tensor gets a range of its own element type (float32, bfloat16 or float16 for
+parameters; buffers may also be float64, int32 or int64) that starts on an
+:data:`ALIGN`-byte boundary; the gap after it is padding (kept at zero). A *slot* is one copy of all tensors; a
 region may hold several slots back to back (gradient slots, one delta slot per
 worker). For ``layered`` placement each tensor of each slot is its own segment, so
 it lands whole on one memory server.
@@ -21,9 +22,13 @@ log = logging.getLogger(__name__)
 ALIGN = 64                  # bytes; every tensor starts on this boundary
 ELEMENT_BYTES = 4           # float32
 DTYPE = "float32"
+PARAM_DTYPES = ("float32", "bfloat16", "float16")       # what a parameter store holds
+BUFFER_DTYPES = PARAM_DTYPES + ("float64", "int32", "int64")
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "int32": 4, "int64": 8}
+FLOATING = frozenset({"float32", "bfloat16", "float16", "float64"})
 MIN_STRIPE_UNIT = 4096      # bytes
 MAX_STRIPE_UNIT = 1 << 20   # bytes
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2          # 1: float32 only, [name, shape]; 2: [name, shape, dtype]
 
 
 def align_up(n: int, to: int = ALIGN) -> int:
@@ -38,10 +43,15 @@ class TensorSlot:
     shape: tuple[int, ...]
     offset: int
     numel: int
+    dtype: str = DTYPE
+
+    @property
+    def itemsize(self) -> int:
+        return ITEMSIZE[self.dtype]
 
     @property
     def nbytes(self) -> int:
-        return self.numel * ELEMENT_BYTES
+        return self.numel * self.itemsize
 
     @property
     def padded(self) -> int:
@@ -65,12 +75,18 @@ class FlatLayout:
 
     # -- construction -------------------------------------------------------------
     @classmethod
-    def of(cls, shapes: Iterable[tuple[str, Sequence[int]]]) -> FlatLayout:
-        """A layout for ``(name, shape)`` pairs, in order."""
+    def of(cls, shapes: Iterable[tuple[str, Sequence[int]] | tuple[str, Sequence[int], str]],
+           *, allow_empty: bool = False) -> FlatLayout:
+        """A layout for ``(name, shape)`` or ``(name, shape, dtype)`` tuples, in order
+        (dtype default float32)."""
         out: list[TensorSlot] = []
         offset = 0
         seen: set[str] = set()
-        for name, shape in shapes:
+        for entry in shapes:
+            name, shape = entry[0], entry[1]
+            dtype = str(entry[2]) if len(entry) > 2 else DTYPE
+            if dtype not in ITEMSIZE:
+                raise DtypeError(f"tensor {name!r}: unsupported element type {dtype}")
             if name in seen:
                 raise InvalidArgument(f"tensor name {name!r} appears twice")
             seen.add(name)
@@ -80,31 +96,75 @@ class FlatLayout:
             numel = 1
             for d in shape:
                 numel *= d
-            slot = TensorSlot(name, shape, offset, numel)
+            slot = TensorSlot(name, shape, offset, numel, dtype)
             out.append(slot)
             offset += slot.padded
-        if not out:
+        if not out and not allow_empty:
             raise InvalidArgument("the model has no parameters to lay out")
         return cls(tuple(out))
 
     @classmethod
     def of_module(cls, module: Any) -> FlatLayout:
-        """The layout of ``module.named_parameters()``: float32 CPU tensors only."""
+        """The layout of ``module.named_parameters()``: float32, bfloat16 or float16 CPU
+        tensors (mixed types allowed)."""
         shapes = []
         for name, p in module.named_parameters():
             check_tensor(name, p)
-            shapes.append((name, tuple(p.shape)))
+            shapes.append((name, tuple(p.shape), dtype_name(p.dtype)))
         return cls.of(shapes)
+
+    @classmethod
+    def of_buffers(cls, module: Any) -> FlatLayout:
+        """The layout of ``module.named_buffers()`` (possibly empty)."""
+        shapes = []
+        for name, b in module.named_buffers():
+            dtype = dtype_name(b.dtype)
+            if dtype not in BUFFER_DTYPES:
+                raise DtypeError(f"buffer {name!r} is {dtype}; the parameter store holds buffers of "
+                                 f"{', '.join(BUFFER_DTYPES)}")
+            if b.device.type != "cpu":
+                raise InvalidArgument(f"buffer {name!r} is on {b.device}; the parameter store needs CPU tensors")
+            shapes.append((name, tuple(b.shape), dtype))
+        return cls.of(shapes, allow_empty=True)
 
     # -- sizes --------------------------------------------------------------------
     @property
     def slot_bytes(self) -> int:
+        if not self.tensors:
+            return 0
         last = self.tensors[-1]
         return last.offset + last.padded
 
     @property
     def slot_elements(self) -> int:
+        """float32 elements of one slot (meaningful when every tensor is float32)."""
         return self.slot_bytes // ELEMENT_BYTES
+
+    @property
+    def dtypes(self) -> list[str]:
+        """The element types present, in order of first appearance."""
+        return list(dict.fromkeys(t.dtype for t in self.tensors))
+
+    @property
+    def uniform(self) -> str | None:
+        """The one element type of every tensor, or None for a mixed layout."""
+        kinds = self.dtypes
+        return kinds[0] if len(kinds) == 1 else None
+
+    def typed_runs(self, offset: int, length: int) -> list[tuple[int, int, str]]:
+        """``[offset, offset+length)`` cut where the element type changes:
+        ``(offset, length, dtype)`` pieces (padding belongs to the tensor before it)."""
+        out: list[tuple[int, int, str]] = []
+        end = offset + length
+        for t in self.tensors:
+            lo, hi = max(offset, t.offset), min(end, t.offset + t.padded)
+            if lo >= hi:
+                continue
+            if out and out[-1][2] == t.dtype and out[-1][0] + out[-1][1] == lo:
+                out[-1] = (out[-1][0], out[-1][1] + hi - lo, t.dtype)
+            else:
+                out.append((lo, hi - lo, t.dtype))
+        return out
 
     @property
     def numel(self) -> int:
@@ -151,29 +211,39 @@ class FlatLayout:
                 raise InvalidArgument(
                     f"parameter {theirs.name!r} {list(theirs.shape)} does not match {where}'s "
                     f"{mine.name!r} {list(mine.shape)}")
+            if mine.dtype != theirs.dtype:
+                raise DtypeError(f"parameter {theirs.name!r} is {theirs.dtype}, {where} holds {mine.dtype}")
 
     def to_json(self) -> str:
-        return json.dumps({"version": LAYOUT_VERSION, "dtype": DTYPE, "align": ALIGN,
-                           "tensors": [[t.name, list(t.shape)] for t in self.tensors]})
+        return json.dumps({"version": LAYOUT_VERSION, "align": ALIGN,
+                           "tensors": [[t.name, list(t.shape), t.dtype] for t in self.tensors]})
 
     @classmethod
-    def from_json(cls, text: str) -> FlatLayout:
+    def from_json(cls, text: str, *, allow_empty: bool = False) -> FlatLayout:
         try:
             doc = json.loads(text)
-            if doc["version"] != LAYOUT_VERSION or doc["dtype"] != DTYPE or doc["align"] != ALIGN:
-                raise InvalidArgument(f"unsupported layout {doc['version']}/{doc['dtype']}/{doc['align']}")
-            return cls.of((name, shape) for name, shape in doc["tensors"])
+            if doc["version"] == 1 and doc["dtype"] == DTYPE and doc["align"] == ALIGN:
+                return cls.of(((name, shape) for name, shape in doc["tensors"]), allow_empty=allow_empty)
+            if doc["version"] != LAYOUT_VERSION or doc["align"] != ALIGN:
+                raise InvalidArgument(f"unsupported layout {doc['version']}/{doc['align']}")
+            return cls.of(((name, shape, dtype) for name, shape, dtype in doc["tensors"]),
+                          allow_empty=allow_empty)
         except (ValueError, KeyError, TypeError) as exc:
             if isinstance(exc, InvalidArgument):
                 raise
             raise InvalidArgument(f"not a parameter-store layout: {exc}") from None
 
 
+def dtype_name(dtype: Any) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``."""
+    return str(dtype).removeprefix("torch.")
+
+
 def check_tensor(name: str, t: Any) -> None:
-    """A float32 CPU tensor, or a typed error saying what is wrong."""
-    if str(t.dtype) != "torch.float32":
-        raise DtypeError(f"parameter {name!r} is {str(t.dtype).removeprefix('torch.')}; the parameter "
-                         "store holds float32 (convert the model with .float())")
+    """A float32, bfloat16 or float16 CPU tensor, or a typed error saying what is wrong."""
+    if dtype_name(t.dtype) not in PARAM_DTYPES:
+        raise DtypeError(f"parameter {name!r} is {dtype_name(t.dtype)}; the parameter store holds "
+                         "float32, bfloat16 or float16 (convert the model with .float())")
     if t.device.type != "cpu":
         raise InvalidArgument(f"parameter {name!r} is on {t.device}; the parameter store needs CPU "
                               "tensors (train on CPU or copy to a CPU replica)")

@@ -59,9 +59,8 @@ class SEASGD:
         self.moving_rate = alpha
         self.update_interval = update_interval
         self.keep_deltas = keep_deltas
-        n = store.layout.slot_elements
-        self.global_weights = torch.zeros(n, dtype=torch.float32)  # last global weights read
-        self.delta = torch.zeros(n, dtype=torch.float32)           # last delta pushed
+        self.global_weights = store.flat.new_flat()   # last global weights read
+        self.delta = store.flat.new_flat()            # last delta pushed
         self.step = 0
         self.updates = 0
         self.read_wait = 0.0   # seconds spent reading the global weights
@@ -87,16 +86,27 @@ class SEASGD:
         self.push_wait += t1 - t0
         self.read_wait += t2 - t1
         with torch.no_grad():
-            torch.sub(self.flat.flat_params, self.global_weights, out=self.delta)
-            self.delta.mul_(self.moving_rate)
-            self.flat.flat_params.sub_(self.delta)
+            if self.flat.dtype is not None:
+                self._elastic(self.flat.flat_params, self.global_weights, self.delta)
+            else:   # mixed element types: tensor by tensor, each in its own type
+                n = self.store.layout.slot_bytes
+                for (_, w), (_, g), (_, d) in zip(self.flat.typed(self.flat.flat_params, 0, n),
+                                                  self.flat.typed(self.global_weights, 0, n),
+                                                  self.flat.typed(self.delta, 0, n), strict=True):
+                    self._elastic(w, g, d)
         self._pending = self._pusher.submit(self._push)
         self.updates += 1
+
+    def _elastic(self, w: torch.Tensor, g: torch.Tensor, d: torch.Tensor) -> None:
+        torch.sub(w, g, out=d)
+        d.mul_(self.moving_rate)
+        w.sub_(d)
 
     def _push(self) -> None:
         if self.keep_deltas:
             self.store.write("deltas", self.store.slot_offset("deltas", self.rank), self.delta)
-        self.store.accumulate("params", 0, self.delta)
+        for fut in self.store.accumulate_flat("params", 0, self.delta):
+            fut.result()
 
     def _wait_push(self) -> None:
         if self._pending is not None:

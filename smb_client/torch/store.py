@@ -8,7 +8,13 @@ Regions under a prefix ``job``:
 ``job/grads``       ``grad_slots`` slots: gradient accumulation (synchronous)
 ``job/deltas``      ``delta_slots`` slots: one private delta buffer per worker
 ``job/counters``    int64 words: stop word, total and per-worker iteration counts
+``job/buffers``     the model's buffers (batch-norm statistics), 4 slots: slot 0
+                    the published copy, slots 1-3 rotated by synchronous steps
+``job/failed``      only after a failed creation: the master's error, JSON
 ==================  ==========================================================
+
+Every tensor is stored in its own element type (float32, bfloat16 or float16 for
+parameters, so a slot's gradients are accumulated in the parameter's type).
 
 The master creates them (:meth:`ParameterStore.create`, ``meta`` last, so that its
 presence means "ready"); the others attach by name (:meth:`ParameterStore.attach`),
@@ -28,9 +34,10 @@ from typing import Any
 
 import torch
 
-from ..errors import InvalidArgument, RegionExists, RegionNotFound
+from .. import errors
+from ..errors import InvalidArgument, RegionExists, RegionNotFound, SMBError
 from ..placement import PLACEMENTS
-from .flat import FlatModel
+from .flat import FlatModel, torch_dtype
 from .layout import ALIGN, FlatLayout, align_up
 
 log = logging.getLogger(__name__)
@@ -41,8 +48,11 @@ META_PAGE = 4096                        # bytes; the meta region is a whole numb
 ZERO_CHUNK = 8 << 20                    # bytes written per request when zeroing
 ATTACH_POLL = 0.05                      # seconds between looks for a store being created
 COUNTER_WORDS = 8                       # int64 control words before the per-worker counts
-KINDS = ("params", "grads", "deltas", "counters", "meta")
+KINDS = ("params", "grads", "deltas", "counters", "buffers", "meta")
 SYNC_SLOTS = 3                          # gradient slots synchronous training rotates through
+BUFFER_SLOTS = 1 + SYNC_SLOTS           # the published buffers, then one per rotated step
+FAILED = "failed"                       # region kind: the master's creation error
+FAILURE_SKEW = 30.0                     # seconds: an older failure record is a previous run's
 SCHEMES = ("sync", "seasgd", "hybrid")  # what ParameterStore.create sizes the slots for by default
 
 
@@ -64,6 +74,13 @@ def _nbytes(data: Any) -> int:
     return memoryview(data).nbytes
 
 
+def _raw(data: Any) -> Any:
+    """Byte tensors (a mixed-type flat buffer) travel as numpy bytes; typed ones as is."""
+    if isinstance(data, torch.Tensor) and data.dtype == torch.uint8:
+        return data.numpy()
+    return data
+
+
 class ParameterStore:
     """Owns its region handles and closes them in :meth:`close`; the :class:`Client`
     and the model are the caller's. ``flat`` binds the model's parameters and gradients
@@ -83,6 +100,10 @@ class ParameterStore:
         self.master = master
         self.traffic = Traffic()
         self._traffic_lock = threading.Lock()
+        self.buffer_layout = FlatLayout.from_json(json.dumps(meta["buffers"]), allow_empty=True) \
+            if meta.get("buffers") else None
+        self.buffers: list[torch.Tensor] = [b for _, b in flat.model.named_buffers()] \
+            if self.buffer_layout is not None else []
 
     # -- construction -------------------------------------------------------------
     @staticmethod
@@ -93,7 +114,7 @@ class ParameterStore:
     def create(cls, client: Any, prefix: str, model: Any, *, scheme: str | None = None,
                placement: str = "striped", grad_slots: int | None = None, delta_slots: int | None = None,
                workers: int = 1, stripe_unit: int | None = None, num_servers: int = 0,
-               replace: bool = False) -> ParameterStore:
+               replace: bool = False, buffers: bool = True) -> ParameterStore:
         """Lay ``model`` out in new regions under ``prefix`` and store its parameters.
 
         ``scheme`` sizes the slots that are not given: ``sync`` (the default when
@@ -105,6 +126,10 @@ class ParameterStore:
         servers; ``stripe_unit`` bytes, by default one slot divided by the number of
         servers) or ``layered`` ("layer-based sharding": each tensor whole on one
         server) or ``single``. ``workers`` sizes the counter region.
+
+        ``buffers``: keep the model's buffers (batch-norm statistics) in a ``buffers``
+        region (when it has any), for :class:`SyncDataParallel` to synchronize and for
+        checkpoints.
 
         A store (any of its regions) already under ``prefix`` raises RegionExists;
         ``replace=True`` deletes it first.
@@ -125,6 +150,10 @@ class ParameterStore:
             raise InvalidArgument("grad_slots and delta_slots must be >= 0")
         flat = model if isinstance(model, FlatModel) else FlatModel(model)
         layout = flat.layout
+        blayout = FlatLayout.of_buffers(flat.model) if buffers else None
+        if blayout is not None and not blayout.tensors:
+            blayout = None
+        cls._clear_failure(client, prefix)
         if replace:
             cls.destroy_prefix(client, prefix)
         else:
@@ -133,7 +162,8 @@ class ParameterStore:
             up = [s for s in client.list_servers() if s.state == "up"]
             stripe_unit = layout.stripe_unit(num_servers or max(1, len(up)))
         meta = {"layout": json.loads(layout.to_json()), "placement": placement,
-                "grad_slots": grad_slots, "delta_slots": delta_slots, "workers": workers}
+                "grad_slots": grad_slots, "delta_slots": delta_slots, "workers": workers,
+                "buffers": json.loads(blayout.to_json()) if blayout is not None else None}
         regions: dict[str, Any] = {}
         try:
             def make(kind: str, slots: int) -> None:
@@ -156,11 +186,16 @@ class ParameterStore:
             counters = align_up((COUNTER_WORDS + workers) * 8, ALIGN)
             regions["counters"] = client.create_region(cls.region_name(prefix, "counters"), counters,
                                                        placement="single")
+            if blayout is not None:
+                regions["buffers"] = client.create_region(cls.region_name(prefix, "buffers"),
+                                                          blayout.slot_bytes * BUFFER_SLOTS, placement="single")
             store = cls(client, prefix, flat, regions, meta, master=True)
             store.push_params()
-            for kind in ("grads", "deltas", "counters"):
+            for kind in ("grads", "deltas", "counters", "buffers"):
                 if kind in regions:
                     store.zero(kind)
+            if blayout is not None:
+                store.push_buffers()
             doc = json.dumps(meta).encode()
             blob = META_HEADER.pack(META_MAGIC, len(doc)) + doc
             regions["meta"] = client.create_region(
@@ -178,6 +213,57 @@ class ParameterStore:
                  len(layout.tensors), layout.slot_bytes, placement)
         return store
 
+    # -- a failed creation, told to the others -------------------------------------
+    @classmethod
+    def publish_failure(cls, client: Any, prefix: str, exc: BaseException) -> None:
+        """Leave the master's creation error in ``<prefix>/failed`` for the workers
+        waiting to attach (best effort: a failure to do so is only logged)."""
+        doc = json.dumps({"error": errors.wire_class(exc).__name__, "message": str(exc),
+                          "time": time.time()}).encode()
+        name = cls.region_name(prefix, FAILED)
+        try:
+            try:
+                client.delete_region(name)
+            except RegionNotFound:
+                pass
+            region = client.create_region(name, align_up(len(doc) + 8, META_PAGE), placement="single")
+            try:
+                region.write(0, struct.pack("<Q", len(doc)) + doc)
+            finally:
+                region.close()
+        except Exception as marker_exc:   # noqa: BLE001 - the original error matters more
+            log.warning("could not publish the creation failure of %s: %s", prefix, marker_exc)
+
+    @classmethod
+    def check_failure(cls, client: Any, prefix: str, since: float | None = None) -> None:
+        """Raise the master's creation error if it left one under ``prefix``: the same
+        error class, its message prefixed with where it comes from. With ``since`` (a
+        ``time.time()``), a record more than :data:`FAILURE_SKEW` seconds older is taken
+        for what an earlier run left and ignored."""
+        try:
+            region = client.open_region(cls.region_name(prefix, FAILED))
+        except RegionNotFound:
+            return
+        try:
+            (length,) = struct.unpack("<Q", bytes(region.read(0, 8)))
+            doc = json.loads(bytes(region.read(8, min(length, region.size - 8))))
+        except (ValueError, SMBError, struct.error) as exc:
+            doc = {"error": "ServerError", "message": f"unreadable failure record: {exc}"}
+        finally:
+            region.close()
+        if since is not None and float(doc.get("time", since)) < since - FAILURE_SKEW:
+            return
+        kind = errors.error_class(str(doc.get("error", "ServerError")))
+        raise kind(f"the master failed to create parameter store {prefix!r}: "
+                   f"{doc.get('error')}: {doc.get('message')}")
+
+    @classmethod
+    def _clear_failure(cls, client: Any, prefix: str) -> None:
+        try:
+            client.delete_region(cls.region_name(prefix, FAILED))
+        except RegionNotFound:
+            pass
+
     @classmethod
     def _check_free(cls, client: Any, prefix: str) -> None:
         names = {cls.region_name(prefix, kind) for kind in KINDS}
@@ -194,12 +280,14 @@ class ParameterStore:
         or DtypeError on a mismatch) and, with ``pull``, load the stored parameters."""
         flat = model if isinstance(model, FlatModel) else FlatModel(model)
         deadline = time.monotonic() + timeout
+        since = time.time()
         name = cls.region_name(prefix, "meta")
         while True:
             try:
                 meta_region = client.open_region(name)
                 break
             except RegionNotFound:
+                cls.check_failure(client, prefix, since)
                 if time.monotonic() > deadline:
                     raise RegionNotFound(f"no parameter store {prefix!r} after {timeout:g} s: "
                                          f"the master creates {name} (ParameterStore.create)") from None
@@ -211,6 +299,10 @@ class ParameterStore:
             stored.check_same(flat.layout, where=f"parameter store {prefix!r}")
             kinds = ["params", "counters"] + [k for k, n in (("grads", meta["grad_slots"]),
                                                              ("deltas", meta["delta_slots"])) if n]
+            if meta.get("buffers"):
+                kinds.append("buffers")
+                stored_b = FlatLayout.from_json(json.dumps(meta["buffers"]), allow_empty=True)
+                stored_b.check_same(FlatLayout.of_buffers(flat.model), where=f"parameter store {prefix!r} (buffers)")
             for kind in kinds:
                 regions[kind] = client.open_region(cls.region_name(prefix, kind))
             counts = {"params": 1, "grads": meta["grad_slots"], "deltas": meta["delta_slots"]}
@@ -225,6 +317,7 @@ class ParameterStore:
         store = cls(client, prefix, flat, regions, meta, master=False)
         if pull:
             store.pull_params()
+            store.pull_buffers()
         return store
 
     @staticmethod
@@ -234,14 +327,16 @@ class ParameterStore:
         if magic != META_MAGIC or length > region.size - META_HEADER.size:
             raise InvalidArgument(f"region {region.name} is not a parameter-store description")
         try:
-            return json.loads(bytes(region.read(META_HEADER.size, length)))
+            doc = json.loads(bytes(region.read(META_HEADER.size, length)))
+            assert isinstance(doc, dict)
+            return doc
         except ValueError as exc:
             raise InvalidArgument(f"region {region.name}: unreadable description: {exc}") from None
 
     @classmethod
     def destroy_prefix(cls, client: Any, prefix: str) -> None:
         """Delete every store region under ``prefix`` that exists (meta first)."""
-        for kind in reversed(KINDS):
+        for kind in reversed(KINDS + (FAILED,)):
             try:
                 client.delete_region(cls.region_name(prefix, kind))
             except RegionNotFound:
@@ -285,12 +380,12 @@ class ParameterStore:
         return slot * self.layout.slot_bytes
 
     def read_into(self, kind: str, offset: int, out: torch.Tensor) -> torch.Tensor:
-        self.region(kind).read_into(offset, out)
+        self.region(kind).read_into(offset, _raw(out))
         self._count(received=_nbytes(out))
         return out
 
     def write(self, kind: str, offset: int, data: Any) -> None:
-        self.region(kind).write(offset, data)
+        self.region(kind).write(offset, _raw(data))
         self._count(sent=_nbytes(data))
 
     def accumulate(self, kind: str, offset: int, data: torch.Tensor) -> None:
@@ -298,14 +393,22 @@ class ParameterStore:
         self._count(sent=_nbytes(data))
 
     def accumulate_async(self, kind: str, offset: int, data: torch.Tensor) -> Future[Any]:
-        fut = self.region(kind).accumulate_async(offset, data)
+        fut: Future[Any] = self.region(kind).accumulate_async(offset, data)
         self._count(sent=_nbytes(data))
         return fut
 
     def write_async(self, kind: str, offset: int, data: Any) -> Future[Any]:
-        fut = self.region(kind).write_async(offset, data)
+        fut: Future[Any] = self.region(kind).write_async(offset, _raw(data))
         self._count(sent=_nbytes(data))
         return fut
+
+    def accumulate_flat(self, kind: str, base: int, flat: torch.Tensor, offset: int = 0,
+                        length: int | None = None) -> list[Future[Any]]:
+        """Accumulate bytes ``[offset, offset+length)`` of a flat buffer of the layout
+        into the ``kind`` region at ``base + offset``, asynchronously: one operation per
+        run of one element type."""
+        n = self.layout.slot_bytes - offset if length is None else length
+        return [self.accumulate_async(kind, base + off, view) for off, view in self.flat.typed(flat, offset, n)]
 
     def zero(self, kind: str, offset: int = 0, length: int | None = None) -> None:
         """Write zeros over ``[offset, offset+length)`` bytes of the ``kind`` region."""
@@ -321,27 +424,115 @@ class ParameterStore:
 
     # -- whole-model moves --------------------------------------------------------
     def pull_params(self, into: torch.Tensor | None = None) -> torch.Tensor:
-        """Read the stored parameters into the model (or into the flat tensor ``into``)."""
-        out = self.flat.flat_params if into is None else into
-        if out.numel() != self.layout.slot_elements or out.dtype != torch.float32:
-            raise InvalidArgument(f"need a float32 tensor of {self.layout.slot_elements} elements")
+        """Read the stored parameters into the model (or into the flat tensor ``into``,
+        shaped like ``flat.flat_params``)."""
+        ref = self.flat.flat_params
+        out = ref if into is None else into
+        if out.numel() != ref.numel() or out.dtype != ref.dtype or not out.is_contiguous():
+            raise InvalidArgument(f"need a contiguous {str(ref.dtype).removeprefix('torch.')} tensor of "
+                                  f"{ref.numel()} elements")
         return self.read_into("params", 0, out)
 
     def push_params(self) -> None:
         """Write the model's parameters into the params region."""
         self.write("params", 0, self.flat.flat_params)
 
+    # -- buffers ------------------------------------------------------------------
+    def buffer_offset(self, slot: int) -> int:
+        """Byte offset of buffer ``slot`` (0: the published copy; 1..3: synchronous steps)."""
+        if self.buffer_layout is None:
+            raise InvalidArgument(f"parameter store {self.prefix!r} holds no buffers (the model has none, "
+                                  "or it was created with buffers=False)")
+        if not 0 <= slot < BUFFER_SLOTS:
+            raise InvalidArgument(f"buffer slot {slot} out of range: the store has {BUFFER_SLOTS}")
+        return slot * self.buffer_layout.slot_bytes
+
+    def _buffer_items(self, slot: int, tensors: list[torch.Tensor] | None = None,
+                      floating_only: bool = False) -> list[tuple[int, torch.Tensor]]:
+        assert self.buffer_layout is not None
+        base = self.buffer_offset(slot)
+        src = self.buffers if tensors is None else tensors
+        return [(base + t.offset, b) for t, b in zip(self.buffer_layout.tensors, src, strict=True)
+                if b.numel() and (not floating_only or b.is_floating_point())]
+
+    def push_buffers(self, slot: int = 0) -> None:
+        """Write the model's buffers into buffer ``slot`` (nothing without buffers)."""
+        if self.buffer_layout is None:
+            return
+        items = [(off, b.detach().contiguous()) for off, b in self._buffer_items(slot)]
+        self.region("buffers").write_many(items)
+        self._count(sent=sum(_nbytes(b) for _, b in items))
+
+    def pull_buffers(self, slot: int = 0, into: list[torch.Tensor] | None = None) -> None:
+        """Read buffer ``slot`` into the model's buffers (or into ``into``, in the
+        order of ``named_buffers()``), in place."""
+        if self.buffer_layout is None:
+            return
+        items = self._buffer_items(slot, into)
+        with torch.no_grad():
+            self.region("buffers").read_many(items)
+        self._count(received=sum(_nbytes(b) for _, b in items))
+
     def load_into(self, model: Any) -> None:
-        """Copy the stored parameters into another model of the same architecture
-        (e.g. an evaluation copy), without binding it."""
+        """Copy the stored parameters (and buffers, if the store holds them) into another
+        model of the same architecture (e.g. an evaluation copy), without binding it."""
         other = FlatLayout.of_module(model)
         self.layout.check_same(other, where=f"parameter store {self.prefix!r}")
-        buf = torch.empty(self.layout.slot_elements, dtype=torch.float32)
-        self.pull_params(buf)
+        state = self.state_dict()
+        model.load_state_dict(state, strict=self.buffer_layout is not None)
+
+    # -- checkpoints --------------------------------------------------------------
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The stored parameters (and published buffers): name -> tensor, as
+        ``model.state_dict()`` names them."""
+        raw = torch.empty(self.layout.slot_bytes, dtype=torch.uint8)
+        self.read_into("params", 0, raw)
+        out: dict[str, torch.Tensor] = {}
+        for t in self.layout.tensors:
+            out[t.name] = raw[t.offset:t.offset + t.nbytes].view(torch_dtype(t.dtype)).view(t.shape).clone()
+        if self.buffer_layout is not None:
+            base = self.buffer_offset(0)
+            braw = torch.empty(self.buffer_layout.slot_bytes, dtype=torch.uint8)
+            self.read_into("buffers", base, braw)
+            for t in self.buffer_layout.tensors:
+                out[t.name] = braw[t.offset:t.offset + t.nbytes].view(torch_dtype(t.dtype)).view(t.shape).clone()
+        return out
+
+    def save(self, path: Any) -> None:
+        """Write the stored parameters (and published buffers) to ``path`` with
+        ``torch.save``: a state dict that ``torch.load`` and ``model.load_state_dict`` read."""
+        torch.save(self.state_dict(), path)
+
+    def load(self, path: Any) -> None:
+        """Put the weights of a checkpoint (a state dict, e.g. from :meth:`save` or
+        ``torch.save(model.state_dict())``) into the store and into the bound model:
+        ``params`` and the published buffers. Names, shapes and types must match."""
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        if not isinstance(state, dict):
+            raise InvalidArgument(f"{path}: not a state dict ({type(state).__name__})")
+        self.load_state_dict(state)
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """See :meth:`load`."""
+        tensors = list(self.layout.tensors) + (list(self.buffer_layout.tensors) if self.buffer_layout else [])
+        missing = [t.name for t in tensors if t.name not in state]
+        if missing:
+            raise InvalidArgument(f"checkpoint lacks {', '.join(missing[:5])}"
+                                  f"{' ...' if len(missing) > 5 else ''}")
+        for t in tensors:
+            v = state[t.name]
+            if tuple(v.shape) != t.shape:
+                raise InvalidArgument(f"checkpoint tensor {t.name!r} {list(v.shape)} does not match the "
+                                      f"store's {list(t.shape)}")
+            if str(v.dtype).removeprefix("torch.") != t.dtype:
+                raise errors.DtypeError(f"checkpoint tensor {t.name!r} is {v.dtype}, the store holds {t.dtype}")
         with torch.no_grad():
-            for p, t in zip(model.parameters(), self.layout.tensors, strict=True):
-                start = t.offset // 4
-                p.copy_(buf[start:start + t.numel].view(t.shape))
+            for view, t in zip(self.flat.param_views, self.layout.tensors, strict=True):
+                view.copy_(state[t.name])
+            for b, t in zip(self.buffers, self.buffer_layout.tensors if self.buffer_layout else (), strict=True):
+                b.copy_(state[t.name])
+        self.push_params()
+        self.push_buffers()
 
     def tensor_servers(self, kind: str = "params", slot: int = 0) -> dict[str, list[str]]:
         """The memory server(s) holding each tensor of ``slot``: tensor name -> server ids."""

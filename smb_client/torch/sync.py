@@ -21,10 +21,18 @@ accumulate locally (gradient accumulation over micro-batches).
 
 Frozen parameters (``requires_grad=False``) are neither pushed, pulled nor zeroed.
 
+Buffers (batch-norm statistics) are synchronized every step through the store's
+``buffers`` region, slot ``1 + s % 3`` in step ``s`` (the rotation argument above
+holds for it too): ``broadcast`` (the default, as DDP) rank 0 writes its buffers
+before the barrier and the others read them after it; ``average`` every worker
+accumulates its floating-point buffers (integer ones, such as ``num_batches_tracked``,
+come from rank 0), all read the sum after the barrier and divide by the number of
+workers, and rank 0 zeroes the next slot; ``none`` leaves every replica its own.
+
 Publishing. Every ``publish_every`` steps, and in :meth:`SyncDataParallel.close`, each
 worker writes its share of the current weights (the same ``1/world`` byte range it
-zeroes) into the ``params`` region, so the store holds the trained weights for
-evaluators and late joiners.
+zeroes) into the ``params`` region, and rank 0 the buffers into buffer slot 0, so the
+store holds the trained weights for evaluators, checkpoints and late joiners.
 """
 from __future__ import annotations
 
@@ -34,6 +42,8 @@ from collections.abc import Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
 from typing import Any
+
+import torch
 
 from ..errors import InvalidArgument
 from .counters import SharedCounters
@@ -48,6 +58,7 @@ __all__ = ["DEFAULT_BUCKET_BYTES", "DEFAULT_PUBLISH_EVERY", "SYNC_SLOTS", "SyncD
 DEFAULT_PUBLISH_EVERY = 1         # steps between publications of the weights
 DEFAULT_BUCKET_BYTES = 256 << 10  # bytes per pushed bucket
 BARRIER_TIMEOUT = 300.0           # seconds
+BUFFER_MODES = ("broadcast", "average", "none")
 
 
 class SyncDataParallel:
@@ -64,6 +75,8 @@ class SyncDataParallel:
     ``publish_every`` (steps; 0: only at :meth:`close`) is how often the workers write
     the current weights into the store's ``params`` region, each its ``1/world`` share.
     Use :meth:`no_sync` for all but the last micro-batch of an accumulated step.
+    ``buffers`` (``broadcast``, ``average`` or ``none``) is how the model's buffers
+    are kept equal across replicas, each step.
     The store stays the caller's; :meth:`close` publishes the final weights and removes
     the hooks.
     """
@@ -71,7 +84,7 @@ class SyncDataParallel:
     def __init__(self, store: ParameterStore, rank: int, world: int, *, overlap: bool = True,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, counters: SharedCounters | None = None,
                  barrier_timeout: float = BARRIER_TIMEOUT,
-                 publish_every: int = DEFAULT_PUBLISH_EVERY) -> None:
+                 publish_every: int = DEFAULT_PUBLISH_EVERY, buffers: str = "broadcast") -> None:
         if store.grad_slots < SYNC_SLOTS:
             raise InvalidArgument(f"synchronous training needs a store with grad_slots >= {SYNC_SLOTS}, "
                                   f"{store.prefix!r} has {store.grad_slots}")
@@ -81,6 +94,11 @@ class SyncDataParallel:
             raise InvalidArgument("synchronous workers need SharedCounters(..., lockstep=True)")
         if publish_every < 0:
             raise InvalidArgument(f"publish_every must be >= 0 (0: only at close), got {publish_every}")
+        if buffers not in BUFFER_MODES:
+            raise InvalidArgument(f"unknown buffers mode {buffers!r}: expected one of {', '.join(BUFFER_MODES)}")
+        if buffers != "none" and store.buffer_layout is None and any(True for _ in store.flat.model.buffers()):
+            raise InvalidArgument(f"parameter store {store.prefix!r} holds no buffers but the model has some: "
+                                  "create it with buffers=True, or pass buffers='none'")
         self.store = store
         self.flat = store.flat
         self.rank = rank
@@ -89,6 +107,7 @@ class SyncDataParallel:
         self.counters = counters
         self.barrier_timeout = barrier_timeout
         self.publish_every = publish_every
+        self.buffers = buffers if store.buffer_layout is not None else "none"
         self.barrier_name = f"{store.prefix}/sync"
         self.step = 0
         self.stop = False
@@ -109,10 +128,49 @@ class SyncDataParallel:
     def _slot(self, step: int) -> int:
         return step % SYNC_SLOTS
 
-    def _push_bucket(self, bucket: Bucket) -> Future[Any]:
+    def _push_bucket(self, bucket: Bucket) -> list[Future[Any]]:
         base = self.store.slot_offset("grads", self._slot(self.step))
-        data = self.flat.byte_range(self.flat.flat_grads, bucket.offset, bucket.length)
-        return self.store.accumulate_async("grads", base + bucket.offset, data)
+        return self.store.accumulate_flat("grads", base, self.flat.flat_grads, bucket.offset, bucket.length)
+
+    def _push_buffers(self) -> list[Future[Any]]:
+        """Before the barrier: this step's buffer slot filled (see the module's notes)."""
+        store = self.store
+        if self.buffers == "none":
+            return []
+        slot = 1 + self._slot(self.step)
+        region = store.region("buffers")
+        out: list[Future[Any]] = []
+        sent = 0
+        if self.rank == 0:
+            written = [(off, b.detach().contiguous()) for off, b in store._buffer_items(slot)
+                       if self.buffers == "broadcast" or not b.is_floating_point()]
+            if written:
+                out.append(region.write_many_async(written))
+                sent += sum(b.numel() * b.element_size() for _, b in written)
+            if self.buffers == "average":
+                nxt = store.buffer_offset(1 + self._slot(self.step + 1))
+                assert store.buffer_layout is not None
+                out.append(region.write_async(nxt, self._zeros(store.buffer_layout.slot_bytes)))
+                sent += store.buffer_layout.slot_bytes
+        if self.buffers == "average":
+            summed = [(off, b.detach().contiguous()) for off, b in store._buffer_items(slot, floating_only=True)]
+            if summed:
+                out.append(region.accumulate_many_async(summed))
+                sent += sum(b.numel() * b.element_size() for _, b in summed)
+        if out:
+            store._count(sent=sent)
+        return out
+
+    def _pull_buffers(self) -> None:
+        """After the barrier: the synchronized buffers into the model."""
+        if self.buffers == "none" or (self.buffers == "broadcast" and self.rank == 0):
+            return
+        self.store.pull_buffers(1 + self._slot(self.step))
+        if self.buffers == "average":
+            with torch.no_grad():
+                for b in self.store.buffers:
+                    if b.is_floating_point():
+                        b.mul_(1.0 / self.world)
 
     def zero_grad(self) -> None:
         """Zero the local gradients (call before each step's first backward pass)."""
@@ -144,8 +202,12 @@ class SyncDataParallel:
 
     def _publish_async(self) -> list[Future[Any]]:
         data = self.flat.flat_params
-        return [self.store.write_async("params", off, self.flat.byte_range(data, off, n))
-                for off, n in self._share]
+        out = [self.store.write_async("params", off, self.flat.byte_range(data, off, n))
+               for off, n in self._share]
+        if self.rank == 0 and self.store.buffer_layout is not None:
+            items = [(off, b.detach().clone()) for off, b in self.store._buffer_items(0)]
+            out.append(self.store.region("buffers").write_many_async(items))
+        return out
 
     def publish(self) -> None:
         """Write this worker's share of the current weights into the ``params`` region
@@ -184,13 +246,14 @@ class SyncDataParallel:
         if publish:   # the weights after `step` optimizer steps; nobody changes them before we return
             futures.extend(self._publish_async())
         if self._hooks is not None:
-            futures.extend(self._hooks.finish())
+            for pushed in self._hooks.finish():
+                futures.extend(pushed)
         else:
             self.flat.collect_grads()
             base = store.slot_offset("grads", self._slot(self.step))
             for off, n in self._runs:
-                futures.append(store.accumulate_async("grads", base + off,
-                                                      self.flat.byte_range(self.flat.flat_grads, off, n)))
+                futures.extend(store.accumulate_flat("grads", base, self.flat.flat_grads, off, n))
+        futures.extend(self._push_buffers())
         t0 = time.perf_counter()
         self._wait(futures)
         if publish:
@@ -201,13 +264,14 @@ class SyncDataParallel:
         base = store.slot_offset("grads", self._slot(self.step))
         for off, n in self._runs:
             store.read_into("grads", base + off, self.flat.byte_range(self.flat.flat_grads, off, n))
-        self.flat.flat_grads.mul_(1.0 / self.world)
+        self.flat.scale_(self.flat.flat_grads, 1.0 / self.world)
+        self._pull_buffers()
         if self.counters is not None:
             self.stop = self.counters.should_stop()
         self.comm_wait += time.perf_counter() - t0
         self.step += 1
 
-    _zero_cache: Any = None
+    _zero_cache: memoryview | None = None
 
     def _zeros(self, nbytes: int) -> memoryview:
         if self._zero_cache is None or len(self._zero_cache) < nbytes:
