@@ -118,3 +118,48 @@ def test_hybrid_two_nodes_of_two(cluster, name):
     expected = g0 + res[0]["delta_sum"] + res[2]["delta_sum"]
     np.testing.assert_allclose(g1, expected, rtol=1e-5, atol=1e-6)
     assert np.abs(g1 - g0).max() > 1e-3
+
+
+def test_hybrid_follows_the_leaders_update_interval(cluster, name):
+    """HybridSEASGD runs the elastic update every SEASGD.update_interval steps; another
+    interval given to HybridSEASGD is refused (one node of one worker, in this process)."""
+    import torch.distributed as dist
+
+    from smb_client.errors import InvalidArgument
+    from smb_client.torch import SEASGD, FlatModel, HybridSEASGD, ParameterStore, new_node_groups
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        ranks, groups = new_node_groups(1, 1)
+        model = torch.nn.Linear(3, 2)
+        flat = FlatModel(model)
+        with cluster.client() as c:
+            store = ParameterStore.create(c, name, flat, scheme="hybrid", workers=1)
+            try:
+                seasgd = SEASGD(store, 0, 1, update_interval=3)
+                with pytest.raises(InvalidArgument, match="update_interval=2"):
+                    HybridSEASGD(flat, groups[0], ranks[0], seasgd=seasgd, update_interval=2)
+                hy = HybridSEASGD(flat, groups[0], ranks[0], seasgd=seasgd)
+                assert hy.update_interval == 3
+                opt = torch.optim.SGD(model.parameters(), lr=0.1)
+                updated = []
+                for step in range(7):
+                    hy.zero_grad()
+                    model(torch.randn(4, 3)).sum().backward()
+                    hy.synchronize()
+                    opt.step()
+                    if hy.after_step():
+                        updated.append(step + 1)
+                assert updated == [3, 6] and seasgd.updates == 2
+                hy.close()
+                seasgd.close()
+                # given and equal: fine
+                again = HybridSEASGD(flat, groups[0], ranks[0], seasgd=SEASGD(store, 0, 1, update_interval=3),
+                                     update_interval=3)
+                assert again.update_interval == 3
+                again.close()
+                assert again.seasgd is not None
+                again.seasgd.close()
+            finally:
+                store.destroy()
+    finally:
+        dist.destroy_process_group()
