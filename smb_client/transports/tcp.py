@@ -26,7 +26,14 @@ from typing import Any
 from .. import wire
 from ..addressing import Endpoint
 from ..dtypes import DType
-from ..errors import InvalidArgument, ProtocolError, ServerUnavailable, Timeout, status_error
+from ..errors import (
+    InvalidArgument,
+    ProtocolError,
+    ServerUnavailable,
+    SMBError,
+    Timeout,
+    status_error,
+)
 from . import Session, register
 from .pool import ConnectionPool
 
@@ -38,6 +45,7 @@ DEAD_PEER_TIMEOUT = 3.0  # seconds without any TCP acknowledgement before the se
 KEEPALIVE_IDLE = 1      # seconds idle before the first keepalive probe
 KEEPALIVE_INTERVAL = 1  # seconds between probes
 SOCKET_BUFFER = 4 << 20  # bytes
+PARTING_TIMEOUT = 0.5   # seconds to read a closing server's parting answer after a failed send
 MAX_PRESENTED = 1024    # tickets a connection remembers having presented before forgetting them all
 _WORD = struct.Struct("<q")
 
@@ -99,8 +107,10 @@ class TcpConnection:
         """
         req_id = next(self._ids) & 0xFFFFFFFF or next(self._ids)   # 0 marks a refusal
         header = wire.pack_request(op, req_id, extent_id, offset, length, dtype, arg0, arg1, alpha)
+        sent = False
         try:
             wire.sendmsg_all(self.sock, [header, *payload])
+            sent = True
             status, got_id, n = wire.unpack_response(wire.recv_exact(self.sock, wire.RESPONSE.size))
             if got_id == 0 and status != 0:     # the server refused the connection, then closed it
                 refusal = bytes(wire.recv_exact(self.sock, n)) if n else b""
@@ -121,7 +131,10 @@ class TcpConnection:
                                         f"{self.dead_peer_timeout:g} s (host or link down)") from None
             raise Timeout(f"{self.where}: no answer within {self.sock.gettimeout()} s") from None
         except OSError as exc:
+            said = None if sent else self._parting_answer()
             self.close()
+            if said is not None:
+                raise said from None
             raise ServerUnavailable(f"{self.where}: {exc}") from None
         except ProtocolError:
             self.close()
@@ -129,6 +142,19 @@ class TcpConnection:
         if status != 0:
             raise status_error(status, f"{self.where}: {body.decode(errors='replace')}")
         return body
+
+    def _parting_answer(self) -> SMBError | None:
+        """The error a server answered (``req_id`` 0) before it closed this connection,
+        when one is there to read (a send failed because the server had closed)."""
+        try:
+            self.sock.settimeout(PARTING_TIMEOUT)
+            status, got_id, n = wire.unpack_response(wire.recv_exact(self.sock, wire.RESPONSE.size))
+            if got_id != 0 or status == 0 or n > wire.MAX_TICKET:
+                return None
+            body = bytes(wire.recv_exact(self.sock, n))
+        except (OSError, SMBError):
+            return None
+        return status_error(status, f"{self.where}: {body.decode(errors='replace')}")
 
     def close(self) -> None:
         try:

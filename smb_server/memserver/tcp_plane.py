@@ -48,8 +48,10 @@ from smb_client.errors import (
     InvalidTicket,
     Misaligned,
     ServerBusy,
+    ServerError,
     SMBError,
     Status,
+    Timeout,
     error_status,
 )
 from smb_client.tickets import verify
@@ -77,11 +79,27 @@ BACKLOG = 128
 ACCEPT_BACKOFF_FIRST = 0.05  # seconds the accept loop pauses after a failure, doubling
 ACCEPT_BACKOFF_MAX = 1.0     # seconds, the longest such pause
 REFUSAL_LOG_EVERY = 10.0     # seconds between warnings about refused connections
+GOODBYE_LINGER = 1.0      # seconds a dropped connection with a ticket is read (and discarded)
+                          # after its parting answer, so that the close is no reset
+_FRAME_HINT = ("a slow or stalled client: raise tcp_frame_timeout_seconds on the memory server "
+               "for slow links")
 _OLD = struct.Struct("<q")
 
 
 class _Drop(Exception):
-    """The peer broke the protocol (or went away): close this connection."""
+    """The peer broke the protocol, missed a deadline or went away: close this connection.
+
+    ``error``: the class of the parting answer the peer gets (``req_id`` 0) before the
+    close, for a peer that spoke the protocol but missed a deadline; None (a peer that
+    speaks garbage, or a stream that is mid-answer): closed without one. ``hint`` is
+    added to the answer's message and says what to do.
+    """
+
+    def __init__(self, message: str, error: type[SMBError] | None = None,
+                 hint: str = "") -> None:
+        super().__init__(message)
+        self.error = error
+        self.hint = hint
 
 
 class ScratchPool:
@@ -167,7 +185,10 @@ class _Connection:
         try:
             buf = self.plane.scratch.acquire(self.deadline)
         except TimeoutError as exc:
-            raise _Drop(f"frame not read within {self.plane.frame_timeout:g} s: {exc}") from None
+            raise _Drop(f"frame not read within {self.plane.frame_timeout:g} s "
+                        f"(tcp_frame_timeout_seconds): {exc}", Timeout,
+                        "the memory server is short of scratch buffers: raise "
+                        "tcp_scratch_bytes or send smaller accumulates") from None
         try:
             yield memoryview(buf)[:min(n, len(buf))]
         finally:
@@ -200,9 +221,10 @@ class _Connection:
                 self.plane.stats.add(dropped=1)
                 if hello:
                     raise _Drop(f"no HELLO within {self.plane.hello_timeout:g} s of connecting "
-                                "(tcp_hello_timeout_seconds)") from None
+                                "(tcp_hello_timeout_seconds)", Timeout,
+                                "present a ticket right after connecting") from None
                 raise _Drop(f"frame not complete within {self.plane.frame_timeout:g} s "
-                            "(tcp_frame_timeout_seconds)") from None
+                            "(tcp_frame_timeout_seconds)", Timeout, _FRAME_HINT) from None
             if n == 0:
                 if got == 0:
                     return False
@@ -220,7 +242,7 @@ class _Connection:
         except TimeoutError:
             self.plane.stats.add(dropped=1)
             raise _Drop(f"frame not complete within {self.plane.frame_timeout:g} s "
-                        "(tcp_frame_timeout_seconds)") from None
+                        "(tcp_frame_timeout_seconds)", Timeout, _FRAME_HINT) from None
         except (OSError, SMBError) as exc:
             raise _Drop(f"payload: {exc}") from None
         self.pending -= len(view)
@@ -232,7 +254,7 @@ class _Connection:
             while self.pending > 0:
                 self._recv(scratch[:min(self.pending, len(scratch))])
 
-    def _send(self, buffers: list) -> None:
+    def _send(self, buffers: list[memoryview | bytes]) -> None:
         try:
             self.sock.settimeout(self.plane.frame_timeout)
             wire.sendmsg_all(self.sock, buffers)
@@ -251,9 +273,35 @@ class _Connection:
         except _Drop as exc:
             self.plane.stats.add(errors=1)
             log.info("tcp %s: closing connection: %s", self.peer, exc)
-        except Exception:
+            if exc.error is not None:
+                hint = f"; {exc.hint}" if exc.hint else ""
+                self._goodbye(exc.error(f"the memory server closed the connection: {exc}{hint}"))
+        except Exception as exc:
             self.plane.stats.add(errors=1)
             log.exception("tcp %s: unexpected failure; closing connection", self.peer)
+            self._goodbye(ServerError(f"the memory server failed serving this connection "
+                                      f"({type(exc).__name__}: {exc}); see its log, then "
+                                      f"reconnect"))
+
+    def _goodbye(self, err: SMBError) -> None:
+        """Send ``err`` as the parting answer (``req_id`` 0) when the socket takes it at
+        once, stop sending, then read and discard what the peer still sends, for up to
+        :data:`GOODBYE_LINGER` seconds if it has presented a ticket, so that the close
+        does not reset the answer away."""
+        body = str(err).encode()
+        linger = GOODBYE_LINGER if self.tickets else 0.0
+        try:
+            self.sock.settimeout(0.0)
+            self.sock.send(wire.pack_response(error_status(err), 0, len(body)) + body)
+            self.sock.shutdown(socket.SHUT_WR)
+            end = time.monotonic() + linger
+            while True:
+                left = end - time.monotonic()
+                self.sock.settimeout(max(0.0, left))
+                if not self.sock.recv(1 << 16) or left <= 0:
+                    break
+        except OSError:
+            pass
 
     def _request(self) -> bool:
         """Serve one request whose header is in the buffer; False to close the connection.
@@ -319,7 +367,8 @@ class _Connection:
         extent = self.tickets.check(self.plane.arena, extent_id, write=op in wire.WRITE_OPS)
         extent.check_range(offset, length)
         if op is Op.READ:
-            return self._read(extent, offset, length, req_id)
+            self._read(extent, offset, length, req_id)
+            return None
         if op is Op.WRITE:
             return self._write(extent, offset, length)
         if op in (Op.FETCH_ADD, Op.COMPARE_SWAP):
@@ -439,7 +488,7 @@ class TcpPlane:
             self._listener.close()
             self._close_spare()
             raise
-        self._port = self._listener.getsockname()[1]
+        self._port = int(self._listener.getsockname()[1])
         self._thread = threading.Thread(target=self._accept_loop, name=f"tcp-accept-{self._port}",
                                         daemon=True)
         self._thread.start()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import select
 import socket
 import subprocess
 import sys
@@ -101,6 +102,8 @@ def test_idle_connections_without_hello_are_dropped(arena):
     with TcpPlane(arena, SECRET, max_connections=8, max_per_peer=4, hello_timeout=0.5) as plane:
         idle = [attacker_socket(plane.port) for _ in range(4)]
         for sock in idle:
+            status, message = refusal(sock)           # a parting answer, then the close
+            assert status == Status.TIMEOUT and "tcp_hello_timeout_seconds" in message
             assert closed_within(sock, 5) < 3
             sock.close()
         assert plane.stats.limits()["dropped"] >= 4
@@ -134,11 +137,15 @@ def test_frame_must_arrive_whole_within_its_deadline(arena):
         assert hello(sock, ticket([1])) == Status.OK
         sock.send(wire.pack_request(Op.WRITE, 2, 1, 0, 1000))
         start = time.monotonic()
-        with pytest.raises(OSError):
-            for _ in range(100):                  # one payload byte every 0.1 s
-                sock.send(b"x")
-                time.sleep(0.1)
+        for _ in range(100):                      # one payload byte every 0.1 s
+            sock.send(b"x")
+            if select.select([sock], [], [], 0.1)[0]:
+                break
         assert time.monotonic() - start < 4
+        status, message = refusal(sock)          # the parting answer says what happened
+        assert status == Status.TIMEOUT
+        assert "tcp_frame_timeout_seconds" in message and "slow links" in message
+        assert closed_within(sock, 5) < 3
         # an idle connection with a ticket is left alone between frames
         other = TcpConnection("127.0.0.1", plane.port)
         other.present(ticket([1]))
@@ -182,6 +189,11 @@ def test_full_server_refuses_with_a_typed_error(arena):
             refused.present(ticket([1]))
         assert isinstance(info.value, ServerUnavailable)    # retry policies treat it alike
         assert "full" in str(info.value) and "tcp_connections_max" in str(info.value)
+        # a first request too big for the socket buffers: its send fails, the refusal is read
+        big = TcpConnection("127.0.0.1", plane.port)
+        payload = memoryview(bytearray(32 * MiB))
+        with pytest.raises(ServerBusy, match="tcp_connections_max"):
+            big.request(Op.WRITE, 1, 0, len(payload), payload=[payload])
         held[0].close()
         deadline = time.monotonic() + 5
         while plane.connections >= 3 and time.monotonic() < deadline:
