@@ -496,7 +496,8 @@ class ParameterStore:
             self.read_into("buffers", base, braw)
             for t in self.buffer_layout.tensors:
                 out[t.name] = braw[t.offset:t.offset + t.nbytes].view(torch_dtype(t.dtype)).view(t.shape).clone()
-        return out
+        order = [k for k in self.flat.model.state_dict() if k in out]   # the model's own order
+        return {k: out[k] for k in order + [k for k in out if k not in set(order)]}
 
     def save(self, path: Any) -> None:
         """Write the stored parameters (and published buffers) to ``path`` with
