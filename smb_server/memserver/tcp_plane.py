@@ -216,7 +216,9 @@ class _Connection:
                 self.sock.settimeout(left)
                 n = self.sock.recv_into(view[got:])
             except TimeoutError:
-                if deadline is None and not self.plane.closing:
+                if self.plane.closing:
+                    return False
+                if deadline is None:
                     continue  # idle between requests: fine
                 self.plane.stats.add(dropped=1)
                 if hello:
