@@ -14,7 +14,9 @@ A server refuses a connection it cannot take (full, too many from one peer addre
 out of descriptors) with one unsolicited error answer, ``req_id`` 0 and status
 ``SERVER_BUSY``, whose message names the limit, and closes it. It also closes a
 connection that sends no ``HELLO`` within its HELLO deadline, or whose frame (header
-and payload) does not arrive whole within its frame deadline.
+and payload) does not arrive whole within its frame deadline, after a parting answer
+of the same form with status ``TIMEOUT``. Clients number requests from 1, so an
+error answer with ``req_id`` 0 is always one of these.
 
 Request:  magic u16 | op u8 | dtype u8 | req_id u32 | extent_id u64 | offset u64 |
           length u64 | arg0 i64 | arg1 i64 | alpha f64

@@ -105,7 +105,7 @@ class TcpConnection:
         ``into`` receives a READ's payload in place. Socket failures raise
         :class:`ServerUnavailable` and leave the connection unusable.
         """
-        req_id = next(self._ids) & 0xFFFFFFFF or next(self._ids)   # 0 marks a refusal
+        req_id = next(self._ids) & 0xFFFFFFFF or 1   # 0 marks a refusal or a parting answer
         header = wire.pack_request(op, req_id, extent_id, offset, length, dtype, arg0, arg1, alpha)
         sent = False
         try:
