@@ -35,8 +35,10 @@ class BearerAuth(grpc.ServerInterceptor):
     def __init__(self, token: str, exempt: Iterable[str] = ()) -> None:
         self._expected = f"Bearer {token}".encode() if token else b""
         self._exempt = frozenset(exempt)
+        refused = _RefusalLog()
 
         def deny(request: Any, context: grpc.ServicerContext) -> None:
+            refused("a call", context.peer(), "missing or wrong bearer token")
             context.set_trailing_metadata(((ERROR_KEY, errors.AuthenticationError.__name__),))
             context.abort(status_code_for(errors.AuthenticationError()),
                           "missing or wrong bearer token (set SMB_TOKEN or pass token=...)")

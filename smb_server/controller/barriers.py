@@ -16,6 +16,7 @@ from smb_client.names import check_barrier_name
 
 BARRIER_POLL = 0.5  # seconds between checks that a barrier caller is still there
 MAX_WAITERS = 64    # callers that may wait in barriers at once, all barriers together
+MAX_WAITERS_PER_CALLER = 16  # of those, from one caller (one client connection)
 
 
 @dataclass
@@ -40,25 +41,29 @@ class Barriers:
     0-based order of arrival. A caller that times out, goes away, or is woken by
     :meth:`close` is removed and does not count.
 
-    At most ``max_waiters`` callers wait at once (each holds a server thread); the
-    next one is refused with ControllerUnavailable ("busy"), whatever barrier it names.
+    At most ``max_waiters`` callers wait at once (each holds a server thread), and at
+    most ``max_per_caller`` of them with the same ``caller`` key; the next one is
+    refused with ControllerUnavailable ("busy"), whatever barrier it names.
     """
 
-    def __init__(self, max_waiters: int = MAX_WAITERS) -> None:
+    def __init__(self, max_waiters: int = MAX_WAITERS,
+                 max_per_caller: int = MAX_WAITERS_PER_CALLER) -> None:
         self._cond = threading.Condition()
         self._barriers: dict[str, _Barrier] = {}
         self._closed = False
         self.max_waiters = max_waiters
+        self.max_per_caller = max_per_caller
         self._waiting = 0
+        self._by_caller: dict[str, int] = {}
 
     def wait(self, name: str, parties: int, timeout: float | None = None,
-             is_active: Callable[[], bool] = lambda: True) -> tuple[int, int]:
+             is_active: Callable[[], bool] = lambda: True, caller: str = "") -> tuple[int, int]:
         """Block until the barrier opens; returns ``(generation, arrival)``.
 
         ``timeout`` in seconds (None or <= 0: forever). Raises InvalidArgument (no name,
         ``parties`` 0, or a ``parties`` other than the waiting callers'), BarrierTimeout,
         or ControllerUnavailable when the controller closes, ``is_active`` turns false,
-        or ``max_waiters`` callers already wait.
+        or ``max_waiters`` callers (``max_per_caller`` with this ``caller`` key) already wait.
         """
         check_barrier_name(name)
         if parties <= 0:
@@ -74,10 +79,15 @@ class Barriers:
                     f"barrier {name!r} is waiting for {barrier.parties} parties "
                     f"({len(barrier.waiters)} arrived); this caller says {parties}")
             opens = len(barrier.waiters) + 1 >= parties
+            mine = self._by_caller.get(caller, 0)
             if not opens and self._waiting >= self.max_waiters:
                 raise errors.ControllerUnavailable(
                     f"controller busy: {self._waiting} callers wait in barriers (the most "
                     f"allowed); barrier {name!r} refused, retry later")
+            if not opens and mine >= self.max_per_caller:
+                raise errors.ControllerUnavailable(
+                    f"controller busy: this caller already waits in {mine} barriers (the most "
+                    f"one caller may); barrier {name!r} refused, retry later")
             barrier.parties = parties
             me = _Waiter()
             barrier.waiters.append(me)
@@ -85,10 +95,14 @@ class Barriers:
                 self._open(barrier)
                 return me.generation, me.arrival
             self._waiting += 1
+            self._by_caller[caller] = mine + 1
             try:
                 return self._wait(name, parties, timeout, deadline, barrier, me, is_active)
             finally:
                 self._waiting -= 1
+                left = self._by_caller.pop(caller) - 1
+                if left:
+                    self._by_caller[caller] = left
 
     def _wait(self, name: str, parties: int, timeout: float | None, deadline: float | None,
               barrier: _Barrier, me: _Waiter, is_active: Callable[[], bool]) -> tuple[int, int]:

@@ -191,6 +191,8 @@ def check_credentials(cfg: ControllerConfig) -> Credentials | None:
     if cfg.insecure:
         log.warning("INSECURE: authentication is off (insecure = true); anyone who reaches %s "
                     "may register servers, drain them and read or delete every region", cfg.listen)
+        if not cfg.secret:
+            log.warning("no ticket secret configured: tickets are signed with an empty key")
         return None
     missing = [what for what, value in (("a client token (token: SMB_TOKEN or the config file)",
                                          cfg.token),

@@ -180,5 +180,6 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
     @typed_errors
     def Barrier(self, request: controller_pb2.BarrierRequest, context: grpc.ServicerContext) -> Any:
         generation, arrival = self.barriers.wait(
-            request.name, request.parties, request.timeout_seconds or None, is_active=context.is_active)
+            request.name, request.parties, request.timeout_seconds or None, is_active=context.is_active,
+            caller=context.peer())
         return controller_pb2.BarrierResponse(generation=generation, arrival=arrival)

@@ -6,28 +6,35 @@ from __future__ import annotations
 import threading
 import time
 
+import grpc
+
 from smb_client import errors, rpc
 from smb_client._proto.smb.v1 import controller_pb2 as pb
 from smb_client._proto.smb.v1 import controller_pb2_grpc as pb_grpc
-from smb_server.controller.barriers import MAX_WAITERS
+from smb_server.controller.barriers import MAX_WAITERS, MAX_WAITERS_PER_CALLER
 
 FLOOD = 70            # more than the controller's barrier waits and handler threads of old
 WAIT_SECONDS = 8.0    # each flooding call waits this long (more than two leases)
 CHANNELS = 7
 
 
-def test_barrier_flood_does_not_starve_heartbeats(fresh_cluster):
-    cluster = fresh_cluster
-    assert cluster.lease_seconds * 2 < WAIT_SECONDS
-    channels = [rpc.channel(cluster.address) for _ in range(CHANNELS)]
-    stubs = [pb_grpc.ControllerStub(ch) for ch in channels]
+def _connection(address: str) -> grpc.Channel:
+    """A channel with a connection of its own (channels share connections by default),
+    so that the controller sees a caller of its own."""
+    return grpc.insecure_channel(address, options=[*rpc.CHANNEL_OPTIONS,
+                                                   ("grpc.use_local_subchannel_pool", 1)])
+
+
+def _flood(stubs: list, token: str, count: int, parties: int, seconds: float,
+           name: str = "flood/never") -> list[str]:
+    """``count`` Barrier calls to ``name`` at once, spread over ``stubs``; how each ended."""
     outcomes: list[str] = []
     lock = threading.Lock()
 
-    def flood(i: int) -> None:
-        request = pb.BarrierRequest(name="flood/never", parties=1000, timeout_seconds=WAIT_SECONDS)
+    def one(i: int) -> None:
+        request = pb.BarrierRequest(name=name, parties=parties, timeout_seconds=seconds)
         try:
-            rpc.call(stubs[i % CHANNELS].Barrier, request, cluster.token, WAIT_SECONDS + 10)
+            rpc.call(stubs[i % len(stubs)].Barrier, request, token, seconds + 10)
             what = "opened"
         except errors.BarrierTimeout:
             what = "waited"
@@ -38,10 +45,42 @@ def test_barrier_flood_does_not_starve_heartbeats(fresh_cluster):
         with lock:
             outcomes.append(what)
 
-    threads = [threading.Thread(target=flood, args=(i,), daemon=True) for i in range(FLOOD)]
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(seconds + 15)
+    return outcomes
+
+
+def test_one_caller_gets_a_share_of_the_barrier_waits(cluster):
+    one, other = _connection(cluster.address), _connection(cluster.address)
     try:
-        for t in threads:
-            t.start()
+        outcomes: list[str] = []
+        flood = threading.Thread(target=lambda: outcomes.extend(_flood(
+            [pb_grpc.ControllerStub(one)], cluster.token, MAX_WAITERS_PER_CALLER + 4, 1000, 3.0,
+            name="flood/one-caller")))
+        flood.start()
+        time.sleep(1.0)
+        # another connection still gets its barriers through while the first one is capped
+        pair = _flood([pb_grpc.ControllerStub(other)], cluster.token, 2, 2, 2.0, name="flood/pair")
+        flood.join()
+    finally:
+        one.close()
+        other.close()
+    assert pair == ["opened", "opened"]
+    assert outcomes.count("waited") == MAX_WAITERS_PER_CALLER and outcomes.count("busy") == 4, outcomes
+
+
+def test_barrier_flood_does_not_starve_heartbeats(fresh_cluster):
+    cluster = fresh_cluster
+    assert cluster.lease_seconds * 2 < WAIT_SECONDS
+    channels = [_connection(cluster.address) for _ in range(CHANNELS)]
+    outcomes: list[str] = []
+    flood = threading.Thread(target=lambda: outcomes.extend(_flood(
+        [pb_grpc.ControllerStub(ch) for ch in channels], cluster.token, FLOOD, 1000, WAIT_SECONDS)))
+    try:
+        flood.start()
         time.sleep(0.5)
         deadline = time.monotonic() + WAIT_SECONDS - 1.0
         with cluster.client(timeout=2.0, reconnect_timeout=0.0) as c:
@@ -51,8 +90,7 @@ def test_barrier_flood_does_not_starve_heartbeats(fresh_cluster):
                 assert time.monotonic() - started < 1.0, "a short call waited behind the flood"
                 assert list(states.values()) == ["up"] * cluster.num_servers, states
                 time.sleep(0.2)
-        for t in threads:
-            t.join(WAIT_SECONDS + 15)
+        flood.join()
     finally:
         for ch in channels:
             ch.close()

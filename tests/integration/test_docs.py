@@ -155,7 +155,7 @@ def test_documented_metrics_are_served(tmp_path):
     secret = tmp_path / "secret"
     secret.write_text("5a" * 32)
     env = {k: v for k, v in os.environ.items() if not k.startswith("SMB_")}
-    env.update(SMB_SECRET_FILE=str(secret))
+    env.update(SMB_SECRET_FILE=str(secret), SMB_TOKEN="docs-token")
     ports = {"controller": _free_port(), "server": _free_port()}
     procs = []
     try:
