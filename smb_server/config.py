@@ -101,8 +101,8 @@ class ServerConfig:
     heartbeat_seconds: float = _f(1.0, "seconds between heartbeats to the controller", positive=True,
                                    aliases=("--heartbeat",))
     tcp_connections_max: int = _f(1024, "most concurrent TCP data-plane connections", minimum=1)
-    tcp_connections_per_peer: int = _f(64, "most concurrent TCP data-plane connections from one "
-                                       "client address", minimum=1)
+    tcp_connections_per_peer: int = _f(128, "most concurrent TCP data-plane connections from one "
+                                        "client address", minimum=1)
     tcp_hello_timeout_seconds: float = _f(5.0, "seconds a new TCP data-plane connection has to "
                                           "present its first ticket", positive=True)
     tcp_frame_timeout_seconds: float = _f(60.0, "seconds a TCP data-plane request (header and "
