@@ -33,8 +33,21 @@ GLOBAL_SETTINGS = ("log_level", "log_format")
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--controller", default=os.environ.get("SMB_CONTROLLER", "127.0.0.1:7700"),
                    help="controller host:port (env SMB_CONTROLLER)")
-    p.add_argument("--token", default=os.environ.get("SMB_TOKEN", ""),
-                   help="bearer token (env SMB_TOKEN)")
+    p.add_argument("--token", default=None,
+                   help="bearer token (default: env SMB_TOKEN, which is better: a flag shows in ps)")
+
+
+def _warn_token_flag(args: argparse.Namespace, command: str) -> None:
+    """Say so when the token came on the command line, where every user of the host sees it."""
+    if getattr(args, "token", None):
+        print(f"smb {command}: warning: --token is visible to every user of this host (ps); "
+              "set SMB_TOKEN or the config file's token instead", file=sys.stderr)
+
+
+def _client_token(args: argparse.Namespace) -> str:
+    """The client token of ``smb status``/``smb region``: --token, else $SMB_TOKEN."""
+    _warn_token_flag(args, args.command)
+    return str(args.token) if args.token is not None else os.environ.get("SMB_TOKEN", "")
 
 
 def add_setting_flags(p: argparse.ArgumentParser, cls: type) -> None:
@@ -71,6 +84,7 @@ def cmd_controller(args: argparse.Namespace) -> int:
                flags=_flags(args, ControllerConfig))
     logs.setup(cfg.log_level, cfg.log_format)
     logs.set_context(daemon="controller")
+    _warn_token_flag(args, "controller")
     if not cfg.secret and not cfg.insecure:
         print("smb controller: no secret: set secret_file in the config, pass --secret-file "
               "or set SMB_SECRET (or, for a trusted test setup only, --insecure)", file=sys.stderr)
@@ -90,6 +104,7 @@ def cmd_server(args: argparse.Namespace) -> int:
                flags=_flags(args, ServerConfig))
     logs.setup(cfg.log_level, cfg.log_format)
     logs.set_context(daemon="memory-server")
+    _warn_token_flag(args, "server")
     if not cfg.secret:
         print("smb server: no secret: set secret_file in the config, pass --secret-file "
               "or set SMB_SECRET", file=sys.stderr)
@@ -177,14 +192,14 @@ def cmd_status(args: argparse.Namespace) -> int:
     import json
 
     from . import status
-    with Client(args.controller, args.token) as c:
+    with Client(args.controller, _client_token(args)) as c:
         report = status.gather(c, metrics=args.metrics)
     print(json.dumps(report, indent=2) if args.json else status.render(report))
     return 0
 
 
 def cmd_region(args: argparse.Namespace) -> int:
-    with Client(args.controller, args.token) as c:
+    with Client(args.controller, _client_token(args)) as c:
         if args.action == "create":
             segments = [parse_size(s) for s in args.segments.split(",")] if args.segments else []
             size = parse_size(args.size) if args.size else sum(segments)
