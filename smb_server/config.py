@@ -64,6 +64,8 @@ class ControllerConfig:
     token: str = _f("", "bearer token of the client role (set it in the file or SMB_TOKEN, "
                     "not on a command line)")
     secret_file: str = _f("", "file holding the HMAC ticket secret (hex), shared with memory servers")
+    admin_token_file: str = _f("", "file holding a further admin credential, for operators who "
+                               "do not hold the secret (the one derived from the secret always works)")
     insecure: bool = _f(False, "serve without authentication (no token or secret needed); "
                         "anyone who reaches the port may do anything")
     barrier_waits_max: int = _f(64, "callers that may wait in barriers at once; more are "

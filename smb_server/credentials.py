@@ -6,8 +6,8 @@ Three roles (see the "Security" section of docs/operations.md):
 - ``server``: a memory server; it presents ``server:<server_id>:<mac>`` where ``mac``
   is ``HMAC-SHA256(secret, "server:" + server_id)`` in hex, and may register,
   heartbeat and unregister that one server only;
-- ``admin``: ``admin:<HMAC-SHA256(secret, "admin")>`` in hex, or the admin token the
-  controller is configured with; everything a client may do, plus drain, undrain
+- ``admin``: ``admin:<HMAC-SHA256(secret, "admin")>`` in hex, or the token in the
+  controller's ``admin_token_file``; everything a client may do, plus drain, undrain
   and remove any server.
 
 Pure: no gRPC. The secret is the ticket secret the controller and the memory servers

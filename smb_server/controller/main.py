@@ -201,7 +201,16 @@ def check_credentials(cfg: ControllerConfig) -> Credentials | None:
     if missing:
         raise ConfigError(f"the controller needs {' and '.join(missing)} to authenticate callers; "
                           "for a trusted test setup only, pass --insecure (insecure = true)")
-    return Credentials(cfg.token, cfg.secret)
+    admin_token = ""
+    if cfg.admin_token_file:
+        try:
+            with open(cfg.admin_token_file) as f:
+                admin_token = f.read().strip()
+        except OSError as exc:
+            raise ConfigError(f"admin token file {cfg.admin_token_file}: {exc.strerror}") from None
+        if not admin_token:
+            raise ConfigError(f"admin token file {cfg.admin_token_file} is empty")
+    return Credentials(cfg.token, cfg.secret, admin_token)
 
 
 def _count_by(values: Any, always: tuple[str, ...] = SERVER_STATES) -> list[tuple[tuple[str], int]]:

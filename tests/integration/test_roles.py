@@ -8,10 +8,12 @@ import sys
 
 import pytest
 
+import smb_client
 from smb_client import errors, rpc
 from smb_client._proto.smb.v1 import controller_pb2 as pb
 from smb_client._proto.smb.v1 import controller_pb2_grpc as pb_grpc
 from smb_server.credentials import server_credential
+from smb_server.local_cluster import LocalCluster
 
 MiB = 1 << 20
 
@@ -101,3 +103,18 @@ def test_admin_drains_and_removes(fresh_cluster):
                           "--controller", cluster.address, "--server-id", victim],
                          capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode == 1 and "needs the admin role" in out.stderr
+
+
+def test_separate_admin_token_from_a_file(tmp_path):
+    token_file = tmp_path / "admin-token"
+    token_file.write_text("ops-only-token\n")
+    with LocalCluster(servers=1, capacity="64M", workdir=str(tmp_path / "cluster"), log_level="WARNING",
+                      env={"SMB_ADMIN_TOKEN_FILE": str(token_file)}) as cluster:
+        victim = cluster.server_id(0)
+        with smb_client.connect(cluster.address, token="ops-only-token") as ops:
+            assert ops.drain_server(victim).state == "draining"
+        with smb_client.connect(cluster.address, token="ops-only-tokenX") as wrong:
+            with pytest.raises(errors.AuthenticationError):
+                wrong.drain_server(victim)
+        with cluster.admin_client() as admin:                    # the derived one still works
+            assert admin.drain_server(victim, undrain=True).state == "up"
