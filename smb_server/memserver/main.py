@@ -40,7 +40,8 @@ from ..grpc_util import BearerAuth, make_server
 from ..health import HEALTH_METHODS, Health
 from ..metrics import MetricsServer, Registry
 from ..rpc_metrics import RpcMetrics
-from .arena import Arena, raise_fd_limit
+from .arena import Arena
+from .memmap import raise_fd_limit
 from .controller_link import ControllerLink
 from .rdma_plane import RdmaPlane
 from .service import TICKET_METHODS, MemoryServerServicer, rss_bytes
