@@ -20,7 +20,8 @@ from .credentials import INSECURE, SERVER, Credentials, Principal
 
 log = logging.getLogger(__name__)
 
-REFUSAL_LOG_INTERVAL = 10.0  # seconds; refusals beyond one a second are logged as a count
+REFUSAL_LOG_INTERVAL = 10.0  # seconds; per interval, refusals beyond REFUSALS_LOGGED ...
+REFUSALS_LOGGED = 10         # ... are logged as one count at the start of the next
 _PRINCIPAL: contextvars.ContextVar[Principal | None] = contextvars.ContextVar("smb_principal",
                                                                              default=None)
 
@@ -86,7 +87,7 @@ class _RefusalLog:
                     log.warning("refused %d more call(s) in the last %.0f s", self._quiet, self._interval)
                 self._window, self._logged, self._quiet = now, 0, 0
             self._logged += 1
-            if self._logged > self._interval:  # about one a second
+            if self._logged > REFUSALS_LOGGED:
                 self._quiet += 1
                 return
         log.warning("refused %s from %s: %s", method, peer, reason)
