@@ -51,6 +51,13 @@ class ControllerLink:
                         self.where, exc)
             self.need_register = True
             return 0.0
+        except errors.PermissionDenied as exc:  # wrong secret, or wrong credential
+            self.failures += 1
+            if self.failures in LOUD_FAILURES or self.failures % 100 == 0:
+                log.warning("controller %s refused this server's credential: %s: %s (attempt %d; "
+                            "is secret_file the controller's secret?)", self.where,
+                            type(exc).__name__, exc, self.failures)
+            return self.backoff.next_delay()
         except errors.SMBError as exc:
             self.failures += 1
             loud = self.failures in LOUD_FAILURES or self.failures % 100 == 0

@@ -68,3 +68,13 @@ def test_a_bug_in_a_call_backs_off_and_the_loop_goes_on() -> None:
     link = link_for(script)
     assert [link.step() for _ in range(2)] == [0.1, INTERVAL]
     assert link.failures == 0
+
+
+def test_a_refused_credential_is_retried_with_backoff_and_named(caplog) -> None:
+    refused = errors.AuthenticationError("RegisterServer: missing or wrong credential")
+    script = Script([refused, refused, None, None])
+    link = link_for(script)
+    waits = [link.step() for _ in range(4)]
+    assert waits == [0.1, 0.2, INTERVAL, INTERVAL]
+    assert script.calls == ["register"] * 3 + ["heartbeat"]
+    assert "refused this server's credential" in caplog.text and "secret_file" in caplog.text
