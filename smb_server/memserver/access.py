@@ -1,5 +1,4 @@
-"""Who may touch which extent: the ticket checks shared by every data plane, and the
-constants the planes have in common.
+"""Who may touch which extent: the ticket checks shared by every data plane.
 
 A data-plane connection may carry several tickets (one per region its client uses on
 this server). :class:`TicketBook` keeps them by the extent ids they name, so a request
@@ -15,10 +14,11 @@ from smb_client.errors import ExtentNotFound, InvalidTicket, ReadOnly, TicketExp
 from smb_client.tickets import Ticket
 
 from .arena import Arena, Extent
+from .listener import ACCEPT_POLL
 
 log = logging.getLogger(__name__)
 
-ACCEPT_POLL = 0.5         # seconds between checks for close() in an accept loop
+__all__ = ["ACCEPT_POLL", "TicketBook", "check_access"]   # ACCEPT_POLL lived here before listener.py
 
 
 def check_access(ticket: Ticket, arena: Arena, extent_id: int, write: bool) -> Extent:

@@ -8,7 +8,9 @@ speed; it watches the header's live word to notice a release.
 Request (little-endian): u32 ticket length | ticket | u64 extent id.
 Answer: u8 status | u32 message length | message, then, on success only, u64 extent
 length (data bytes), with the descriptor as ancillary data of the same send.
-Several requests may follow on one connection; a malformed request closes it.
+Several requests may follow on one connection; a malformed request closes it. A
+connection refused (the plane is full, or out of file descriptors) gets one answer
+with status ``SERVER_BUSY`` and is closed.
 
 A read-only ticket gets a read-only descriptor (the extent reopened ``O_RDONLY``
 through ``/proc/self/fd``), which cannot be mapped writable. This guards against
@@ -21,15 +23,15 @@ import logging
 import os
 import socket
 import struct
-import threading
 import time
 
 from smb_client import wire
 from smb_client.errors import SMBError, Status, error_status
 from smb_client.tickets import verify
 
-from .access import ACCEPT_POLL, check_access
+from .access import check_access
 from .arena import Arena
+from .listener import Listener
 from .stats import PlaneStats
 
 log = logging.getLogger(__name__)
@@ -38,7 +40,8 @@ REQUEST_HEAD = struct.Struct("<I")
 EXTENT_ID = struct.Struct("<Q")
 ANSWER_HEAD = struct.Struct("<BI")
 FRAME_TIMEOUT = 10.0   # seconds a started request may stall
-MAX_CONNECTIONS = 256
+MAX_CONNECTIONS = 256   # connections open at once
+BACKLOG = 64
 
 
 class _Drop(Exception):
@@ -47,62 +50,40 @@ class _Drop(Exception):
 
 class ShmPlane:
     """Serves extent descriptors on the Unix socket ``socket_path`` (created here,
-    removed by :meth:`close`). Borrows ``arena``; ``secret`` verifies tickets.
+    removed by :meth:`close`). Borrows ``arena``; ``secret`` verifies tickets. At most
+    ``max_connections`` connections are open; one more, or one accepted while the
+    process is out of file descriptors, gets a ``SERVER_BUSY`` answer and is closed.
+    Accepting and admission are a :class:`.listener.Listener`'s, owned here.
     """
 
     def __init__(self, arena: Arena, secret: bytes, socket_path: str,
-                 stats: PlaneStats | None = None) -> None:
+                 stats: PlaneStats | None = None, *,
+                 max_connections: int = MAX_CONNECTIONS) -> None:
         self.arena = arena
         self.secret = secret
         self.path = os.path.abspath(socket_path)
         self.stats = stats if stats is not None else PlaneStats("shm")
-        self.closing = False
-        self._lock = threading.Lock()
-        self._conns: dict[socket.socket, threading.Thread] = {}
-        if os.path.exists(self.path):
-            os.unlink(self.path)  # a socket left by a previous run
-        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            self._listener.bind(self.path)
-            os.chmod(self.path, 0o600)
-            self._listener.listen(64)
-            self._listener.settimeout(ACCEPT_POLL)
-        except BaseException:
-            self._listener.close()
-            raise
-        self._thread = threading.Thread(target=self._accept_loop, name="shm-accept", daemon=True)
-        self._thread.start()
+        self._listener = Listener(self.path, self._serve, name="shm", stats=self.stats,
+                                  max_connections=max_connections, refusal=_refusal,
+                                  backlog=BACKLOG)
         log.info("shm data plane listening on %s", self.path)
 
     @property
     def endpoint(self) -> str:
         return f"shm://{self.path}"
 
-    def _accept_loop(self) -> None:
-        while not self.closing:
-            try:
-                sock, _addr = self._listener.accept()
-            except TimeoutError:
-                continue
-            except OSError as exc:
-                if not self.closing:
-                    log.warning("shm accept failed: %s", exc)
-                    time.sleep(0.05)
-                continue
-            with self._lock:
-                ok = len(self._conns) < MAX_CONNECTIONS and not self.closing
-                if ok:
-                    thread = threading.Thread(target=self._serve, args=(sock,), name="shm-conn", daemon=True)
-                    self._conns[sock] = thread
-            if not ok:
-                log.warning("shm: refused a connection (%d open)", MAX_CONNECTIONS)
-                sock.close()
-                continue
-            thread.start()
+    @property
+    def connections(self) -> int:
+        """Connections being served now."""
+        return self._listener.connections
+
+    @property
+    def closing(self) -> bool:
+        """True once :meth:`close` has begun."""
+        return self._listener.closing
 
     # -- one connection ---------------------------------------------------------------
-    def _serve(self, sock: socket.socket) -> None:
-        self.stats.add(sessions=1)
+    def _serve(self, sock: socket.socket, peer: str) -> None:
         try:
             sock.settimeout(FRAME_TIMEOUT)
             while not self.closing:
@@ -122,11 +103,6 @@ class ShmPlane:
         except Exception:
             self.stats.add(errors=1)
             log.exception("shm: unexpected failure; closing connection")
-        finally:
-            self.stats.add(sessions=-1)
-            with self._lock:
-                self._conns.pop(sock, None)
-            sock.close()
 
     def _recv(self, sock: socket.socket, n: int, idle_ok: bool = False) -> bytearray | None:
         buf = bytearray(n)
@@ -179,28 +155,9 @@ class ShmPlane:
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop accepting, close every connection, remove the socket file."""
-        if self.closing:
+        if self._listener.closing:
             return
-        self.closing = True
-        try:
-            self._listener.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._listener.close()
-        with self._lock:
-            conns = list(self._conns.items())
-        for sock, _thread in conns:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        self._thread.join(timeout)
-        for _sock, thread in conns:
-            thread.join(timeout)
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        self._listener.close(timeout)
         log.info("shm data plane on %s closed", self.path)
 
     def __enter__(self) -> ShmPlane:
@@ -208,3 +165,9 @@ class ShmPlane:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _refusal(err: SMBError) -> bytes:
+    """The answer a refused connection gets in place of its first one."""
+    message = str(err).encode()
+    return ANSWER_HEAD.pack(error_status(err), len(message)) + message

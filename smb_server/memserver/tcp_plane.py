@@ -18,8 +18,8 @@ its first byte, however slowly it trickles; a connection is then dropped. At mos
 ``max_connections`` connections in all and ``max_per_peer`` from one peer address are
 open; one more, or one accepted while the process is out of file descriptors, gets an
 unsolicited ``SERVER_BUSY`` answer naming the limit (:class:`ServerBusy` on the client)
-and is closed. The accept loop survives EMFILE: it sheds the waiting connection with a
-spare descriptor kept for that, and backs off.
+and is closed. The accept loop (a :class:`.listener.Listener`) survives EMFILE: it
+sheds the waiting connection with a spare descriptor kept for that, and backs off.
 
 A request that fails a check is answered with a status code and a UTF-8 message after
 its payload was read and discarded, so the connection stays usable. A frame that
@@ -28,26 +28,21 @@ breaks the protocol (bad magic, unknown opcode, oversized length, truncated fram
 """
 from __future__ import annotations
 
-import errno
 import logging
-import os
 import socket
 import struct
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
 
 from smb_client import wire
-from smb_client.dtypes import FLOATING, STORAGE, DType
+from smb_client.dtypes import DType
 from smb_client.errors import (
-    DtypeError,
     ExtentNotFound,
     InvalidArgument,
     InvalidTicket,
     Misaligned,
-    ServerBusy,
     ServerError,
     SMBError,
     Status,
@@ -58,13 +53,16 @@ from smb_client.tickets import verify
 from smb_client.wire import Op
 
 from . import kernels
-from .access import ACCEPT_POLL, TicketBook, check_access
+from .access import TicketBook, check_access
 from .arena import Arena, Extent
+from .kernels import Arith
+from .listener import ACCEPT_POLL, BACKLOG, Listener
 from .stats import PlaneStats
 
 log = logging.getLogger(__name__)
 
-# check_access, PlaneStats and ACCEPT_POLL were imported from here before access.py
+# check_access, PlaneStats and ACCEPT_POLL were imported from here before access.py and
+# listener.py
 __all__ = ["TcpPlane", "check_access", "PlaneStats", "ACCEPT_POLL"]
 
 SCRATCH_BYTES = 4 << 20   # bytes of payload received per accumulate step (one pooled buffer)
@@ -75,15 +73,12 @@ HELLO_TIMEOUT = 5.0       # seconds from accept to the end of the first HELLO
 FRAME_TIMEOUT = 60.0      # seconds from a frame's first byte to its last
 MAX_CONNECTIONS = 1024    # connections open at once
 MAX_PER_PEER = 128        # connections open at once from one peer address
-BACKLOG = 128
-ACCEPT_BACKOFF_FIRST = 0.05  # seconds the accept loop pauses after a failure, doubling
-ACCEPT_BACKOFF_MAX = 1.0     # seconds, the longest such pause
-REFUSAL_LOG_EVERY = 10.0     # seconds between warnings about refused connections
 GOODBYE_LINGER = 1.0      # seconds a dropped connection with a ticket is read (and discarded)
                           # after its parting answer, so that the close is no reset
 _FRAME_HINT = ("a slow or stalled client: raise tcp_frame_timeout_seconds on the memory server "
                "for slow links")
 _OLD = struct.Struct("<q")
+_ARITH = {Op.ACCUMULATE: Arith.ACCUMULATE, Op.AXPY: Arith.AXPY, Op.SCALE: Arith.SCALE}
 
 
 class _Drop(Exception):
@@ -375,17 +370,13 @@ class _Connection:
             return self._write(extent, offset, length)
         if op in (Op.FETCH_ADD, Op.COMPARE_SWAP):
             return self._atomic(op, extent, offset, length, arg0, arg1)
-        dt = kernels.element_type(dtype)
-        if op is not Op.ACCUMULATE and dt not in FLOATING:
-            raise DtypeError(f"{op.name.lower()} needs a floating element type, "
-                                     f"not {dt.name.lower()}")
-        size = STORAGE[dt].itemsize
-        if offset % size or length % size:
-            raise Misaligned(f"offset {offset} and length {length} must be multiples of the "
-                             f"{dt.name.lower()} element size ({size} bytes)")
-        if op is Op.SCALE:
+        arith = _ARITH.get(op)
+        if arith is None:
+            raise InvalidArgument(f"{op.name.lower()} is not served on the tcp data plane")
+        dt = kernels.check_arith(arith, dtype, offset, length)
+        if arith is Arith.SCALE:
             return self._scale(extent, offset, length, dt, alpha)
-        return self._accumulate(extent, offset, length, dt, alpha if op is Op.AXPY else None)
+        return self._accumulate(extent, offset, length, dt, arith, alpha)
 
     def _read(self, extent: Extent, offset: int, length: int, req_id: int) -> None:
         with extent.pin():
@@ -404,8 +395,8 @@ class _Connection:
         self.plane.stats.add(bytes_written=length)
         return b""
 
-    def _accumulate(self, extent: Extent, offset: int, length: int, dt: DType,
-                    alpha: float | None) -> bytes:
+    def _accumulate(self, extent: Extent, offset: int, length: int, dt: DType, arith: Arith,
+                    alpha: float) -> bytes:
         with extent.pin():
             pos, end = offset, offset + length
             with self._scratch(length) as scratch:
@@ -414,10 +405,7 @@ class _Connection:
                     chunk = scratch[:n]
                     self._recv(chunk)
                     with extent.lock, extent.data[pos:pos + n] as dst:
-                        if alpha is None:
-                            kernels.accumulate(dst, chunk, dt)
-                        else:
-                            kernels.axpy(dst, alpha, chunk, dt)
+                        kernels.apply(arith, dst, chunk, dt, alpha)
                     pos += n
             if not extent.live:
                 raise ExtentNotFound(f"extent {extent.extent_id} was released during the operation")
@@ -430,7 +418,7 @@ class _Connection:
             while pos < end:
                 n = min(end - pos, SCRATCH_BYTES)
                 with extent.lock, extent.data[pos:pos + n] as dst:
-                    kernels.scale(dst, alpha, dt)
+                    kernels.apply(Arith.SCALE, dst, None, dt, alpha)
                 pos += n
         return b""
 
@@ -455,7 +443,8 @@ class TcpPlane:
     module docstring): ``max_connections`` in all, ``max_per_peer`` from one peer
     address, ``hello_timeout`` and ``frame_timeout`` (seconds), ``scratch_bytes`` of
     pooled scratch buffers. Starts serving on construction; :meth:`close` stops
-    accepting and closes every connection.
+    accepting and closes every connection. Accepting and admission are a
+    :class:`.listener.Listener`'s, owned here.
     """
 
     def __init__(self, arena: Arena, secret: bytes, host: str = "127.0.0.1", port: int = 0,
@@ -472,28 +461,12 @@ class TcpPlane:
         self.hello_timeout = hello_timeout
         self.frame_timeout = frame_timeout
         self.scratch = ScratchPool(scratch_bytes, SCRATCH_BYTES, self.stats)
-        self.closing = False
-        self._lock = threading.Lock()
-        self._conns: dict[socket.socket, threading.Thread] = {}
-        self._per_peer: dict[str, int] = {}
-        self._refused_since_log = 0
-        self._refusal_logged = 0.0
-        self._spare = self._open_spare()
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._listener = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            self._listener.bind((host, port))
-            self._listener.listen(BACKLOG)
-            self._listener.settimeout(ACCEPT_POLL)
-        except BaseException:
-            self._listener.close()
-            self._close_spare()
-            raise
-        self._port = int(self._listener.getsockname()[1])
-        self._thread = threading.Thread(target=self._accept_loop, name=f"tcp-accept-{self._port}",
-                                        daemon=True)
-        self._thread.start()
+        self._listener = Listener(
+            (host, port), self._serve, name="tcp", stats=self.stats,
+            max_connections=max_connections, max_per_peer=max_per_peer, refusal=_refusal,
+            max_setting="tcp_connections_max", per_peer_setting="tcp_connections_per_peer",
+            backlog=BACKLOG)
+        self._port = self._listener.port
         log.info("tcp data plane listening on %s:%d", host, self._port)
 
     @property
@@ -503,157 +476,25 @@ class TcpPlane:
 
     @property
     def connections(self) -> int:
-        with self._lock:
-            return len(self._conns)
+        """Connections being served now."""
+        return self._listener.connections
 
-    # -- accepting ------------------------------------------------------------------
-    @staticmethod
-    def _open_spare() -> int:
-        """A descriptor held back so that a refusal can be sent when the process has no
-        other one left; -1 when even that fails."""
-        try:
-            return os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
-            return -1
+    @property
+    def closing(self) -> bool:
+        """True once :meth:`close` has begun."""
+        return self._listener.closing
 
-    def _close_spare(self) -> None:
-        if self._spare >= 0:
-            os.close(self._spare)
-            self._spare = -1
-
-    def _accept_loop(self) -> None:
-        backoff = ACCEPT_BACKOFF_FIRST
-        while not self.closing:
-            try:
-                sock, addr = self._listener.accept()
-            except TimeoutError:
-                continue
-            except OSError as exc:
-                if self.closing:
-                    break
-                if exc.errno in (errno.EMFILE, errno.ENFILE) and self._shed():
-                    continue
-                log.warning("tcp accept failed: %s; pausing %.2f s (existing connections are "
-                            "still served)", exc, backoff)
-                time.sleep(backoff)
-                backoff = min(backoff * 2, ACCEPT_BACKOFF_MAX)
-                continue
-            backoff = ACCEPT_BACKOFF_FIRST
-            self._admit(sock, addr)
-
-    def _shed(self) -> bool:
-        """Out of descriptors: accept the waiting connection with the spare one and refuse
-        it. False when there was no spare or nothing to accept."""
-        if self._spare < 0:
-            self._spare = self._open_spare()
-            return False
-        self._close_spare()
-        try:
-            sock, addr = self._listener.accept()
-        except OSError:
-            return False
-        finally:
-            if self._spare < 0:
-                self._spare = self._open_spare()
-        self._refuse(sock, f"{addr[0]}:{addr[1]}", ServerBusy(
-            "the memory server is out of file descriptors; retry later, or raise its "
-            "descriptor limit (LimitNOFILE= in the systemd unit, ulimit -n)"))
-        if self._spare < 0:   # the socket closed above freed one
-            self._spare = self._open_spare()
-        return True
-
-    def _admit(self, sock: socket.socket, addr: tuple[Any, ...]) -> None:
-        ip = str(addr[0])
-        peer = f"{ip}:{addr[1]}"
-        refusal: SMBError | None = None
-        with self._lock:
-            if self.closing:
-                refusal = ServerBusy("the memory server is stopping")
-            elif len(self._conns) >= self.max_connections:
-                refusal = ServerBusy(
-                    f"the memory server is full: {len(self._conns)} data-plane connections open, "
-                    f"the limit (tcp_connections_max); retry later, close idle clients, or raise it")
-            elif self._per_peer.get(ip, 0) >= self.max_per_peer:
-                refusal = ServerBusy(
-                    f"{self._per_peer[ip]} data-plane connections are open from {ip}, the per-peer "
-                    f"limit (tcp_connections_per_peer); close idle connections or raise it")
-            else:
-                thread = threading.Thread(target=self._serve, args=(sock, ip, peer),
-                                          name=f"tcp-{peer}", daemon=True)
-                self._conns[sock] = thread
-                self._per_peer[ip] = self._per_peer.get(ip, 0) + 1
-        if refusal is not None:
-            self._refuse(sock, peer, refusal)
-            return
-        thread.start()
-
-    def _refuse(self, sock: socket.socket, peer: str, err: SMBError) -> None:
-        """Answer a connection that is not taken with ``err`` (req_id 0), then close it.
-        Never blocks: the answer fits in a fresh socket's send buffer."""
-        self.stats.add(refused=1)
-        body = str(err).encode()
-        try:
-            sock.setblocking(False)
-            sock.send(wire.pack_response(error_status(err), 0, len(body)) + body)
-            sock.shutdown(socket.SHUT_WR)
-            while sock.recv(1 << 16):   # read what already came, so close() sends FIN, not RST
-                pass
-        except OSError:
-            pass
-        finally:
-            sock.close()
-        now = time.monotonic()
-        self._refused_since_log += 1
-        if now - self._refusal_logged >= REFUSAL_LOG_EVERY:
-            log.warning("tcp %s: refused (%d refused since the last such warning): %s", peer,
-                        self._refused_since_log, err)
-            self._refusal_logged = now
-            self._refused_since_log = 0
-
-    def _serve(self, sock: socket.socket, ip: str, peer: str) -> None:
-        self.stats.add(sessions=1)
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.settimeout(self.frame_timeout)
-            log.debug("tcp %s: connected", peer)
-            _Connection(self, sock, peer).serve()
-        except OSError as exc:
-            log.info("tcp %s: %s", peer, exc)
-        finally:
-            self.stats.add(sessions=-1)
-            with self._lock:
-                self._conns.pop(sock, None)
-                left = self._per_peer.get(ip, 1) - 1
-                if left > 0:
-                    self._per_peer[ip] = left
-                else:
-                    self._per_peer.pop(ip, None)
-            sock.close()
-            log.debug("tcp %s: closed", peer)
+    def _serve(self, sock: socket.socket, peer: str) -> None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.settimeout(self.frame_timeout)
+        _Connection(self, sock, peer).serve()
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop accepting, close every connection, wait for their threads (seconds)."""
-        if self.closing:
+        if self._listener.closing:
             return
-        self.closing = True
-        try:
-            self._listener.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._listener.close()
-        with self._lock:
-            conns = list(self._conns.items())
-        for sock, _thread in conns:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        self._thread.join(timeout)
-        deadline = time.monotonic() + timeout
-        for _sock, thread in conns:
-            thread.join(max(0.0, deadline - time.monotonic()))
+        self._listener.close(timeout)
         self.scratch.close()
-        self._close_spare()
         log.info("tcp data plane on port %d closed", self._port)
 
     def __enter__(self) -> TcpPlane:
@@ -661,3 +502,9 @@ class TcpPlane:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _refusal(err: SMBError) -> bytes:
+    """The unsolicited answer (``req_id`` 0) a refused connection gets."""
+    body = str(err).encode()
+    return wire.pack_response(error_status(err), 0, len(body)) + body
