@@ -23,6 +23,11 @@ Region state as reported to clients: ``ready``, or ``degraded`` while any server
 holding one of its extents is down.
 
 Thread safety: one connection guarded by one lock; every method is atomic.
+
+The module is longer than 400 lines on purpose: every durable change the controller
+makes is one method here and one SQLite transaction, and keeping them together is what
+lets a reader check that nothing a successor needs lives outside a transaction (records
+and input checks are in :mod:`.records`).
 """
 from __future__ import annotations
 
