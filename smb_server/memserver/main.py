@@ -41,12 +41,13 @@ from ..health import HEALTH_METHODS, Health
 from ..metrics import MetricsServer, Registry
 from ..rpc_metrics import RpcMetrics
 from .arena import Arena
-from .memmap import raise_fd_limit
 from .controller_link import ControllerLink
+from .memmap import raise_fd_limit
+from .metrics import add_server_metrics
 from .rdma_plane import RdmaPlane
-from .service import TICKET_METHODS, MemoryServerServicer, rss_bytes
+from .service import TICKET_METHODS, MemoryServerServicer
 from .shm_plane import ShmPlane
-from .stats import COUNTERS, PlaneStats
+from .stats import PlaneStats
 from .tcp_plane import TcpPlane
 
 log = logging.getLogger(__name__)
@@ -263,34 +264,8 @@ class MemoryServer(Daemon):
         return self._metrics.port if self._metrics is not None else 0
 
     def _add_metrics(self) -> None:
-        """Register this server's metrics (read at scrape time) in :attr:`registry`."""
-        arena, stats, reg = self.arena, self.stats, self.registry
-        assert arena is not None
-
-        def per_transport(name: str) -> Any:
-            return lambda: [((t,), c[name]) for t, c in stats.by_transport().items()]
-
-        reg.gauge("smb_server_info", "Always 1; labels name this memory server", ["server_id", "grpc_address"],
-                  fn=lambda: [((self.server_id, self.grpc_address), 1)])
-        reg.gauge("smb_server_registered", "1 while the controller has accepted this server",
-                  fn=lambda: [((), int(self.registered.is_set()))])
-        reg.gauge("smb_server_capacity_bytes", "Bytes this server may hand out",
-                  fn=lambda: [((), arena.capacity)])
-        reg.gauge("smb_server_used_bytes", "Bytes held in extents", fn=lambda: [((), arena.used)])
-        reg.gauge("smb_server_extents", "Extents held", fn=lambda: [((), len(arena))])
-        reg.gauge("smb_server_regions", "Regions with at least one extent here",
-                  fn=lambda: [((), len({e.region_uid for e in arena.extents()}))])
-        reg.gauge("smb_server_resident_bytes", "Resident memory of this process",
-                  fn=lambda: [((), rss_bytes())])
-        reg.gauge("smb_server_sessions", "Open data-plane sessions", ["transport"],
-                  fn=per_transport("sessions"))
-        for name in COUNTERS:
-            if name == "sessions":
-                continue
-            what = name.replace("_", " ")
-            reg.counter(f"smb_server_{name}_total", f"Data-plane {what} (see docs/operations.md for "
-                        "what each transport can count)", ["transport"], fn=per_transport(name))
-        reg.register(stats.latency)
+        assert self.arena is not None
+        add_server_metrics(self.registry, self, self.arena, self.stats)
 
     # -- state dir ----------------------------------------------------------------------
     def _mkdtemp(self) -> str:
