@@ -2,11 +2,13 @@
 
     from smb_client.torch import ParameterStore, SyncDataParallel, SEASGD, HybridSEASGD
 
-* :class:`ParameterStore` lays a model's parameters (and gradient and delta slots)
-  out flat in regions, ``striped`` or ``layered``; the model's tensors become views of
-  flat local buffers that region operations fill and send in place.
+* :class:`ParameterStore` lays a model's parameters (float32, bfloat16, float16 or
+  mixed; gradient and delta slots; buffers) out flat in regions, ``striped`` or
+  ``layered``; the model's tensors become views of flat local buffers that region
+  operations fill and send in place. ``save``/``load`` write and read checkpoints.
 * :class:`SyncDataParallel`: gradients accumulated server-side, a barrier, averaged
-  gradients pulled; pushes overlap the backward pass through per-layer hooks.
+  gradients pulled; pushes overlap the backward pass through per-layer hooks; buffers
+  broadcast from rank 0 (or averaged) every step.
 * :class:`SEASGD`: asynchronous elastic averaging with a private delta slot per worker.
 * :class:`HybridSEASGD`: all-reduce inside a node, SEASGD across nodes.
 * :class:`SharedCounters`: iteration counters with ``fetch_add`` and aligned stopping.
