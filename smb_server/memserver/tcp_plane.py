@@ -25,6 +25,10 @@ A request that fails a check is answered with a status code and a UTF-8 message 
 its payload was read and discarded, so the connection stays usable. A frame that
 breaks the protocol (bad magic, unknown opcode, oversized length, truncated frame, no
 ``HELLO``) closes that connection only.
+
+The module is longer than 400 lines on purpose: a connection's framing, its deadlines
+and the copy-free paths of every operation share one socket and one set of rules, and
+read best together; accepting and admission live in :mod:`.listener`.
 """
 from __future__ import annotations
 
