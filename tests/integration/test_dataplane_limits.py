@@ -250,7 +250,8 @@ def test_an_extent_costs_one_descriptor():
 CHILD = r"""
 import json, resource, socket, sys, time
 from smb_client.errors import OutOfMemory
-from smb_server.memserver.arena import Arena, raise_fd_limit
+from smb_server.memserver.arena import Arena
+from smb_server.memserver.memmap import raise_fd_limit
 from smb_server.memserver.tcp_plane import TcpPlane
 
 soft, hard = raise_fd_limit()
