@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import BarrierTimeout, InvalidArgument
+from . import failure
 from .store import ParameterStore
 
 log = logging.getLogger(__name__)
@@ -94,7 +95,7 @@ def open_store(client: Any, env: WorkerEnv, prefix: str, model: Any, *,
         try:
             store = ParameterStore.create(client, prefix, model, **create)
         except BaseException as exc:
-            ParameterStore.publish_failure(client, prefix, exc)
+            failure.publish(client, prefix, exc)
             raise
         client.barrier(name, parties, timeout=ready_timeout)
     else:
@@ -111,7 +112,7 @@ def _await_master(client: Any, prefix: str, name: str, parties: int, timeout: fl
     deadline = time.monotonic() + timeout
     since = time.time()
     while True:
-        ParameterStore.check_failure(client, prefix, since)
+        failure.check(client, prefix, since)
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise BarrierTimeout(f"barrier {name!r}: the master did not create parameter store {prefix!r} "

@@ -16,6 +16,11 @@ Regions under a prefix ``job``:
 Every tensor is stored in its own element type (float32, bfloat16 or float16 for
 parameters, so a slot's gradients are accumulated in the parameter's type).
 
+This module is longer than 400 lines because :class:`ParameterStore` is one class
+whose construction, attachment, traffic-counted operations and whole-model moves all
+share its region handles and traffic count; what does not (the failure record,
+checkpoint (de)serialization) lives in :mod:`.failure` and :mod:`.checkpoint`.
+
 The master creates them (:meth:`ParameterStore.create`, ``meta`` last, so that its
 presence means "ready"); the others attach by name (:meth:`ParameterStore.attach`),
 which checks their model against the stored layout. Creating over an existing store
@@ -34,10 +39,10 @@ from typing import Any
 
 import torch
 
-from .. import errors
-from ..errors import InvalidArgument, RegionExists, RegionNotFound, SMBError
+from ..errors import InvalidArgument, RegionExists, RegionNotFound
 from ..placement import PLACEMENTS
-from .flat import FlatModel, torch_dtype
+from . import checkpoint, failure
+from .flat import FlatModel
 from .layout import ALIGN, FlatLayout, align_up
 
 log = logging.getLogger(__name__)
@@ -51,8 +56,6 @@ COUNTER_WORDS = 8                       # int64 control words before the per-wor
 KINDS = ("params", "grads", "deltas", "counters", "buffers", "meta")
 SYNC_SLOTS = 3                          # gradient slots synchronous training rotates through
 BUFFER_SLOTS = 1 + SYNC_SLOTS           # the published buffers, then one per rotated step
-FAILED = "failed"                       # region kind: the master's creation error
-FAILURE_SKEW = 30.0                     # seconds: an older failure record is a previous run's
 SCHEMES = ("sync", "seasgd", "hybrid")  # what ParameterStore.create sizes the slots for by default
 
 
@@ -85,6 +88,9 @@ class ParameterStore:
     """Owns its region handles and closes them in :meth:`close`; the :class:`Client`
     and the model are the caller's. ``flat`` binds the model's parameters and gradients
     to local flat buffers that region operations use in place."""
+
+    publish_failure = staticmethod(failure.publish)   # see smb_client.torch.failure
+    check_failure = staticmethod(failure.check)
 
     def __init__(self, client: Any, prefix: str, flat: FlatModel, regions: dict[str, Any],
                  meta: dict[str, Any], *, master: bool) -> None:
@@ -153,7 +159,7 @@ class ParameterStore:
         blayout = FlatLayout.of_buffers(flat.model) if buffers else None
         if blayout is not None and not blayout.tensors:
             blayout = None
-        cls._clear_failure(client, prefix)
+        failure.clear(client, prefix)
         if replace:
             cls.destroy_prefix(client, prefix)
         else:
@@ -213,57 +219,6 @@ class ParameterStore:
                  len(layout.tensors), layout.slot_bytes, placement)
         return store
 
-    # -- a failed creation, told to the others -------------------------------------
-    @classmethod
-    def publish_failure(cls, client: Any, prefix: str, exc: BaseException) -> None:
-        """Leave the master's creation error in ``<prefix>/failed`` for the workers
-        waiting to attach (best effort: a failure to do so is only logged)."""
-        doc = json.dumps({"error": errors.wire_class(exc).__name__, "message": str(exc),
-                          "time": time.time()}).encode()
-        name = cls.region_name(prefix, FAILED)
-        try:
-            try:
-                client.delete_region(name)
-            except RegionNotFound:
-                pass
-            region = client.create_region(name, align_up(len(doc) + 8, META_PAGE), placement="single")
-            try:
-                region.write(0, struct.pack("<Q", len(doc)) + doc)
-            finally:
-                region.close()
-        except Exception as marker_exc:   # noqa: BLE001 - the original error matters more
-            log.warning("could not publish the creation failure of %s: %s", prefix, marker_exc)
-
-    @classmethod
-    def check_failure(cls, client: Any, prefix: str, since: float | None = None) -> None:
-        """Raise the master's creation error if it left one under ``prefix``: the same
-        error class, its message prefixed with where it comes from. With ``since`` (a
-        ``time.time()``), a record more than :data:`FAILURE_SKEW` seconds older is taken
-        for what an earlier run left and ignored."""
-        try:
-            region = client.open_region(cls.region_name(prefix, FAILED))
-        except RegionNotFound:
-            return
-        try:
-            (length,) = struct.unpack("<Q", bytes(region.read(0, 8)))
-            doc = json.loads(bytes(region.read(8, min(length, region.size - 8))))
-        except (ValueError, SMBError, struct.error) as exc:
-            doc = {"error": "ServerError", "message": f"unreadable failure record: {exc}"}
-        finally:
-            region.close()
-        if since is not None and float(doc.get("time", since)) < since - FAILURE_SKEW:
-            return
-        kind = errors.error_class(str(doc.get("error", "ServerError")))
-        raise kind(f"the master failed to create parameter store {prefix!r}: "
-                   f"{doc.get('error')}: {doc.get('message')}")
-
-    @classmethod
-    def _clear_failure(cls, client: Any, prefix: str) -> None:
-        try:
-            client.delete_region(cls.region_name(prefix, FAILED))
-        except RegionNotFound:
-            pass
-
     @classmethod
     def _check_free(cls, client: Any, prefix: str) -> None:
         names = {cls.region_name(prefix, kind) for kind in KINDS}
@@ -287,7 +242,7 @@ class ParameterStore:
                 meta_region = client.open_region(name)
                 break
             except RegionNotFound:
-                cls.check_failure(client, prefix, since)
+                failure.check(client, prefix, since)
                 if time.monotonic() > deadline:
                     raise RegionNotFound(f"no parameter store {prefix!r} after {timeout:g} s: "
                                          f"the master creates {name} (ParameterStore.create)") from None
@@ -336,7 +291,7 @@ class ParameterStore:
     @classmethod
     def destroy_prefix(cls, client: Any, prefix: str) -> None:
         """Delete every store region under ``prefix`` that exists (meta first)."""
-        for kind in reversed(KINDS + (FAILED,)):
+        for kind in reversed(KINDS + (failure.KIND,)):
             try:
                 client.delete_region(cls.region_name(prefix, kind))
             except RegionNotFound:
@@ -481,59 +436,22 @@ class ParameterStore:
         state = self.state_dict()
         model.load_state_dict(state, strict=self.buffer_layout is not None)
 
-    # -- checkpoints --------------------------------------------------------------
+    # -- checkpoints (smb_client.torch.checkpoint) ------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The stored parameters (and published buffers): name -> tensor, as
-        ``model.state_dict()`` names them."""
-        raw = torch.empty(self.layout.slot_bytes, dtype=torch.uint8)
-        self.read_into("params", 0, raw)
-        out: dict[str, torch.Tensor] = {}
-        for t in self.layout.tensors:
-            out[t.name] = raw[t.offset:t.offset + t.nbytes].view(torch_dtype(t.dtype)).view(t.shape).clone()
-        if self.buffer_layout is not None:
-            base = self.buffer_offset(0)
-            braw = torch.empty(self.buffer_layout.slot_bytes, dtype=torch.uint8)
-            self.read_into("buffers", base, braw)
-            for t in self.buffer_layout.tensors:
-                out[t.name] = braw[t.offset:t.offset + t.nbytes].view(torch_dtype(t.dtype)).view(t.shape).clone()
-        order = [k for k in self.flat.model.state_dict() if k in out]   # the model's own order
-        return {k: out[k] for k in order + [k for k in out if k not in set(order)]}
+        """The stored parameters and published buffers, named as ``model.state_dict()``."""
+        return checkpoint.state_dict(self)
 
     def save(self, path: Any) -> None:
-        """Write the stored parameters (and published buffers) to ``path`` with
-        ``torch.save``: a state dict that ``torch.load`` and ``model.load_state_dict`` read."""
+        """``torch.save`` the :meth:`state_dict` to ``path``."""
         torch.save(self.state_dict(), path)
 
     def load(self, path: Any) -> None:
-        """Put the weights of a checkpoint (a state dict, e.g. from :meth:`save` or
-        ``torch.save(model.state_dict())``) into the store and into the bound model:
-        ``params`` and the published buffers. Names, shapes and types must match."""
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        if not isinstance(state, dict):
-            raise InvalidArgument(f"{path}: not a state dict ({type(state).__name__})")
-        self.load_state_dict(state)
+        """A checkpoint (a state dict) into the store and the bound model."""
+        checkpoint.load(self, path)
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """See :meth:`load`."""
-        tensors = list(self.layout.tensors) + (list(self.buffer_layout.tensors) if self.buffer_layout else [])
-        missing = [t.name for t in tensors if t.name not in state]
-        if missing:
-            raise InvalidArgument(f"checkpoint lacks {', '.join(missing[:5])}"
-                                  f"{' ...' if len(missing) > 5 else ''}")
-        for t in tensors:
-            v = state[t.name]
-            if tuple(v.shape) != t.shape:
-                raise InvalidArgument(f"checkpoint tensor {t.name!r} {list(v.shape)} does not match the "
-                                      f"store's {list(t.shape)}")
-            if str(v.dtype).removeprefix("torch.") != t.dtype:
-                raise errors.DtypeError(f"checkpoint tensor {t.name!r} is {v.dtype}, the store holds {t.dtype}")
-        with torch.no_grad():
-            for view, t in zip(self.flat.param_views, self.layout.tensors, strict=True):
-                view.copy_(state[t.name])
-            for b, t in zip(self.buffers, self.buffer_layout.tensors if self.buffer_layout else (), strict=True):
-                b.copy_(state[t.name])
-        self.push_params()
-        self.push_buffers()
+        """A state dict into the store and the bound model (see :meth:`load`)."""
+        checkpoint.load_state_dict(self, state)
 
     def tensor_servers(self, kind: str = "params", slot: int = 0) -> dict[str, list[str]]:
         """The memory server(s) holding each tensor of ``slot``: tensor name -> server ids."""

@@ -65,10 +65,10 @@ def test_others_get_the_masters_creation_error_within_seconds(cluster, name):
 
 
 def test_an_old_failure_record_does_not_fail_a_new_run(cluster, name, monkeypatch):
-    from smb_client.torch import store as store_mod
+    from smb_client.torch import failure
     with cluster.client() as c:
         ParameterStore.publish_failure(c, name, OutOfMemory("long ago"))
-        monkeypatch.setattr(store_mod, "FAILURE_SKEW", -5.0)   # the record counts as a previous run's
+        monkeypatch.setattr(failure, "SKEW", -5.0)   # the record counts as a previous run's
         results: dict[int, object] = {}
 
         def worker(rank: int) -> None:

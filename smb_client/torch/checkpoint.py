@@ -1,0 +1,73 @@
+"""Checkpoints of a parameter store: its weights and published buffers as a state dict.
+
+:meth:`ParameterStore.save <smb_client.torch.store.ParameterStore.save>` writes what
+:func:`state_dict` returns with ``torch.save``, keyed and ordered like the bound
+model's ``state_dict()``, so ``torch.load`` and ``model.load_state_dict`` read it;
+:func:`load` puts such a dict into the store (``params`` and buffer slot 0) and into the
+bound model.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..errors import DtypeError, InvalidArgument
+from .flat import torch_dtype
+from .layout import FlatLayout, TensorSlot, dtype_name
+
+if TYPE_CHECKING:
+    from .store import ParameterStore
+
+
+def _unpack(raw: torch.Tensor, layout: FlatLayout, out: dict[str, torch.Tensor]) -> None:
+    for t in layout.tensors:
+        out[t.name] = raw[t.offset:t.offset + t.nbytes].view(torch_dtype(t.dtype)).view(t.shape).clone()
+
+
+def state_dict(store: ParameterStore) -> dict[str, torch.Tensor]:
+    """The stored parameters (and published buffers): name -> tensor."""
+    raw = torch.empty(store.layout.slot_bytes, dtype=torch.uint8)
+    store.read_into("params", 0, raw)
+    out: dict[str, torch.Tensor] = {}
+    _unpack(raw, store.layout, out)
+    if store.buffer_layout is not None:
+        braw = torch.empty(store.buffer_layout.slot_bytes, dtype=torch.uint8)
+        store.read_into("buffers", store.buffer_offset(0), braw)
+        _unpack(braw, store.buffer_layout, out)
+    order = [k for k in store.flat.model.state_dict() if k in out]   # the model's own order
+    rest = [k for k in out if k not in set(order)]
+    return {k: out[k] for k in order + rest}
+
+
+def load(store: ParameterStore, path: Any) -> None:
+    """Put the weights of a checkpoint (a state dict, e.g. from ``store.save`` or
+    ``torch.save(model.state_dict())``) into the store and into the bound model."""
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(state, dict):
+        raise InvalidArgument(f"{path}: not a state dict ({type(state).__name__})")
+    load_state_dict(store, state)
+
+
+def load_state_dict(store: ParameterStore, state: dict[str, torch.Tensor]) -> None:
+    """Names, shapes and element types must match the store's (InvalidArgument or
+    DtypeError naming the tensor); extra entries are ignored."""
+    buffers: tuple[TensorSlot, ...] = store.buffer_layout.tensors if store.buffer_layout else ()
+    tensors = list(store.layout.tensors) + list(buffers)
+    missing = [t.name for t in tensors if t.name not in state]
+    if missing:
+        raise InvalidArgument(f"checkpoint lacks {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+    for t in tensors:
+        v = state[t.name]
+        if tuple(v.shape) != t.shape:
+            raise InvalidArgument(f"checkpoint tensor {t.name!r} {list(v.shape)} does not match the "
+                                  f"store's {list(t.shape)}")
+        if dtype_name(v.dtype) != t.dtype:
+            raise DtypeError(f"checkpoint tensor {t.name!r} is {dtype_name(v.dtype)}, the store holds {t.dtype}")
+    with torch.no_grad():
+        for view, t in zip(store.flat.param_views, store.layout.tensors, strict=True):
+            view.copy_(state[t.name])
+        for b, t in zip(store.buffers, buffers, strict=True):
+            b.copy_(state[t.name])
+    store.push_params()
+    store.push_buffers()
