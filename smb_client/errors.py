@@ -47,6 +47,7 @@ class Status(enum.IntEnum):
     REGION_EXISTS = 22
     UNAUTHENTICATED = 23
     SERVER_BUSY = 24
+    CONTROLLER_BUSY = 25
 
 
 class SMBError(Exception):
@@ -67,6 +68,14 @@ class ControllerUnavailable(Unavailable):
     """The controller did not answer."""
 
     status: ClassVar[Status] = Status.CONTROLLER_UNAVAILABLE
+
+
+class ControllerBusy(ControllerUnavailable):
+    """The controller refused a call for load: too many callers wait in barriers, or
+    client calls hold every thread it keeps for them (heartbeats always get theirs).
+    Retried like ControllerUnavailable; retry later or raise ``barrier_waits_max``."""
+
+    status: ClassVar[Status] = Status.CONTROLLER_BUSY
 
 
 class ServerUnavailable(Unavailable):
@@ -272,7 +281,8 @@ def error_status(exc: BaseException) -> Status:
 # a literal list, so that type checkers see ``smb_client.RegionNotFound``; a unit test
 # keeps it equal to the tree
 __all__ = [
-    "SMBError", "Unavailable", "ControllerUnavailable", "ServerUnavailable", "ServerBusy",
+    "SMBError", "Unavailable", "ControllerUnavailable", "ControllerBusy", "ServerUnavailable",
+    "ServerBusy",
     "Timeout",
     "BarrierTimeout", "NotFound", "RegionNotFound", "ExtentNotFound", "ServerNotFound",
     "RegionExists", "OutOfMemory", "PermissionDenied", "AuthenticationError", "InvalidTicket",

@@ -102,7 +102,7 @@ class RoleAuth(grpc.ServerInterceptor):
     holds full method names anyone may call (health checks). ``credentials`` None:
     authentication is off and every caller may do anything. ``client_slots``: calls by
     callers other than memory servers that may run at once (0: no limit); one more is
-    refused at once with ControllerUnavailable ("busy"), so that heartbeats always
+    refused at once with ControllerBusy, so that heartbeats always
     find a free handler thread. The handler sees its caller in
     :func:`current_principal`.
     """
@@ -154,7 +154,7 @@ class RoleAuth(grpc.ServerInterceptor):
                     if not full:
                         self._busy += 1
                 if full:
-                    self._refuse(context, name, errors.ControllerUnavailable(
+                    self._refuse(context, name, errors.ControllerBusy(
                         f"controller busy: {self._client_slots} calls in progress; retry later"))
             token = _PRINCIPAL.set(principal)
             try:

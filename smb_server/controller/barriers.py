@@ -43,7 +43,7 @@ class Barriers:
 
     At most ``max_waiters`` callers wait at once (each holds a server thread), and at
     most ``max_per_caller`` of them with the same ``caller`` key; the next one is
-    refused with ControllerUnavailable ("busy"), whatever barrier it names.
+    refused with ControllerBusy, whatever barrier it names.
     """
 
     def __init__(self, max_waiters: int = MAX_WAITERS,
@@ -81,11 +81,11 @@ class Barriers:
             opens = len(barrier.waiters) + 1 >= parties
             mine = self._by_caller.get(caller, 0)
             if not opens and self._waiting >= self.max_waiters:
-                raise errors.ControllerUnavailable(
+                raise errors.ControllerBusy(
                     f"controller busy: {self._waiting} callers wait in barriers (the most "
                     f"allowed); barrier {name!r} refused, retry later")
             if not opens and mine >= self.max_per_caller:
-                raise errors.ControllerUnavailable(
+                raise errors.ControllerBusy(
                     f"controller busy: this caller already waits in {mine} barriers (the most "
                     f"one caller may); barrier {name!r} refused, retry later")
             barrier.parties = parties

@@ -38,8 +38,8 @@ def _flood(stubs: list, token: str, count: int, parties: int, seconds: float,
             what = "opened"
         except errors.BarrierTimeout:
             what = "waited"
-        except errors.ControllerUnavailable as exc:
-            what = "busy" if "busy" in str(exc) else f"unavailable: {exc}"
+        except errors.ControllerBusy:
+            what = "busy"
         except errors.SMBError as exc:
             what = f"{type(exc).__name__}: {exc}"
         with lock:

@@ -26,10 +26,10 @@ def _waiting(b: Barriers, count: int, name: str, parties: int, caller: str) -> l
 def test_waits_beyond_the_limits_are_refused_but_the_opener_is_not() -> None:
     b = Barriers(max_waiters=3, max_per_caller=2)
     first = _waiting(b, 2, "job/a", 3, caller="p1")
-    with pytest.raises(errors.ControllerUnavailable, match="this caller already waits in 2"):
+    with pytest.raises(errors.ControllerBusy, match="this caller already waits in 2"):
         b.wait("job/other", 5, timeout=1, caller="p1")
     more = _waiting(b, 1, "job/b", 2, caller="p2")
-    with pytest.raises(errors.ControllerUnavailable, match="3 callers wait"):
+    with pytest.raises(errors.ControllerBusy, match="3 callers wait"):
         b.wait("job/c", 5, timeout=1, caller="p3")
     assert b.wait("job/a", 3, timeout=1, caller="p3") == (0, 2)  # completes a barrier: never refused
     assert b.wait("job/b", 2, timeout=1, caller="p1") == (0, 1)
