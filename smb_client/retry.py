@@ -23,6 +23,10 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+# one generator for every Backoff that is not given its own: seeding a new Random (from
+# os.urandom) per Backoff cost ~10 us, paid on every region operation
+_SHARED_RNG = random.Random()
+
 
 @dataclass
 class Backoff:
@@ -37,7 +41,7 @@ class Backoff:
     cap: float = 1.0
     factor: float = 2.0
     jitter: float = 0.0
-    rng: random.Random = field(default_factory=random.Random, repr=False)
+    rng: random.Random = field(default=_SHARED_RNG, repr=False)
     _next: float = field(init=False, repr=False, default=0.0)
 
     def __post_init__(self) -> None:
