@@ -56,9 +56,9 @@ lint: deps
 	$(PY) -m ruff check .
 	$(PY) -m mypy
 
-# the host suite, then the rdma tier inside the Soft-RoCE VM (fails loudly if the VM
-# cannot start)
-test: test-host test-rdma
+# static checks, the host suite, then the rdma tier inside the Soft-RoCE VM (fails
+# loudly if the VM cannot start)
+test: lint test-host test-rdma
 
 test-host: deps
 	$(PY) -m pytest -q tests

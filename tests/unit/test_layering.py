@@ -102,4 +102,4 @@ def test_modules_stay_small_or_say_why():
             doc = ast.get_docstring(ast.parse(text)) or ""
             if REASON not in doc:
                 long.append(f"{name} ({text.count(chr(10))} lines)")
-    assert not long, "over %d lines without a reason in the docstring: %s" % (MAX_LINES, ", ".join(long))
+    assert not long, f"over {MAX_LINES} lines without a reason in the docstring: {', '.join(long)}"
