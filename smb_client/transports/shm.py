@@ -10,6 +10,14 @@ Every mapped extent starts with a 4096-byte header page; the word at byte 8 is 1
 the server holds the extent and 0 once it is released, so a deleted region is noticed
 (its memory was also punched out, so stale mappings read zeros, never new data).
 
+A session also keeps one idle connection to the server's socket open, its liveness
+channel: the kernel closes it when the server process ends, however it ends, so the
+session sees end-of-file on it at once. Every copy checks the channel before and after
+(a non-blocking peek); once it is closed the session raises ServerUnavailable and
+refuses every (ticket, extent) mapped before, even after a restarted server listens on
+the same path again (its memory is not the one mapped). A ticket the session has not
+seen is asked for again over a new channel.
+
 Request on the socket: u32 ticket length | ticket | u64 extent id.
 Answer: u8 status | u32 message length | message | u64 extent length, and the
 descriptor as ancillary data on success.
@@ -23,6 +31,7 @@ import os
 import socket
 import struct
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,6 +47,7 @@ log = logging.getLogger(__name__)
 HEADER_BYTES = 4096
 LIVE_OFFSET = 8
 MAX_GRANTS = 4096      # (ticket, extent) grants remembered before forgetting them all
+MAX_DEAD = 65536       # (ticket, extent) grants of dead channels remembered (oldest forgotten)
 REQUEST_HEAD = struct.Struct("<I")
 EXTENT_ID = struct.Struct("<Q")
 ANSWER_HEAD = struct.Struct("<BI")
@@ -77,6 +87,38 @@ def fetch_extent_fd(path: str, ticket: str, extent_id: int, timeout: float = 10.
     (length,) = EXTENT_ID.unpack_from(data, ANSWER_HEAD.size + n)
     writable = fcntl.fcntl(fds[0], fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDWR
     return fds[0], length, writable
+
+
+class _Channel:
+    """An idle connection to the server's socket; closed by the kernel when the server
+    process ends. Never written to: anything readable on it means the server is gone."""
+
+    def __init__(self, path: str, timeout: float = 10.0) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self.sock.settimeout(timeout)
+            self.sock.connect(path)
+            self.sock.setblocking(False)
+        except OSError as exc:
+            self.sock.close()
+            raise ServerUnavailable(f"shm://{path}: {exc}") from None
+        self.dead = False
+
+    def alive(self) -> bool:
+        if self.dead:
+            return False
+        try:
+            self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return True
+        except OSError:
+            pass
+        self.dead = True   # end-of-file, an answer nobody asked for, or a reset
+        return False
+
+    def close(self) -> None:
+        self.dead = True
+        self.sock.close()
 
 
 class _Mapping:
@@ -123,15 +165,52 @@ class ShmSession(Session):
         self._arithmetic: Session | None = options.get("arithmetic")
         self._maps: dict[int, _Mapping] = {}
         self._granted: dict[tuple[str, int], bool] = {}   # (ticket, extent) -> may write
+        self._dead: OrderedDict[tuple[str, int], None] = OrderedDict()  # mapped from a dead server
+        self._channel: _Channel | None = None
         self._lock = threading.Lock()
 
-    def _map(self, ticket: str, extent_id: int, write: bool = False) -> _Mapping:
-        """The extent's mapping, once the server has accepted ``ticket`` for it."""
+    def _gone(self) -> ServerUnavailable:
+        return ServerUnavailable(f"shm://{self.path}: the memory server ended; what it "
+                                 f"held is no longer reachable through this mapping")
+
+    def _check_live(self, channel: _Channel) -> None:
+        """Raise ServerUnavailable once ``channel`` (the one a mapping was made under)
+        is closed; forgets every mapping made under it."""
+        if channel.alive():
+            return
+        with self._lock:
+            if self._channel is channel:
+                self._retire()
+        raise self._gone()
+
+    def _retire(self) -> None:
+        """Under the lock: the channel died; refuse what was granted under it from now on."""
+        for key in self._granted:
+            self._dead[key] = None
+        while len(self._dead) > MAX_DEAD:
+            self._dead.popitem(last=False)
+        self._granted.clear()
+        self._maps.clear()   # unmapped once no copy uses them
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+
+    def _map(self, ticket: str, extent_id: int, write: bool = False) -> tuple[_Mapping, _Channel]:
+        """The extent's mapping and the channel it was made under, once the server has
+        accepted ``ticket`` for it."""
         key = (ticket, extent_id)
         m = self._maps.get(extent_id)
         granted = self._granted.get(key)
-        if m is None or granted is None or (granted and not m.writable):
+        channel = self._channel
+        if m is None or granted is None or channel is None or (granted and not m.writable):
             with self._lock:
+                if self._channel is not None and not self._channel.alive():
+                    self._retire()
+                if key in self._dead:
+                    raise self._gone()
+                if self._channel is None:
+                    self._channel = _Channel(self.path)
+                channel = self._channel
                 m = self._maps.get(extent_id)
                 granted = self._granted.get(key)
                 if m is None or granted is None or (granted and not m.writable):
@@ -146,8 +225,9 @@ class ShmSession(Session):
                         os.close(fd)
         if write and not granted:
             raise ReadOnly("write through a read-only ticket")
-        m.check(extent_id)
-        return m
+        m.check(extent_id)   # released (a region deleted, a clean stop) says so first
+        self._check_live(channel)
+        return m, channel
 
     def _bounds(self, m: _Mapping, extent_id: int, offset: int, length: int) -> None:
         if offset < 0 or offset + length > m.length:
@@ -155,22 +235,24 @@ class ShmSession(Session):
                              f"of {m.length} bytes")
 
     def write(self, ticket: str, extent_id: int, offset: int, buffers: Sequence[memoryview]) -> None:
-        m = self._map(ticket, extent_id, write=True)
+        m, channel = self._map(ticket, extent_id, write=True)
         self._bounds(m, extent_id, offset, sum(len(b) for b in buffers))
         pos = offset
         for b in buffers:
             m.data[pos:pos + len(b)] = b
             pos += len(b)
         m.check(extent_id)
+        self._check_live(channel)   # died meanwhile: nobody will read what we wrote
 
     def read_into(self, ticket: str, extent_id: int, offset: int, buffers: Sequence[memoryview]) -> None:
-        m = self._map(ticket, extent_id)
+        m, channel = self._map(ticket, extent_id)
         self._bounds(m, extent_id, offset, sum(len(b) for b in buffers))
         pos = offset
         for b in buffers:
             b[:] = m.data[pos:pos + len(b)]
             pos += len(b)
         m.check(extent_id)  # released meanwhile: what we copied may be zeros
+        self._check_live(channel)
 
     def _server(self) -> Session:
         if self._arithmetic is None:
@@ -197,6 +279,9 @@ class ShmSession(Session):
         """Unmaps every extent; the arithmetic session belongs to the caller."""
         with self._lock:
             maps, self._maps = self._maps, {}
+            channel, self._channel = self._channel, None
+        if channel is not None:
+            channel.close()
         for m in maps.values():
             m.close()
 
