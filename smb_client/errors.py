@@ -48,6 +48,7 @@ class Status(enum.IntEnum):
     UNAUTHENTICATED = 23
     SERVER_BUSY = 24
     CONTROLLER_BUSY = 25
+    REGION_LOST = 26
 
 
 class SMBError(Exception):
@@ -122,6 +123,14 @@ class ExtentNotFound(RegionNotFound):
     """A memory server no longer holds the extent: its region was deleted or lost."""
 
     status: ClassVar[Status] = Status.EXTENT_NOT_FOUND
+
+
+class RegionLost(SMBError):
+    """Some byte of the region has no live copy: a memory server that held one of its
+    extents came back without it (restarted without its memory). The message names the
+    servers; the data is gone, delete the region and create it again."""
+
+    status: ClassVar[Status] = Status.REGION_LOST
 
 
 class ServerNotFound(NotFound):
@@ -285,7 +294,7 @@ __all__ = [
     "ServerBusy",
     "Timeout",
     "BarrierTimeout", "NotFound", "RegionNotFound", "ExtentNotFound", "ServerNotFound",
-    "RegionExists", "OutOfMemory", "PermissionDenied", "AuthenticationError", "InvalidTicket",
+    "RegionExists", "RegionLost", "OutOfMemory", "PermissionDenied", "AuthenticationError", "InvalidTicket",
     "TicketExpired", "ReadOnly", "InvalidArgument", "OutOfRange", "Misaligned", "DtypeError",
     "ProtocolError", "ServerError", "Status", "error_class", "error_classes", "error_status",
     "status_error", "wire_class",

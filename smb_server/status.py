@@ -147,6 +147,9 @@ def render(status: dict[str, Any]) -> str:
     regions = status["regions"]
     lines += ["", f"regions ({len(regions)}):"]
     lines.append(region_table(regions))
+    lost = [r["name"] for r in regions if r["state"] == "lost"]
+    if lost:
+        lines.append(f"lost (some bytes have no copy; delete and recreate): {', '.join(lost)}")
     return "\n".join(lines)
 
 

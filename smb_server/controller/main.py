@@ -147,7 +147,11 @@ class Controller(Daemon):
         reg.gauge("smb_controller_extents", "Extents placed on each memory server", ["server_id"],
                   fn=lambda: [((s.server_id,), s.extents) for s in state.list_servers()])
         reg.gauge("smb_controller_regions", "Regions by state", ["state"],
-                  fn=lambda: _count_by((r.state for r in state.list_regions()), ("ready", "degraded")))
+                  fn=lambda: _count_by((r.state for r in state.list_regions()), ("ready", "degraded", "lost")))
+        reg.gauge("smb_controller_lost_extents", "Extents of regions whose memory server came back "
+                  "without them, per server", ["server_id"],
+                  fn=lambda: _count_by((e.server_id for r in state.list_regions()
+                                               for e in r.extents if e.lost), ()))
         reg.gauge("smb_controller_region_bytes", "Bytes of all regions together",
                   fn=lambda: [((), sum(r.size for r in state.list_regions()))])
 

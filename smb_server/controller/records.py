@@ -53,6 +53,7 @@ class ExtentPlace:
     host_id: str = ""
     endpoints: tuple[str, ...] = ()
     server_state: str = ""  # up | down | draining
+    lost: bool = False      # its server registered again without it
 
 
 @dataclass(frozen=True)
@@ -66,8 +67,13 @@ class RegionRecord:
     segment_extents: tuple[int, ...]   # extent index of each segment (layered only)
     persistent: bool
     created_at: float                  # unix seconds
-    state: str                         # creating | ready | degraded
+    state: str                         # creating | ready | degraded | lost
     extents: tuple[ExtentPlace, ...] = field(default=())  # in layout order
+
+    @property
+    def lost_servers(self) -> list[str]:
+        """The servers that registered without some extent of this region (state ``lost``)."""
+        return sorted({e.server_id for e in self.extents if e.lost})
 
     @property
     def extent_ids(self) -> list[int]:

@@ -162,7 +162,12 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         mode = request.mode or "rw"
         if mode not in TICKET_MODES:
             raise errors.InvalidArgument(f"mode must be one of {', '.join(TICKET_MODES)}, got {mode!r}")
-        return self._response(self.state.get_region(request.name), mode)
+        region = self.state.get_region(request.name)
+        if region.state == "lost":
+            raise errors.RegionLost(f"region {region.name!r} is lost: memory server(s) "
+                                    f"{', '.join(region.lost_servers)} came back without its extents; "
+                                    f"delete it and create it again")
+        return self._response(region, mode)
 
     @typed_errors
     def DeleteRegion(self, request: controller_pb2.DeleteRegionRequest,

@@ -19,8 +19,12 @@ Tables (see ``_SCHEMA``):
 - ``issued_extent_ids``: every extent id ever handed out, so that an id is never reused
   (an orphan on some server must never be mistaken for a live extent).
 
-Region state as reported to clients: ``ready``, or ``degraded`` while any server
-holding one of its extents is down.
+- ``lost_extents``: extents a server registered without (restarted without its
+  memory); their bytes have no copy anywhere.
+
+Region state as reported to clients: ``ready``; ``degraded`` while any server holding
+one of its extents is down (it may come back with them); ``lost`` once some extent is
+in ``lost_extents`` (wins over ``degraded``).
 
 Thread safety: one connection guarded by one lock; every method is atomic.
 
@@ -89,6 +93,9 @@ CREATE TABLE IF NOT EXISTS extents (
     UNIQUE (region_name, idx)
 );
 CREATE INDEX IF NOT EXISTS extents_by_server ON extents(server_id);
+CREATE TABLE IF NOT EXISTS lost_extents (
+    extent_id INTEGER PRIMARY KEY
+);
 CREATE TABLE IF NOT EXISTS issued_extent_ids (
     extent_id INTEGER PRIMARY KEY
 );
@@ -226,9 +233,11 @@ class ControllerState:
             held_ids = {h.extent_id for h in held}
             lost = [eid for eid, (_, state) in known.items() if state == "ready" and eid not in held_ids]
             if lost:
+                db.executemany("INSERT OR IGNORE INTO lost_extents (extent_id) VALUES (?)",
+                               [(eid,) for eid in lost])
                 log.warning("server %s does not hold %d extent(s) the controller placed on it "
-                            "(restarted without persistence?): %s", server_id, len(lost),
-                            ", ".join(map(str, sorted(lost)[:10])))
+                            "(restarted without persistence?); their regions are lost: %s",
+                            server_id, len(lost), ", ".join(map(str, sorted(lost)[:10])))
             return server_id, self._orphans(server_id, known, held)
 
     def heartbeat(self, server_id: str, held: Iterable[HeldExtent] = (),
@@ -449,6 +458,8 @@ class ControllerState:
             region = self._load_region(db, name)
             if region is None or region.state == "creating":
                 raise RegionNotFound(f"no region named {name!r}")
+            db.executemany("DELETE FROM lost_extents WHERE extent_id=?",
+                           [(e.extent_id,) for e in region.extents])
             db.execute("DELETE FROM regions WHERE name=?", (name,))
         log.info("region %s (uid %s) deleted", name, region.uid)
         return list(region.extents)
@@ -466,15 +477,21 @@ class ControllerState:
         row = db.execute("SELECT * FROM regions WHERE name=?", (name,)).fetchone()
         if row is None:
             return None
+        lost = {r["extent_id"] for r in db.execute(
+            "SELECT l.extent_id FROM lost_extents l JOIN extents e ON e.extent_id = l.extent_id "
+            "WHERE e.region_name=?", (name,))}
         extents = tuple(
             ExtentPlace(e["extent_id"], e["idx"], e["server_id"], e["length"], e["grpc_address"],
-                        e["host_id"], tuple(json.loads(e["endpoints"])), e["state"])
+                        e["host_id"], tuple(json.loads(e["endpoints"])), e["state"],
+                        e["extent_id"] in lost)
             for e in db.execute(
                 "SELECT e.extent_id, e.idx, e.server_id, e.length, s.grpc_address, s.host_id, "
                 "s.endpoints, s.state FROM extents e JOIN servers s ON s.server_id = e.server_id "
                 "WHERE e.region_name=? ORDER BY e.idx", (name,)))
         state = row["state"]
-        if state == "ready" and any(e.server_state == "down" for e in extents):
+        if state == "ready" and lost:
+            state = "lost"
+        elif state == "ready" and any(e.server_state == "down" for e in extents):
             state = "degraded"
         return RegionRecord(row["name"], row["uid"], row["size"], row["placement"], row["stripe_unit"],
                             tuple(json.loads(row["segment_sizes"])),

@@ -246,3 +246,35 @@ def test_sizes_beyond_int64_are_invalid(state: ControllerState, field: str, valu
 def test_capacity_beyond_int64_is_invalid(state: ControllerState) -> None:
     with pytest.raises(errors.InvalidArgument, match="capacity"):
         state.register_server("big", "h", "127.0.0.1:1", [], 1 << 63, now=T0)
+
+
+def test_server_back_without_an_extent_makes_its_region_lost(state: ControllerState, db: str) -> None:
+    add(state, "a")
+    add(state, "b")
+    region = make(state, "job/x", 8 * MiB, stripe_unit=MiB)
+    on_a = [e for e in region.extents if e.server_id == "a"]
+    on_b = [e for e in region.extents if e.server_id == "b"]
+    assert on_a and on_b
+    # b goes down: degraded, it may come back with its memory
+    state.heartbeat("a", [HeldExtent(e.extent_id, region.uid, e.length, 1.0) for e in on_a],
+                    now=T0 + 1.5 * LEASE)
+    state.expire_leases(now=T0 + 2 * LEASE)
+    assert state.get_region("job/x").state == "degraded"
+    # b comes back holding its extents: ready again
+    state.register_server("b", "host-b", "127.0.0.1:1098", [], 64 * MiB,
+                          held=[HeldExtent(e.extent_id, region.uid, e.length, 1.0) for e in on_b],
+                          now=T0 + 3 * LEASE)
+    assert state.get_region("job/x").state == "ready"
+    # a comes back without its memory: lost, naming a, also after a restart of the controller
+    state.register_server("a", "host-a", "127.0.0.1:1097", [], 64 * MiB, held=[], now=T0 + 3 * LEASE)
+    lost = state.get_region("job/x")
+    assert lost.state == "lost" and lost.lost_servers == ["a"]
+    assert [r.state for r in state.list_regions()] == ["lost"]
+    state.close()
+    with ControllerState(db, lease_seconds=LEASE, orphan_grace_seconds=GRACE) as again:
+        assert again.get_region("job/x").state == "lost"
+        assert {e.extent_id for e in again.delete_region("job/x")} == set(region.extent_ids)
+        with pytest.raises(errors.RegionNotFound):
+            again.get_region("job/x")
+        make(again, "job/y", 2 * MiB)
+        assert again.get_region("job/y").state == "ready"

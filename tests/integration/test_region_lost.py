@@ -1,0 +1,64 @@
+"""A region whose memory server came back without its memory is ``lost``: listed so,
+refused with RegionLost when opened, shown by `smb status` and /metrics, deletable."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from smb_client import errors
+
+MiB = 1 << 20
+
+
+def _index(cluster, server_id: str) -> int:
+    return [i for i in range(2) if cluster.server_id(i) == server_id][0]
+
+
+def _wait_state(c, name: str, state: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        states = {r.name: r.state for r in c.list_regions()}
+        if states.get(name) == state:
+            return
+        assert time.monotonic() < deadline, states
+        time.sleep(0.1)
+
+
+def test_region_on_a_server_restarted_without_memory_is_lost(fresh_cluster):
+    c = fresh_cluster.client(transport="shm")
+    try:
+        r = c.create_region("job/lost", 4 * MiB, stripe_unit=MiB)
+        r.write(0, np.ones(MiB, np.float32))
+        other = c.create_region("job/other", 2 * MiB, placement="single")
+        victim = r.extents[0].server_id
+        index = _index(fresh_cluster, victim)
+        fresh_cluster.kill_server(index)                          # kill -9
+        fresh_cluster.start_server(index)                         # fresh memory, same id
+        _wait_state(c, "job/lost", "lost")
+
+        with pytest.raises(errors.RegionLost) as info:
+            c.open_region("job/lost")
+        assert victim in str(info.value)
+        # the handle opened before: a typed refusal, never success nor ExtentNotFound
+        for op in (lambda: r.read(0, 16), lambda: r.write(0, np.zeros(4, np.float32))):
+            with pytest.raises(errors.SMBError) as info:
+                op()
+            assert isinstance(info.value, (errors.RegionLost, errors.ServerUnavailable)), info.value
+
+        env = dict(os.environ, SMB_CONTROLLER=fresh_cluster.address, SMB_TOKEN=fresh_cluster.token)
+        out = subprocess.run([sys.executable, "-m", "smb_server.cli", "status"], capture_output=True,
+                             text=True, timeout=60, env=env)
+        assert "job/lost" in out.stdout and "lost" in out.stdout.split("job/lost", 1)[1].splitlines()[0]
+
+        c.delete_region("job/lost")
+        assert "job/lost" not in {x.name for x in c.list_regions()}
+        if victim not in {e.server_id for e in other.extents}:
+            assert {x.name: x.state for x in c.list_regions()}["job/other"] == "ready"
+        other.close()
+    finally:
+        c.close()
