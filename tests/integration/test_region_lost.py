@@ -3,20 +3,30 @@ refused with RegionLost when opened, shown by `smb status` and /metrics, deletab
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 import numpy as np
 import pytest
 
 from smb_client import errors
+from smb_server.metrics import parse
+
+from .test_operations import cluster_env, start_server  # noqa: F401  (a fixture)
 
 MiB = 1 << 20
 
 
 def _index(cluster, server_id: str) -> int:
     return [i for i in range(2) if cluster.server_id(i) == server_id][0]
+
+
+def scrape(port: int) -> dict:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value for s in parse(reply.read().decode())}
 
 
 def _wait_state(c, name: str, state: str, timeout: float = 20.0) -> None:
@@ -62,3 +72,21 @@ def test_region_on_a_server_restarted_without_memory_is_lost(fresh_cluster):
         other.close()
     finally:
         c.close()
+
+
+def test_lost_region_in_controller_metrics(tmp_path, cluster_env):  # noqa: F811
+    env, daemons, ctl_metrics = cluster_env
+    server = start_server(tmp_path, env, daemons, "s0", "--capacity", "64M", "--transports", "tcp")
+    server_id = server.wait_ready()["server_id"]
+    import smb_client
+    with smb_client.connect(env["SMB_CONTROLLER"], env["SMB_TOKEN"], transport="tcp") as c:
+        c.create_region("ops/lost", 2 * MiB).close()
+        server.stop(signal.SIGKILL)
+        again = start_server(tmp_path, env, daemons, "s0", "--capacity", "64M", "--transports", "tcp")
+        assert again.wait_ready()["server_id"] == server_id
+        _wait_state(c, "ops/lost", "lost")
+        ctl = scrape(ctl_metrics)
+        assert ctl[("smb_controller_regions", (("state", "lost"),))] == 1
+        assert ctl[("smb_controller_lost_extents", (("server_id", server_id),))] == 1
+        c.delete_region("ops/lost")
+        assert scrape(ctl_metrics)[("smb_controller_regions", (("state", "lost"),))] == 0
