@@ -1,0 +1,102 @@
+"""Exactly-once bookkeeping: the recent mutating requests of each client, by sequence number.
+
+A client (one data plane, a random 64-bit id) numbers its mutating requests; a retry
+of a request reuses its number. Before applying a request, a plane asks :meth:`DedupTable.begin`:
+
+* a number never seen (or forgotten after an interrupted attempt that applied nothing):
+  the caller owns the entry, applies the request, and calls :meth:`Entry.finish` with
+  its answer (or :meth:`DedupTable.interrupt` when it stopped part way, recording in
+  ``entry.applied`` how many payload bytes took effect, so that a retry skips them);
+* a number whose request finished: its first answer (status, body), not applied again;
+* a number whose first attempt is still running: the retry waits for it to end.
+
+Each client keeps at most ``window`` finished entries (the oldest are forgotten);
+sequence number 0 means "not tracked". One table serves every plane of a memory
+server. Thread-safe; pure (no sockets, no extents).
+"""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+WINDOW = 4096      # finished requests remembered per client
+MAX_CLIENTS = 4096  # clients remembered; the least recently seen is forgotten first
+
+__all__ = ["DedupTable", "Entry", "WINDOW"]
+
+
+@dataclass
+class Entry:
+    """One request's state: running (``done`` False, ``owned`` True), interrupted
+    (both False; ``applied`` bytes took effect) or finished (``status``, ``body``)."""
+    owned: bool = True
+    done: bool = False
+    applied: int = 0
+    status: int = 0
+    body: bytes = b""
+    _table: DedupTable | None = field(default=None, repr=False, compare=False)
+
+    def finish(self, status: int = 0, body: bytes = b"") -> None:
+        assert self._table is not None
+        self._table._finish(self, status, body)
+
+
+class DedupTable:
+    def __init__(self, window: int = WINDOW, max_clients: int = MAX_CLIENTS) -> None:
+        if window < 1 or max_clients < 1:
+            raise ValueError("window and max_clients must be positive")
+        self.window = window
+        self.max_clients = max_clients
+        self._clients: OrderedDict[int, OrderedDict[int, Entry]] = OrderedDict()
+        self._cond = threading.Condition()
+
+    def begin(self, client: int, seq: int, timeout: float | None = None) -> tuple[bool, Entry]:
+        """``(True, entry)``: the caller runs the request (resuming after
+        ``entry.applied`` bytes) and must end it with ``entry.finish`` or
+        :meth:`interrupt`. ``(False, entry)``: already finished; answer
+        ``entry.status``/``entry.body``. Waits while another attempt runs; raises
+        TimeoutError after ``timeout`` seconds of waiting."""
+        with self._cond:
+            while True:
+                seen = self._clients.get(client)
+                if seen is None:
+                    seen = self._clients[client] = OrderedDict()
+                    while len(self._clients) > self.max_clients:
+                        self._clients.popitem(last=False)
+                self._clients.move_to_end(client)
+                entry = seen.get(seq)
+                if entry is None:
+                    entry = seen[seq] = Entry(_table=self)
+                    self._trim(seen)
+                    return True, entry
+                if entry.done:
+                    return False, entry
+                if not entry.owned:
+                    entry.owned = True
+                    return True, entry
+                if not self._cond.wait(timeout):
+                    raise TimeoutError(f"request {seq} of client {client:#x} is still running")
+
+    def interrupt(self, entry: Entry) -> None:
+        """The attempt stopped part way (``entry.applied`` bytes in effect): a retry resumes it."""
+        with self._cond:
+            entry.owned = False
+            self._cond.notify_all()
+
+    def _finish(self, entry: Entry, status: int, body: bytes) -> None:
+        with self._cond:
+            entry.status, entry.body, entry.done, entry.owned = status, body, True, False
+            self._cond.notify_all()
+
+    def _trim(self, seen: OrderedDict[int, Entry]) -> None:
+        """Forget the oldest finished entries beyond the window (running ones are kept)."""
+        extra = len(seen) - self.window
+        if extra <= 0:
+            return
+        for seq in [s for s, e in seen.items() if e.done][:extra]:
+            del seen[seq]
+
+    def __len__(self) -> int:
+        with self._cond:
+            return sum(len(s) for s in self._clients.values())

@@ -1,0 +1,73 @@
+import threading
+import time
+
+import pytest
+
+from smb_server.memserver.dedup import DedupTable
+
+
+def test_duplicate_gets_the_first_answer():
+    t = DedupTable()
+    first, e = t.begin(7, 1)
+    assert first
+    e.finish(0, b"old-value")
+    again, e2 = t.begin(7, 1)
+    assert not again and e2.body == b"old-value" and e2.status == 0
+
+
+def test_retry_waits_for_the_running_attempt():
+    t = DedupTable()
+    _, e = t.begin(1, 5)
+    got = []
+
+    def retry():
+        got.append(t.begin(1, 5))
+    th = threading.Thread(target=retry)
+    th.start()
+    time.sleep(0.2)
+    assert not got            # still waiting: never runs concurrently with the first
+    e.finish(0, b"x")
+    th.join(2)
+    assert got and got[0][0] is False and got[0][1].body == b"x"
+
+
+def test_running_attempt_times_out_the_waiter():
+    t = DedupTable()
+    t.begin(1, 5)
+    with pytest.raises(TimeoutError):
+        t.begin(1, 5, timeout=0.05)
+
+
+def test_interrupted_attempt_is_resumed_by_the_retry():
+    t = DedupTable()
+    _, e = t.begin(1, 9)
+    e.applied = 4096
+    t.interrupt(e)
+    first, e2 = t.begin(1, 9)
+    assert first and e2 is e and e2.applied == 4096
+
+
+def test_window_is_bounded():
+    t = DedupTable(window=3)
+    for seq in range(1, 11):
+        t.begin(1, seq)[1].finish()
+    assert len(t) == 3
+    assert t.begin(1, 10)[0] is False     # recent: remembered
+    assert t.begin(1, 1)[0] is True       # old: forgotten
+
+
+def test_clients_are_independent():
+    t = DedupTable()
+    t.begin(1, 1)[1].finish(0, b"a")
+    first, e = t.begin(2, 1)
+    assert first
+    e.finish(0, b"b")
+    assert t.begin(1, 1)[1].body == b"a"
+    assert t.begin(2, 1)[1].body == b"b"
+
+
+def test_clients_are_bounded():
+    t = DedupTable(max_clients=2)
+    for c in (1, 2, 3):
+        t.begin(c, 1)[1].finish()
+    assert t.begin(1, 1)[0] is True       # least recently seen client forgotten
