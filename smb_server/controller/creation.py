@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from smb_client import errors
 
 from .memservers import MemoryServers
-from .records import ExtentPlace, RegionRecord
+from .records import ExtentRecord, RegionRecord
 from .state import ControllerState
 
 log = logging.getLogger(__name__)
@@ -114,8 +114,8 @@ class RegionCreator:
     def _reserve_and_commit(self, region: RegionRecord) -> RegionRecord:
         jobs = {self._pool.submit(self.servers.reserve, e.grpc_address, region.uid, e,
                                   region.persistent): e for e in region.extents}
-        reserved: list[ExtentPlace] = []
-        failed: list[tuple[ExtentPlace, errors.SMBError]] = []
+        reserved: list[ExtentRecord] = []
+        failed: list[tuple[ExtentRecord, errors.SMBError]] = []
         for job, extent in jobs.items():
             try:
                 job.result()
@@ -142,7 +142,7 @@ class RegionCreator:
         extents = self.state.delete_region(name)
         self.release_all(region.uid, extents)
 
-    def release_all(self, region_uid: str, extents: Sequence[ExtentPlace]) -> None:
+    def release_all(self, region_uid: str, extents: Sequence[ExtentRecord]) -> None:
         """Release extents in parallel, best effort: a server that is down or does not
         answer keeps its extent as an orphan, freed after its next heartbeat's grace."""
         jobs = {self._pool.submit(self.servers.release, e.grpc_address, region_uid, e): e
@@ -166,7 +166,7 @@ def check_same(existing: RegionRecord, spec: RegionSpec) -> None:
                                   f"placement, not {spec.placement}")
 
 
-def reserve_error(name: str, failed: list[tuple[ExtentPlace, errors.SMBError]]) -> errors.SMBError:
+def reserve_error(name: str, failed: list[tuple[ExtentRecord, errors.SMBError]]) -> errors.SMBError:
     """One error for a failed create: out of memory first, unreachable servers as
     ServerUnavailable; the message names the server."""
     oom = [(e, x) for e, x in failed if isinstance(x, errors.OutOfMemory)]

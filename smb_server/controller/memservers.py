@@ -13,7 +13,7 @@ import grpc
 from smb_client import errors, rpc, tickets
 from smb_client._proto.smb.v1 import memory_server_pb2, memory_server_pb2_grpc
 
-from .records import ExtentPlace
+from .records import ExtentRecord
 
 log = logging.getLogger(__name__)
 
@@ -29,12 +29,12 @@ class MemoryServers(Protocol):
     has no room, ``ServerUnavailable`` when it cannot be reached.
     """
 
-    def reserve(self, address: str, region_uid: str, extent: ExtentPlace,
+    def reserve(self, address: str, region_uid: str, extent: ExtentRecord,
                 persistent: bool = False) -> None:
         """Reserve ``extent.length`` bytes as ``extent.extent_id`` on the server at
         ``address`` for the region ``region_uid``."""
 
-    def release(self, address: str, region_uid: str, extent: ExtentPlace) -> bool:
+    def release(self, address: str, region_uid: str, extent: ExtentRecord) -> bool:
         """Free the extent; True if the server held it."""
 
 
@@ -65,7 +65,7 @@ class GrpcMemoryServers:
     def _admin_ticket(self, region_uid: str, extent_id: int) -> str:
         return tickets.sign(self.secret, region_uid, [extent_id], "admin", ttl=ADMIN_TICKET_TTL)[0]
 
-    def reserve(self, address: str, region_uid: str, extent: ExtentPlace,
+    def reserve(self, address: str, region_uid: str, extent: ExtentRecord,
                 persistent: bool = False) -> None:
         request = memory_server_pb2.ReserveExtentRequest(
             ticket=self._admin_ticket(region_uid, extent.extent_id), extent_id=extent.extent_id,
@@ -75,7 +75,7 @@ class GrpcMemoryServers:
         if reply.length and reply.length < extent.length:
             raise errors.ServerError(f"reserved {reply.length} bytes, asked for {extent.length}")
 
-    def release(self, address: str, region_uid: str, extent: ExtentPlace) -> bool:
+    def release(self, address: str, region_uid: str, extent: ExtentRecord) -> bool:
         request = memory_server_pb2.ReleaseExtentRequest(
             ticket=self._admin_ticket(region_uid, extent.extent_id), extent_id=extent.extent_id)
         reply = rpc.call(self._stub(address).ReleaseExtent, request, self.token,

@@ -42,8 +42,10 @@ class ServerRecord:
 
 
 @dataclass(frozen=True)
-class ExtentPlace:
-    """One extent of a region, with where it lives."""
+class ExtentRecord:
+    """One extent of a region as the controller keeps it: its place in the layout,
+    its server and whether that server lost it. (Clients see
+    :class:`smb_client.placement.ExtentPlace`.)"""
 
     extent_id: int
     index: int             # position in the region's layout
@@ -68,7 +70,7 @@ class RegionRecord:
     persistent: bool
     created_at: float                  # unix seconds
     state: str                         # creating | ready | degraded | lost
-    extents: tuple[ExtentPlace, ...] = field(default=())  # in layout order
+    extents: tuple[ExtentRecord, ...] = field(default=())  # in layout order
 
     @property
     def lost_servers(self) -> list[str]:

@@ -26,7 +26,7 @@ from .state import ControllerState
 
 log = logging.getLogger(__name__)
 
-TICKET_MODES = ("ro", "rw")
+TICKET_MODES = (tickets.TicketMode.RO.value, tickets.TicketMode.RW.value)  # regions open in these
 
 # who may call what (RoleAuth); the first role is the one a refusal names. A server may
 # also speak only for itself (checked in the handlers).

@@ -48,9 +48,9 @@ from contextlib import contextmanager
 from smb_client import placement as placement_mod
 from smb_client.errors import InvalidArgument, RegionExists, RegionNotFound, ServerNotFound
 
-from .records import MAX_BYTES, ExtentPlace, HeldExtent, RegionRecord, ServerRecord, check_bytes, validate_name
+from .records import MAX_BYTES, ExtentRecord, HeldExtent, RegionRecord, ServerRecord, check_bytes, validate_name
 
-__all__ = ["MAX_BYTES", "SERVER_STATES", "ControllerState", "ExtentPlace", "HeldExtent",
+__all__ = ["MAX_BYTES", "SERVER_STATES", "ControllerState", "ExtentRecord", "HeldExtent",
            "RegionRecord", "ServerRecord", "check_bytes", "validate_name"]
 
 log = logging.getLogger(__name__)
@@ -428,7 +428,7 @@ class ControllerState:
         log.info("region %s (uid %s) ready", name, region.uid)
         return region
 
-    def abort_region(self, name: str, uid: str | None = None) -> list[ExtentPlace]:
+    def abort_region(self, name: str, uid: str | None = None) -> list[ExtentRecord]:
         """Forget a region still ``creating``; returns its extents (to release).
 
         Does nothing (returns ``[]``) when no such region is being created.
@@ -449,7 +449,7 @@ class ControllerState:
             raise RegionNotFound(f"no region named {name!r}")
         return region
 
-    def delete_region(self, name: str) -> list[ExtentPlace]:
+    def delete_region(self, name: str) -> list[ExtentRecord]:
         """Remove a ready region; returns its extents, which the caller releases.
 
         Raises RegionNotFound (also for a region still being created).
@@ -481,7 +481,7 @@ class ControllerState:
             "SELECT l.extent_id FROM lost_extents l JOIN extents e ON e.extent_id = l.extent_id "
             "WHERE e.region_name=?", (name,))}
         extents = tuple(
-            ExtentPlace(e["extent_id"], e["idx"], e["server_id"], e["length"], e["grpc_address"],
+            ExtentRecord(e["extent_id"], e["idx"], e["server_id"], e["length"], e["grpc_address"],
                         e["host_id"], tuple(json.loads(e["endpoints"])), e["state"],
                         e["extent_id"] in lost)
             for e in db.execute(

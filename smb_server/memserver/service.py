@@ -17,7 +17,7 @@ import grpc
 from smb_client._proto.smb.v1 import memory_server_pb2 as pb
 from smb_client._proto.smb.v1 import memory_server_pb2_grpc as pb_grpc
 from smb_client.errors import InvalidArgument, InvalidTicket, PermissionDenied
-from smb_client.tickets import Ticket, verify
+from smb_client.tickets import Ticket, TicketMode, verify
 from smb_client.verbs import QPInfo
 
 from ..grpc_util import typed_errors
@@ -98,8 +98,8 @@ class MemoryServerServicer(pb_grpc.MemoryServerServicer):
             raise InvalidArgument("rdma transport is not enabled on this server "
                                   "(no RDMA device, or 'rdma' not in its transports)")
         ticket = verify(self.secret, request.ticket)
-        if ticket.mode not in ("ro", "rw"):
-            raise PermissionDenied(f"Connect needs a region ticket (ro or rw), not a {ticket.mode!r} one")
+        if ticket.mode is TicketMode.ADMIN:
+            raise PermissionDenied("Connect needs a region ticket (ro or rw), not an admin one")
         peer = QPInfo(request.qpn, request.psn, bytes(request.gid), request.mtu, request.lid)
         answer = plane.connect(ticket, peer, context.peer())
         extents = [pb.RemoteExtent(extent_id=e, address=a, rkey=k, length=n)

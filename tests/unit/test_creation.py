@@ -12,7 +12,7 @@ from smb_client import errors
 from smb_server.controller.barriers import Barriers
 from smb_server.controller.creation import RegionCreator, RegionSpec
 from smb_server.controller.memservers import MemoryServers
-from smb_server.controller.state import ControllerState, ExtentPlace
+from smb_server.controller.state import ControllerState, ExtentRecord
 
 MiB = 1 << 20
 
@@ -35,7 +35,7 @@ class InMemoryServers:
         self.reserving = threading.Event()
         self.lock = threading.Lock()
 
-    def reserve(self, address: str, region_uid: str, extent: ExtentPlace,
+    def reserve(self, address: str, region_uid: str, extent: ExtentRecord,
                 persistent: bool = False) -> None:
         self.reserving.set()
         if self.gate is not None:
@@ -49,7 +49,7 @@ class InMemoryServers:
         with self.lock:
             self.held.setdefault(address, {})[extent.extent_id] = (region_uid, extent.length)
 
-    def release(self, address: str, region_uid: str, extent: ExtentPlace) -> bool:
+    def release(self, address: str, region_uid: str, extent: ExtentRecord) -> bool:
         if self.release_fails is not None:
             raise self.release_fails
         with self.lock:
