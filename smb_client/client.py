@@ -20,6 +20,7 @@ from .dataplane import TRANSPORT_POLICIES, DataPlane, choose_endpoint
 from .errors import ControllerUnavailable, InvalidArgument, SMBError
 from .hostinfo import host_id
 from .names import check_region_name
+from .placement import check_bytes
 from .region import Region
 from .retry import Backoff, Retry
 from .tickets import TicketMode
@@ -27,7 +28,6 @@ from .tickets import TicketMode
 log = logging.getLogger(__name__)
 
 DEFAULT_CONTROLLER = "127.0.0.1:7700"
-MAX_SIZE = (1 << 63) - 1     # bytes: sizes travel as 64-bit numbers
 RECONNECT_FIRST = 0.05       # seconds before the first retry of an unreachable controller
 RECONNECT_CAP = 0.5          # seconds between retries at most
 
@@ -129,13 +129,13 @@ class Client:
         positive whole number of bytes below 2**63 (and the like), RegionExists unless
         ``exist_ok``, OutOfMemory when it does not fit.
         """
-        _check_name(name)
-        _check_bytes("size", size, minimum=1)
-        _check_bytes("stripe_unit", stripe_unit, minimum=0)
+        check_region_name(name)   # also checked by the controller; a name too large for one gRPC message would fail in the channel
+        check_bytes("size", size, minimum=1)
+        check_bytes("stripe_unit", stripe_unit, minimum=0)
         if not isinstance(num_servers, int) or isinstance(num_servers, bool) or not 0 <= num_servers < 1 << 31:
             raise InvalidArgument(f"num_servers must be a whole number >= 0 (0: all servers), not {num_servers!r}")
         for k, seg in enumerate(segment_sizes):
-            _check_bytes(f"segment_sizes[{k}]", seg, minimum=1)
+            check_bytes(f"segment_sizes[{k}]", seg, minimum=1)
         resp = self._call("CreateRegion", pb.CreateRegionRequest(
             name=name, size=size, placement=placement, stripe_unit=stripe_unit,
             num_servers=num_servers, segment_sizes=list(segment_sizes),
@@ -146,7 +146,7 @@ class Client:
         """Open region ``name`` at the controller: its description (extents, layout) and
         a fresh ticket (``.token``, ``.expires_at`` in unix seconds). Regions call this
         to renew their ticket."""
-        _check_name(name)
+        check_region_name(name)
         resp = self._call("OpenRegion", pb.OpenRegionRequest(name=name, mode=_mode(mode).value))
         return resp.region, resp.ticket
 
@@ -190,18 +190,6 @@ class Client:
     def open_sessions(self) -> dict[str, str]:
         """The data-plane sessions this client holds: endpoint URI -> transport scheme."""
         return {uri: s.scheme for uri, s in self.dataplane.sessions().items()}
-
-
-def _check_name(name: object) -> None:
-    # checked here too, not only by the controller: a name too large for one gRPC
-    # message would otherwise fail in the channel with an unrelated error
-    check_region_name(name)
-
-
-def _check_bytes(what: str, value: object, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or not minimum <= value <= MAX_SIZE:
-        raise InvalidArgument(f"{what} must be a whole number of bytes, at least {minimum} and below "
-                              f"2**63, not {value!r}")
 
 
 def _mode(mode: object) -> TicketMode:

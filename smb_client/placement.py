@@ -20,6 +20,17 @@ from typing import Any
 
 from .errors import InvalidArgument, OutOfMemory, OutOfRange
 
+MAX_BYTES = (1 << 63) - 1   # the largest size, offset or capacity: 64-bit on the wire and in SQLite
+
+
+def check_bytes(what: str, value: object, minimum: int = 0) -> int:
+    """``value`` if it is a whole number of bytes from ``minimum`` to :data:`MAX_BYTES`;
+    InvalidArgument saying what is allowed otherwise. Client and controller both use it."""
+    if not isinstance(value, int) or isinstance(value, bool) or not minimum <= value <= MAX_BYTES:
+        raise InvalidArgument(f"{what} must be a whole number of bytes, at least {minimum} and "
+                              f"below 2**63 (at most 2^63-1), not {value!r}")
+    return value
+
 DEFAULT_STRIPE_UNIT = 1 << 20  # bytes
 PLACEMENTS = ("striped", "layered", "single")
 

@@ -4,11 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from smb_client.errors import InvalidArgument
-from smb_client.names import check_region_name
 from smb_client.placement import Layout
-
-MAX_BYTES = (1 << 63) - 1  # the largest size, offset or capacity SQLite's INTEGER holds
 
 
 # -- records ------------------------------------------------------------------------------
@@ -86,19 +82,3 @@ class RegionRecord:
         return Layout(self.placement, self.size, tuple(e.length for e in self.extents),
                       stripe_unit=self.stripe_unit, segment_sizes=self.segment_sizes,
                       segment_extents=self.segment_extents)
-
-
-# -- validation ----------------------------------------------------------------------------
-def validate_name(name: str) -> str:
-    """Check a region name (``namespace/name``, see :mod:`smb_client.names`); returns it
-    or raises InvalidArgument saying what is allowed."""
-    return check_region_name(name)
-
-
-def check_bytes(what: str, value: int, minimum: int = 0) -> int:
-    """``value`` as an int if ``minimum <= value <= MAX_BYTES``; InvalidArgument otherwise."""
-    value = int(value)
-    if value < minimum or value > MAX_BYTES:
-        raise InvalidArgument(f"{what} must be {minimum} to {MAX_BYTES} (2^63-1) bytes, "
-                              f"got {value}")
-    return value

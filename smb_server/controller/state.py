@@ -47,11 +47,13 @@ from contextlib import contextmanager
 
 from smb_client import placement as placement_mod
 from smb_client.errors import InvalidArgument, RegionExists, RegionNotFound, ServerNotFound
+from smb_client.names import check_region_name
+from smb_client.placement import check_bytes
 
-from .records import MAX_BYTES, ExtentRecord, HeldExtent, RegionRecord, ServerRecord, check_bytes, validate_name
+from .records import ExtentRecord, HeldExtent, RegionRecord, ServerRecord
 
-__all__ = ["MAX_BYTES", "SERVER_STATES", "ControllerState", "ExtentRecord", "HeldExtent",
-           "RegionRecord", "ServerRecord", "check_bytes", "validate_name"]
+__all__ = ["SERVER_STATES", "ControllerState", "ExtentRecord", "HeldExtent", "RegionRecord",
+           "ServerRecord"]
 
 log = logging.getLogger(__name__)
 
@@ -358,7 +360,7 @@ class ControllerState:
         Raises InvalidArgument, RegionExists, or OutOfMemory (with the numbers).
         """
         now = self._now(now)
-        validate_name(name)
+        check_region_name(name)
         if size <= 0:
             raise InvalidArgument(f"region size must be positive, got {size} bytes")
         size = check_bytes("region size", size, 1)

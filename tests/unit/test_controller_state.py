@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from smb_client import errors
-from smb_server.controller.state import ControllerState, HeldExtent, validate_name
+from smb_client.names import check_region_name
+from smb_server.controller.state import ControllerState, HeldExtent
 
 MiB = 1 << 20
 T0 = 1_000_000.0
@@ -154,7 +155,7 @@ def test_layered_region_layout(state: ControllerState) -> None:
 
 @pytest.mark.parametrize("name", ["job/params", "a/b", "a.b/c_d-e/F9", "x/" + "x" * 253, "j/..x"])
 def test_good_names(name: str) -> None:
-    assert validate_name(name) == name
+    assert check_region_name(name) == name
 
 
 @pytest.mark.parametrize("name", ["", "/a", "a/", "a//b", "a b", "a/b?", "x/" + "x" * 254, "é/x",
