@@ -129,7 +129,8 @@ class Client:
         positive whole number of bytes below 2**63 (and the like), RegionExists unless
         ``exist_ok``, OutOfMemory when it does not fit.
         """
-        check_region_name(name)   # also checked by the controller; a name too large for one gRPC message would fail in the channel
+        # also checked by the controller; a name too large for one gRPC message fails in the channel
+        check_region_name(name)
         check_bytes("size", size, minimum=1)
         check_bytes("stripe_unit", stripe_unit, minimum=0)
         if not isinstance(num_servers, int) or isinstance(num_servers, bool) or not 0 <= num_servers < 1 << 31:
