@@ -14,11 +14,8 @@ from smb_client.errors import ExtentNotFound, InvalidTicket, ReadOnly, TicketExp
 from smb_client.tickets import Ticket
 
 from .arena import Arena, Extent
-from .listener import ACCEPT_POLL
 
 log = logging.getLogger(__name__)
-
-__all__ = ["ACCEPT_POLL", "TicketBook", "check_access"]   # ACCEPT_POLL lived here before listener.py
 
 
 def check_access(ticket: Ticket, arena: Arena, extent_id: int, write: bool) -> Extent:

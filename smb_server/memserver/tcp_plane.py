@@ -57,17 +57,14 @@ from smb_client.tickets import verify
 from smb_client.wire import Op
 
 from . import kernels
-from .access import TicketBook, check_access
+from .access import TicketBook
 from .arena import Arena, Extent
 from .kernels import Arith
-from .listener import ACCEPT_POLL, BACKLOG, Listener
+from .listener import BACKLOG, Listener
 from .stats import PlaneStats
 
 log = logging.getLogger(__name__)
 
-# check_access, PlaneStats and ACCEPT_POLL were imported from here before access.py and
-# listener.py
-__all__ = ["TcpPlane", "check_access", "PlaneStats", "ACCEPT_POLL"]
 
 SCRATCH_BYTES = 4 << 20   # bytes of payload received per accumulate step (one pooled buffer)
 SMALL_SCRATCH = 64 << 10  # bytes; payloads up to this use a buffer of their own, dropped after use

@@ -40,7 +40,8 @@ from smb_server.grpc_util import make_server
 from smb_server.memserver.arena import HEADER_BYTES, LIVE_OFFSET, Arena
 from smb_server.memserver.main import MemoryServer
 from smb_server.memserver.shm_plane import ShmPlane
-from smb_server.memserver.tcp_plane import PlaneStats, TcpPlane
+from smb_server.memserver.stats import PlaneStats
+from smb_server.memserver.tcp_plane import TcpPlane
 
 SECRET = b"s" * 32
 UID = "region-1"
