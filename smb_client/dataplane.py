@@ -68,6 +68,9 @@ class DataPlane:
         self.token = token
         self.transport_options = dict(transport_options or {})
         self._sessions: dict[str, Session] = {}
+        # endpoint chosen per (server, host, offered endpoints): choosing looks at this
+        # host's RDMA devices, which must not happen on every request
+        self._chosen: dict[tuple[str, str, tuple[str, ...]], str] = {}
         self._lock = threading.Lock()
         self._closed = False
         self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="smb-io")
@@ -76,7 +79,11 @@ class DataPlane:
     # -- sessions ------------------------------------------------------------------
     def session(self, place: ExtentPlace) -> Session:
         """The session to the endpoint chosen for ``place``'s server (borrowed: do not close)."""
-        return self._session_for(choose_endpoint(place, self.policy, self.here), place)
+        key = (place.server_id, place.host_id, place.endpoints)
+        uri = self._chosen.get(key)
+        if uri is None:
+            uri = self._chosen[key] = choose_endpoint(place, self.policy, self.here)
+        return self._session_for(uri, place)
 
     def sessions(self) -> dict[str, Session]:
         """A snapshot of the open sessions by endpoint URI."""

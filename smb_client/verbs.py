@@ -69,9 +69,11 @@ def pyverbs_available() -> bool:
 
 @functools.cache
 def has_device() -> bool:
-    """Cheap, cached check: an RDMA device exists and pyverbs imports.
+    """An RDMA device exists and pyverbs imports (a directory listing and an import
+    lookup; not cached, since a device may appear later).
 
-    Used by the client's automatic transport choice; it does not open the device.
+    Used by the client's automatic transport choice, which caches what it chose; it does
+    not open the device.
     """
     return bool(device_names()) and pyverbs_available()
 
