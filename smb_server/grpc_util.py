@@ -40,9 +40,8 @@ class BearerAuth(grpc.ServerInterceptor):
 
         def deny(request: Any, context: grpc.ServicerContext) -> None:
             refused("a call", context.peer(), "missing or wrong bearer token")
-            context.set_trailing_metadata(((ERROR_KEY, errors.AuthenticationError.__name__),))
-            context.abort(status_code_for(errors.AuthenticationError()),
-                          "missing or wrong bearer token (set SMB_TOKEN or pass token=...)")
+            abort(context, errors.AuthenticationError(
+                "missing or wrong bearer token (set SMB_TOKEN or pass token=...)"))
 
         self._deny = grpc.unary_unary_rpc_method_handler(deny)
 
