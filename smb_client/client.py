@@ -105,13 +105,15 @@ class Client:
         self.dataplane.close()
         self._channel.close()
 
-    def _call(self, method: str, request: Any, timeout: float | None = None) -> Any:
+    def _call(self, method: str, request: Any, timeout: float | None = None,
+              reconnect_timeout: float | None = None) -> Any:
         """One controller call; while the controller is unreachable (restarting), retry
-        with backoff for up to ``reconnect_timeout`` seconds, then raise
-        ControllerUnavailable."""
+        with backoff for up to ``reconnect_timeout`` seconds (default: the client's),
+        then raise ControllerUnavailable."""
         stub_method = getattr(self._stub, method)
         deadline = self.timeout if timeout is None else timeout
-        retry = Retry(on=(ControllerUnavailable,), timeout=self.reconnect_timeout,
+        patience = self.reconnect_timeout if reconnect_timeout is None else reconnect_timeout
+        retry = Retry(on=(ControllerUnavailable,), timeout=patience,
                       backoff=Backoff(first=RECONNECT_FIRST, cap=RECONNECT_CAP))
         return retry(lambda: rpc.call(stub_method, request, self.token, deadline, ControllerUnavailable),
                      what=f"controller {method}")
@@ -143,12 +145,15 @@ class Client:
             persistent=persistent, exist_ok=exist_ok))
         return Region(self, resp.region, resp.ticket, TicketMode.RW)
 
-    def open_info(self, name: str, mode: str | TicketMode = TicketMode.RW) -> tuple[Any, Any]:
+    def open_info(self, name: str, mode: str | TicketMode = TicketMode.RW,
+                  reconnect_timeout: float | None = None) -> tuple[Any, Any]:
         """Open region ``name`` at the controller: its description (extents, layout) and
         a fresh ticket (``.token``, ``.expires_at`` in unix seconds). Regions call this
-        to renew their ticket."""
+        to renew their ticket. ``reconnect_timeout``: seconds to keep trying while the
+        controller is unreachable (default: the client's)."""
         check_region_name(name)
-        resp = self._call("OpenRegion", pb.OpenRegionRequest(name=name, mode=_mode(mode).value))
+        resp = self._call("OpenRegion", pb.OpenRegionRequest(name=name, mode=_mode(mode).value),
+                          reconnect_timeout=reconnect_timeout)
         return resp.region, resp.ticket
 
     def open_region(self, name: str, mode: str | TicketMode = TicketMode.RW) -> Region:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from . import errors
 from .buffers import as_view
 from .dtypes import STORAGE, DType, itemsize, resolve
 from .errors import DtypeError, InvalidArgument, Misaligned, ReadOnly, TicketExpired
@@ -38,6 +39,7 @@ log = logging.getLogger(__name__)
 
 REFRESH_MARGIN = 60.0      # seconds before expiry a ticket is renewed
 REFRESH_TIMEOUT = 2.0      # seconds an operation keeps renewing a ticket the server calls expired
+EXPLAIN_PATIENCE = 0.5     # seconds a failed operation waits for the controller to say why
 FLOATING_TYPES = (DType.FLOAT32, DType.FLOAT16, DType.BFLOAT16, DType.FLOAT64)
 
 __all__ = ["Region", "ExtentPlace", "layout_of"]
@@ -116,6 +118,29 @@ class Region:
         (False where part of ``fn`` may have taken effect and must not run twice)."""
         if time.time() > self._expires_at - REFRESH_MARGIN:
             self.refresh()
+        try:
+            return self._retrying_once(fn, rerun)
+        except (errors.ServerUnavailable, errors.ExtentNotFound) as exc:
+            self._explain(exc)
+            raise
+
+    def _explain(self, exc: errors.SMBError) -> None:
+        """After a server was unreachable or no longer held an extent, ask the controller
+        what became of the region: a region that is ``lost`` (its server came back
+        without its memory) raises :class:`~.errors.RegionLost` instead, chained to ``exc``; a
+        deleted one keeps ``exc`` (ExtentNotFound is a RegionNotFound). The operation is
+        not run again (part of it may have taken effect)."""
+        try:
+            info, ticket = self._client.open_info(self.name, self.mode, reconnect_timeout=EXPLAIN_PATIENCE)
+        except errors.RegionLost as why:
+            raise why from exc
+        except errors.SMBError:
+            log.debug("region %s: controller not reachable to explain %r", self.name, exc)
+            return
+        with self._lock:
+            self._apply(info, ticket)      # the servers' current endpoints for the next operation
+
+    def _retrying_once(self, fn: Callable[[], Any], rerun: bool) -> Any:
         if not rerun:
             try:
                 return fn()

@@ -90,3 +90,35 @@ def test_lost_region_in_controller_metrics(tmp_path, cluster_env):  # noqa: F811
         assert ctl[("smb_controller_lost_extents", (("server_id", server_id),))] == 1
         c.delete_region("ops/lost")
         assert scrape(ctl_metrics)[("smb_controller_regions", (("state", "lost"),))] == 0
+
+
+def test_tcp_handle_opened_before_the_loss_raises_region_lost(fresh_cluster):
+    """A tcp handle whose server came back empty gets RegionLost naming the server, not
+    the server's ExtentNotFound (which reads as if the region had been deleted)."""
+    c = fresh_cluster.client(transport="tcp")
+    try:
+        r = c.create_region("job/lost-tcp", 2 * MiB, placement="single")
+        r.write(0, np.ones(1024, np.float32))
+        victim = r.extents[0].server_id
+        index = _index(fresh_cluster, victim)
+        fresh_cluster.kill_server(index)
+        fresh_cluster.start_server(index)
+        _wait_state(c, "job/lost-tcp", "lost")
+        ops = (lambda: r.read(0, 16), lambda: r.write(0, np.zeros(4, np.float32)),
+               lambda: r.accumulate(0, np.ones(4, np.float32)), lambda: r.fetch_add(0, 1))
+        for op in ops:
+            deadline = time.monotonic() + 20
+            while True:   # the restarted server may still be opening its listeners
+                try:
+                    op()
+                except errors.ServerUnavailable:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.1)
+                    continue
+                except errors.SMBError as exc:
+                    assert type(exc) is errors.RegionLost, repr(exc)
+                    assert victim in str(exc)
+                    break
+                raise AssertionError("an operation on a lost region reported success")
+    finally:
+        c.close()
