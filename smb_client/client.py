@@ -17,7 +17,7 @@ from . import rpc
 from ._proto.smb.v1 import controller_pb2 as pb
 from ._proto.smb.v1 import controller_pb2_grpc as pb_grpc
 from .dataplane import TRANSPORT_POLICIES, DataPlane, choose_endpoint
-from .errors import ControllerUnavailable, InvalidArgument, SMBError
+from .errors import ControllerUnavailable, InvalidArgument, RegionNotFound, SMBError
 from .hostinfo import host_id
 from .names import check_region_name
 from .placement import check_bytes
@@ -165,6 +165,22 @@ class Client:
     def delete_region(self, name: str) -> None:
         """Delete a region; its memory is freed and old handles stop working."""
         self._call("DeleteRegion", pb.DeleteRegionRequest(name=name))
+
+    def delete_regions(self, prefix: str) -> list[str]:
+        """Delete every region whose name starts with ``prefix`` (e.g. a job's
+        ``"job/"``) and return their names. An empty prefix is refused with
+        InvalidArgument (it would name every region); a region deleted meanwhile by
+        someone else is skipped."""
+        if not prefix:
+            raise InvalidArgument("delete_regions needs a non-empty name prefix, e.g. 'job/'")
+        deleted = []
+        for region in self.list_regions(prefix):
+            try:
+                self.delete_region(region.name)
+            except RegionNotFound:
+                continue
+            deleted.append(region.name)
+        return deleted
 
     def list_regions(self, prefix: str = "") -> list[RegionStatus]:
         resp = self._call("ListRegions", pb.ListRegionsRequest(prefix=prefix))

@@ -211,6 +211,9 @@ def cmd_region(args: argparse.Namespace) -> int:
         elif args.action == "ls":
             from .status import region_row, region_table
             print(region_table([region_row(r) for r in c.list_regions(args.name or "")]))
+        elif args.action == "rm" and args.prefix:
+            deleted = c.delete_regions(args.prefix)
+            print(f"deleted {len(deleted)} region(s) under {args.prefix}" + "".join(f"\n  {n}" for n in deleted))
         elif args.action == "rm":
             c.delete_region(args.name)
             print(f"deleted {args.name}")
@@ -305,6 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="memory servers to spread the region over (default 0: all that fit)")
     p.add_argument("--segments", default="", help="layered: comma-separated segment sizes")
     p.add_argument("--persistent", action="store_true", help="file-backed extents (servers with data_dir)")
+    p.add_argument("--prefix", default="", help="rm: delete every region whose name starts with this, e.g. job/")
     p.set_defaults(fn=cmd_region)
 
     p = sub.add_parser("train", help="train an example model (digits) through the memory box",
@@ -338,8 +342,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         print(f"smb: {exc}", file=sys.stderr)
         return 2
-    if args.command == "region" and args.action in ("create", "rm") and not args.name:
-        print(f"smb region {args.action}: a region name is required", file=sys.stderr)
+    if args.command == "region" and args.action in ("create", "rm") and not args.name \
+            and not (args.action == "rm" and args.prefix):
+        print(f"smb region {args.action}: a region name is required"
+              + (" (or --prefix PREFIX)" if args.action == "rm" else ""), file=sys.stderr)
+        return 2
+    if args.command == "region" and args.action == "rm" and args.name and args.prefix:
+        print("smb region rm: give a region name or --prefix, not both", file=sys.stderr)
         return 2
     try:
         return args.fn(args)

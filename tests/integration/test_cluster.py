@@ -159,6 +159,26 @@ def test_cli_region_and_status(cluster):
     assert missing.returncode == 1 and "RegionNotFound" in missing.stderr
 
 
+def test_cli_region_rm_prefix_removes_a_jobs_regions(cluster):
+    """`smb region rm --prefix job/` deletes that job's regions and no other; an empty
+    prefix is refused instead of deleting everything."""
+    with cluster.client(transport="tcp") as c:
+        for name in ("rmjob/a", "rmjob/b/grads", "rmjobx/keep", "other/keep"):
+            c.create_region(name, MiB, placement="single").close()
+        out = _smb(cluster, "region", "rm", "--prefix", "rmjob/")
+        assert out.returncode == 0, out.stderr
+        assert "2 region(s)" in out.stdout
+        names = {r.name for r in c.list_regions()}
+        assert not {"rmjob/a", "rmjob/b/grads"} & names
+        assert {"rmjobx/keep", "other/keep"} <= names
+        with pytest.raises(errors.InvalidArgument):
+            c.delete_regions("")
+        assert _smb(cluster, "region", "rm").returncode != 0      # neither a name nor a prefix
+        assert {"rmjobx/keep", "other/keep"} <= {r.name for r in c.list_regions()}
+        assert c.delete_regions("rmjobx/") == ["rmjobx/keep"]
+        c.delete_region("other/keep")
+
+
 def test_orphan_extent_freed_after_grace(tmp_path):
     """A server that misses a release (stopped while its region is deleted) frees the
     extent itself once it is back and the controller reports the extent as an orphan."""
