@@ -228,6 +228,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         argv += ["--epochs", str(args.epochs)]
     if args.quiet:
         argv.append("--quiet")
+    if args.replace:
+        argv.append("--replace")
     controller = None if args.local else (args.controller or os.environ.get("SMB_CONTROLLER"))
     if controller:  # otherwise the example starts a local cluster
         # the token stays in the environment (SMB_TOKEN), never on a command line
@@ -325,6 +327,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--placement", default="striped", choices=["striped", "layered", "single"],
                    help="placement of the parameter regions (default striped)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--replace", action="store_true",
+                   help="delete regions an unfinished run left under the job's namespace (default: refuse)")
     p.add_argument("extra", nargs="*", help="further trainer options, after --")
     p.set_defaults(fn=cmd_train)
 

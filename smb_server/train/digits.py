@@ -105,6 +105,20 @@ def worker_argv(args: argparse.Namespace, data: str) -> list[str]:
     return out
 
 
+def clear_job(controller: str, token: str, job: str, replace: bool) -> None:
+    """Regions under ``job/`` are left over from a run that did not finish: delete them
+    when ``replace``, else stop with a message that says what to do."""
+    import smb_client
+    with smb_client.connect(controller, token=token or None) as client:
+        left = [r.name for r in client.list_regions(f"{job}/")]
+        if left and not replace:
+            raise SystemExit(f"smb train: {len(left)} region(s) under {job}/ exist ({', '.join(left[:3])}"
+                             f"{', ...' if len(left) > 3 else ''}), left by a run that did not finish? "
+                             "Rerun with --replace to delete them, or choose another --job")
+        if left:
+            print(f"deleting {len(client.delete_regions(f'{job}/'))} region(s) left under {job}/", flush=True)
+
+
 def launch(args: argparse.Namespace) -> int:
     from smb_client.units import format_bytes
     schemes = list(SCHEMES) if args.scheme == "all" else [args.scheme]
@@ -117,6 +131,7 @@ def launch(args: argparse.Namespace) -> int:
         controller, token = cluster.address, cluster.token
     rows = []
     try:
+        clear_job(controller, token, args.job, args.replace)
         with tempfile.TemporaryDirectory(prefix="smb-digits-") as tmp:
             data = str(Path(tmp) / "digits.npz")
             save_data(data)
@@ -167,6 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="hybrid: workers per node (default LOCAL_WORLD_SIZE; half the workers on one host)")
     p.add_argument("--no-overlap", action="store_true", help="push gradients after backward, not from hooks")
     p.add_argument("--job", default="digits", help="region namespace")
+    p.add_argument("--replace", action="store_true",
+                   help="launcher: delete regions left under the job's namespace by an unfinished run")
     p.add_argument("--min-accuracy", type=float, default=0.0,
                    help="launcher: exit 1 if sync ends below this test accuracy")
     p.add_argument("--json", default=None, help="launcher: write the summary rows here")

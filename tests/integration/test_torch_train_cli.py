@@ -41,3 +41,27 @@ def test_smb_train_needs_no_source_checkout(tmp_path):
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "--min-accuracy" in proc.stdout and "sync" in proc.stdout
+
+
+def test_smb_train_refuses_or_replaces_regions_a_crashed_run_left(cluster, tmp_path):
+    """Regions left under the job's namespace (a killed run) make `smb train` stop at once
+    with a message naming --replace; with --replace they are deleted and the run goes on."""
+    job = f"stale{os.getpid()}"
+    with cluster.client() as c:
+        c.create_region(f"{job}/sync/params", 1 << 20, placement="single").close()
+    env = dict(os.environ, SMB_CONTROLLER=cluster.address, SMB_TOKEN=cluster.token)
+    argv = [sys.executable, "-m", "smb_server.cli", "train", "--scheme", "sync", "--workers", "2",
+            "--epochs", "1", "--quiet"]
+    refused = subprocess.run(argv + ["--", "--job", job], cwd=tmp_path, env=env, capture_output=True,
+                             text=True, timeout=120)
+    assert refused.returncode != 0
+    assert "--replace" in refused.stderr and f"{job}/sync/params" in refused.stderr, refused.stderr
+    with cluster.client() as c:
+        assert [r.name for r in c.list_regions(f"{job}/")] == [f"{job}/sync/params"]   # untouched
+
+    replaced = subprocess.run(argv + ["--replace", "--", "--job", job], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=240)
+    assert replaced.returncode == 0, replaced.stdout[-3000:] + replaced.stderr[-3000:]
+    assert f"deleting 1 region(s) left under {job}/" in replaced.stdout
+    with cluster.client() as c:
+        assert c.list_regions(f"{job}/") == []
