@@ -91,6 +91,7 @@ class Client:
         self.transport_options = dict(transport_options or {})
         self.dataplane = DataPlane(self.transport, host_id(), connections=connections, token=self.token,
                                    io_threads=io_threads, transport_options=self.transport_options)
+        self._closed = False
         self._channel = rpc.channel(self.address)
         self._stub = pb_grpc.ControllerStub(self._channel)  # type: ignore[no-untyped-call]  # generated stub, untyped __init__
 
@@ -102,6 +103,7 @@ class Client:
 
     def close(self) -> None:
         """Close the data plane (after submitted work ends) and the controller channel."""
+        self._closed = True
         self.dataplane.close()
         self._channel.close()
 
@@ -109,7 +111,9 @@ class Client:
               reconnect_timeout: float | None = None) -> Any:
         """One controller call; while the controller is unreachable (restarting), retry
         with backoff for up to ``reconnect_timeout`` seconds (default: the client's),
-        then raise ControllerUnavailable."""
+        then raise ControllerUnavailable (at once on a closed client)."""
+        if self._closed:
+            raise ControllerUnavailable(f"controller {method}: the client is closed (Client.close was called)")
         stub_method = getattr(self._stub, method)
         deadline = self.timeout if timeout is None else timeout
         patience = self.reconnect_timeout if reconnect_timeout is None else reconnect_timeout

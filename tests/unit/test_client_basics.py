@@ -121,6 +121,13 @@ def test_dataplane_arguments_and_lifecycle():
         session.read_into("t", 1, 0, [memoryview(bytearray(8))])
 
 
+def test_closed_client_refuses_controller_calls_with_a_typed_error():
+    c = Client("127.0.0.1:1", reconnect_timeout=30.0)
+    c.close()
+    with pytest.raises(errors.ControllerUnavailable, match="closed"):   # at once, no retrying
+        c.list_regions()
+
+
 @pytest.mark.parametrize("name", ["x" * (70 << 20), "a/" + "b" * 300, "..", ".", "../x",
                                   "params", "job//p", "job/.."])
 def test_region_names_checked_before_any_call(name):
