@@ -6,10 +6,18 @@ Regions borrow sessions from it (:meth:`DataPlane.session`) and never close them
 request carries the region's own ticket, which the session presents on a connection
 before the first request that needs it. So a client with many regions on a server holds
 ``connections`` sockets to it, not ``connections`` per region.
+
+Exactly once: a data plane is one client to the memory servers, with a random 64-bit
+:attr:`DataPlane.client_id`; it hands out sequence numbers (:meth:`DataPlane.next_seq`)
+for mutating requests, each number spaced :data:`SEQ_STRIDE` from the next so that a
+transport that splits one request into several messages numbers them ``seq + k``.
+A retried request reuses its number and the server applies it at most once.
 """
 from __future__ import annotations
 
+import itertools
 import logging
+import secrets
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -25,12 +33,15 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 TRANSPORT_POLICIES = ("auto", "tcp", "shm", "rdma")
+SEQ_STRIDE = 1 << 20   # sequence numbers per mutating request (one per message a transport sends for it)
 
 
 def choose_endpoint(place: ExtentPlace, policy: str, here: str) -> str:
     """The data-plane URI to use for a server, by policy (``auto`` prefers shm on the
     same host, then rdma where this client can do verbs, then tcp)."""
     offered = {uri.partition("://")[0]: uri for uri in place.endpoints}
+    if "tcp+tls" in offered:   # the tcp policy takes the server's tcp plane, TLS or not
+        offered.setdefault("tcp", offered["tcp+tls"])
     if policy != "auto":
         if policy not in offered:
             raise InvalidArgument(
@@ -73,8 +84,14 @@ class DataPlane:
         self._chosen: dict[tuple[str, str, tuple[str, ...]], str] = {}
         self._lock = threading.Lock()
         self._closed = False
+        self.client_id = secrets.randbits(64) | 1   # never 0 ("not tracked")
+        self._seqs = itertools.count(SEQ_STRIDE, SEQ_STRIDE)
         self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="smb-io")
         self._async = ThreadPoolExecutor(io_threads, thread_name_prefix="smb-async")
+
+    def next_seq(self) -> int:
+        """A fresh sequence number for one mutating request (thread-safe)."""
+        return next(self._seqs)
 
     # -- sessions ------------------------------------------------------------------
     def session(self, place: ExtentPlace) -> Session:
@@ -84,6 +101,15 @@ class DataPlane:
         if uri is None:
             uri = self._chosen[key] = choose_endpoint(place, self.policy, self.here)
         return self._session_for(uri, place)
+
+    def coordination(self, place: ExtentPlace) -> Session:
+        """The tcp session of ``place``'s server, whatever transport its data uses: waits,
+        locks and the counters they watch go through the server (``smb_client.coord``)."""
+        for uri in place.endpoints:
+            if uri.startswith("tcp://"):
+                return self._session_for(uri, place)
+        raise InvalidArgument(f"server {place.server_id} offers no tcp endpoint, which waits, locks and "
+                              f"barriers need; it offers {', '.join(sorted(place.endpoints))}")
 
     def sessions(self) -> dict[str, Session]:
         """A snapshot of the open sessions by endpoint URI."""
@@ -95,9 +121,10 @@ class DataPlane:
         if s is not None:
             return s
         options: dict[str, Any] = {"connections": self.connections,
-                                   "grpc_address": place.grpc_address, "token": self.token}
+                                   "grpc_address": place.grpc_address, "token": self.token,
+                                   "client_id": self.client_id}
         if uri.startswith("shm://"):
-            tcp = [u for u in place.endpoints if u.startswith("tcp://")]
+            tcp = [u for u in place.endpoints if u.startswith(("tcp://", "tcp+tls://"))]
             if tcp:   # arithmetic goes to the same server over the shared tcp session
                 options["arithmetic"] = self._session_for(tcp[0], place)
         options.update(self.transport_options)

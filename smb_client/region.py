@@ -11,6 +11,12 @@ memory-server endpoint, shared by every region) and hands each request its own t
 Concurrency rules (enforced by the memory servers): accumulates into one range are
 serialized per extent; writes are last-writer-wins; a reader that needs a consistent
 snapshot uses a version word or a lock built on :meth:`Region.compare_swap`.
+
+Exactly once: an operation is planned once into requests, and every mutating request gets
+its sequence number then (:meth:`DataPlane.next_seq`). When the operation runs again (a
+ticket the server called expired, renewed; a connection that broke, on another one), the
+same requests with the same numbers are sent: those that took effect are answered with
+their first answer by the server and not applied twice.
 """
 from __future__ import annotations
 
@@ -23,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import errors
+from . import coord, errors
 from .buffers import as_view
 from .dtypes import STORAGE, DType, itemsize, resolve
 from .errors import DtypeError, InvalidArgument, Misaligned, ReadOnly, TicketExpired
@@ -44,8 +50,8 @@ FLOATING_TYPES = (DType.FLOAT32, DType.FLOAT16, DType.BFLOAT16, DType.FLOAT64)
 
 __all__ = ["Region", "ExtentPlace", "layout_of"]
 
-#: op(session, ticket, extent_id, extent_offset, buffers)
-BufferOp = Callable[[Session, str, int, int, list[memoryview]], Any]
+#: op(session, ticket, extent_id, extent_offset, buffers, seq)
+BufferOp = Callable[[Session, str, int, int, list[memoryview], int], Any]
 
 
 def layout_of(info: Any) -> Layout:
@@ -112,14 +118,14 @@ class Region:
     def _session(self, place: ExtentPlace) -> Session:
         return self._dataplane.session(place)
 
-    def _retrying(self, fn: Callable[[], Any], rerun: bool = True) -> Any:
+    def _retrying(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` under a fresh ticket; after TicketExpired, renew the ticket and run
-        it again (with backoff, for up to :data:`REFRESH_TIMEOUT` seconds) when ``rerun``
-        (False where part of ``fn`` may have taken effect and must not run twice)."""
+        it again (with backoff, for up to :data:`REFRESH_TIMEOUT` seconds). ``fn`` must
+        send the same numbered requests each time it runs (plan them outside ``fn``)."""
         if time.time() > self._expires_at - REFRESH_MARGIN:
             self.refresh()
         try:
-            return self._retrying_once(fn, rerun)
+            return self._retrying_once(fn)
         except (errors.ServerUnavailable, errors.ExtentNotFound) as exc:
             self._explain(exc)
             raise
@@ -140,13 +146,7 @@ class Region:
         with self._lock:
             self._apply(info, ticket)      # the servers' current endpoints for the next operation
 
-    def _retrying_once(self, fn: Callable[[], Any], rerun: bool) -> Any:
-        if not rerun:
-            try:
-                return fn()
-            except TicketExpired:
-                self.refresh()
-                raise
+    def _retrying_once(self, fn: Callable[[], Any]) -> Any:
         attempts = 0
 
         def attempt() -> Any:
@@ -165,10 +165,14 @@ class Region:
         runs = split_runs(self.layout.runs(offset, length), self._client.chunk_bytes, align)
         return [(self.extents[run.extent], run) for run in runs]
 
-    def _tasks(self, offset: int, view: memoryview, align: int, op: BufferOp) -> list[Callable[[], Any]]:
-        """One task per request; each reads the region's current ticket when it runs."""
+    def _tasks(self, offset: int, view: memoryview, align: int, op: BufferOp,
+               numbered: bool = True) -> list[Callable[[], Any]]:
+        """One task per request; each reads the region's current ticket when it runs and
+        keeps the sequence number given here (``numbered``: a mutating request)."""
         def task(place: ExtentPlace, run: Run, bufs: list[memoryview]) -> Callable[[], Any]:
-            return lambda: op(self._session(place), self._ticket, place.extent_id, run.extent_offset, bufs)
+            seq = self._dataplane.next_seq() if numbered else 0
+            return lambda: op(self._session(place), self._ticket, place.extent_id, run.extent_offset,
+                              bufs, seq)
         return [task(place, run, [view[ro - offset:ro - offset + n] for ro, n in run.parts])
                 for place, run in self._chunks(offset, len(view), align)]
 
@@ -182,13 +186,15 @@ class Region:
         self._check_writable()
         view, _ = as_view(data)
         self.layout.check_range(offset, len(view))
-        self._retrying(lambda: self._run(self._tasks(offset, view, 1, _write)))
+        tasks = self._tasks(offset, view, 1, _write)
+        self._retrying(lambda: self._run(tasks))
 
     def read_into(self, offset: int, out: Any) -> Any:
         """Fill the writable buffer ``out`` from ``offset``; returns ``out``."""
         view, _ = as_view(out, writable=True)
         self.layout.check_range(offset, len(view))
-        self._retrying(lambda: self._run(self._tasks(offset, view, 1, _read)))
+        tasks = self._tasks(offset, view, 1, _read, numbered=False)
+        self._retrying(lambda: self._run(tasks))
         return out
 
     def read(self, offset: int = 0, length: int | None = None, dtype: Any = None) -> Any:
@@ -224,8 +230,8 @@ class Region:
         """Server-side ``region[offset:] += data`` elementwise."""
         self._check_writable()
         view, dt = self._typed(offset, data, dtype)
-        self._retrying(lambda: self._run(self._tasks(
-            offset, view, itemsize(dt), lambda s, t, e, o, b: s.accumulate(t, e, o, b, dt))))
+        tasks = self._tasks(offset, view, itemsize(dt), _accumulate(dt))
+        self._retrying(lambda: self._run(tasks))
 
     def axpy(self, offset: int, x: Any, alpha: float, dtype: Any = None) -> None:
         """Server-side ``region[offset:] += alpha * x`` elementwise (a floating type)."""
@@ -233,9 +239,8 @@ class Region:
         view, dt = self._typed(offset, x, dtype)
         if dt not in FLOATING_TYPES:
             raise DtypeError(f"axpy needs a floating type, not {dt.name.lower()}")
-        a = float(alpha)
-        self._retrying(lambda: self._run(self._tasks(
-            offset, view, itemsize(dt), lambda s, t, e, o, b: s.accumulate(t, e, o, b, dt, a))))
+        tasks = self._tasks(offset, view, itemsize(dt), _accumulate(dt, float(alpha)))
+        self._retrying(lambda: self._run(tasks))
 
     def scale(self, offset: int, length: int, alpha: float, dtype: Any) -> None:
         """Server-side ``region[offset:offset+length] *= alpha`` (length in bytes)."""
@@ -250,8 +255,9 @@ class Region:
         a = float(alpha)
 
         def task(place: ExtentPlace, run: Run) -> Callable[[], None]:
+            seq = self._dataplane.next_seq()
             return lambda: self._session(place).scale(self._ticket, place.extent_id, run.extent_offset,
-                                                      run.length, dt, a)
+                                                      run.length, dt, a, seq)
         tasks = [task(p, r) for p, r in self._chunks(offset, length, size)]
         self._retrying(lambda: self._run(tasks))
 
@@ -267,16 +273,24 @@ class Region:
         """Atomically add ``value`` to the int64 at ``offset``; returns the old value."""
         self._check_writable()
         place, eoff = self._word(offset)
+        seq = self._dataplane.next_seq()
         return int(self._retrying(lambda: self._session(place).fetch_add(self._ticket, place.extent_id, eoff,
-                                                                         int(value))))
+                                                                         int(value), seq)))
 
     def compare_swap(self, offset: int, expected: int, desired: int) -> int:
         """Atomically set the int64 at ``offset`` to ``desired`` if it equals ``expected``;
         returns the old value (equal to ``expected`` when the swap happened)."""
         self._check_writable()
         place, eoff = self._word(offset)
+        seq = self._dataplane.next_seq()
         return int(self._retrying(lambda: self._session(place).compare_swap(
-            self._ticket, place.extent_id, eoff, int(expected), int(desired))))
+            self._ticket, place.extent_id, eoff, int(expected), int(desired), seq)))
+
+    def wait(self, offset: int, *, value: int | None = None, equals: int | None = None,
+             changed_from: int | None = None, timeout: float | None = None) -> int:
+        """Block, without polling, until the int64 at ``offset`` is ``>= value``, ``== equals``
+        or ``!= changed_from``; returns it. Timeout after ``timeout`` s (see :mod:`.coord`)."""
+        return coord.wait(self, offset, value=value, equals=equals, changed_from=changed_from, timeout=timeout)
 
     # -- batched forms -------------------------------------------------------------
     def _many(self, items: Iterable[tuple[int, Any]], fn: Callable[[int, Any], list[Callable[[], Any]]]) -> None:
@@ -305,7 +319,7 @@ class Region:
             view, _ = as_view(out, writable=True)
             self.layout.check_range(offset, len(view))
             outs.append(out)
-            return self._tasks(offset, view, 1, _read)
+            return self._tasks(offset, view, 1, _read, numbered=False)
         self._many(items, plan)
         return outs
 
@@ -329,14 +343,15 @@ class Region:
         olds = [0] * n
 
         def batch(place: ExtentPlace, where: list[int], ops: list[tuple[int, int]]) -> Callable[[], None]:
+            seq = self._dataplane.next_seq()      # word k of the batch: seq + k
             def run() -> None:
-                got = self._session(place).fetch_add_many(self._ticket, place.extent_id, ops)
+                got = self._session(place).fetch_add_many(self._ticket, place.extent_id, ops, seq)
                 for k, old in zip(where, got, strict=True):
                     olds[k] = old
             return run
         tasks = [batch(*b) for b in batches.values()]
         if tasks:
-            self._retrying(lambda: self._run(tasks), rerun=False)
+            self._retrying(lambda: self._run(tasks))
         return olds
 
     def accumulate_many(self, items: Iterable[tuple[int, Any]], dtype: Any = None) -> None:
@@ -345,7 +360,7 @@ class Region:
 
         def plan(offset: int, data: Any) -> list[Callable[[], Any]]:
             view, dt = self._typed(offset, data, dtype)
-            return self._tasks(offset, view, itemsize(dt), lambda s, t, e, o, b: s.accumulate(t, e, o, b, dt))
+            return self._tasks(offset, view, itemsize(dt), _accumulate(dt))
         self._many(items, plan)
 
     # -- asynchronous forms --------------------------------------------------------
@@ -391,9 +406,16 @@ class Region:
         return self._submit(self.fetch_add_many, items)
 
 
-def _write(s: Session, ticket: str, extent_id: int, offset: int, bufs: list[memoryview]) -> None:
-    s.write(ticket, extent_id, offset, bufs)
+def _write(s: Session, ticket: str, extent_id: int, offset: int, bufs: list[memoryview], seq: int) -> None:
+    s.write(ticket, extent_id, offset, bufs, seq)
 
 
-def _read(s: Session, ticket: str, extent_id: int, offset: int, bufs: list[memoryview]) -> None:
+def _read(s: Session, ticket: str, extent_id: int, offset: int, bufs: list[memoryview], seq: int) -> None:
     s.read_into(ticket, extent_id, offset, bufs)
+
+
+def _accumulate(dt: DType, alpha: float | None = None) -> BufferOp:
+    """The accumulate (``alpha`` None) or axpy request of one task."""
+    def op(s: Session, ticket: str, extent_id: int, offset: int, bufs: list[memoryview], seq: int) -> None:
+        s.accumulate(ticket, extent_id, offset, bufs, dt, alpha, seq)
+    return op

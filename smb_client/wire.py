@@ -4,7 +4,7 @@ A connection presents tickets with ``HELLO`` frames, one per region, before the 
 request that needs each (and again with a renewed ticket); the server verifies each and
 records it by the extent ids it names, a later ticket for an extent replacing the
 earlier one. Every request is checked against the ticket naming its extent. A request
-is a fixed 56-byte header and, for ``WRITE``/``ACCUMULATE``/``AXPY``, ``length``
+is a fixed 72-byte header and, for ``WRITE``/``ACCUMULATE``/``AXPY``, ``length``
 payload bytes. The server answers every request in order with a 16-byte header and, for ``READ`` and the
 atomics, a payload; an error answer carries a UTF-8 message as payload. All integers
 are little-endian. A header with a wrong magic, an unknown opcode or an oversized
@@ -18,22 +18,30 @@ and payload) does not arrive whole within its frame deadline, after a parting an
 of the same form with status ``TIMEOUT``. Clients number requests from 1, so an
 error answer with ``req_id`` 0 is always one of these.
 
+Exactly once: every mutating request carries the sending client's random 64-bit id and
+a sequence number (``seq``, 0 for "not tracked"); a retry of a request (after a lost
+connection or a renewed ticket) reuses its number. The server applies a numbered request
+at most once and answers a repeat with the first answer (see
+``smb_server/memserver/dedup.py``).
+
 Request:  magic u16 | op u8 | dtype u8 | req_id u32 | extent_id u64 | offset u64 |
-          length u64 | arg0 i64 | arg1 i64 | alpha f64
+          length u64 | arg0 i64 | arg1 i64 | alpha f64 | client u64 | seq u64
 Response: magic u16 | status u8 | pad u8 | req_id u32 | length u64
 """
 from __future__ import annotations
 
 import enum
 import socket
+import ssl
 import struct
 import time
 from collections.abc import Sequence
 
+from . import tls
 from .errors import ProtocolError, ServerUnavailable
 
 MAGIC = 0x5342
-REQUEST = struct.Struct("<HBBIQQQqqd")
+REQUEST = struct.Struct("<HBBIQQQqqdQQ")
 RESPONSE = struct.Struct("<HBBIQ")
 MAX_PAYLOAD = 1 << 30       # bytes in one request
 MAX_TICKET = 64 << 10       # bytes
@@ -50,18 +58,40 @@ class Op(enum.IntEnum):
     FETCH_ADD = 7
     COMPARE_SWAP = 8
     PING = 9
+    WAIT = 10          # until a word meets a condition (see WaitCond); blocks its connection
+    LOCK = 11          # take or renew a leased lock word
+    UNLOCK = 12        # free a lock word this holder holds
+
+
+class WaitCond(enum.IntEnum):
+    """The condition a ``WAIT`` request waits for (its ``dtype`` byte) against ``arg0``."""
+
+    AT_LEAST = 1       # word >= value (a counter reached value)
+    EQUAL = 2          # word == value
+    CHANGED = 3        # word != value
+
+    def describe(self, value: int) -> str:
+        return {WaitCond.AT_LEAST: f">= {value}", WaitCond.EQUAL: f"== {value}",
+                WaitCond.CHANGED: f"changed from {value}"}[self]
 
 
 #: operations whose request carries ``length`` payload bytes
 PAYLOAD_OPS = frozenset({Op.HELLO, Op.WRITE, Op.ACCUMULATE, Op.AXPY})
 #: operations that change extent memory (refused on read-only tickets)
-WRITE_OPS = frozenset({Op.WRITE, Op.ACCUMULATE, Op.SCALE, Op.AXPY, Op.FETCH_ADD, Op.COMPARE_SWAP})
+WRITE_OPS = frozenset({Op.WRITE, Op.ACCUMULATE, Op.SCALE, Op.AXPY, Op.FETCH_ADD, Op.COMPARE_SWAP,
+                       Op.LOCK, Op.UNLOCK})
+#: coordination requests (one int64 word; served by ``smb_server/memserver/coord_ops.py``):
+#: WAIT: dtype = WaitCond, arg0 = value, alpha = timeout (s); LOCK: arg0 = holder id,
+#: arg1 = lease (ms), alpha = timeout (s); UNLOCK: arg0 = holder id. Each answers the
+#: word's value (8 bytes) or an error (TIMEOUT, LOCK_NOT_HELD).
+COORD_OPS = frozenset({Op.WAIT, Op.LOCK, Op.UNLOCK})
 
 
 def pack_request(op: int, req_id: int = 0, extent_id: int = 0, offset: int = 0, length: int = 0,
-                 dtype: int = 0, arg0: int = 0, arg1: int = 0, alpha: float = 0.0) -> bytes:
+                 dtype: int = 0, arg0: int = 0, arg1: int = 0, alpha: float = 0.0, *,
+                 client: int = 0, seq: int = 0) -> bytes:
     return REQUEST.pack(MAGIC, op, dtype, req_id & 0xFFFFFFFF, extent_id, offset, length,
-                        arg0, arg1, alpha)
+                        arg0, arg1, alpha, client, seq)
 
 
 def pack_response(status: int, req_id: int, length: int) -> bytes:
@@ -70,6 +100,9 @@ def pack_response(status: int, req_id: int, length: int) -> bytes:
 
 def sendmsg_all(sock: socket.socket, buffers: Sequence[memoryview | bytes]) -> None:
     """Send every buffer, in order, with as few syscalls as the kernel allows (no copies)."""
+    if isinstance(sock, ssl.SSLSocket):   # no sendmsg on TLS sockets
+        tls.send_all(sock, buffers)
+        return
     views = [memoryview(b).cast("B") for b in buffers if len(b)]
     while views:
         sent = sock.sendmsg(views[:IOV_MAX])
@@ -90,6 +123,9 @@ def recv_into_all(sock: socket.socket, buffers: Sequence[memoryview],
     ``deadline`` (a :func:`time.monotonic` time): raise TimeoutError once it passes,
     however slowly the bytes trickle in (it sets the socket's timeout as it goes).
     """
+    if isinstance(sock, ssl.SSLSocket):   # no recvmsg_into on TLS sockets
+        tls.recv_into_all(sock, buffers, deadline)
+        return
     views = [memoryview(b).cast("B") for b in buffers if len(b)]
     while views:
         if deadline is not None:

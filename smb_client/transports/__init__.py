@@ -30,35 +30,45 @@ class Session(abc.ABC):
     Offsets are extent offsets in bytes; ``buffers`` are byte memoryviews whose
     lengths add up to the length of the operation, in order (scatter/gather).
     A session owns its connections and closes them in :meth:`close`.
+
+    ``seq`` on a mutating operation is its sequence number from
+    :meth:`~smb_client.dataplane.DataPlane.next_seq` (0: not tracked). A session may send
+    a numbered request again (for example on a new connection after one broke) and the
+    server applies it at most once; an operation it splits into several messages numbers
+    them ``seq + k``.
     """
 
     scheme: str = ""
 
     @abc.abstractmethod
-    def write(self, ticket: str, extent_id: int, offset: int, buffers: Sequence[memoryview]) -> None: ...
+    def write(self, ticket: str, extent_id: int, offset: int, buffers: Sequence[memoryview],
+              seq: int = 0) -> None: ...
 
     @abc.abstractmethod
     def read_into(self, ticket: str, extent_id: int, offset: int, buffers: Sequence[memoryview]) -> None: ...
 
     @abc.abstractmethod
     def accumulate(self, ticket: str, extent_id: int, offset: int, buffers: Sequence[memoryview],
-                   dtype: DType, alpha: float | None = None) -> None:
+                   dtype: DType, alpha: float | None = None, seq: int = 0) -> None:
         """``extent += x`` (or ``extent += alpha * x`` when alpha is given)."""
 
     @abc.abstractmethod
     def scale(self, ticket: str, extent_id: int, offset: int, length: int, dtype: DType,
-              alpha: float) -> None: ...
+              alpha: float, seq: int = 0) -> None: ...
 
     @abc.abstractmethod
-    def fetch_add(self, ticket: str, extent_id: int, offset: int, value: int) -> int: ...
+    def fetch_add(self, ticket: str, extent_id: int, offset: int, value: int, seq: int = 0) -> int: ...
 
-    def fetch_add_many(self, ticket: str, extent_id: int, items: Sequence[tuple[int, int]]) -> list[int]:
-        """``fetch_add`` of each ``(offset, value)``, in order; the old values. A
-        transport that can keep several in flight overrides this."""
-        return [self.fetch_add(ticket, extent_id, offset, value) for offset, value in items]
+    def fetch_add_many(self, ticket: str, extent_id: int, items: Sequence[tuple[int, int]],
+                       seq: int = 0) -> list[int]:
+        """``fetch_add`` of each ``(offset, value)``, in order; the old values (word k
+        numbered ``seq + k``). A transport that can keep several in flight overrides this."""
+        return [self.fetch_add(ticket, extent_id, offset, value, seq + k if seq else 0)
+                for k, (offset, value) in enumerate(items)]
 
     @abc.abstractmethod
-    def compare_swap(self, ticket: str, extent_id: int, offset: int, expected: int, desired: int) -> int: ...
+    def compare_swap(self, ticket: str, extent_id: int, offset: int, expected: int, desired: int,
+                     seq: int = 0) -> int: ...
 
     @abc.abstractmethod
     def close(self) -> None: ...

@@ -39,7 +39,15 @@ import numpy as np
 
 from ..addressing import Endpoint
 from ..dtypes import DType
-from ..errors import ExtentNotFound, OutOfRange, ProtocolError, ReadOnly, ServerUnavailable, status_error
+from ..errors import (
+    ExtentNotFound,
+    OutOfRange,
+    PermissionDenied,
+    ProtocolError,
+    ReadOnly,
+    ServerUnavailable,
+    status_error,
+)
 from . import Session, register
 
 log = logging.getLogger(__name__)
@@ -51,6 +59,14 @@ MAX_DEAD = 65536       # (ticket, extent) grants of dead channels remembered (ol
 REQUEST_HEAD = struct.Struct("<I")
 EXTENT_ID = struct.Struct("<Q")
 ANSWER_HEAD = struct.Struct("<BI")
+
+
+def _refused(path: str) -> PermissionDenied:
+    """The error for a socket this user may not connect to."""
+    return PermissionDenied(
+        f"shm://{path}: user {os.getuid()} may not connect to this memory server's shm socket; "
+        f"join the group that may reach it (the server's state directory) or use "
+        f"transport='tcp' (SMB_TRANSPORT=tcp)")
 
 
 def fetch_extent_fd(path: str, ticket: str, extent_id: int, timeout: float = 10.0) -> tuple[int, int, bool]:
@@ -75,6 +91,8 @@ def fetch_extent_fd(path: str, ticket: str, extent_id: int, timeout: float = 10.
                 if not more:
                     raise ServerUnavailable(f"shm://{path}: connection closed")
                 data += more
+    except PermissionError:
+        raise _refused(path) from None
     except OSError as exc:
         raise ServerUnavailable(f"shm://{path}: {exc}") from None
     message = data[ANSWER_HEAD.size:ANSWER_HEAD.size + n].decode(errors="replace")
@@ -101,6 +119,8 @@ class _Channel:
             self.sock.setblocking(False)
         except OSError as exc:
             self.sock.close()
+            if isinstance(exc, PermissionError):
+                raise _refused(path) from None
             raise ServerUnavailable(f"shm://{path}: {exc}") from None
         self.dead = False
 
@@ -234,7 +254,9 @@ class ShmSession(Session):
             raise OutOfRange(f"range [{offset}, {offset + length}) outside extent {extent_id} "
                              f"of {m.length} bytes")
 
-    def write(self, ticket: str, extent_id: int, offset: int, buffers: Sequence[memoryview]) -> None:
+    def write(self, ticket: str, extent_id: int, offset: int, buffers: Sequence[memoryview],
+              seq: int = 0) -> None:
+        """A copy into the mapping: running it again writes the same bytes (``seq`` unused)."""
         m, channel = self._map(ticket, extent_id, write=True)
         self._bounds(m, extent_id, offset, sum(len(b) for b in buffers))
         pos = offset
@@ -260,20 +282,23 @@ class ShmSession(Session):
         return self._arithmetic
 
     def accumulate(self, ticket: str, extent_id: int, offset: int, buffers: Sequence[memoryview],
-                   dtype: DType, alpha: float | None = None) -> None:
-        self._server().accumulate(ticket, extent_id, offset, buffers, dtype, alpha)
+                   dtype: DType, alpha: float | None = None, seq: int = 0) -> None:
+        self._server().accumulate(ticket, extent_id, offset, buffers, dtype, alpha, seq)
 
-    def scale(self, ticket: str, extent_id: int, offset: int, length: int, dtype: DType, alpha: float) -> None:
-        self._server().scale(ticket, extent_id, offset, length, dtype, alpha)
+    def scale(self, ticket: str, extent_id: int, offset: int, length: int, dtype: DType, alpha: float,
+              seq: int = 0) -> None:
+        self._server().scale(ticket, extent_id, offset, length, dtype, alpha, seq)
 
-    def fetch_add(self, ticket: str, extent_id: int, offset: int, value: int) -> int:
-        return self._server().fetch_add(ticket, extent_id, offset, value)
+    def fetch_add(self, ticket: str, extent_id: int, offset: int, value: int, seq: int = 0) -> int:
+        return self._server().fetch_add(ticket, extent_id, offset, value, seq)
 
-    def fetch_add_many(self, ticket: str, extent_id: int, items: Sequence[tuple[int, int]]) -> list[int]:
-        return self._server().fetch_add_many(ticket, extent_id, items)
+    def fetch_add_many(self, ticket: str, extent_id: int, items: Sequence[tuple[int, int]],
+                       seq: int = 0) -> list[int]:
+        return self._server().fetch_add_many(ticket, extent_id, items, seq)
 
-    def compare_swap(self, ticket: str, extent_id: int, offset: int, expected: int, desired: int) -> int:
-        return self._server().compare_swap(ticket, extent_id, offset, expected, desired)
+    def compare_swap(self, ticket: str, extent_id: int, offset: int, expected: int, desired: int,
+                     seq: int = 0) -> int:
+        return self._server().compare_swap(ticket, extent_id, offset, expected, desired, seq)
 
     def close(self) -> None:
         """Unmaps every extent; the arithmetic session belongs to the caller."""

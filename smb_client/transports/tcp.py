@@ -12,6 +12,12 @@ connection fails with :class:`ServerUnavailable`, whatever the operation was doi
 server that is alive but slow (a long accumulate, a lock held by another client) still
 acknowledges at the TCP level and is waited for, up to ``io_timeout`` seconds without
 progress (then :class:`Timeout`).
+
+Retries: a request whose connection broke (reset, closed by the server) runs once more
+on another connection when running it again is harmless: a read, or a mutating request
+that carries a sequence number (the server answers a repeat with its first answer and
+resumes an interrupted accumulate after the bytes that took effect). A request without a
+number, or a server that stopped acknowledging altogether, is not retried.
 """
 from __future__ import annotations
 
@@ -19,21 +25,24 @@ import errno
 import itertools
 import logging
 import socket
+import ssl
 import struct
 from collections.abc import Sequence
 from typing import Any
 
 from .. import wire
-from ..addressing import Endpoint
+from ..addressing import Endpoint, format_hostport
 from ..dtypes import DType
 from ..errors import (
     InvalidArgument,
     ProtocolError,
+    ServerBusy,
     ServerUnavailable,
     SMBError,
     Timeout,
     status_error,
 )
+from ..tls import TLS_SCHEME, TLSConfig, is_trust_failure, untrusted
 from . import Session, register
 from .pool import ConnectionPool
 
@@ -41,6 +50,7 @@ log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT = 5.0   # seconds
 IO_TIMEOUT = 60.0       # seconds a single send/recv may block
+WAIT_CONNECTIONS = 64   # connections per server for waits and locks (each wait holds one)
 DEAD_PEER_TIMEOUT = 3.0  # seconds without any TCP acknowledgement before the server is given up
 KEEPALIVE_IDLE = 1      # seconds idle before the first keepalive probe
 KEEPALIVE_INTERVAL = 1  # seconds between probes
@@ -48,6 +58,11 @@ SOCKET_BUFFER = 4 << 20  # bytes
 PARTING_TIMEOUT = 0.5   # seconds to read a closing server's parting answer after a failed send
 MAX_PRESENTED = 1024    # tickets a connection remembers having presented before forgetting them all
 _WORD = struct.Struct("<q")
+RETRIES = 1             # extra attempts of a request whose connection broke
+
+
+class ConnectionBroken(ServerUnavailable):
+    """The connection failed under a request (reset, closed): the server may be fine."""
 
 
 def set_dead_peer_timeout(sock: socket.socket, seconds: float) -> None:
@@ -66,21 +81,41 @@ class TcpConnection:
     """One socket to a memory server's TCP data plane, and the tickets presented on it."""
 
     def __init__(self, host: str, port: int, io_timeout: float = IO_TIMEOUT,
-                 dead_peer_timeout: float = DEAD_PEER_TIMEOUT) -> None:
+                 dead_peer_timeout: float = DEAD_PEER_TIMEOUT, client_id: int = 0,
+                 tls: ssl.SSLContext | None = None) -> None:
+        self.where = f"{TLS_SCHEME if tls is not None else 'tcp'}://{format_hostport(host, port)}"
         try:
             self.sock = socket.create_connection(
                 (host, port), timeout=min(CONNECT_TIMEOUT, io_timeout, dead_peer_timeout))
         except OSError as exc:
-            raise ServerUnavailable(f"cannot connect to tcp://{host}:{port}: {exc}") from None
+            raise ServerUnavailable(f"cannot connect to {self.where}: {exc}") from None
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
             self.sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
         set_dead_peer_timeout(self.sock, dead_peer_timeout)
+        if tls is not None:
+            self.sock = self._handshake(tls, host)
         self.dead_peer_timeout = dead_peer_timeout
         self.sock.settimeout(io_timeout)
-        self.where = f"tcp://{host}:{port}"
+        self.client_id = client_id
         self._ids = itertools.count(1)
         self._presented: set[str] = set()
+
+    def _handshake(self, tls: ssl.SSLContext, host: str) -> ssl.SSLSocket:
+        """The TLS client side of the new socket (within the connect timeout); a server
+        we do not trust raises AuthenticationError saying which setting to fix."""
+        try:
+            return tls.wrap_socket(self.sock, server_hostname=host)
+        except ssl.SSLCertVerificationError as exc:
+            self.sock.close()
+            raise untrusted(self.where, str(exc)) from None
+        except OSError as exc:   # ssl.SSLError, a timeout, a reset
+            self.sock.close()
+            if isinstance(exc, ssl.SSLError) and is_trust_failure(str(exc)):
+                raise untrusted(self.where, str(exc)) from None
+            raise ServerUnavailable(f"{self.where}: TLS handshake failed: {exc} (a full server "
+                                    "closes new connections; one that does not serve TLS "
+                                    "advertises tcp://)") from None
 
     def present(self, ticket: str) -> None:
         """Send ``HELLO`` with ``ticket`` unless this connection already did. A refused
@@ -99,14 +134,18 @@ class TcpConnection:
 
     def request(self, op: int, extent_id: int = 0, offset: int = 0, length: int = 0,
                 dtype: int = 0, arg0: int = 0, arg1: int = 0, alpha: float = 0.0,
-                payload: Sequence[memoryview] = (), into: Sequence[memoryview] = ()) -> bytes:
+                payload: Sequence[memoryview] = (), into: Sequence[memoryview] = (),
+                seq: int = 0) -> bytes:
         """Send one request and wait for its answer; returns a small answer payload.
 
-        ``into`` receives a READ's payload in place. Socket failures raise
-        :class:`ServerUnavailable` and leave the connection unusable.
+        ``into`` receives a READ's payload in place; ``seq`` numbers a mutating request
+        (0: not tracked). Socket failures raise :class:`ServerUnavailable`
+        (:class:`ConnectionBroken` when the connection failed, not the peer) and leave
+        the connection unusable.
         """
         req_id = next(self._ids) & 0xFFFFFFFF or 1   # 0 marks a refusal or a parting answer
-        header = wire.pack_request(op, req_id, extent_id, offset, length, dtype, arg0, arg1, alpha)
+        header = wire.pack_request(op, req_id, extent_id, offset, length, dtype, arg0, arg1, alpha,
+                                   client=self.client_id if seq else 0, seq=seq)
         sent = False
         try:
             wire.sendmsg_all(self.sock, [header, *payload])
@@ -131,11 +170,19 @@ class TcpConnection:
                                         f"{self.dead_peer_timeout:g} s (host or link down)") from None
             raise Timeout(f"{self.where}: no answer within {self.sock.gettimeout()} s") from None
         except OSError as exc:
+            if isinstance(exc, ssl.SSLError) and (is_trust_failure(str(exc)) or "ALERT" in str(exc)):
+                self.close()   # the server refused our certificate (or its absence)
+                raise untrusted(self.where, str(exc)) from None
             said = None if sent else self._parting_answer()
             self.close()
             if said is not None:
                 raise said from None
-            raise ServerUnavailable(f"{self.where}: {exc}") from None
+            raise ConnectionBroken(f"{self.where}: {exc}") from None
+        except ServerBusy:                    # a refusal (answered, then closed): not a break
+            raise
+        except ServerUnavailable as exc:      # the server closed the connection mid-answer
+            self.close()
+            raise ConnectionBroken(f"{self.where}: {exc}") from None
         except ProtocolError:
             self.close()
             raise
@@ -182,6 +229,11 @@ class TcpSession(Session):
     def __init__(self, endpoint: Endpoint, options: dict[str, Any] | None = None) -> None:
         options = options or {}
         self.endpoint = endpoint
+        self.client_id = int(options.get("client_id", 0))
+        self.tls: ssl.SSLContext | None = None
+        if endpoint.scheme == TLS_SCHEME:   # the client's CA (no CA set: the system's, to fail clearly)
+            settings = options.get("tls")
+            self.tls = (settings if isinstance(settings, TLSConfig) else TLSConfig.from_env()).client_context()
         self.io_timeout = float(options.get("io_timeout", IO_TIMEOUT))
         self.dead_peer_timeout = float(options.get("dead_peer_timeout", DEAD_PEER_TIMEOUT))
         for name in ("io_timeout", "dead_peer_timeout"):
@@ -189,39 +241,63 @@ class TcpSession(Session):
                 raise InvalidArgument(f"{name} must be a positive number of seconds, not {getattr(self, name)}")
         self.pool: ConnectionPool[TcpConnection] = ConnectionPool(
             self._connect, int(options.get("connections", 2)), name=str(endpoint))
+        # connections of their own for waits and locks (smb_client.coord): a waiting
+        # request holds its connection until it is answered
+        self.waits: ConnectionPool[TcpConnection] = ConnectionPool(
+            self._connect, int(options.get("wait_connections", WAIT_CONNECTIONS)), name=f"{endpoint} waits")
 
     def _connect(self) -> TcpConnection:
-        return TcpConnection(self.endpoint.host, self.endpoint.port, self.io_timeout, self.dead_peer_timeout)
+        return TcpConnection(self.endpoint.host, self.endpoint.port, self.io_timeout,
+                             self.dead_peer_timeout, self.client_id, self.tls)
 
     def _do(self, ticket: str, *args: Any, **kwargs: Any) -> bytes:
-        with self.pool.borrow() as conn:
-            conn.present(ticket)
-            return conn.request(*args, **kwargs)
+        """Run one request on a pooled connection; once more on another connection when
+        this one broke and the request may run again (a read or a numbered request)."""
+        repeatable = kwargs.get("seq", 0) != 0 or args[0] == wire.Op.READ
+        attempt = 0
+        while True:
+            try:
+                with self.pool.borrow() as conn:
+                    conn.present(ticket)
+                    return conn.request(*args, **kwargs)
+            except ConnectionBroken as exc:
+                if not repeatable or attempt >= RETRIES:
+                    raise
+                attempt += 1
+                log.info("%s: %s; sending the request again on another connection", self.endpoint, exc)
 
-    def write(self, ticket: str, extent_id: int, offset: int, buffers: Sequence[memoryview]) -> None:
-        self._do(ticket, wire.Op.WRITE, extent_id, offset, sum(len(b) for b in buffers), payload=buffers)
+    def write(self, ticket: str, extent_id: int, offset: int, buffers: Sequence[memoryview],
+              seq: int = 0) -> None:
+        self._do(ticket, wire.Op.WRITE, extent_id, offset, sum(len(b) for b in buffers), payload=buffers,
+                 seq=seq)
 
     def read_into(self, ticket: str, extent_id: int, offset: int, buffers: Sequence[memoryview]) -> None:
         self._do(ticket, wire.Op.READ, extent_id, offset, sum(len(b) for b in buffers), into=buffers)
 
     def accumulate(self, ticket: str, extent_id: int, offset: int, buffers: Sequence[memoryview],
-                   dtype: DType, alpha: float | None = None) -> None:
+                   dtype: DType, alpha: float | None = None, seq: int = 0) -> None:
         op = wire.Op.ACCUMULATE if alpha is None else wire.Op.AXPY
         self._do(ticket, op, extent_id, offset, sum(len(b) for b in buffers), dtype=dtype,
-                 alpha=0.0 if alpha is None else alpha, payload=buffers)
+                 alpha=0.0 if alpha is None else alpha, payload=buffers, seq=seq)
 
-    def scale(self, ticket: str, extent_id: int, offset: int, length: int, dtype: DType, alpha: float) -> None:
-        self._do(ticket, wire.Op.SCALE, extent_id, offset, length, dtype=dtype, alpha=alpha)
+    def scale(self, ticket: str, extent_id: int, offset: int, length: int, dtype: DType, alpha: float,
+              seq: int = 0) -> None:
+        self._do(ticket, wire.Op.SCALE, extent_id, offset, length, dtype=dtype, alpha=alpha, seq=seq)
 
-    def fetch_add(self, ticket: str, extent_id: int, offset: int, value: int) -> int:
-        return int(_WORD.unpack(self._do(ticket, wire.Op.FETCH_ADD, extent_id, offset, 8, arg0=value))[0])
+    def fetch_add(self, ticket: str, extent_id: int, offset: int, value: int, seq: int = 0) -> int:
+        body = self._do(ticket, wire.Op.FETCH_ADD, extent_id, offset, 8, arg0=value, seq=seq)
+        return int(_WORD.unpack(body)[0])
 
-    def compare_swap(self, ticket: str, extent_id: int, offset: int, expected: int, desired: int) -> int:
-        body = self._do(ticket, wire.Op.COMPARE_SWAP, extent_id, offset, 8, arg0=expected, arg1=desired)
+    def compare_swap(self, ticket: str, extent_id: int, offset: int, expected: int, desired: int,
+                     seq: int = 0) -> int:
+        body = self._do(ticket, wire.Op.COMPARE_SWAP, extent_id, offset, 8, arg0=expected, arg1=desired,
+                        seq=seq)
         return int(_WORD.unpack(body)[0])
 
     def close(self) -> None:
         self.pool.close()
+        self.waits.close()
 
 
 register("tcp", TcpSession)
+register(TLS_SCHEME, TcpSession)

@@ -32,6 +32,7 @@ class Entry:
     (both False; ``applied`` bytes took effect) or finished (``status``, ``body``)."""
     owned: bool = True
     done: bool = False
+    what: tuple[int, ...] = ()
     applied: int = 0
     status: int = 0
     body: bytes = b""
@@ -51,12 +52,15 @@ class DedupTable:
         self._clients: OrderedDict[int, OrderedDict[int, Entry]] = OrderedDict()
         self._cond = threading.Condition()
 
-    def begin(self, client: int, seq: int, timeout: float | None = None) -> tuple[bool, Entry]:
+    def begin(self, client: int, seq: int, timeout: float | None = None,
+              what: tuple[int, ...] = ()) -> tuple[bool, Entry]:
         """``(True, entry)``: the caller runs the request (resuming after
         ``entry.applied`` bytes) and must end it with ``entry.finish`` or
         :meth:`interrupt`. ``(False, entry)``: already finished; answer
         ``entry.status``/``entry.body``. Waits while another attempt runs; raises
-        TimeoutError after ``timeout`` seconds of waiting."""
+        TimeoutError after ``timeout`` seconds of waiting. ``what`` describes the request
+        (operation, extent, range): a number reused for a different request raises
+        ValueError instead of answering for the wrong one."""
         with self._cond:
             while True:
                 seen = self._clients.get(client)
@@ -67,9 +71,12 @@ class DedupTable:
                 self._clients.move_to_end(client)
                 entry = seen.get(seq)
                 if entry is None:
-                    entry = seen[seq] = Entry(_table=self)
+                    entry = seen[seq] = Entry(what=what, _table=self)
                     self._trim(seen)
                     return True, entry
+                if entry.what != what:
+                    raise ValueError(f"request {seq} of client {client:#x} was {entry.what}, "
+                                     f"now {what}: a sequence number names one request")
                 if entry.done:
                     return False, entry
                 if not entry.owned:

@@ -31,17 +31,19 @@ from smb_client._proto.smb.v1 import controller_pb2, controller_pb2_grpc, memory
 from smb_client.addressing import format_hostport
 from smb_client.hostinfo import host_id
 from smb_client.retry import Backoff
+from smb_client.tls import TLS_SCHEME
 
 from .. import sdnotify
 from ..config import ServerConfig
 from ..credentials import server_credential
 from ..daemon import Daemon, Status, write_atomic
-from ..grpc_util import BearerAuth, make_server
+from ..grpc_util import BearerAuth, add_port, make_server, tls_settings
 from ..health import HEALTH_METHODS, Health
 from ..metrics import MetricsServer, Registry
 from ..rpc_metrics import RpcMetrics
 from .arena import Arena
 from .controller_link import ControllerLink
+from .dedup import DedupTable
 from .memmap import raise_fd_limit
 from .metrics import add_server_metrics
 from .rdma_plane import RdmaPlane
@@ -79,6 +81,7 @@ class MemoryServer(Daemon):
         self.grpc_address = ""
         self.endpoints: list[str] = []
         self.stats = PlaneStats()
+        self.dedup = DedupTable()   # exactly-once bookkeeping, one for every plane
         self.arena: Arena | None = None
         self.tcp: TcpPlane | None = None
         self.shm: ShmPlane | None = None
@@ -133,7 +136,9 @@ class MemoryServer(Daemon):
             BearerAuth(cfg.token, exempt=TICKET_METHODS + HEALTH_METHODS)])
         memory_server_pb2_grpc.add_MemoryServerServicer_to_server(servicer, self._grpc)
         self._health = Health(self._grpc, ["smb.v1.MemoryServer"])
-        port = self._grpc.add_insecure_port(format_hostport(cfg.listen_host, cfg.grpc_port))
+        tls = tls_settings(cfg)
+        port = add_port(self._grpc, format_hostport(cfg.listen_host, cfg.grpc_port), tls,
+                        cfg.tls_client_auth)
         if port == 0:
             raise errors.InvalidArgument(f"cannot bind gRPC to {cfg.listen_host}:{cfg.grpc_port}")
         self._grpc.start()
@@ -146,8 +151,10 @@ class MemoryServer(Daemon):
                                 frame_timeout=cfg.tcp_frame_timeout_seconds,
                                 max_per_peer=cfg.tcp_connections_per_peer,
                                 hello_timeout=cfg.tcp_hello_timeout_seconds,
-                                scratch_bytes=cfg.tcp_scratch_bytes)
-            endpoints.append(f"tcp://{format_hostport(host, self.tcp.port)}")
+                                scratch_bytes=cfg.tcp_scratch_bytes, dedup=self.dedup,
+                                tls=tls.server_context(cfg.tls_client_auth) if tls.enabled else None)
+            scheme = TLS_SCHEME if tls.enabled else "tcp"
+            endpoints.append(f"{scheme}://{format_hostport(host, self.tcp.port)}")
         if "shm" in cfg.transports:
             self.shm = ShmPlane(self.arena, cfg.secret, self._socket_path(), self.stats.for_transport("shm"))
             endpoints.append(self.shm.endpoint)
@@ -170,7 +177,7 @@ class MemoryServer(Daemon):
             log.info("metrics on http://%s:%d/metrics", metrics_host, self._metrics.port)
         self._health.serving()
 
-        self._channel = rpc.channel(cfg.controller)
+        self._channel = rpc.channel(cfg.controller, tls)
         self._stub = controller_pb2_grpc.ControllerStub(self._channel)
         self._thread = threading.Thread(target=self._control_loop, name="heartbeat", daemon=True)
         self._thread.start()

@@ -20,7 +20,9 @@ from ..metrics import Histogram
 
 log = logging.getLogger(__name__)
 
-COUNTERS = ("bytes_read", "bytes_written", "bytes_accumulated", "operations", "errors", "sessions")
+#: ``repeats``: retried mutating requests answered with their first answer, not applied again
+COUNTERS = ("bytes_read", "bytes_written", "bytes_accumulated", "operations", "errors", "repeats",
+            "sessions")
 #: counts of the data planes' limits, read with :meth:`PlaneStats.limits` (not part of
 #: :meth:`PlaneStats.snapshot` nor of the metrics): connections refused at accept (full,
 #: per-peer share, no descriptors), connections dropped for missing their HELLO or frame

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import ssl
 import struct
 import threading
 import time
@@ -56,9 +57,10 @@ from smb_client.errors import (
 from smb_client.tickets import verify
 from smb_client.wire import Op
 
-from . import kernels
+from . import coord_ops, kernels, waiters
 from .access import TicketBook
 from .arena import Arena, Extent
+from .dedup import DedupTable, Entry
 from .kernels import Arith
 from .listener import BACKLOG, Listener
 from .stats import PlaneStats
@@ -80,6 +82,15 @@ _FRAME_HINT = ("a slow or stalled client: raise tcp_frame_timeout_seconds on the
                "for slow links")
 _OLD = struct.Struct("<q")
 _ARITH = {Op.ACCUMULATE: Arith.ACCUMULATE, Op.AXPY: Arith.AXPY, Op.SCALE: Arith.SCALE}
+
+
+class _Repeat(Exception):
+    """A retry of a numbered request whose first attempt failed: its first answer."""
+
+    def __init__(self, status: int, body: bytes) -> None:
+        super().__init__(body.decode(errors="replace"))
+        self.status = status
+        self.body = body
 
 
 class _Drop(Exception):
@@ -309,7 +320,7 @@ class _Connection:
         """
         start = time.perf_counter()
         (magic, op_code, dtype, req_id, extent_id, offset, length, arg0, arg1,
-         alpha) = wire.REQUEST.unpack(self._header)
+         alpha, client, seq) = wire.REQUEST.unpack(self._header)
         if magic != wire.MAGIC:
             raise _Drop(f"bad magic {magic:#x}")
         try:
@@ -326,13 +337,22 @@ class _Connection:
         if not self.tickets:
             raise _Drop(f"{op.name} before HELLO")
         try:
-            body = self._dispatch(op, dtype, extent_id, offset, length, arg0, arg1, alpha, req_id)
+            if seq and op in wire.WRITE_OPS:
+                body = self._once(client, seq, op, dtype, extent_id, offset, length, arg0, arg1, alpha)
+            else:
+                body = self._dispatch(op, dtype, extent_id, offset, length, arg0, arg1, alpha, req_id)
+        except _Repeat as rep:           # a retry of a request that failed the first time
+            self._drain()
+            self.plane.stats.add(errors=1, operations=1)
+            self._reply(req_id, rep.body, rep.status)
         except SMBError as exc:
             self._drain()
             self.plane.stats.add(errors=1, operations=1)
             log.debug("tcp %s: %s on extent %d failed: %s", self.peer, op.name, extent_id, exc)
             self._reply(req_id, str(exc).encode(), error_status(exc))
         else:
+            if op in wire.WRITE_OPS:   # wake the waits on the words it changed
+                waiters.for_arena(self.plane.arena).touched(extent_id, offset, length)
             if body is not None:   # else already answered (and counted) by the operation
                 self.plane.stats.add(operations=1)
                 self._reply(req_id, body)
@@ -357,13 +377,60 @@ class _Connection:
         return True
 
     # -- operations -----------------------------------------------------------------
+    def _once(self, client: int, seq: int, op: Op, dtype: int, extent_id: int, offset: int,
+              length: int, arg0: int, arg1: int, alpha: float) -> bytes:
+        """Serve a numbered mutating request at most once (see :mod:`.dedup`).
+
+        The ticket and range are checked first and on every attempt (a retry under a
+        renewed ticket passes). A repeat of a finished request gets the first answer and
+        its payload is discarded; a repeat of an interrupted one resumes after the bytes
+        that took effect. A failure before anything took effect (for example a ticket
+        that expired) is not remembered, so the retry runs the request.
+        """
+        extent = self.tickets.check(self.plane.arena, extent_id, write=True)
+        extent.check_range(offset, length)
+        what = (int(op), extent_id, offset, length, dtype)
+        try:
+            fresh, entry = self.plane.dedup.begin(client, seq, self.plane.frame_timeout, what)
+        except TimeoutError as exc:
+            raise Timeout(f"{exc}: retry later") from None
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from None
+        if not fresh:
+            self.plane.stats.add(repeats=1)
+            if entry.status != Status.OK:
+                raise _Repeat(entry.status, entry.body)
+            self._drain()
+            return entry.body
+        try:
+            body = self._dispatch(op, dtype, extent_id, offset, length, arg0, arg1, alpha, 0, entry)
+        except SMBError as exc:
+            if entry.applied:
+                entry.finish(error_status(exc), str(exc).encode())
+            else:
+                self.plane.dedup.interrupt(entry)
+            raise
+        except BaseException:
+            self.plane.dedup.interrupt(entry)
+            raise
+        assert body is not None
+        entry.finish(Status.OK, body)
+        return body
+
     def _dispatch(self, op: Op, dtype: int, extent_id: int, offset: int, length: int,
-                  arg0: int, arg1: int, alpha: float, req_id: int) -> bytes | None:
-        """Serve a checked request; returns the OK answer body, or None when already sent."""
+                  arg0: int, arg1: int, alpha: float, req_id: int,
+                  entry: Entry | None = None) -> bytes | None:
+        """Serve a checked request; returns the OK answer body, or None when already sent.
+        ``entry`` (a numbered request) counts the payload bytes that took effect and,
+        on a resumed attempt, says how many to skip."""
         if op is Op.PING:
             return b""
         extent = self.tickets.check(self.plane.arena, extent_id, write=op in wire.WRITE_OPS)
         extent.check_range(offset, length)
+        if op in wire.COORD_OPS:
+            return coord_ops.serve(waiters.for_arena(self.plane.arena), op, extent, offset, length, dtype,
+                                   arg0, arg1, alpha,
+                                   lambda: self.plane.closing or coord_ops.peer_closed(self.sock))
         if op is Op.READ:
             self._read(extent, offset, length, req_id)
             return None
@@ -377,7 +444,7 @@ class _Connection:
         dt = kernels.check_arith(arith, dtype, offset, length)
         if arith is Arith.SCALE:
             return self._scale(extent, offset, length, dt, alpha)
-        return self._accumulate(extent, offset, length, dt, arith, alpha)
+        return self._accumulate(extent, offset, length, dt, arith, alpha, entry)
 
     def _read(self, extent: Extent, offset: int, length: int, req_id: int) -> None:
         with extent.pin():
@@ -397,16 +464,27 @@ class _Connection:
         return b""
 
     def _accumulate(self, extent: Extent, offset: int, length: int, dt: DType, arith: Arith,
-                    alpha: float) -> bytes:
+                    alpha: float, entry: Entry | None = None) -> bytes:
+        """Receive the operand chunk by chunk and apply each under the extent's lock. A
+        resumed attempt (``entry.applied`` > 0) reads and discards the bytes that took
+        effect before and applies the rest; ``entry.applied`` grows as chunks apply."""
         with extent.pin():
             pos, end = offset, offset + length
             with self._scratch(length) as scratch:
+                skip = entry.applied if entry is not None else 0
+                while skip:
+                    n = min(skip, len(scratch))
+                    self._recv(scratch[:n])
+                    skip -= n
+                    pos += n
                 while pos < end:
                     n = min(end - pos, len(scratch))
                     chunk = scratch[:n]
                     self._recv(chunk)
                     with extent.lock, extent.data[pos:pos + n] as dst:
                         kernels.apply(arith, dst, chunk, dt, alpha)
+                        if entry is not None:
+                            entry.applied += n
                     pos += n
             if not extent.live:
                 raise ExtentNotFound(f"extent {extent.extent_id} was released during the operation")
@@ -452,7 +530,9 @@ class TcpPlane:
                  stats: PlaneStats | None = None, max_connections: int = MAX_CONNECTIONS,
                  frame_timeout: float = FRAME_TIMEOUT, *, max_per_peer: int = MAX_PER_PEER,
                  hello_timeout: float = HELLO_TIMEOUT,
-                 scratch_bytes: int = SCRATCH_POOL_BYTES) -> None:
+                 scratch_bytes: int = SCRATCH_POOL_BYTES,
+                 dedup: DedupTable | None = None,
+                 tls: ssl.SSLContext | None = None) -> None:
         self.arena = arena
         self.secret = secret
         self.host = host
@@ -462,6 +542,8 @@ class TcpPlane:
         self.hello_timeout = hello_timeout
         self.frame_timeout = frame_timeout
         self.scratch = ScratchPool(scratch_bytes, SCRATCH_BYTES, self.stats)
+        self.dedup = dedup if dedup is not None else DedupTable()
+        self.tls = tls
         self._listener = Listener(
             (host, port), self._serve, name="tcp", stats=self.stats,
             max_connections=max_connections, max_per_peer=max_per_peer, refusal=_refusal,
@@ -487,8 +569,37 @@ class TcpPlane:
 
     def _serve(self, sock: socket.socket, peer: str) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.settimeout(self.frame_timeout)
-        _Connection(self, sock, peer).serve()
+        if self.tls is None:
+            sock.settimeout(self.frame_timeout)
+            _Connection(self, sock, peer).serve()
+            return
+        started = time.monotonic()
+        stream = self._handshake(sock, peer)
+        if stream is None:
+            return
+        try:
+            stream.settimeout(self.frame_timeout)
+            conn = _Connection(self, stream, peer)
+            conn.hello_deadline = conn.deadline = started + self.hello_timeout
+            conn.serve()
+        finally:
+            stream.close()
+
+    def _handshake(self, sock: socket.socket, peer: str) -> ssl.SSLSocket | None:
+        """The TLS server side of ``sock``, after a handshake that must end within
+        ``hello_timeout`` seconds; None (logged, counted) when it fails. Runs on the
+        connection's thread. The TLS socket wraps a duplicate descriptor, so that the
+        listener's shutdown of ``sock`` at close reaches it too."""
+        assert self.tls is not None
+        dup = sock.dup()
+        try:
+            dup.settimeout(self.hello_timeout)
+            return self.tls.wrap_socket(dup, server_side=True)
+        except OSError as exc:   # ssl.SSLError, a timeout, a reset
+            dup.close()
+            self.stats.add(errors=1, dropped=1)
+            log.info("tcp %s: TLS handshake failed: %s", peer, exc)
+            return None
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop accepting, close every connection, wait for their threads (seconds)."""

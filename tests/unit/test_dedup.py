@@ -71,3 +71,13 @@ def test_clients_are_bounded():
     for c in (1, 2, 3):
         t.begin(c, 1)[1].finish()
     assert t.begin(1, 1)[0] is True       # least recently seen client forgotten
+
+
+def test_a_number_reused_for_another_request_is_refused():
+    t = DedupTable()
+    _, e = t.begin(3, 9, what=(4, 1, 0, 64))
+    e.finish()
+    with pytest.raises(ValueError, match="names one request"):
+        t.begin(3, 9, what=(4, 1, 64, 64))
+    again, _ = t.begin(3, 9, what=(4, 1, 0, 64))
+    assert not again

@@ -51,6 +51,7 @@ class RdmaSession(Session):
         self.where = str(endpoint)
         self.grpc_address = options.get("grpc_address") or format_hostport(endpoint.host, endpoint.port)
         self.token = options.get("token") or None
+        self.tls = options.get("tls")   # TLS for the gRPC channel (None: the SMB_TLS_* environment)
         self.max_message = int(options.get("max_message") or 0)
         if self.max_message < 0:
             raise InvalidArgument(f"max_message must be a positive number of bytes, not {self.max_message}")
@@ -64,7 +65,7 @@ class RdmaSession(Session):
     def channel(self) -> Any:
         """The gRPC channel to the server's ``Connect`` (opened on first use, owned)."""
         if self._channel is None:
-            self._channel = rpc.channel(self.grpc_address)
+            self._channel = rpc.channel(self.grpc_address, self.tls)
         return self._channel
 
     # -- running an operation -------------------------------------------------------------
@@ -178,7 +179,9 @@ class RdmaSession(Session):
             self._with_local(conn, buffers, read, body)
         self._do(ticket, run)
 
-    def write(self, ticket: str, extent_id: int, offset: int, buffers: Sequence[memoryview]) -> None:
+    def write(self, ticket: str, extent_id: int, offset: int, buffers: Sequence[memoryview],
+              seq: int = 0) -> None:
+        """One-sided: running it again writes the same bytes (``seq`` unused)."""
         self._transfer(ticket, extent_id, offset, buffers, read=False)
 
     def read_into(self, ticket: str, extent_id: int, offset: int, buffers: Sequence[memoryview]) -> None:
@@ -197,19 +200,21 @@ class RdmaSession(Session):
         olds: list[int] = self._do(ticket, run)
         return olds
 
-    def fetch_add(self, ticket: str, extent_id: int, offset: int, value: int) -> int:
+    def fetch_add(self, ticket: str, extent_id: int, offset: int, value: int, seq: int = 0) -> int:
         return self._atomics(ticket, extent_id, [(offset, int(value), None)])[0]
 
-    def fetch_add_many(self, ticket: str, extent_id: int, items: Sequence[tuple[int, int]]) -> list[int]:
+    def fetch_add_many(self, ticket: str, extent_id: int, items: Sequence[tuple[int, int]],
+                       seq: int = 0) -> list[int]:
         """All fetch-adds on one queue pair, pipelined (see :meth:`RdmaConnection.atomics`)."""
         return self._atomics(ticket, extent_id, [(offset, int(value), None) for offset, value in items])
 
-    def compare_swap(self, ticket: str, extent_id: int, offset: int, expected: int, desired: int) -> int:
+    def compare_swap(self, ticket: str, extent_id: int, offset: int, expected: int, desired: int,
+                     seq: int = 0) -> int:
         return self._atomics(ticket, extent_id, [(offset, int(expected), int(desired))])[0]
 
     # -- two-sided ------------------------------------------------------------------------
     def accumulate(self, ticket: str, extent_id: int, offset: int, buffers: Sequence[memoryview],
-                   dtype: DType, alpha: float | None = None) -> None:
+                   dtype: DType, alpha: float | None = None, seq: int = 0) -> None:
         op = MsgOp.ACCUMULATE if alpha is None else MsgOp.AXPY
         size = itemsize(dtype)
         total = sum(len(b) for b in buffers)
@@ -257,7 +262,8 @@ class RdmaSession(Session):
             self._with_local(conn, buffers, False, body)
         self._do_arith(ticket, run)
 
-    def scale(self, ticket: str, extent_id: int, offset: int, length: int, dtype: DType, alpha: float) -> None:
+    def scale(self, ticket: str, extent_id: int, offset: int, length: int, dtype: DType, alpha: float,
+              seq: int = 0) -> None:
         def run(conn: RdmaConnection, keys: TicketKeys, state: dict[str, bool]) -> None:
             rext = conn.extent(keys, extent_id)
             self._check(rext, extent_id, offset, length)
