@@ -9,8 +9,9 @@ TCP or shared memory.
         params.read_into(0, array)
 """
 from .client import Client, RegionStatus, ServerStatus, connect
+from .coord import Barrier, Lock
 from .errors import *  # noqa: F401,F403
 from .errors import SMBError
 from .region import Region
 
-__all__ = ["Client", "Region", "RegionStatus", "ServerStatus", "SMBError", "connect"]
+__all__ = ["Barrier", "Client", "Lock", "Region", "RegionStatus", "ServerStatus", "SMBError", "connect"]

@@ -49,6 +49,7 @@ class Status(enum.IntEnum):
     SERVER_BUSY = 24
     CONTROLLER_BUSY = 25
     REGION_LOST = 26
+    LOCK_NOT_HELD = 27
 
 
 class SMBError(Exception):
@@ -209,6 +210,14 @@ class DtypeError(InvalidArgument, TypeError):
     """An unsupported or mismatching element type."""
 
     status: ClassVar[Status] = Status.DTYPE
+
+
+class LockNotHeld(SMBError):
+    """A lock released or renewed by a holder that does not hold it: its lease ran out
+    (and another holder may have taken it), or it was never taken."""
+
+    status: ClassVar[Status] = Status.LOCK_NOT_HELD
+    grpc_code: ClassVar[str] = "FAILED_PRECONDITION"
 
 
 class ProtocolError(SMBError):

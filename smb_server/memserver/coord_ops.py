@@ -1,0 +1,57 @@
+"""Serving the coordination requests of the data planes: ``WAIT``, ``LOCK``, ``UNLOCK``
+(formats in :mod:`smb_client.wire`), on the arena's :class:`.waiters.Waiters` table.
+
+A waiting request holds the thread serving its connection (answers go in order), so
+clients send waits on connections of their own (see ``smb_client/coord.py``). The wait
+ends early, without an answer, when the client closes the connection or the plane
+closes.
+"""
+from __future__ import annotations
+
+import logging
+import select
+import socket
+import struct
+
+from smb_client.errors import InvalidArgument, Misaligned
+from smb_client.wire import Op, WaitCond
+
+from .arena import Extent
+from .waiters import Cancelled, Waiters
+
+log = logging.getLogger(__name__)
+
+_WORD = struct.Struct("<q")
+
+
+def serve(waiters: Waiters, op: Op, extent: Extent, offset: int, length: int, dtype: int,
+          arg0: int, arg1: int, alpha: float, cancelled: Cancelled) -> bytes:
+    """Run one checked coordination request (ticket and range already checked); returns
+    the answer body: the word's value as 8 bytes."""
+    if length != 8:
+        raise InvalidArgument(f"{op.name.lower()} works on one 8-byte word, not {length} bytes")
+    if offset % 8:
+        raise Misaligned(f"{op.name.lower()} needs an 8-byte aligned offset, not {offset}")
+    if op is Op.WAIT:
+        try:
+            cond = WaitCond(dtype)
+        except ValueError:
+            raise InvalidArgument(f"unknown wait condition {dtype}: expected one of "
+                                  + ", ".join(f"{c.value} ({c.name.lower()})" for c in WaitCond)) from None
+        word = waiters.wait(extent, offset, cond, arg0, alpha, cancelled)
+    elif op is Op.LOCK:
+        word = waiters.lock(extent, offset, arg0, arg1 / 1000.0, alpha, cancelled)
+    else:
+        word = waiters.unlock(extent, offset, arg0)
+    return _WORD.pack(word)
+
+
+def peer_closed(sock: socket.socket) -> bool:
+    """True when the peer of ``sock`` has closed it (end of file waiting, not consumed)."""
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+        if not readable:
+            return False
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except (OSError, ValueError):
+        return True
