@@ -305,6 +305,6 @@ __all__ = [
     "BarrierTimeout", "NotFound", "RegionNotFound", "ExtentNotFound", "ServerNotFound",
     "RegionExists", "RegionLost", "OutOfMemory", "PermissionDenied", "AuthenticationError", "InvalidTicket",
     "TicketExpired", "ReadOnly", "InvalidArgument", "OutOfRange", "Misaligned", "DtypeError",
-    "ProtocolError", "ServerError", "Status", "error_class", "error_classes", "error_status",
+    "LockNotHeld", "ProtocolError", "ServerError", "Status", "error_class", "error_classes", "error_status",
     "status_error", "wire_class",
 ]

@@ -12,6 +12,10 @@ Concurrency rules (enforced by the memory servers): accumulates into one range a
 serialized per extent; writes are last-writer-wins; a reader that needs a consistent
 snapshot uses a version word or a lock built on :meth:`Region.compare_swap`.
 
+The module is longer than 400 lines on purpose: every operation's planning, its
+exactly-once numbering and its retry under a renewed ticket share one set of helpers
+and read best together; waits, locks and barriers live in :mod:`.coord`.
+
 Exactly once: an operation is planned once into requests, and every mutating request gets
 its sequence number then (:meth:`DataPlane.next_seq`). When the operation runs again (a
 ticket the server called expired, renewed; a connection that broke, on another one), the
