@@ -5,11 +5,24 @@ module is longer than 400 lines on purpose: an extent's life (create, adopt afte
 restart, retire: live word, deregister, punch, unmap) keeps its ordering invariants in
 one place; the libc-level memory helpers live in :mod:`.memmap`.
 
-An extent is a memfd (``os.memfd_create``) or, when persistence is asked for and the
-arena has a ``data_dir``, a file ``<data_dir>/<extent_id>.extent``. Either holds one
-4096-byte header page followed by ``length`` data bytes, and the server maps all of it.
-An extent costs one file descriptor: the mapping (:class:`Mapping`) keeps none of its
-own. The arena refuses a new extent with :class:`OutOfMemory` while fewer than
+Every extent lives in a memfd (``os.memfd_create``) of one 4096-byte header page
+followed by ``length`` data bytes, and the server maps all of it. The memfd is what
+shared-memory clients receive, so it is made safe to hand out before anyone sees it:
+mode 0600 (a client of another user cannot reopen it through ``/proc/self/fd``, so a
+read-only descriptor stays read-only) and sealed ``F_SEAL_SHRINK | F_SEAL_GROW |
+F_SEAL_SEAL`` (nobody, the server included, can change its size, so no mapping of it
+can fault with SIGBUS, and no client can add a seal such as ``F_SEAL_FUTURE_WRITE``).
+
+When persistence is asked for and the arena has a ``data_dir``, the extent also has a
+file ``<data_dir>/<extent_id>.extent`` (mode 0600, same layout) that no client ever
+gets a descriptor of: the server writes the memfd back into it every
+``writeback_seconds`` (a background thread) and when it stops, and copies the file
+into a fresh memfd when a restarted server adopts it. Only the parts holding data are
+copied (``SEEK_DATA``), so untouched memory stays unallocated. A server that is
+killed loses what was written since the last write-back; a clean stop (SIGTERM)
+loses nothing. An extent costs one file descriptor (its memfd): the mapping
+(:class:`Mapping`) keeps none of its own, and the file is opened only while it is
+written or read. The arena refuses a new extent with :class:`OutOfMemory` while fewer than
 ``fd_reserve`` descriptors are left under the process's ``RLIMIT_NOFILE`` (sockets and
 files need some too); :func:`raise_fd_limit` (in :mod:`.memmap`) lifts the soft limit to the hard one.
 Shared-memory clients receive the descriptor and map the whole thing, header included.
@@ -64,7 +77,7 @@ import numpy as np
 
 from smb_client.errors import ExtentNotFound, InvalidArgument, OutOfMemory, OutOfRange
 
-from .memmap import Mapping, open_fds, punch_hole
+from .memmap import Mapping, data_ranges, open_fds, punch_hole
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +90,39 @@ HEADER = struct.Struct("<QQQQ64s")   # magic, live, extent_id, length, region_ui
 FILE_SUFFIX = ".extent"
 
 FD_RESERVE = 64          # descriptors kept free for sockets and files when reserving extents
+WRITEBACK_SECONDS = 10.0  # seconds between write-backs of file-backed extents to their files
+COPY_CHUNK = 64 << 20    # bytes per read or write call when copying between memfd and file
+MEMFD_MODE = 0o600       # a client of another user cannot reopen a handed-out memfd
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
+def make_memfd(name: str, size: int) -> int:
+    """A memfd of ``size`` bytes (zeros), mode 0600, its size sealed; the caller owns it."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        os.fchmod(fd, MEMFD_MODE)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _write_all(fd: int, view: memoryview, offset: int) -> None:
+    while len(view):
+        n = os.pwrite(fd, view[:COPY_CHUNK], offset)
+        view = view[n:]
+        offset += n
+
+
+def _read_all(fd: int, view: memoryview, offset: int) -> None:
+    while len(view):
+        n = os.preadv(fd, [view[:COPY_CHUNK]], offset)
+        if n == 0:
+            raise ValueError(f"file ends before byte {offset}")
+        view = view[n:]
+        offset += n
 
 def _encode_uid(region_uid: str) -> bytes:
     raw = region_uid.encode()
@@ -105,8 +151,8 @@ class Extent:
         self.extent_id = extent_id
         self.region_uid = region_uid
         self.length = length            # bytes of data (header excluded)
-        self.fd = fd                    # owned; closed when the extent is retired
-        self.path = path                # file backing, "" for a memfd
+        self.fd = fd                    # the memfd, owned; closed when the extent is retired
+        self.path = path                # the file it is written back to, "" for memory only
         self.persistent = persistent
         self.created = time.monotonic()
         self.lock = threading.Lock()    # serializes read-modify-write operations
@@ -119,6 +165,7 @@ class Extent:
         self._released = False
         self._keep_data = False
         self._closed = False
+        self._file = threading.Lock()   # one write-back at a time; the final unlink after it
         self.retire_hooks: list[Callable[[Extent], None]] = []  # run before the memory goes
 
     @property
@@ -179,11 +226,56 @@ class Extent:
         dt = np.dtype(dtype)
         return np.frombuffer(self.data[offset:offset + nbytes], dtype=dt, count=nbytes // dt.itemsize)
 
+    # -- persistence ----------------------------------------------------------------
+    def write_back(self) -> int:
+        """Copy the extent into its file (file-backed extents; others do nothing) and
+        flush it to disk; returns the data bytes copied. Raises ExtentNotFound once
+        released."""
+        if not self.path:
+            return 0
+        with self.pin(), self._file:
+            return self._write_file(self.path)
+
+    def _write_file(self, path: str) -> int:
+        """Under ``_file`` with the mapping alive: make ``path`` hold this extent. The
+        header comes from this object, not from the mapped page, which read-write clients
+        can write; the data comes from the memfd."""
+        assert self._mm.view is not None
+        size = HEADER_BYTES + self.length
+        header = bytearray(HEADER_BYTES)
+        HEADER.pack_into(header, 0, HEADER_MAGIC, int(not self._released), self.extent_id,
+                         self.length, _encode_uid(self.region_uid))
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            _write_all(fd, memoryview(header), 0)
+            copied = 0
+            pos = HEADER_BYTES
+            for offset, n in data_ranges(self.fd, HEADER_BYTES, size):
+                self._zero_file(fd, pos, offset - pos)   # a hole in memory is zeros in the file
+                _write_all(fd, self._mm.view[offset:offset + n], offset)
+                copied += n
+                pos = offset + n
+            self._zero_file(fd, pos, size - pos)
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
+        return copied
+
+    @staticmethod
+    def _zero_file(fd: int, offset: int, length: int) -> None:
+        if length > 0 and not punch_hole(fd, offset, length):
+            zeros = memoryview(bytes(min(length, COPY_CHUNK)))
+            while length > 0:
+                _write_all(fd, zeros[:length], offset)
+                offset += min(length, len(zeros))
+                length -= min(length, len(zeros))
+
     # -- retirement -----------------------------------------------------------------
     def _retire(self, keep_data: bool = False) -> None:
         """Mark released (live word 0 first), give the memory back; unmap when unpinned.
 
-        ``keep_data``: a persistent extent at server shutdown: flush, keep the file.
+        ``keep_data``: a persistent extent at server shutdown: write back, keep the file.
         Otherwise the data pages are punched out and a backing file is deleted.
         """
         with self._state:
@@ -216,8 +308,12 @@ class Extent:
                 return
             self._closed = True
         if self._keep_data:
-            with contextlib.suppress(ValueError, OSError):
-                self._mm.flush()
+            with self._file:
+                try:
+                    self._write_file(self.path)
+                except OSError as exc:
+                    log.error("extent %d: cannot write it back to %s: %s", self.extent_id,
+                              self.path, exc)
         else:
             self._punch()  # again: an operation that was pinned may have touched pages
         self._header.release()
@@ -227,7 +323,7 @@ class Extent:
         except BufferError:
             log.debug("extent %d: mapping still exported; unmapped when collected", self.extent_id)
         if self.path and not self._keep_data:
-            with contextlib.suppress(FileNotFoundError):
+            with self._file, contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
         os.close(self.fd)
 
@@ -252,9 +348,12 @@ class Arena:
     ``data_dir``: where file-backed (persistent) extents live; existing ``*.extent``
     files there are adopted on construction, so a restarted server keeps their data.
     ``fd_reserve``: descriptors that must stay free for a new extent to be made.
+    ``writeback_seconds``: seconds between write-backs of file-backed extents (a thread
+    the arena owns while it has a ``data_dir``; 0: only when the arena closes).
     """
 
-    def __init__(self, capacity: int, data_dir: str = "", fd_reserve: int = FD_RESERVE) -> None:
+    def __init__(self, capacity: int, data_dir: str = "", fd_reserve: int = FD_RESERVE,
+                 writeback_seconds: float = WRITEBACK_SECONDS) -> None:
         if capacity < 0:
             raise InvalidArgument(f"capacity must be >= 0 bytes, got {capacity}")
         self.capacity = int(capacity)
@@ -265,9 +364,15 @@ class Arena:
         self._used = 0
         self._closed = False
         self._listeners: list[ArenaListener] = []
+        self._stop = threading.Event()
+        self._writer: threading.Thread | None = None
         if data_dir:
-            os.makedirs(data_dir, exist_ok=True)
+            os.makedirs(data_dir, mode=0o700, exist_ok=True)
             self._adopt_all()
+            if writeback_seconds > 0:
+                self._writer = threading.Thread(target=self._write_back_loop, args=(writeback_seconds,),
+                                                name="extent-writeback", daemon=True)
+                self._writer.start()
 
     # -- budget ---------------------------------------------------------------------
     @property
@@ -379,22 +484,17 @@ class Arena:
         path = ""
         if persistent and self.data_dir:
             path = os.path.join(self.data_dir, f"{extent_id}{FILE_SUFFIX}")
-            tmp = path + ".new"
-            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        else:
-            if persistent:
-                log.info("extent %d: persistence asked for but the server has no data_dir; "
-                         "using memory", extent_id)
-            fd = os.memfd_create(f"smb-extent-{extent_id}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        elif persistent:
+            log.info("extent %d: persistence asked for but the server has no data_dir; "
+                     "using memory", extent_id)
+        fd = make_memfd(f"smb-extent-{extent_id}", size)
         try:
-            os.ftruncate(fd, size)
-            if not path:
-                # clients get this descriptor: forbid them to shrink it under our mapping
-                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
             mm = Mapping(fd, size)
             extent = Extent(extent_id, region_uid, length, fd, mm, path, persistent=bool(path))
             extent._write_header(1)
             if path:
+                with extent._file:
+                    extent._write_file(path + ".new")
                 os.rename(path + ".new", path)
         except BaseException:
             os.close(fd)
@@ -430,8 +530,35 @@ class Arena:
         """(id, region uid, length, age seconds) of every held extent."""
         return [HeldExtent(e.extent_id, e.region_uid, e.length, e.age) for e in self.extents()]
 
+    def write_back(self) -> int:
+        """Write every file-backed extent back to its file now; returns data bytes copied.
+        A failure is logged and the others are still written."""
+        copied = 0
+        for extent in self.extents():
+            if not extent.path:
+                continue
+            try:
+                copied += extent.write_back()
+            except ExtentNotFound:
+                pass                       # released meanwhile: its file is gone too
+            except OSError as exc:
+                log.error("extent %d: cannot write it back to %s: %s", extent.extent_id,
+                          extent.path, exc)
+        return copied
+
+    def _write_back_loop(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            start = time.monotonic()
+            copied = self.write_back()
+            log.debug("wrote back %d bytes of file-backed extents in %.3f s", copied,
+                      time.monotonic() - start)
+
     def close(self) -> None:
-        """Drop every extent: memory ones are freed, persistent files stay for a restart."""
+        """Drop every extent: memory ones are freed, file-backed ones are written back
+        and their files stay for a restart."""
+        self._stop.set()
+        if self._writer is not None and self._writer is not threading.current_thread():
+            self._writer.join()
         with self._lock:
             self._closed = True
             extents, self._extents = list(self._extents.values()), {}
@@ -463,8 +590,9 @@ class Arena:
                         self._used, self.capacity)
 
     def _adopt(self, path: str) -> Extent:
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-        try:
+        """The extent a file holds, copied into a fresh memfd (the file stays closed)."""
+        with open(path, "rb", buffering=0) as f:
+            fd = f.fileno()
             size = os.fstat(fd).st_size
             if size < HEADER_BYTES:
                 raise ValueError(f"file of {size} bytes has no header page")
@@ -476,11 +604,16 @@ class Arena:
             if os.path.basename(path) != f"{extent_id}{FILE_SUFFIX}":
                 raise ValueError(f"header names extent {extent_id}")
             region_uid = raw_uid.rstrip(b"\0").decode()
-            mm = Mapping(fd, size)
-        except BaseException:
-            os.close(fd)
-            raise
-        extent = Extent(extent_id, region_uid, length, fd, mm, path, persistent=True)
+            memfd = make_memfd(f"smb-extent-{extent_id}", size)
+            try:
+                mm = Mapping(memfd, size)
+                assert mm.view is not None
+                for offset, n in data_ranges(fd, 0, size):
+                    _read_all(fd, mm.view[offset:offset + n], offset)
+            except BaseException:
+                os.close(memfd)
+                raise
+        extent = Extent(extent_id, region_uid, length, memfd, mm, path, persistent=True)
         extent._set_live(1)
         return extent
 

@@ -105,3 +105,26 @@ def punch_hole(fd: int, offset: int, length: int) -> bool:
             return False
         raise OSError(err, os.strerror(err))
     return True
+
+
+def data_ranges(fd: int, start: int, end: int) -> list[tuple[int, int]]:
+    """(offset, length) of the parts of ``[start, end)`` of ``fd`` that hold data, as
+    ``lseek(SEEK_DATA/SEEK_HOLE)`` sees them (page granularity); holes read as zeros.
+    A file system without hole reporting gives the whole range."""
+    out: list[tuple[int, int]] = []
+    pos = start
+    while pos < end:
+        try:
+            data = os.lseek(fd, pos, os.SEEK_DATA)
+        except OSError as exc:
+            if exc.errno == errno.ENXIO:      # nothing but a hole up to the end
+                break
+            if exc.errno == errno.EINVAL:     # no hole reporting
+                return [(start, end - start)]
+            raise
+        if data >= end:
+            break
+        hole = min(os.lseek(fd, data, os.SEEK_HOLE), end)
+        out.append((data, hole - data))
+        pos = hole
+    return out

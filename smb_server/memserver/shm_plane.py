@@ -12,10 +12,25 @@ Several requests may follow on one connection; a malformed request closes it. A
 connection refused (the plane is full, or out of file descriptors) gets one answer
 with status ``SERVER_BUSY`` and is closed.
 
-A read-only ticket gets a read-only descriptor (the extent reopened ``O_RDONLY``
-through ``/proc/self/fd``), which cannot be mapped writable. This guards against
-mistakes, not against a hostile process of the same user, which could reopen the
-descriptor through ``/proc`` itself.
+What a client receives cannot reach beyond its ticket when the client runs as another
+user than the server:
+
+- every extent is a memfd, also a file-backed one (the server writes it back to its
+  file; the file's descriptor never leaves the server), sealed against shrinking,
+  growing and further seals (:mod:`.arena`): no client can make the server's mapping
+  fault (SIGBUS) or change what others map;
+- a read-only ticket gets a read-only descriptor (the memfd reopened ``O_RDONLY``
+  through the server's ``/proc/self/fd``). It cannot be mapped writable, ``mprotect``
+  cannot make its mapping writable, and reopening it through the client's own
+  ``/proc/self/fd`` is refused, because the memfd's mode is 0600 and the server's user
+  owns it.
+
+A client of the server's own user is trusted with everything the server holds: it can
+reopen a descriptor read-write through ``/proc`` as the owner, and it could inspect the
+server process itself (``ptrace``, ``/proc/PID/mem``). Which users may ask at all is
+decided by who can reach the socket: it is made mode 0666 (``SOCKET_MODE``), so the
+permissions of the directories on its path decide (under the systemd unit, the state
+directory is 0750 and group ``smb``: members of that group). Tickets decide the rest.
 """
 from __future__ import annotations
 
@@ -42,6 +57,7 @@ ANSWER_HEAD = struct.Struct("<BI")
 FRAME_TIMEOUT = 10.0   # seconds a started request may stall
 MAX_CONNECTIONS = 256   # connections open at once
 BACKLOG = 64
+SOCKET_MODE = 0o666     # every user who can reach the path may ask; the ticket decides
 
 
 class _Drop(Exception):
@@ -66,6 +82,11 @@ class ShmPlane:
         self._listener = Listener(self.path, self._serve, name="shm", stats=self.stats,
                                   max_connections=max_connections, refusal=_refusal,
                                   backlog=BACKLOG)
+        try:
+            os.chmod(self.path, SOCKET_MODE)
+        except OSError:
+            self._listener.close()
+            raise
         log.info("shm data plane listening on %s", self.path)
 
     @property

@@ -1,15 +1,18 @@
 """The memory server's arena: budget, extents, release semantics, persistence."""
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import struct
+import time
 
 import numpy as np
 import pytest
 
 from smb_client.errors import ExtentNotFound, InvalidArgument, OutOfMemory, OutOfRange
 from smb_server.memserver.arena import HEADER, HEADER_BYTES, HEADER_MAGIC, LIVE_OFFSET, Arena
+from smb_server.memserver.memmap import data_ranges
 
 MiB = 1 << 20
 
@@ -185,3 +188,80 @@ def test_adoption_skips_damaged_files(tmp_path):
 def test_persistent_without_data_dir_uses_memory(arena):
     e = arena.reserve(8, "uid", 4096, persistent=True)
     assert e.path == "" and not e.persistent
+
+
+def _file_bytes(path: str, offset: int, n: int) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return f.read(n)
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["memory", "file-backed"])
+def test_every_extent_is_a_sealed_private_memfd(tmp_path, persistent):
+    arena = Arena(16 * MiB, str(tmp_path / "data"), writeback_seconds=0)
+    try:
+        e = arena.reserve(21, "uid", 8192, persistent=persistent)
+        assert e.persistent is persistent
+        assert os.readlink(f"/proc/self/fd/{e.fd}").startswith("/memfd:")   # never the file
+        assert os.fstat(e.fd).st_mode & 0o777 == 0o600
+        seals = fcntl.fcntl(e.fd, fcntl.F_GET_SEALS)
+        want = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+        assert seals & want == want
+        fd = os.open(f"/proc/self/fd/{e.fd}", os.O_RDWR)   # what a same-user client could do
+        try:
+            for size in (10, HEADER_BYTES + 8192 + 4096):
+                with pytest.raises(PermissionError):
+                    os.ftruncate(fd, size)
+            with pytest.raises(PermissionError):
+                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)
+        finally:
+            os.close(fd)
+        e.data[8191] = 5                                   # the server's mapping still works
+    finally:
+        arena.close()
+
+
+def test_file_backed_extent_is_written_back_and_adopted_sparse(tmp_path):
+    data_dir = str(tmp_path / "data")
+    arena = Arena(256 * MiB, data_dir, writeback_seconds=0)
+    e = arena.reserve(31, "uid-w", 64 * MiB, persistent=True)
+    path = os.path.join(data_dir, "31.extent")
+    assert os.stat(path).st_size == HEADER_BYTES + 64 * MiB
+    e.data[MiB:MiB + 3] = b"one"
+    assert arena.write_back() == 4096                     # one page holds data
+    e.data[MiB:MiB + 3] = b"two"                          # after the last write-back
+    struct.pack_into("<Q", e._header, 0, 0)               # a rw client scribbling on the header
+    # a crash now (no close): a new server adopts what was last written back
+    crashed = Arena(256 * MiB, data_dir, writeback_seconds=0)
+    try:
+        back = crashed.get(31)
+        assert bytes(back.data[MiB:MiB + 3]) == b"one"
+        assert os.stat(path).st_blocks * 512 < MiB        # holes stay holes on disk
+        assert data_ranges(back.fd, HEADER_BYTES, HEADER_BYTES + 64 * MiB) == [(HEADER_BYTES + MiB, 4096)]
+    finally:
+        crashed.close()
+    arena.close()                                         # a clean stop writes back all of it
+    again = Arena(256 * MiB, data_dir, writeback_seconds=0)
+    try:
+        assert bytes(again.get(31).data[MiB:MiB + 3]) == b"two"   # header from the server, not the page
+    finally:
+        again.close()
+
+
+def test_write_back_runs_on_its_interval(tmp_path):
+    data_dir = str(tmp_path / "data")
+    arena = Arena(16 * MiB, data_dir, writeback_seconds=0.05)
+    try:
+        e = arena.reserve(41, "uid", 8192, persistent=True)
+        e.data[:5] = b"later"
+        path = os.path.join(data_dir, "41.extent")
+        deadline = time.monotonic() + 10
+        while _file_bytes(path, HEADER_BYTES, 5) != b"later":
+            assert time.monotonic() < deadline, "never written back"
+            time.sleep(0.02)
+        arena.release(41)                                 # a deleted region's file goes
+        assert not os.path.exists(path)
+        time.sleep(0.2)                                   # and no later write-back brings it back
+        assert not os.path.exists(path)
+    finally:
+        arena.close()
