@@ -7,7 +7,7 @@ serves one connection until it ends, and ``refusal``, the bytes a refused connec
 gets before it is closed (the plane's own wire format for a ``SERVER_BUSY`` answer).
 
 Admission: at most ``max_connections`` connections open in all, and ``max_per_peer``
-from one peer address (TCP; a Unix socket's peers are one, ``local``); an ``admit``
+from one peer (TCP: one address; a Unix socket: one user id, from ``SO_PEERCRED``); an ``admit``
 callback may refuse more. A refused connection is answered, never left hanging, and
 counted as ``refused`` in the plane's stats; warnings about refusals are rate-limited.
 
@@ -22,6 +22,7 @@ import errno
 import logging
 import os
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -39,7 +40,8 @@ ACCEPT_BACKOFF_FIRST = 0.05  # seconds the accept loop pauses after a failure, d
 ACCEPT_BACKOFF_MAX = 1.0     # seconds, the longest such pause
 REFUSAL_LOG_EVERY = 10.0     # seconds between warnings about refused connections
 UNIX_MODE = 0o600            # permissions of a Unix socket file
-LOCAL_PEER = "local"         # the peer key of every Unix-socket connection
+LOCAL_PEER = "local"         # the peer key of a Unix-socket connection whose user is unknown
+PEERCRED = struct.Struct("3i")   # struct ucred: pid, uid, gid
 
 #: serves one connection (socket, peer name) until it ends; the listener closes the socket
 Serve = Callable[[socket.socket, str], None]
@@ -47,6 +49,16 @@ Serve = Callable[[socket.socket, str], None]
 Refusal = Callable[[SMBError], bytes]
 #: an extra admission check on a peer key: the error to refuse with, or None to admit
 Admit = Callable[[str], SMBError | None]
+
+
+def _peer_uid(sock: socket.socket) -> int | None:
+    """The user id of a Unix-socket peer, None when the kernel does not say."""
+    try:
+        _pid, uid, _gid = PEERCRED.unpack(
+            sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, PEERCRED.size))
+    except OSError:
+        return None
+    return int(uid)
 
 
 def _no_refusal(err: SMBError) -> bytes:
@@ -169,10 +181,14 @@ class Listener:
             backoff = ACCEPT_BACKOFF_FIRST
             self._admit(sock, addr)
 
-    def _peer(self, addr: Any) -> tuple[str, str]:
-        """(peer key for the per-peer limit, peer name for logs)."""
+    def _peer(self, addr: Any, sock: socket.socket | None = None) -> tuple[str, str]:
+        """(peer key for the per-peer limit, peer name for logs): a TCP peer's address, a
+        Unix-socket peer's user id."""
         if self.path is not None:
-            return LOCAL_PEER, LOCAL_PEER
+            uid = _peer_uid(sock) if sock is not None else None
+            if uid is None:
+                return LOCAL_PEER, LOCAL_PEER
+            return f"uid {uid}", f"local uid {uid}"
         ip = str(addr[0])
         return ip, f"{ip}:{addr[1]}"
 
@@ -215,7 +231,7 @@ class Listener:
         return None
 
     def _admit(self, sock: socket.socket, addr: Any) -> None:
-        key, peer = self._peer(addr)
+        key, peer = self._peer(addr, sock)
         refusal = self._admit_fn(key) if self._admit_fn is not None else None
         if refusal is None:
             with self._lock:

@@ -56,6 +56,7 @@ EXTENT_ID = struct.Struct("<Q")
 ANSWER_HEAD = struct.Struct("<BI")
 FRAME_TIMEOUT = 10.0   # seconds a started request may stall
 MAX_CONNECTIONS = 256   # connections open at once
+MAX_PER_USER = 128      # connections open at once from one user id (each client process keeps one)
 BACKLOG = 64
 SOCKET_MODE = 0o666     # every user who can reach the path may ask; the ticket decides
 
@@ -67,20 +68,22 @@ class _Drop(Exception):
 class ShmPlane:
     """Serves extent descriptors on the Unix socket ``socket_path`` (created here,
     removed by :meth:`close`). Borrows ``arena``; ``secret`` verifies tickets. At most
-    ``max_connections`` connections are open; one more, or one accepted while the
-    process is out of file descriptors, gets a ``SERVER_BUSY`` answer and is closed.
+    ``max_connections`` connections are open, ``max_per_user`` of them from one user id
+    (so that one local user cannot lock the others out); one more, or one accepted while
+    the process is out of file descriptors, gets a ``SERVER_BUSY`` answer and is closed.
     Accepting and admission are a :class:`.listener.Listener`'s, owned here.
     """
 
     def __init__(self, arena: Arena, secret: bytes, socket_path: str,
                  stats: PlaneStats | None = None, *,
-                 max_connections: int = MAX_CONNECTIONS) -> None:
+                 max_connections: int = MAX_CONNECTIONS, max_per_user: int = MAX_PER_USER) -> None:
         self.arena = arena
         self.secret = secret
         self.path = os.path.abspath(socket_path)
         self.stats = stats if stats is not None else PlaneStats("shm")
         self._listener = Listener(self.path, self._serve, name="shm", stats=self.stats,
-                                  max_connections=max_connections, refusal=_refusal,
+                                  max_connections=max_connections, max_per_peer=max_per_user,
+                                  refusal=_refusal,
                                   backlog=BACKLOG)
         try:
             os.chmod(self.path, SOCKET_MODE)

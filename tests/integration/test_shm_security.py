@@ -216,3 +216,52 @@ def test_file_backed_data_written_through_shm_survives_a_restart(shared_cluster)
             time.sleep(0.1)
         back = c.open_region("sec/keep")
         np.testing.assert_array_equal(back.read(dtype="int32"), data)
+
+
+# Runs as another user: holds as many connections to the shm socket as it is allowed,
+# reports the answer to one more, and keeps them until told to go.
+CHILD_FLOOD = r'''
+import json, socket, struct, sys
+path, n = sys.argv[1], int(sys.argv[2])
+held = []
+for _ in range(n):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(path)
+    held.append(s)
+extra = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+extra.settimeout(10)
+extra.connect(path)
+answer = b""
+while True:
+    more = extra.recv(4096)
+    if not more:
+        break
+    answer += more
+status, length = struct.unpack_from("<BI", answer)
+print(json.dumps({"status": status, "message": answer[5:5 + length].decode()}), flush=True)
+sys.stdin.readline()
+'''
+
+
+def test_one_user_cannot_take_every_shm_connection(shared_cluster):
+    from smb_client.errors import Status
+    from smb_server.memserver.shm_plane import MAX_PER_USER
+
+    cluster = shared_cluster
+    with cluster.client(transport="shm") as c:
+        r = c.create_region("sec/flood", MiB, placement="single")
+        r.write(0, np.arange(4, dtype=np.int32))
+        flood = subprocess.Popen([sys.executable, "-c", CHILD_FLOOD, _shm_path(cluster), str(MAX_PER_USER)],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT,
+                                 user=OTHER_UID, group=OTHER_GID, extra_groups=[])
+        try:
+            out = json.loads(flood.stdout.readline())
+            assert out["status"] == Status.SERVER_BUSY
+            assert f"{MAX_PER_USER} data-plane connections are open from uid {OTHER_UID}" in out["message"]
+            # while that user holds its share, this user's clients are served
+            with cluster.client(transport="shm") as other:
+                again = other.open_region("sec/flood")
+                assert again.read(0, 16, dtype="int32").tolist() == [0, 1, 2, 3]
+        finally:
+            flood.communicate("\n", timeout=30)
+        assert flood.returncode == 0
