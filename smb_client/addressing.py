@@ -1,6 +1,7 @@
 """Data-plane and control-plane addresses.
 
-Every data-plane endpoint is a URI: ``tcp://host:port``, ``rdma://host:port`` (the
+Every data-plane endpoint is a URI: ``tcp://host:port`` (``tcp+tls://host:port`` when
+the server's TCP data plane speaks TLS), ``rdma://host:port`` (the
 host:port of the memory server's gRPC service that does the queue-pair exchange) or
 ``shm:///abs/path/to.sock``. This module parses them and does nothing else.
 """
@@ -10,7 +11,7 @@ from dataclasses import dataclass
 
 from .errors import InvalidArgument
 
-SCHEMES = ("tcp", "shm", "rdma")
+SCHEMES = ("tcp", "shm", "rdma", "tcp+tls")
 
 
 @dataclass(frozen=True)

@@ -24,12 +24,14 @@ from .placement import check_bytes
 from .region import Region
 from .retry import Backoff, Retry
 from .tickets import TicketMode
+from .tls import TLSConfig, diagnose
 
 log = logging.getLogger(__name__)
 
 DEFAULT_CONTROLLER = "127.0.0.1:7700"
 RECONNECT_FIRST = 0.05       # seconds before the first retry of an unreachable controller
 RECONNECT_CAP = 0.5          # seconds between retries at most
+SOCKET_CLOSED = "Socket closed"   # gRPC's words for a connection the server closed at once
 
 
 @dataclass(frozen=True)
@@ -67,7 +69,9 @@ class Client:
     control calls keep retrying while the controller is unreachable (e.g. restarting)
     before ControllerUnavailable. ``transport_options`` go to every data-plane session
     on top of those (for example ``{"max_message": 65536}`` for rdma; see each
-    transport's session class). The client owns its channel and its :attr:`dataplane`;
+    transport's session class). ``tls`` holds the CA, certificate and key for TLS to the
+    controller and the memory servers (default: ``$SMB_TLS_CA``, ``$SMB_TLS_CERT``,
+    ``$SMB_TLS_KEY``; a wrong CA raises AuthenticationError). The client owns its channel and its :attr:`dataplane`;
     :meth:`close` closes both, after which its regions stop working.
     """
 
@@ -75,7 +79,8 @@ class Client:
                  transport: str | None = None, timeout: float = 30.0, connections: int = 2,
                  chunk_bytes: int = 8 << 20, io_threads: int = 16,
                  reconnect_timeout: float = 5.0,
-                 transport_options: dict[str, Any] | None = None) -> None:
+                 transport_options: dict[str, Any] | None = None,
+                 tls: TLSConfig | None = None) -> None:
         self.address = address or os.environ.get("SMB_CONTROLLER", DEFAULT_CONTROLLER)
         self.token = token if token is not None else os.environ.get("SMB_TOKEN", "")
         self.transport = (transport or os.environ.get("SMB_TRANSPORT", "") or "auto").lower()
@@ -89,10 +94,12 @@ class Client:
         self.connections = connections
         self.chunk_bytes = chunk_bytes
         self.transport_options = dict(transport_options or {})
+        self.tls = TLSConfig.from_env() if tls is None else tls
         self.dataplane = DataPlane(self.transport, host_id(), connections=connections, token=self.token,
-                                   io_threads=io_threads, transport_options=self.transport_options)
+                                   io_threads=io_threads,
+                                   transport_options={"tls": self.tls, **self.transport_options})
         self._closed = False
-        self._channel = rpc.channel(self.address)
+        self._channel = rpc.channel(self.address, self.tls)
         self._stub = pb_grpc.ControllerStub(self._channel)  # type: ignore[no-untyped-call]  # generated stub, untyped __init__
 
     def __enter__(self) -> Client:
@@ -119,8 +126,19 @@ class Client:
         patience = self.reconnect_timeout if reconnect_timeout is None else reconnect_timeout
         retry = Retry(on=(ControllerUnavailable,), timeout=patience,
                       backoff=Backoff(first=RECONNECT_FIRST, cap=RECONNECT_CAP))
-        return retry(lambda: rpc.call(stub_method, request, self.token, deadline, ControllerUnavailable),
-                     what=f"controller {method}")
+        return retry(lambda: self._call_once(stub_method, request, deadline), what=f"controller {method}")
+
+    def _call_once(self, stub_method: Any, request: Any, deadline: float | None) -> Any:
+        try:
+            return rpc.call(stub_method, request, self.token, deadline, ControllerUnavailable)
+        except ControllerUnavailable as exc:
+            # a controller that closes the connection at once may be refusing TLS (or its
+            # absence): ask it with a handshake of our own, so the error says what to set
+            if SOCKET_CLOSED in str(exc):
+                refusal = diagnose(self.address, self.tls)
+                if refusal is not None:
+                    raise refusal from None
+            raise
 
     # -- regions -------------------------------------------------------------------
     def create_region(self, name: str, size: int, *, placement: str = "striped",

@@ -13,6 +13,7 @@ from typing import Any
 import grpc
 
 from . import errors
+from .tls import TLSConfig, is_trust_failure, untrusted
 
 log = logging.getLogger(__name__)
 
@@ -50,9 +51,16 @@ def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {token}"),) if token else ()
 
 
-def channel(address: str) -> grpc.Channel:
-    """An insecure channel to ``host:port`` (TLS arrives with certificates in config)."""
-    return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+def channel(address: str, tls: TLSConfig | None = None) -> grpc.Channel:
+    """A channel to ``host:port``: over TLS when ``tls`` (default: the ``SMB_TLS_*``
+    environment, see :mod:`smb_client.tls`) names a CA, else in the clear."""
+    tls = TLSConfig.from_env() if tls is None else tls
+    if not tls.enabled:
+        return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    tls.check()
+    ca, cert, key = tls.read()
+    credentials = grpc.ssl_channel_credentials(ca, key, cert)
+    return grpc.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
 
 
 def translate(exc: grpc.RpcError, unavailable: type[errors.SMBError] = errors.Unavailable) -> errors.SMBError:
@@ -68,6 +76,8 @@ def translate(exc: grpc.RpcError, unavailable: type[errors.SMBError] = errors.Un
         pass
     if name:
         cls = errors.error_class(name)
+    elif code == grpc.StatusCode.UNAVAILABLE and is_trust_failure(detail or ""):
+        return untrusted("gRPC", detail or "")
     elif code == grpc.StatusCode.UNAVAILABLE:
         cls = unavailable
     else:

@@ -166,7 +166,8 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 def cmd_up(args: argparse.Namespace) -> int:
     from .local_cluster import LocalCluster
     cluster = LocalCluster(args.memory_servers, args.capacity, workdir=args.workdir,
-                           controller_port=args.port)
+                           controller_port=args.port, tls=args.tls,
+                           tls_client_auth=args.tls_client_auth)
     stop = False
 
     def on_signal(signum: int, frame: object) -> None:
@@ -286,6 +287,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--capacity", default="1G", help="RAM each memory server offers (default 1G)")
     p.add_argument("--port", type=int, default=7700, help="controller port (default 7700; 0: any)")
     p.add_argument("--workdir", default=None, help="logs, state and database (default: a new temporary one)")
+    p.add_argument("--tls", action="store_true",
+                   help="serve gRPC and the TCP data plane over TLS with a throw-away CA made in "
+                        "the work directory (tls/); prints the SMB_TLS_* lines clients need")
+    p.add_argument("--tls-client-auth", action="store_true",
+                   help="like --tls, and refuse clients without a certificate of that CA")
     p.set_defaults(fn=cmd_up)
 
     p = sub.add_parser("status", help="print the cluster: servers (health, counters), regions",

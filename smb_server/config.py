@@ -68,6 +68,12 @@ class ControllerConfig:
                                "do not hold the secret (the one derived from the secret always works)")
     insecure: bool = _f(False, "serve without authentication (no token or secret needed); "
                         "anyone who reaches the port may do anything")
+    tls_ca: str = _f("", "PEM file of the CA that signs the cluster's certificates; set, the "
+                     "gRPC service serves TLS and peers are checked against it")
+    tls_cert: str = _f("", "PEM file of this daemon's certificate (chain), for TLS")
+    tls_key: str = _f("", "PEM file of the private key of tls_cert")
+    tls_client_auth: bool = _f(False, "with TLS, refuse clients without a certificate signed "
+                               "by tls_ca")
     barrier_waits_max: int = _f(64, "callers that may wait in barriers at once; more are "
                                 "refused as busy", minimum=1)
     lease_seconds: float = _f(5.0, "a memory server silent this long (seconds) is marked down",
@@ -95,6 +101,12 @@ class ServerConfig:
     capacity: int = _f(1 << 30, "bytes of RAM this server may hand out (e.g. 64G)", "size", minimum=0)
     token: str = _f("", "bearer token of the cluster")
     secret_file: str = _f("", "file holding the HMAC ticket secret (hex), shared with the controller")
+    tls_ca: str = _f("", "PEM file of the CA that signs the cluster's certificates; set, the "
+                     "gRPC service and the TCP data plane serve TLS and peers are checked against it")
+    tls_cert: str = _f("", "PEM file of this daemon's certificate (chain), for TLS")
+    tls_key: str = _f("", "PEM file of the private key of tls_cert")
+    tls_client_auth: bool = _f(False, "with TLS, refuse clients without a certificate signed "
+                               "by tls_ca")
     server_id: str = _f("", "stable id (default: generated once and kept in state_dir)")
     state_dir: str = _f("", "where the server keeps its id and its shm socket")
     data_dir: str = _f("", "directory for file-backed (persistent) extents; empty: memory only")

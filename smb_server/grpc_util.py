@@ -15,6 +15,7 @@ import grpc
 
 from smb_client import errors
 from smb_client.rpc import ERROR_KEY, MESSAGE_SIZE_OPTIONS, status_code_for
+from smb_client.tls import TLSConfig
 
 from .credentials import INSECURE, SERVER, Credentials, Principal
 
@@ -196,3 +197,23 @@ def make_server(max_workers: int = 32, interceptors: Iterable[grpc.ServerInterce
     return grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
                        interceptors=list(interceptors),
                        options=[*MESSAGE_SIZE_OPTIONS, ("grpc.so_reuseport", 0)])
+
+
+def tls_settings(cfg: Any) -> TLSConfig:
+    """The TLS files named by a daemon's ``tls_ca``, ``tls_cert`` and ``tls_key`` settings."""
+    return TLSConfig(cfg.tls_ca, cfg.tls_cert, cfg.tls_key)
+
+
+def add_port(server: grpc.Server, address: str, tls: TLSConfig, require_client_cert: bool = False) -> int:
+    """Listen on ``address`` (``host:port``): over TLS when ``tls`` is on, presenting its
+    certificate and, with ``require_client_cert``, refusing peers without one signed by
+    its CA. Returns the bound port (0 when binding failed). Raises InvalidArgument for
+    TLS files that are missing or do not fit together."""
+    if not tls.enabled:
+        return int(server.add_insecure_port(address))
+    tls.check(server=True)
+    ca, cert, key = tls.read()
+    assert cert is not None and key is not None
+    credentials = grpc.ssl_server_credentials([(key, cert)], root_certificates=ca,
+                                              require_client_auth=require_client_cert)
+    return int(server.add_secure_port(address, credentials))

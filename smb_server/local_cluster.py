@@ -23,6 +23,7 @@ from typing import Any
 from smb_client import Client, errors
 from smb_client.units import parse_size
 
+from .certs import ClusterCerts, make_cluster_certs
 from .config import new_secret, new_token
 from .credentials import admin_credential
 from .daemon import Daemon, Status
@@ -85,7 +86,8 @@ class LocalCluster(Daemon):
                  controller_port: int = 0, token: str | None = None, transports: str = "tcp,shm",
                  lease_seconds: float = 3.0, heartbeat_seconds: float = 0.5,
                  orphan_grace_seconds: float = 5.0, persistent: bool = False,
-                 env: dict[str, str] | None = None, log_level: str = "INFO") -> None:
+                 env: dict[str, str] | None = None, log_level: str = "INFO",
+                 tls: bool = False, tls_client_auth: bool = False) -> None:
         super().__init__()
         self.num_servers = servers
         self.capacity = parse_size(capacity)
@@ -101,6 +103,11 @@ class LocalCluster(Daemon):
         self.env = dict(os.environ, **(env or {}))
         self.log_level = log_level
         self.secret_file = self.workdir / "secret"
+        # a throw-away CA and certificates in workdir/tls (made at start); client_auth:
+        # the daemons also refuse clients without a certificate of that CA
+        self.tls = tls or tls_client_auth
+        self.tls_client_auth = tls_client_auth
+        self.certs: ClusterCerts | None = None
         self.controller: subprocess.Popen[bytes] | None = None
         self.servers: list[subprocess.Popen[bytes] | None] = []
         self.address = ""
@@ -126,6 +133,8 @@ class LocalCluster(Daemon):
         if not self.secret_file.exists():
             self.secret_file.write_text(new_secret().hex())
             self.secret_file.chmod(0o600)
+        if self.tls and self.certs is None:
+            self.certs = make_cluster_certs(str(self.workdir / "tls"))
         self.start_controller()
         self.servers = [None] * self.num_servers
         for i in range(self.num_servers):
@@ -162,6 +171,14 @@ class LocalCluster(Daemon):
                                     stdin=subprocess.DEVNULL, start_new_session=True)
         finally:
             logf.close()
+
+    def _tls_args(self) -> list[str]:
+        """The TLS flags of a daemon of this cluster (none without TLS)."""
+        if self.certs is None:
+            return []
+        daemon = self.certs.daemon()
+        args = ["--tls-ca", daemon.ca, "--tls-cert", daemon.cert, "--tls-key", daemon.key]
+        return args + ["--tls-client-auth", "true"] if self.tls_client_auth else args
 
     def _wait_file(self, path: Path, proc: subprocess.Popen[bytes], what: str) -> dict[str, Any]:
         try:
@@ -206,7 +223,8 @@ class LocalCluster(Daemon):
             "controller", "--listen", f"127.0.0.1:{port}",
             "--db", str(self.workdir / "controller.db"),
             "--secret-file", str(self.secret_file), "--ready-file", str(ready),
-            "--lease", str(self.lease_seconds), "--orphan-grace", str(self.orphan_grace_seconds)])
+            "--lease", str(self.lease_seconds), "--orphan-grace", str(self.orphan_grace_seconds),
+            *self._tls_args()])
         self.address = self._wait_file(ready, self.controller, "controller")["address"]
 
     def start_server(self, i: int, wait: bool = True) -> None:
@@ -218,7 +236,7 @@ class LocalCluster(Daemon):
         args = ["server", "--controller", self.address, "--capacity", str(self.capacity),
                 "--state-dir", str(state), "--secret-file", str(self.secret_file),
                 "--ready-file", str(ready), "--transports", self.transports,
-                "--heartbeat", str(self.heartbeat_seconds)]
+                "--heartbeat", str(self.heartbeat_seconds), *self._tls_args()]
         if self.persistent:
             args += ["--data-dir", str(state / "data")]
         proc = self._spawn(name, args)
@@ -266,16 +284,27 @@ class LocalCluster(Daemon):
         return admin_credential(bytes.fromhex(self.secret_file.read_text().strip()))
 
     def client(self, **kwargs: Any) -> Client:
-        """A client with the client token (regions, data, barriers)."""
+        """A client with the client token (regions, data, barriers), and with TLS the
+        cluster's client certificate."""
+        if self.certs is not None:
+            kwargs.setdefault("tls", self.certs.client())
         return Client(self.address, self.token, **kwargs)
 
     def admin_client(self, **kwargs: Any) -> Client:
         """A client with the admin credential (drain, undrain, remove servers)."""
+        if self.certs is not None:
+            kwargs.setdefault("tls", self.certs.client())
         return Client(self.address, self.admin_token, **kwargs)
 
     def describe(self) -> str:
         """Shell lines that point clients (and, with the admin line, operators) here."""
+        tls = ""
+        if self.certs is not None:
+            client = self.certs.client()
+            tls = (f"export SMB_TLS_CA={client.ca}\n"
+                   f"export SMB_TLS_CERT={client.cert}\n"
+                   f"export SMB_TLS_KEY={client.key}\n")
         return (f"export SMB_CONTROLLER={self.address}\n"
-                f"export SMB_TOKEN={self.token}\n"
+                f"export SMB_TOKEN={self.token}\n{tls}"
                 f"# operators only (drain, undrain, remove servers):\n"
                 f"export SMB_ADMIN_TOKEN={self.admin_token}\n")

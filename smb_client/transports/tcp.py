@@ -230,6 +230,7 @@ class TcpSession(Session):
         options = options or {}
         self.endpoint = endpoint
         self.client_id = int(options.get("client_id", 0))
+        self.scheme = endpoint.scheme   # tcp, or tcp+tls
         self.tls: ssl.SSLContext | None = None
         if endpoint.scheme == TLS_SCHEME:   # the client's CA (no CA set: the system's, to fail clearly)
             settings = options.get("tls")

@@ -19,7 +19,7 @@ from smb_client._proto.smb.v1 import controller_pb2_grpc
 from ..config import ConfigError, ControllerConfig
 from ..credentials import Credentials
 from ..daemon import Daemon, Status, write_atomic
-from ..grpc_util import RoleAuth, make_server
+from ..grpc_util import RoleAuth, add_port, make_server, tls_settings
 from ..health import HEALTH_METHODS, Health
 from ..metrics import MetricsServer, Registry
 from ..rpc_metrics import RpcMetrics
@@ -87,6 +87,7 @@ class Controller(Daemon):
         self.state.expire_leases()  # servers silent since the last run are down until they call
         self.servicer = ControllerServicer(self.state, cfg.secret, cfg.token, cfg.ticket_ttl_seconds,
                                            max_barrier_waits=cfg.barrier_waits_max)
+        self.servicer.memservers.tls = tls_settings(cfg)   # the controller calls memory servers
         # barrier waits, then clients' short calls, then memory servers: a flood of client
         # calls is refused ("busy") before it takes the threads heartbeats need
         client_slots = cfg.barrier_waits_max + SHORT_CALL_WORKERS
@@ -96,7 +97,7 @@ class Controller(Daemon):
         controller_pb2_grpc.add_ControllerServicer_to_server(self.servicer, self._server)
         self._health = Health(self._server, ["smb.v1.Controller"])
         try:
-            self._port = self._server.add_insecure_port(cfg.listen)
+            self._port = add_port(self._server, cfg.listen, tls_settings(cfg), cfg.tls_client_auth)
         except RuntimeError as exc:
             raise errors.Unavailable(f"cannot listen on {cfg.listen}: {exc} "
                                      "(address in use, or not an address of this host?)") from None

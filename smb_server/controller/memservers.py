@@ -12,6 +12,7 @@ import grpc
 
 from smb_client import errors, rpc, tickets
 from smb_client._proto.smb.v1 import memory_server_pb2, memory_server_pb2_grpc
+from smb_client.tls import TLSConfig
 
 from .records import ExtentRecord
 
@@ -41,7 +42,8 @@ class MemoryServers(Protocol):
 class GrpcMemoryServers:
     """:class:`MemoryServers` over gRPC, with short-lived ``admin`` tickets signed with
     ``secret`` and ``token`` as bearer token. Owns one channel per address, closed by
-    :meth:`close`. Timeouts in seconds."""
+    :meth:`close`. Timeouts in seconds. :attr:`tls`: the TLS files of channels opened
+    from then on (None: the ``SMB_TLS_*`` environment)."""
 
     def __init__(self, secret: bytes, token: str = "",
                  reserve_timeout: float = RESERVE_TIMEOUT,
@@ -52,12 +54,13 @@ class GrpcMemoryServers:
         self.release_timeout = release_timeout
         self._stubs: dict[str, tuple[grpc.Channel, memory_server_pb2_grpc.MemoryServerStub]] = {}
         self._lock = threading.Lock()
+        self.tls: TLSConfig | None = None
 
     def _stub(self, address: str) -> memory_server_pb2_grpc.MemoryServerStub:
         with self._lock:
             entry = self._stubs.get(address)
             if entry is None:
-                channel = rpc.channel(address)
+                channel = rpc.channel(address, self.tls)
                 entry = (channel, memory_server_pb2_grpc.MemoryServerStub(channel))
                 self._stubs[address] = entry
             return entry[1]

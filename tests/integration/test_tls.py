@@ -1,0 +1,148 @@
+"""TLS on the control plane and the TCP data plane: a local cluster with a throw-away CA
+(the daemons require client certificates) serves a client that has the cluster's CA and
+certificate, and refuses, with AuthenticationError naming the setting to fix, a client
+with another CA, one without a certificate and one with TLS off; a TCP data plane does
+its TLS handshakes on the connection's thread under the HELLO deadline."""
+from __future__ import annotations
+
+import os
+import select
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from smb_client import Client, tickets
+from smb_client.addressing import parse_endpoint
+from smb_client.errors import AuthenticationError
+from smb_client.tls import TLSConfig
+from smb_client.transports.tcp import TcpSession
+from smb_server.certs import make_cluster_certs
+from smb_server.local_cluster import LocalCluster
+from smb_server.memserver.arena import Arena
+from smb_server.memserver.tcp_plane import TcpPlane
+
+MiB = 1 << 20
+SECRET = b"t" * 32
+
+
+@pytest.fixture(scope="module")
+def tls_cluster(tmp_path_factory):
+    with LocalCluster(servers=2, capacity="128M", transports="tcp", log_level="WARNING",
+                      workdir=str(tmp_path_factory.mktemp("tls") / "cluster"),
+                      tls_client_auth=True) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def other_ca(tmp_path_factory):
+    """Certificates from a CA the cluster does not know."""
+    return make_cluster_certs(str(tmp_path_factory.mktemp("other-ca")))
+
+
+def test_region_operations_over_tls(tls_cluster):
+    with tls_cluster.client() as c:
+        assert all(e.startswith("tcp+tls://") for s in c.list_servers() for e in s.endpoints)
+        r = c.create_region("tls/ops", 32 * MiB, stripe_unit=MiB)   # both servers, scatter/gather
+        a = np.arange(4 * MiB, dtype=np.float32)                 # 16 MiB: many TLS records
+        r.write(0, a)
+        r.accumulate(0, a)
+        np.testing.assert_array_equal(r.read(0, a.nbytes, np.float32), 2 * a)
+        small = np.arange(10, dtype=np.int64)                    # one record, header included
+        r.write(16 * MiB, small)
+        np.testing.assert_array_equal(r.read(16 * MiB, small.nbytes, np.int64), small)
+        assert r.fetch_add(16 * MiB, 5) == 0
+        assert r.compare_swap(16 * MiB, 5, 7) == 5
+        assert r.transports() and set(r.transports().values()) == {"tcp+tls"}
+        c.delete_region("tls/ops")
+
+
+def test_wrong_ca_is_refused_on_grpc_and_data_plane(tls_cluster, other_ca):
+    start = time.monotonic()
+    with Client(tls_cluster.address, tls_cluster.token, tls=other_ca.client()) as c:
+        with pytest.raises(AuthenticationError, match="SMB_TLS_CA"):
+            c.list_servers()
+    assert time.monotonic() - start < 3, "refused at once, not after the reconnect patience"
+    with tls_cluster.client() as good:
+        good.create_region("tls/ca", MiB)
+    # the controller trusted, a memory server signed by another CA: the data plane refuses it
+    with tls_cluster.client(transport_options={"tls": other_ca.client()}) as c:
+        r = c.open_region("tls/ca")
+        with pytest.raises(AuthenticationError, match="SMB_TLS_CA"):
+            r.read(0, 64)
+        c.delete_region("tls/ca")
+
+
+def test_client_without_certificate_is_refused(tls_cluster):
+    no_cert = TLSConfig(ca=tls_cluster.certs.ca)
+    with Client(tls_cluster.address, tls_cluster.token, tls=no_cert) as c:
+        with pytest.raises(AuthenticationError, match="SMB_TLS_CERT"):
+            c.list_servers()
+    with tls_cluster.client() as good:
+        good.create_region("tls/nocert", MiB)
+    with tls_cluster.client(transport_options={"tls": no_cert}) as c:
+        r = c.open_region("tls/nocert")
+        with pytest.raises(AuthenticationError, match="SMB_TLS_CERT"):
+            r.write(0, b"x" * 64)
+        c.delete_region("tls/nocert")
+
+
+def test_client_with_tls_off_is_told_the_controller_serves_tls(tls_cluster):
+    with Client(tls_cluster.address, tls_cluster.token, tls=TLSConfig()) as c:
+        with pytest.raises(AuthenticationError, match="serves TLS.*SMB_TLS_CA"):
+            c.list_servers()
+
+
+def test_tls_handshake_runs_on_the_connection_thread_under_the_hello_deadline(tmp_path):
+    certs = make_cluster_certs(str(tmp_path / "ca"))
+    arena = Arena(16 * MiB)
+    arena.reserve(1, "tls-uid", MiB)
+    ctx = certs.daemon().server_context()
+    try:
+        with TcpPlane(arena, SECRET, hello_timeout=0.5, tls=ctx) as plane:
+            silent = socket.create_connection(("127.0.0.1", plane.port))   # never says hello
+            session = TcpSession(parse_endpoint(f"tcp+tls://127.0.0.1:{plane.port}"),
+                                 {"tls": certs.client(), "io_timeout": 10})
+            token = tickets.sign(SECRET, "tls-uid", [1], "rw", ttl=60.0)[0]
+            session.write(token, 1, 0, [memoryview(b"abcd")])         # served meanwhile
+            out = bytearray(4)
+            session.read_into(token, 1, 0, [memoryview(out)])
+            assert out == b"abcd"
+            ready, _, _ = select.select([silent], [], [], 5)
+            assert ready and silent.recv(1) == b"", "the silent connection was dropped"
+            assert plane.stats.limits()["dropped"] >= 1
+            silent.close()
+            session.close()
+    finally:
+        arena.close()
+
+
+def test_smb_up_tls_prints_what_clients_need(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "smb_server.cli", "up", "--tls", "--port", "0",
+                             "--memory-servers", "1", "--capacity", "64M",
+                             "--workdir", str(tmp_path / "up")],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    env: dict[str, str] = {}
+    try:
+        assert proc.stdout is not None
+        deadline = time.monotonic() + 60
+        while "SMB_TLS_KEY" not in env and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            if line.startswith("export "):
+                key, _, value = line[len("export "):].strip().partition("=")
+                env[key] = value
+        assert {"SMB_CONTROLLER", "SMB_TOKEN", "SMB_TLS_CA", "SMB_TLS_CERT", "SMB_TLS_KEY"} <= set(env)
+        tls = TLSConfig.from_env(env)
+        assert os.path.dirname(tls.ca) == str(tmp_path / "up" / "tls")
+        with Client(env["SMB_CONTROLLER"], env["SMB_TOKEN"], tls=tls) as c:
+            r = c.create_region("tls/up", MiB)
+            r.write(0, b"hello")
+            assert bytes(r.read(0, 5)) == b"hello"
+    finally:
+        proc.terminate()
+        proc.wait(30)
