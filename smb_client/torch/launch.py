@@ -4,6 +4,12 @@
 ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` for every
 worker; a process started without them is a single worker (rank 0 of 1). The memory
 box itself is found through ``SMB_CONTROLLER`` and ``SMB_TOKEN``.
+
+Restarts: ``torchrun --max-restarts N`` starts the whole worker group again after one of
+them died, with ``TORCHELASTIC_RESTART_COUNT`` counting the restarts. A restarted group
+finds the store its first attempt created still in the memory box (the global weights,
+the counters) and attaches to it instead of creating a new one (:func:`open_store`'s
+``resume``), so training goes on from the global weights rather than from scratch.
 """
 from __future__ import annotations
 
@@ -33,6 +39,7 @@ class WorkerEnv:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
+    restart_count: int = 0   # times torchrun started this worker group again
 
     @property
     def is_master(self) -> bool:
@@ -67,18 +74,23 @@ class WorkerEnv:
             raise InvalidArgument(f"LOCAL_RANK={local_rank}, LOCAL_WORLD_SIZE={local_world} do not fit "
                                   f"WORLD_SIZE={world}")
         return cls(rank, world, local_rank, local_world, node,
-                   env.get("MASTER_ADDR", "127.0.0.1"), number("MASTER_PORT", 29500))
+                   env.get("MASTER_ADDR", "127.0.0.1"), number("MASTER_PORT", 29500),
+                   number("TORCHELASTIC_RESTART_COUNT", 0))
 
 
 def open_store(client: Any, env: WorkerEnv, prefix: str, model: Any, *,
                ready_timeout: float = READY_TIMEOUT, members: int | None = None,
-               creator: bool | None = None, **create: Any) -> ParameterStore:
+               creator: bool | None = None, resume: bool | None = None,
+               **create: Any) -> ParameterStore:
     """The master creates the store (``create`` holds :meth:`ParameterStore.create`'s
     options); everybody meets at the barrier ``<prefix>/ready``; the others then attach
     by name and load the master's parameters, so that all start from the same weights.
 
     ``members`` is how many processes call this (default: every worker); ``creator``
-    whether this one creates (default: rank 0).
+    whether this one creates (default: rank 0). ``resume`` (default: when torchrun
+    restarted the group, ``TORCHELASTIC_RESTART_COUNT`` > 0): a store already under
+    ``prefix`` is kept and everybody, the master included, attaches to it and loads the
+    stored weights; without one, the master creates it as usual.
 
     When the creation fails, the master leaves its error in ``<prefix>/failed`` and
     raises it; the others, who look for that record about every second while they wait,
@@ -91,7 +103,14 @@ def open_store(client: Any, env: WorkerEnv, prefix: str, model: Any, *,
         raise InvalidArgument(f"members must be >= 1, got {parties}")
     store = None
     name = f"{prefix}/ready"
-    if creates:
+    if resume is None:
+        resume = env.restart_count > 0
+    meta = ParameterStore.region_name(prefix, "meta")
+    if creates and resume and any(r.name == meta for r in client.list_regions(meta)):
+        log.info("resuming from the parameter store under %s (restart %d)", prefix, env.restart_count)
+        creates = False
+        client.barrier(name, parties, timeout=ready_timeout)
+    elif creates:
         try:
             store = ParameterStore.create(client, prefix, model, **create)
         except BaseException as exc:

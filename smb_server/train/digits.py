@@ -61,11 +61,12 @@ def summarize(scheme: str, parts: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def run_scheme(scheme: str, workers: int, worker_args: list[str], env: dict[str, str],
-               timeout: float = 600.0) -> dict[str, Any]:
-    """Run one scheme under torchrun with ``workers`` processes; returns its summary."""
+               timeout: float = 600.0, max_restarts: int = 0) -> dict[str, Any]:
+    """Run one scheme under torchrun with ``workers`` processes (started again up to
+    ``max_restarts`` times after one dies); returns its summary."""
     with tempfile.TemporaryDirectory(prefix="smb-train-") as out:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={workers}", "-m", __name__,
+               f"--nproc-per-node={workers}", f"--max-restarts={max_restarts}", "-m", __name__,
                "--scheme", scheme, "--result-dir", out, *worker_args]
         proc = subprocess.run(cmd, env=env, timeout=timeout)
         if proc.returncode:
@@ -139,7 +140,8 @@ def launch(args: argparse.Namespace) -> int:
             for scheme in schemes:
                 print(f"\n[{scheme}] {args.workers} workers under torchrun, {args.epochs} epochs, "
                       f"{args.placement} parameter store", flush=True)
-                row = run_scheme(scheme, args.workers, worker_argv(args, data), env)
+                row = run_scheme(scheme, args.workers, worker_argv(args, data), env,
+                                 max_restarts=args.max_restarts)
                 rows.append(row)
                 tta = row["time_to_accuracy"]
                 print(f"[{scheme}] {row['time']:.2f} s, {row['samples_per_s']:,.0f} samples/s, "
@@ -182,6 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="hybrid: workers per node (default LOCAL_WORLD_SIZE; half the workers on one host)")
     p.add_argument("--no-overlap", action="store_true", help="push gradients after backward, not from hooks")
     p.add_argument("--job", default="digits", help="region namespace")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="launcher: torchrun starts the workers again up to this many times after one "
+                        "dies; seasgd resumes from the global weights in the memory box")
     p.add_argument("--replace", action="store_true",
                    help="launcher: delete regions left under the job's namespace by an unfinished run")
     p.add_argument("--min-accuracy", type=float, default=0.0,

@@ -90,7 +90,7 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
     ctx = {"env": env, "args": args, "t": tensors, "F": F, "torch": torch}
     fn = {"sync": _sync, "seasgd": _seasgd, "hybrid": _hybrid, "ddp": _ddp}[args.scheme]
     result = fn(ctx)
-    result.update(scheme=args.scheme, rank=env.rank, world=env.world_size)
+    result.update(scheme=args.scheme, rank=env.rank, world=env.world_size, restarts=env.restart_count)
     if args.result_dir:
         path = Path(args.result_dir) / f"{args.scheme}-rank{env.rank}.json"
         path.write_text(json.dumps(result))
@@ -174,7 +174,7 @@ def _seasgd(ctx: dict[str, Any]) -> dict[str, Any]:
         curve: list[tuple[float, int, float]] = []
         client.barrier(f"{prefix}/start", world, timeout=120)
         t0 = time.perf_counter()
-        epoch, stop = 0, False
+        epoch, stop, local_steps = 0, False, 0
         while not stop:
             for batch in _epoch_batches(torch, len(shard), b, args.seed + rank, epoch):
                 idx = shard[batch]
@@ -183,6 +183,7 @@ def _seasgd(ctx: dict[str, Any]) -> dict[str, Any]:
                 loss.backward()
                 opt.step()
                 ea.after_step()
+                local_steps += 1
                 progress.update(loss=f"{loss.item():.3f}")
                 if counters.tick():
                     stop = True
@@ -200,7 +201,10 @@ def _seasgd(ctx: dict[str, Any]) -> dict[str, Any]:
         client.barrier(f"{prefix}/end", world, timeout=120)
         store.load_into(evaluator)
         snap = counters.snapshot()
-        result = {"time": elapsed, "steps": counters.count, "samples": counters.count * b,
+        # steps: this worker's count in the box (it goes on across torchrun restarts);
+        # local_steps: the steps of this process
+        result = {"time": elapsed, "steps": counters.count, "local_steps": local_steps,
+                  "samples": counters.count * b,
                   "traffic": store.traffic.as_dict(), "updates": ea.updates, "curve": curve,
                   "accuracy": accuracy(evaluator, t["x_test"], t["y_test"]),
                   "local_accuracy": accuracy(model, t["x_test"], t["y_test"]), "counts": snap["counts"]}
