@@ -15,6 +15,7 @@ Words of the counters region (int64, little-endian):
       the worker that fired the rule stopped
 1     total iterations of all workers (``average`` rule)
 2     workers that have finished
+3     arrivals at the synchronous workers' barrier (only grows; see ``sync.py``)
 8+r   iterations of worker ``r``
 ====  ===============================================================
 
@@ -39,6 +40,7 @@ log = logging.getLogger(__name__)
 STOP_WORD = 0
 TOTAL_WORD = 1
 FINISHED_WORD = 2
+SYNC_BARRIER_WORD = 3
 
 
 class StopRule(enum.StrEnum):

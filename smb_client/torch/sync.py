@@ -1,7 +1,7 @@
 """Synchronous data parallelism through the memory box.
 
 Every step each worker accumulates its gradients into a gradient slot of the store
-(server-side ``+=``), all meet at a controller barrier, then each reads the summed
+(server-side ``+=``), all meet at a barrier, then each reads the summed
 gradients back, divides by the number of workers and runs its own (identical)
 optimizer step. All replicas stay equal to a single process training on the union of
 the workers' batches.
@@ -18,6 +18,12 @@ With ``overlap=True`` gradients are pushed bucket by bucket from backward hooks 
 asynchronous operations, so the communication of the last layers overlaps the backward
 pass of the first ones. Inside :meth:`SyncDataParallel.no_sync` backward passes only
 accumulate locally (gradient accumulation over micro-batches).
+
+The barrier: the first step meets at the controller's ``Barrier`` (rank 0 zeroes the
+barrier word of the ``counters`` region before it); every later step meets on that word
+on its memory server (:class:`~smb_client.coord.Barrier`: ``fetch_add`` and a
+server-side wait), so steady-state steps make no controller call. One
+:class:`SyncDataParallel` drives a store at a time.
 
 Frozen parameters (``requires_grad=False``) are neither pushed, pulled nor zeroed.
 
@@ -45,8 +51,9 @@ from typing import Any
 
 import torch
 
+from ..coord import Barrier
 from ..errors import InvalidArgument
-from .counters import SharedCounters
+from .counters import SYNC_BARRIER_WORD, SharedCounters
 from .flat import GradientHooks
 from .layout import ALIGN, Bucket
 from .store import SYNC_SLOTS, ParameterStore
@@ -123,6 +130,8 @@ class SyncDataParallel:
         self._accumulating = False
         self._closed = False
         self._hooks = GradientHooks(self.flat, bucket_bytes, self._push_bucket) if overlap else None
+        self._barrier = Barrier(store.region("counters"), SYNC_BARRIER_WORD * 8, world)
+        self._barrier_ready = False                # the first step zeroes the word (see _meet)
 
     # -- per step -----------------------------------------------------------------
     def _slot(self, step: int) -> int:
@@ -260,7 +269,7 @@ class SyncDataParallel:
             self._published = self.step
         if self.counters is not None:
             self.counters.publish()
-        store.client.barrier(self.barrier_name, self.world, timeout=self.barrier_timeout)
+        self._meet()
         base = store.slot_offset("grads", self._slot(self.step))
         for off, n in self._runs:
             store.read_into("grads", base + off, self.flat.byte_range(self.flat.flat_grads, off, n))
@@ -270,6 +279,18 @@ class SyncDataParallel:
             self.stop = self.counters.should_stop()
         self.comm_wait += time.perf_counter() - t0
         self.step += 1
+
+    def _meet(self) -> None:
+        """Wait for every worker. The first step meets at the controller's barrier, after
+        rank 0 zeroed the memory box's barrier word; every later step meets on that word
+        (:class:`~smb_client.coord.Barrier`), so steady-state steps call no controller."""
+        if self._barrier_ready:
+            self._barrier.wait(timeout=self.barrier_timeout)
+            return
+        if self.rank == 0:
+            self.store.region("counters").write(SYNC_BARRIER_WORD * 8, bytes(8))
+        self.store.client.barrier(self.barrier_name, self.world, timeout=self.barrier_timeout)
+        self._barrier_ready = True
 
     _zero_cache: memoryview | None = None
 
