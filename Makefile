@@ -12,11 +12,13 @@ PROTO_OUT := smb_client/_proto/smb/v1
 # perftest (reference for the rdma benchmark); qemu, a Debian kernel with rdma_rxe and
 # busybox (the Soft-RoCE VM that runs the rdma tier); systemd (unit verification);
 # slurmctld/slurmd (the Slurm batch script runs under a one-node Slurm in the tests);
-# python3-apt (Ansible's apt module, for the playbook test)
+# python3-apt (Ansible's apt module, for the playbook test); etcd (the replicated
+# controller store; the tests start their own etcd on free loopback ports, so the
+# package's own service, where systemd starts it, is not in their way)
 APT_PKGS := python3-venv python3-dev iproute2 procps \
             rdma-core ibverbs-providers ibverbs-utils python3-pyverbs perftest \
             qemu-system-x86 linux-image-amd64 busybox-static systemd \
-            slurmctld slurmd slurm-client python3-apt
+            slurmctld slurmd slurm-client python3-apt etcd-server etcd-client
 
 .PHONY: all deps apt venv proto demo lint test test-host test-unit test-integration test-rdma bench bench-rdma bench-cluster clean
 

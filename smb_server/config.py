@@ -61,6 +61,11 @@ def _port(default: int, doc: str) -> Any:
 class ControllerConfig:
     listen: str = _f("127.0.0.1:7700", "host:port of the gRPC service (port 0: any free port)")
     db_path: str = _f("smb-controller.db", "SQLite database file (WAL mode)", aliases=("--db",))
+    store: str = _f("", "where the state lives: empty for the SQLite file db_path, or "
+                    "etcd://host:port[,host:port...][/prefix] for etcd (several controllers, "
+                    "one leader)")
+    leader_lease_seconds: float = _f(5.0, "with etcd: a leader silent this long (seconds, whole, "
+                                     "at least 2) is replaced by a standby", minimum=2)
     token: str = _f("", "bearer token of the client role (set it in the file or SMB_TOKEN, "
                     "not on a command line)")
     secret_file: str = _f("", "file holding the HMAC ticket secret (hex), shared with memory servers")

@@ -24,7 +24,7 @@ from smb_client import errors
 
 from .memservers import MemoryServers
 from .records import ExtentRecord, RegionRecord
-from .state import ControllerState
+from .store import StateStore
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ class RegionCreator:
     """Borrows ``state`` and ``servers`` (the caller closes them); owns a thread pool
     for memory-server calls, shut down by :meth:`close`."""
 
-    def __init__(self, state: ControllerState, servers: MemoryServers,
+    def __init__(self, state: StateStore, servers: MemoryServers,
                  threads: int = MEMSERVER_CALL_THREADS,
                  exist_ok_wait: float = EXIST_OK_WAIT) -> None:
         self.state = state

@@ -23,8 +23,12 @@ from ..grpc_util import RoleAuth, add_port, make_server, tls_settings
 from ..health import HEALTH_METHODS, Health
 from ..metrics import MetricsServer, Registry
 from ..rpc_metrics import RpcMetrics
+from .etcd_kv import is_etcd_url
+from .etcd_state import EtcdState, Fence
+from .leader import Election, LeaderGate, LeaderLoop
 from .service import METHOD_ROLES, ControllerServicer
-from .state import SERVER_STATES, ControllerState
+from .state import SERVER_STATES
+from .store import StateStore, open_state
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +50,9 @@ class Controller(Daemon):
         super().__init__()
         self.config = config
         self._grace = STOP_GRACE
-        self.state: ControllerState | None = None
+        self.state: StateStore | None = None
+        self.election: Election | None = None  # with an etcd store
+        self._leader_loop: LeaderLoop | None = None
         self.servicer: ControllerServicer | None = None
         self._server: Any = None
         self._port = 0
@@ -70,9 +76,18 @@ class Controller(Daemon):
     def start(self) -> Controller:
         """Open the database, serve gRPC, start the lease keeper, write the ready file."""
         super().start()
-        log.info("controller serving at %s (database %s, lease %.1f s)", self.address,
-                 self.config.db_path, self.config.lease_seconds)
+        log.info("controller serving at %s (store %s, lease %.1f s)", self.address,
+                 self.store, self.config.lease_seconds)
         return self
+
+    @property
+    def store(self) -> str:
+        """Where the state lives: ``store`` when set, else the SQLite file ``db_path``."""
+        return self.config.store or self.config.db_path
+
+    def leading(self) -> bool:
+        """True when this controller serves: always with SQLite, as leader with etcd."""
+        return self.election is None or self.election.leading()
 
     def ready_message(self) -> str:
         return f"serving at {self.address}"
@@ -80,20 +95,28 @@ class Controller(Daemon):
     def _start(self) -> None:
         cfg = self.config
         credentials = check_credentials(cfg)
-        directory = os.path.dirname(os.path.abspath(cfg.db_path))
-        if cfg.db_path != ":memory:":
-            os.makedirs(directory, exist_ok=True)
-        self.state = ControllerState(cfg.db_path, cfg.lease_seconds, cfg.orphan_grace_seconds)
-        self.state.expire_leases()  # servers silent since the last run are down until they call
+        replicated = is_etcd_url(self.store)
+        if not replicated and cfg.db_path != ":memory:":
+            os.makedirs(os.path.dirname(os.path.abspath(cfg.db_path)), exist_ok=True)
+        # with etcd, only the leader cleans up and writes (after it won: LeaderLoop)
+        self.state = open_state(self.store, cfg.lease_seconds, cfg.orphan_grace_seconds,
+                                recover=not replicated)
+        if isinstance(self.state, EtcdState):
+            self.state.fenced = True
+        else:
+            self.state.expire_leases()  # servers silent since the last run are down until they call
         self.servicer = ControllerServicer(self.state, cfg.secret, cfg.token, cfg.ticket_ttl_seconds,
                                            max_barrier_waits=cfg.barrier_waits_max)
         self.servicer.memservers.tls = tls_settings(cfg)   # the controller calls memory servers
         # barrier waits, then clients' short calls, then memory servers: a flood of client
         # calls is refused ("busy") before it takes the threads heartbeats need
         client_slots = cfg.barrier_waits_max + SHORT_CALL_WORKERS
-        self._server = make_server(max_workers=client_slots + SERVER_WORKERS, interceptors=[
+        interceptors: list[Any] = [
             RpcMetrics(self.registry, "smb_controller"),
-            RoleAuth(credentials, METHOD_ROLES, exempt=HEALTH_METHODS, client_slots=client_slots)])
+            RoleAuth(credentials, METHOD_ROLES, exempt=HEALTH_METHODS, client_slots=client_slots)]
+        if replicated:  # standbys refuse, naming the leader
+            interceptors.append(LeaderGate("smb.v1.Controller", self.leading, self._describe_leader))
+        self._server = make_server(max_workers=client_slots + SERVER_WORKERS, interceptors=interceptors)
         controller_pb2_grpc.add_ControllerServicer_to_server(self.servicer, self._server)
         self._health = Health(self._server, ["smb.v1.Controller"])
         try:
@@ -104,6 +127,8 @@ class Controller(Daemon):
         if not self._port:
             raise errors.Unavailable(f"cannot listen on {cfg.listen} (address in use?)")
         self._server.start()
+        if isinstance(self.state, EtcdState):
+            self._start_election(self.state)
         self._lease_thread = threading.Thread(target=self._lease_loop, name="controller-leases",
                                               daemon=True)
         self._lease_thread.start()
@@ -117,12 +142,33 @@ class Controller(Daemon):
         if cfg.ready_file:
             write_atomic(cfg.ready_file, json.dumps({"address": self.address}))
 
+    def _start_election(self, state: EtcdState) -> None:
+        election = self.election = Election(state.kv, state.prefix, self.address,
+                                            self.config.leader_lease_seconds)
+
+        def on_lead(fence: Fence) -> None:
+            state.take_over(fence)
+
+        def on_lose() -> None:
+            state.fence = None
+
+        self._leader_loop = LeaderLoop(election, on_lead, on_lose)
+        self._leader_loop.start()
+
+    def _describe_leader(self) -> str:
+        state = self.state
+        return state.describe_leader() if isinstance(state, EtcdState) else f"at {self.address}"
+
     def _lease_loop(self) -> None:
         assert self.state is not None
         interval = max(0.05, self.config.lease_seconds / 4)
         while not self._stop_leases.wait(interval):
+            if not self.leading():
+                continue
             try:
                 self.state.expire_leases()
+            except errors.ControllerUnavailable as exc:
+                log.info("expiring leases: %s", exc)
             except Exception:
                 log.exception("expiring leases")
 
@@ -174,6 +220,8 @@ class Controller(Daemon):
             self._server.stop(self._grace if was is Status.RUNNING else 0).wait()
         if self._lease_thread is not None:
             self._lease_thread.join()
+        if self._leader_loop is not None:
+            self._leader_loop.stop()
         if self._metrics is not None:
             self._metrics.close()
         if self.servicer is not None:

@@ -2,9 +2,13 @@
 send; pure data, no database."""
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from smb_client.placement import Layout
+
+log = logging.getLogger(__name__)
 
 
 # -- records ------------------------------------------------------------------------------
@@ -82,3 +86,31 @@ class RegionRecord:
         return Layout(self.placement, self.size, tuple(e.length for e in self.extents),
                       stripe_unit=self.stripe_unit, segment_sizes=self.segment_sizes,
                       segment_extents=self.segment_extents)
+
+
+# -- rules both state backends share --------------------------------------------------------
+def region_state(stored: str, extents: Sequence[ExtentRecord]) -> str:
+    """The state a client sees: ``lost`` once an extent is lost, ``degraded`` while a
+    server holding one is down, else the stored ``creating``/``ready``."""
+    if stored == "ready" and any(e.lost for e in extents):
+        return "lost"
+    if stored == "ready" and any(e.server_state == "down" for e in extents):
+        return "degraded"
+    return stored
+
+
+def find_orphans(server_id: str, known: Mapping[int, tuple[str, str]], held: Iterable[HeldExtent],
+                 grace_seconds: float) -> list[int]:
+    """Held extents that ``known`` (extent id -> (region uid, region state) of the
+    extents placed on the server) does not account for, once held ``grace_seconds``."""
+    orphans = []
+    for h in held:
+        entry = known.get(h.extent_id)
+        if entry is not None and (not h.region_uid or h.region_uid == entry[0]):
+            continue
+        if h.age_seconds >= grace_seconds:
+            orphans.append(h.extent_id)
+    if orphans:
+        log.info("server %s holds %d orphan extent(s): %s", server_id, len(orphans),
+                 ", ".join(map(str, orphans[:10])))
+    return orphans

@@ -22,7 +22,7 @@ from .barriers import MAX_WAITERS, Barriers
 from .creation import RegionCreator, RegionSpec
 from .memservers import RELEASE_TIMEOUT, RESERVE_TIMEOUT, GrpcMemoryServers
 from .records import HeldExtent, RegionRecord, ServerRecord
-from .state import ControllerState
+from .store import StateStore
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
     token sent to memory servers; ``ticket_ttl`` (seconds) is the life of region tickets.
     """
 
-    def __init__(self, state: ControllerState, secret: bytes, token: str = "",
+    def __init__(self, state: StateStore, secret: bytes, token: str = "",
                  ticket_ttl: float = tickets.DEFAULT_TTL,
                  reserve_timeout: float = RESERVE_TIMEOUT,
                  release_timeout: float = RELEASE_TIMEOUT,

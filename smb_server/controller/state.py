@@ -50,7 +50,7 @@ from smb_client.errors import InvalidArgument, RegionExists, RegionNotFound, Ser
 from smb_client.names import check_region_name
 from smb_client.placement import check_bytes
 
-from .records import ExtentRecord, HeldExtent, RegionRecord, ServerRecord
+from .records import ExtentRecord, HeldExtent, RegionRecord, ServerRecord, find_orphans, region_state
 
 __all__ = ["SERVER_STATES", "ControllerState", "ExtentRecord", "HeldExtent", "RegionRecord",
            "ServerRecord"]
@@ -273,17 +273,7 @@ class ControllerState:
 
     def _orphans(self, server_id: str, known: dict[int, tuple[str, str]],
                  held: Iterable[HeldExtent]) -> list[int]:
-        orphans = []
-        for h in held:
-            entry = known.get(h.extent_id)
-            if entry is not None and (not h.region_uid or h.region_uid == entry[0]):
-                continue
-            if h.age_seconds >= self.orphan_grace_seconds:
-                orphans.append(h.extent_id)
-        if orphans:
-            log.info("server %s holds %d orphan extent(s): %s", server_id, len(orphans),
-                     ", ".join(map(str, orphans[:10])))
-        return orphans
+        return find_orphans(server_id, known, held, self.orphan_grace_seconds)
 
     def expire_leases(self, now: float | None = None) -> list[str]:
         """Mark servers whose lease ran out ``down``; returns the ids newly marked."""
@@ -490,11 +480,7 @@ class ControllerState:
                 "SELECT e.extent_id, e.idx, e.server_id, e.length, s.grpc_address, s.host_id, "
                 "s.endpoints, s.state FROM extents e JOIN servers s ON s.server_id = e.server_id "
                 "WHERE e.region_name=? ORDER BY e.idx", (name,)))
-        state = row["state"]
-        if state == "ready" and lost:
-            state = "lost"
-        elif state == "ready" and any(e.server_state == "down" for e in extents):
-            state = "degraded"
+        state = region_state(row["state"], extents)
         return RegionRecord(row["name"], row["uid"], row["size"], row["placement"], row["stripe_unit"],
                             tuple(json.loads(row["segment_sizes"])),
                             tuple(json.loads(row["segment_extents"])), bool(row["persistent"]),

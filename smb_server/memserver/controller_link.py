@@ -5,11 +5,16 @@ until the controller accepts, then heartbeat every interval; on errors wait the 
 :class:`smb_client.retry.Backoff` delay (the controller may be restarting); when the
 controller has forgotten this server (``NotFound`` on a heartbeat), register again at
 once. The calls themselves are passed in, so the sequencing is tested without gRPC.
+
+:class:`Controllers` holds the controllers a server may talk to (``--controller`` takes
+a comma-separated list: a leader and its standbys); when the one it talks to is
+unavailable (a standby refuses, or it does not answer), the link moves on to the next.
 """
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
 from smb_client import errors
 from smb_client.retry import Backoff
@@ -25,7 +30,9 @@ class ControllerLink:
     ``where`` names the controller in log messages."""
 
     def __init__(self, register: Callable[[], None], heartbeat: Callable[[], None],
-                 interval: Callable[[], float], backoff: Backoff, where: str = "") -> None:
+                 interval: Callable[[], float], backoff: Backoff, where: str = "",
+                 controllers: Controllers | None = None) -> None:
+        self.controllers = controllers
         self.register = register
         self.heartbeat = heartbeat
         self.interval = interval
@@ -58,13 +65,18 @@ class ControllerLink:
                             "is secret_file the controller's secret?)", self.where,
                             type(exc).__name__, exc, self.failures)
             return self.backoff.next_delay()
+        except errors.ControllerUnavailable as exc:
+            if self.controllers is not None and len(self.controllers) > 1:
+                self.failures += 1
+                was = self.controllers.address
+                self.controllers.rotate()
+                log.log(logging.INFO if self.failures in LOUD_FAILURES else logging.DEBUG,
+                        "controller %s: %s; trying %s", was, exc, self.controllers.address)
+                # a whole round of the list without a leader: wait before the next round
+                return self.backoff.next_delay() if self.failures % len(self.controllers) == 0 else 0.0
+            return self._failed(exc)
         except errors.SMBError as exc:
-            self.failures += 1
-            loud = self.failures in LOUD_FAILURES or self.failures % 100 == 0
-            log.log(logging.WARNING if loud else logging.DEBUG,
-                    "controller %s: %s: %s (attempt %d; still serving data)", self.where,
-                    type(exc).__name__, exc, self.failures)
-            return self.backoff.next_delay()
+            return self._failed(exc)
         except Exception:
             self.failures += 1
             log.exception("call to the controller %s failed", self.where)
@@ -74,3 +86,54 @@ class ControllerLink:
         self.failures = 0
         self.backoff.reset()
         return self.interval()
+
+    def _failed(self, exc: errors.SMBError) -> float:
+        self.failures += 1
+        loud = self.failures in LOUD_FAILURES or self.failures % 100 == 0
+        log.log(logging.WARNING if loud else logging.DEBUG,
+                "controller %s: %s: %s (attempt %d; still serving data)", self.where,
+                type(exc).__name__, exc, self.failures)
+        return self.backoff.next_delay()
+
+
+class Controllers:
+    """The controllers of a comma-separated ``addresses`` list and the one in use.
+
+    ``channel(address)`` opens a gRPC channel (when an address is first used; kept
+    until :meth:`close`), ``stub(channel)`` wraps it. Owns those channels.
+    """
+
+    def __init__(self, addresses: str, channel: Callable[[str], Any],
+                 stub: Callable[[Any], Any]) -> None:
+        self.addresses = [a.strip() for a in addresses.split(",") if a.strip()]
+        if not self.addresses:
+            raise errors.InvalidArgument(f"no controller address in {addresses!r} (host:port,...)")
+        self._channel = channel
+        self._stub = stub
+        self._open: dict[str, tuple[Any, Any]] = {}  # address -> (channel, stub)
+        self.index = 0
+
+    def __len__(self) -> int:
+        return len(self.addresses)
+
+    @property
+    def address(self) -> str:
+        return self.addresses[self.index]
+
+    @property
+    def stub(self) -> Any:
+        """The stub of the controller in use."""
+        opened = self._open.get(self.address)
+        if opened is None:
+            channel = self._channel(self.address)
+            opened = self._open[self.address] = (channel, self._stub(channel))
+        return opened[1]
+
+    def rotate(self) -> None:
+        """Use the next controller of the list."""
+        self.index = (self.index + 1) % len(self.addresses)
+
+    def close(self) -> None:
+        for channel, _ in self._open.values():
+            channel.close()
+        self._open.clear()

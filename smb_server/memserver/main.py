@@ -42,7 +42,7 @@ from ..health import HEALTH_METHODS, Health
 from ..metrics import MetricsServer, Registry
 from ..rpc_metrics import RpcMetrics
 from .arena import Arena
-from .controller_link import ControllerLink
+from .controller_link import ControllerLink, Controllers
 from .dedup import DedupTable
 from .memmap import raise_fd_limit
 from .metrics import add_server_metrics
@@ -92,8 +92,7 @@ class MemoryServer(Daemon):
         self._metrics: MetricsServer | None = None
         self._health: Health | None = None
         self._grpc: Any = None
-        self._channel: Any = None
-        self._stub: controller_pb2_grpc.ControllerStub | None = None
+        self._controllers: Controllers | None = None  # the controller list (leader and standbys)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._tmp_dirs: list[str] = []
@@ -177,8 +176,8 @@ class MemoryServer(Daemon):
             log.info("metrics on http://%s:%d/metrics", metrics_host, self._metrics.port)
         self._health.serving()
 
-        self._channel = rpc.channel(cfg.controller, tls)
-        self._stub = controller_pb2_grpc.ControllerStub(self._channel)
+        self._controllers = Controllers(cfg.controller, lambda address: rpc.channel(address, tls),
+                                        controller_pb2_grpc.ControllerStub)
         self._thread = threading.Thread(target=self._control_loop, name="heartbeat", daemon=True)
         self._thread.start()
 
@@ -224,8 +223,8 @@ class MemoryServer(Daemon):
                 plane.close()
         if self._grpc is not None:
             self._grpc.stop(GRPC_GRACE).wait()
-        if self._channel is not None:
-            self._channel.close()
+        if self._controllers is not None:
+            self._controllers.close()
         if self.arena is not None:
             held = len(self.arena)
             self.arena.close()
@@ -308,6 +307,11 @@ class MemoryServer(Daemon):
                                           length=h.length, age_seconds=h.age_seconds)
                 for h in self.arena.held()]
 
+    @property
+    def _stub(self) -> controller_pb2_grpc.ControllerStub | None:
+        """The stub of the controller in use (the leader, once found)."""
+        return None if self._controllers is None else self._controllers.stub
+
     def _credential(self) -> str:
         """What this server presents to the controller: its id, signed with the secret."""
         return server_credential(self.config.secret, self.server_id)
@@ -358,7 +362,7 @@ class MemoryServer(Daemon):
         """Register (with backoff), then heartbeat; re-register when forgotten."""
         link = ControllerLink(self.register, self.heartbeat, self._interval,
                               Backoff(first=BACKOFF_FIRST, cap=BACKOFF_MAX, jitter=BACKOFF_JITTER),
-                              where=f"at {self.config.controller}")
+                              where=f"at {self.config.controller}", controllers=self._controllers)
         while not self._stop.is_set():
             self._stop.wait(link.step())
 

@@ -3,9 +3,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import pytest
+
 from smb_client import errors
 from smb_client.retry import Backoff
-from smb_server.memserver.controller_link import ControllerLink
+from smb_server.memserver.controller_link import ControllerLink, Controllers
 
 INTERVAL = 0.5
 
@@ -78,3 +80,61 @@ def test_a_refused_credential_is_retried_with_backoff_and_named(caplog) -> None:
     assert waits == [0.1, 0.2, INTERVAL, INTERVAL]
     assert script.calls == ["register"] * 3 + ["heartbeat"]
     assert "refused this server's credential" in caplog.text and "secret_file" in caplog.text
+
+
+class Stubs:
+    """Channels and stubs that only say which address they are for."""
+
+    def __init__(self) -> None:
+        self.opened: list[str] = []
+        self.closed: list[str] = []
+
+    def channel(self, address: str) -> Stubs.Channel:
+        self.opened.append(address)
+        return Stubs.Channel(self, address)
+
+    class Channel:
+        def __init__(self, owner: Stubs, address: str) -> None:
+            self.owner, self.address = owner, address
+
+        def close(self) -> None:
+            self.owner.closed.append(self.address)
+
+
+def test_unavailable_controller_moves_on_to_the_next_of_the_list() -> None:
+    stubs = Stubs()
+    controllers = Controllers("a:1, b:2,c:3", stubs.channel, lambda ch: f"stub {ch.address}")
+    standby = errors.ControllerUnavailable("this controller stands by; the leader is at c:3")
+    used: list[str] = []
+
+    def register() -> None:
+        used.append(controllers.stub)
+        if controllers.address != "c:3":
+            raise standby
+
+    link = ControllerLink(register, lambda: None, lambda: INTERVAL, Backoff(first=0.1, cap=0.4),
+                          controllers=controllers)
+    assert [link.step(), link.step(), link.step()] == [0.0, 0.0, INTERVAL]  # at once to the next
+    assert used == ["stub a:1", "stub b:2", "stub c:3"] and not link.need_register
+    # no controller leads: after a whole round of the list, back off
+    link.need_register = True
+    controllers.index = 0
+    used.clear()
+    assert [link.step(), link.step()] == [0.0, 0.0]
+    controllers.addresses = ["a:1", "b:2", "d:4"]
+    assert link.step() == 0.1
+    controllers.close()
+    assert sorted(stubs.closed) == sorted(set(stubs.opened)) == ["a:1", "b:2", "c:3", "d:4"]
+
+
+def test_a_single_controller_backs_off_as_before() -> None:
+    controllers = Controllers("a:1", lambda address: None, lambda ch: "stub")
+    link = ControllerLink(Script([errors.ControllerUnavailable("down")] * 2).call("register"),
+                          lambda: None, lambda: INTERVAL, Backoff(first=0.1, cap=0.4, factor=2.0),
+                          controllers=controllers)
+    assert [link.step(), link.step()] == [0.1, 0.2]
+
+
+def test_an_empty_controller_list_is_refused() -> None:
+    with pytest.raises(errors.InvalidArgument, match="no controller address"):
+        Controllers(" , ", lambda address: None, lambda ch: None)

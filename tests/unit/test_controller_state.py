@@ -1,14 +1,18 @@
-"""The controller's SQLite state, with a fake clock and no network."""
+"""The controller's state, with a fake clock: every test runs on both backends, SQLite
+(a file in a temporary directory) and etcd (a real etcd server on loopback)."""
 from __future__ import annotations
 
 import sqlite3
+from contextlib import closing
 from pathlib import Path
 
 import pytest
 
 from smb_client import errors
 from smb_client.names import check_region_name
-from smb_server.controller.state import ControllerState, HeldExtent
+from smb_server.controller.state import HeldExtent
+from smb_server.controller.store import StateStore, open_state
+from tests.etcd_server import etcd_server, etcd_store  # noqa: F401 (fixtures)
 
 MiB = 1 << 20
 T0 = 1_000_000.0
@@ -16,29 +20,35 @@ LEASE = 5.0
 GRACE = 30.0
 
 
-@pytest.fixture
-def db(tmp_path: Path) -> str:
+@pytest.fixture(params=["sqlite", "etcd"])
+def db(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """Where the state lives: a SQLite file, or an etcd URL with a prefix of its own."""
+    if request.param == "etcd":
+        return str(request.getfixturevalue("etcd_store"))
     return str(tmp_path / "controller.db")
 
 
 @pytest.fixture
 def state(db: str):
-    with ControllerState(db, lease_seconds=LEASE, orphan_grace_seconds=GRACE) as s:
+    s = open_state(db, lease_seconds=LEASE, orphan_grace_seconds=GRACE)
+    try:
         yield s
+    finally:
+        s.close()
 
 
-def add(state: ControllerState, sid: str, capacity: int = 64 * MiB, now: float = T0) -> None:
+def add(state: StateStore, sid: str, capacity: int = 64 * MiB, now: float = T0) -> None:
     got, orphans = state.register_server(sid, f"host-{sid}", f"127.0.0.1:{1000 + ord(sid[-1])}",
                                          [f"tcp://127.0.0.1:{2000 + ord(sid[-1])}"], capacity, now=now)
     assert got == sid and orphans == []
 
 
-def make(state: ControllerState, name: str, size: int, now: float = T0, **kw):
+def make(state: StateStore, name: str, size: int, now: float = T0, **kw):
     region = state.begin_create_region(name, size, now=now, **kw)
     return state.commit_region(name, region.uid)
 
 
-def test_register_and_list(state: ControllerState) -> None:
+def test_register_and_list(state: StateStore) -> None:
     add(state, "a")
     add(state, "b", 32 * MiB)
     servers = state.list_servers()
@@ -51,7 +61,7 @@ def test_register_and_list(state: ControllerState) -> None:
         state.register_server("x", "h", "", [], MiB)
 
 
-def test_heartbeat_orphans_respect_grace(state: ControllerState) -> None:
+def test_heartbeat_orphans_respect_grace(state: StateStore) -> None:
     add(state, "a")
     region = make(state, "job/w", 4 * MiB, placement="single")
     (known,) = region.extent_ids
@@ -68,7 +78,7 @@ def test_heartbeat_orphans_respect_grace(state: ControllerState) -> None:
         state.heartbeat("nobody", [], now=T0)
 
 
-def test_deleted_region_extents_become_orphans(state: ControllerState) -> None:
+def test_deleted_region_extents_become_orphans(state: StateStore) -> None:
     add(state, "a")
     region = make(state, "job/w", MiB, placement="single")
     released = state.delete_region("job/w")
@@ -81,7 +91,7 @@ def test_deleted_region_extents_become_orphans(state: ControllerState) -> None:
         state.delete_region("job/w")
 
 
-def test_lease_expiry_marks_down_and_degrades_regions(state: ControllerState) -> None:
+def test_lease_expiry_marks_down_and_degrades_regions(state: StateStore) -> None:
     add(state, "a")
     add(state, "b")
     make(state, "job/p", 4 * MiB, stripe_unit=MiB)
@@ -101,13 +111,13 @@ def test_lease_expiry_marks_down_and_degrades_regions(state: ControllerState) ->
     assert state.get_region("job/p").state == "ready"
 
 
-def test_silent_server_gets_no_extents_even_before_expiry_runs(state: ControllerState) -> None:
+def test_silent_server_gets_no_extents_even_before_expiry_runs(state: StateStore) -> None:
     add(state, "a")
     with pytest.raises(errors.OutOfMemory):
         state.begin_create_region("job/x", MiB, now=T0 + LEASE + 1)
 
 
-def test_drain_excludes_server_from_placement(state: ControllerState) -> None:
+def test_drain_excludes_server_from_placement(state: StateStore) -> None:
     add(state, "a")
     add(state, "b")
     assert state.drain("a").state == "draining"
@@ -125,7 +135,7 @@ def test_drain_excludes_server_from_placement(state: ControllerState) -> None:
         state.drain("nobody")
 
 
-def test_over_capacity_is_out_of_memory(state: ControllerState) -> None:
+def test_over_capacity_is_out_of_memory(state: StateStore) -> None:
     add(state, "a", 8 * MiB)
     add(state, "b", 8 * MiB)
     make(state, "job/big", 12 * MiB, stripe_unit=MiB)  # 6 MiB on each
@@ -140,7 +150,7 @@ def test_over_capacity_is_out_of_memory(state: ControllerState) -> None:
     make(state, "job/fits", 4 * MiB, stripe_unit=MiB)
 
 
-def test_layered_region_layout(state: ControllerState) -> None:
+def test_layered_region_layout(state: StateStore) -> None:
     add(state, "a")
     add(state, "b")
     region = make(state, "job/layers", 7 * MiB, placement="layered",
@@ -160,13 +170,13 @@ def test_good_names(name: str) -> None:
 
 @pytest.mark.parametrize("name", ["", "/a", "a/", "a//b", "a b", "a/b?", "x/" + "x" * 254, "é/x",
                                   "a", "..", ".", "../x", "x/..", "a/./b", "x" * (1 << 20)])
-def test_bad_names(state: ControllerState, name: str) -> None:
+def test_bad_names(state: StateStore, name: str) -> None:
     add(state, "a")
     with pytest.raises(errors.InvalidArgument):
         state.begin_create_region(name, MiB, now=T0)
 
 
-def test_region_exists_and_not_found(state: ControllerState) -> None:
+def test_region_exists_and_not_found(state: StateStore) -> None:
     add(state, "a")
     make(state, "job/p", MiB)
     with pytest.raises(errors.RegionExists):
@@ -184,7 +194,7 @@ def test_region_exists_and_not_found(state: ControllerState) -> None:
     assert state.list_servers()[0].used == MiB
 
 
-def test_list_regions_by_prefix(state: ControllerState) -> None:
+def test_list_regions_by_prefix(state: StateStore) -> None:
     add(state, "a")
     for name in ("job1/a", "job1/b", "job2/a", "other/x"):
         make(state, name, MiB)
@@ -193,7 +203,7 @@ def test_list_regions_by_prefix(state: ControllerState) -> None:
     assert state.list_regions("nothing") == []
 
 
-def test_extent_ids_unique_63_bit(state: ControllerState) -> None:
+def test_extent_ids_unique_63_bit(state: StateStore) -> None:
     add(state, "a", 1 << 40)
     ids = []
     for i in range(20):
@@ -203,28 +213,29 @@ def test_extent_ids_unique_63_bit(state: ControllerState) -> None:
 
 
 def test_reopen_keeps_regions_and_extents(db: str) -> None:
-    with ControllerState(db, LEASE, GRACE) as s:
+    with closing(open_state(db, LEASE, GRACE)) as s:
         add(s, "a")
         add(s, "b")
         before = make(s, "job/p", 4 * MiB, stripe_unit=MiB)
         s.drain("b")
         before = s.get_region("job/p")
-    with ControllerState(db, LEASE, GRACE) as s:
+    with closing(open_state(db, LEASE, GRACE)) as s:
         after = s.get_region("job/p")
         assert after == before
         assert {x.server_id: x.used for x in s.list_servers()} == {"a": 2 * MiB, "b": 2 * MiB}
         assert s.get_server("b").state == "draining"
-    conn = sqlite3.connect(db)
-    assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
-    conn.close()
+    if not db.startswith("etcd://"):
+        conn = sqlite3.connect(db)
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        conn.close()
 
 
 def test_creating_rows_cleaned_on_reopen(db: str) -> None:
-    with ControllerState(db, LEASE, GRACE) as s:
+    with closing(open_state(db, LEASE, GRACE)) as s:
         add(s, "a")
         make(s, "job/kept", MiB)
         half = s.begin_create_region("job/half", 2 * MiB, now=T0)  # the controller "dies" here
-    with ControllerState(db, LEASE, GRACE) as s:
+    with closing(open_state(db, LEASE, GRACE)) as s:
         assert [r.name for r in s.list_regions()] == ["job/kept"]
         assert s.list_servers()[0].used == MiB
         # the server reserved the half-created extent: it is an orphan after the grace
@@ -235,7 +246,7 @@ def test_creating_rows_cleaned_on_reopen(db: str) -> None:
 
 @pytest.mark.parametrize("field, value", [("size", 1 << 63), ("stripe_unit", 1 << 63),
                                           ("stripe_unit", 1 << 64), ("segment_sizes", [1 << 63])])
-def test_sizes_beyond_int64_are_invalid(state: ControllerState, field: str, value: object) -> None:
+def test_sizes_beyond_int64_are_invalid(state: StateStore, field: str, value: object) -> None:
     add(state, "a")
     kwargs: dict = {"size": MiB, field: value}
     if field == "segment_sizes":
@@ -244,12 +255,12 @@ def test_sizes_beyond_int64_are_invalid(state: ControllerState, field: str, valu
         state.begin_create_region("job/huge", now=T0, **kwargs)
 
 
-def test_capacity_beyond_int64_is_invalid(state: ControllerState) -> None:
+def test_capacity_beyond_int64_is_invalid(state: StateStore) -> None:
     with pytest.raises(errors.InvalidArgument, match="capacity"):
         state.register_server("big", "h", "127.0.0.1:1", [], 1 << 63, now=T0)
 
 
-def test_server_back_without_an_extent_makes_its_region_lost(state: ControllerState, db: str) -> None:
+def test_server_back_without_an_extent_makes_its_region_lost(state: StateStore, db: str) -> None:
     add(state, "a")
     add(state, "b")
     region = make(state, "job/x", 8 * MiB, stripe_unit=MiB)
@@ -272,7 +283,7 @@ def test_server_back_without_an_extent_makes_its_region_lost(state: ControllerSt
     assert lost.state == "lost" and lost.lost_servers == ["a"]
     assert [r.state for r in state.list_regions()] == ["lost"]
     state.close()
-    with ControllerState(db, lease_seconds=LEASE, orphan_grace_seconds=GRACE) as again:
+    with closing(open_state(db, LEASE, GRACE)) as again:
         assert again.get_region("job/x").state == "lost"
         assert {e.extent_id for e in again.delete_region("job/x")} == set(region.extent_ids)
         with pytest.raises(errors.RegionNotFound):

@@ -1,0 +1,507 @@
+"""The controller's durable state in etcd (v3): the same methods and rules as the SQLite
+:class:`.state.ControllerState`, for a control plane that outlives its machine.
+
+Keys under the store's prefix ``P`` (default ``/smb``), values JSON:
+
+- ``P/servers/<server_id>``: one memory server (the columns of SQLite's ``servers``);
+- ``P/regions/<name>``: one region with its extents, in layout order;
+- ``P/lost/<extent_id>``: an extent its server registered without;
+- ``P/issued/<extent_id>``: every extent id ever handed out (never reused);
+- ``P/epoch`` and ``P/leader``: the leader election (:mod:`.leader`).
+
+Every change that SQLite makes in one transaction is one etcd transaction here. Each
+method reads what it decides on, then commits with compares: the keys it rewrites are
+unchanged since the read (``mod_revision``), the keys it creates are absent, and, once
+this controller leads, the leader epoch is still its own (its fence). A change that
+loses a race is decided again from a fresh read; a change refused by the fence raises
+``ControllerUnavailable`` naming the leader, and nothing of it is applied.
+
+Nothing is cached: every call reads etcd, so a standby that takes over starts from
+exactly what the previous leader committed. Thread safety: one lock serializes this
+process's changes (reads do not take it).
+
+The module is longer than 400 lines on purpose, for the reason :mod:`.state` is: every
+durable change is one method and one transaction here, side by side with the SQLite
+backend's, so that a reader can check the two keep the same rules.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from smb_client import errors
+from smb_client import placement as placement_mod
+from smb_client.names import check_region_name
+from smb_client.placement import check_bytes
+
+from . import etcd_kv as kv
+from .records import ExtentRecord, HeldExtent, RegionRecord, ServerRecord, find_orphans, region_state
+
+log = logging.getLogger(__name__)
+
+MAX_SERVERS = 1 << 16
+COMMIT_ATTEMPTS = 32   # fresh decisions after lost races before giving up
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Fence:
+    """What a leader's every write checks: the epoch it won and its leader key."""
+
+    epoch: int
+    leader_revision: int  # create revision of the leader key it wrote
+
+
+@dataclass
+class _Snapshot:
+    servers: dict[str, tuple[dict[str, Any], int]]   # id -> (row, mod revision)
+    regions: dict[str, tuple[dict[str, Any], int]]   # name -> (row, mod revision)
+    lost: set[int]
+
+
+class EtcdState:
+    """Servers, regions and extents in etcd; owns its etcd sessions.
+
+    ``url``: ``etcd://host:port[,host:port...][/prefix]``. ``lease_seconds`` and
+    ``orphan_grace_seconds`` as for :class:`.state.ControllerState`. ``recover``: remove
+    regions left ``creating`` by a controller that died (only the leader may: a standby
+    passes False and calls :meth:`take_over` once it leads).
+    """
+
+    def __init__(self, url: str, lease_seconds: float = 5.0, orphan_grace_seconds: float = 30.0,
+                 recover: bool = True, timeout: float = kv.REQUEST_TIMEOUT) -> None:
+        if lease_seconds <= 0:
+            raise errors.InvalidArgument(f"lease must be positive, got {lease_seconds} seconds")
+        if orphan_grace_seconds < 0:
+            raise errors.InvalidArgument(f"orphan grace must not be negative, got {orphan_grace_seconds}")
+        endpoints, self.prefix = kv.parse_url(url)
+        self.path = url
+        self.lease_seconds = float(lease_seconds)
+        self.orphan_grace_seconds = float(orphan_grace_seconds)
+        self.kv = kv.EtcdKV(endpoints, timeout)
+        self._lock = threading.RLock()
+        self.fence: Fence | None = None
+        self.fenced = False   # True under an election: no write without a fence (a standby)
+        self.describe_leader: Callable[[], str] = self._leader_in_store
+        if recover:
+            self.recover()
+
+    # -- keys ----------------------------------------------------------------------------
+    def _key(self, *parts: object) -> str:
+        return "/".join([self.prefix, *map(str, parts)])
+
+    @property
+    def epoch_key(self) -> str:
+        return self._key("epoch")
+
+    @property
+    def leader_key(self) -> str:
+        return self._key("leader")
+
+    def _leader_in_store(self) -> str:
+        """``at host:port (epoch N)`` of the leader the leader key names, for messages."""
+        try:
+            item = self.kv.get(self.leader_key)
+        except errors.ControllerUnavailable:
+            return "unknown (etcd unreachable)"
+        if item is None:
+            return "not elected yet; retry"
+        row = item.json()
+        return f"at {row['address']} (epoch {row['epoch']})"
+
+    # -- plumbing ------------------------------------------------------------------------
+    def close(self) -> None:
+        """Close this thread's etcd sessions (idempotent)."""
+        self.kv.close()
+
+    def __enter__(self) -> EtcdState:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @staticmethod
+    def _now(now: float | None) -> float:
+        return time.time() if now is None else float(now)
+
+    def _snapshot(self, region_prefix: str = "", servers: bool = True, regions: bool = True,
+                  lost: bool = True) -> _Snapshot:
+        """The parts asked for, read at one revision."""
+        ops, kinds = [], []
+        for want, kind, op in ((servers, "servers", kv.get_prefix(self._key("servers", ""))),
+                               (regions, "regions", kv.get_prefix(self._key("regions", region_prefix))),
+                               (lost, "lost", kv.get_prefix(self._key("lost", "")))):
+            if want:
+                ops.append(op)
+                kinds.append(kind)
+        snap = _Snapshot({}, {}, set())
+        for kind, kvs in zip(kinds, self.kv.read(*ops), strict=True):
+            for item in kvs:
+                if kind == "servers":
+                    row = item.json()
+                    snap.servers[row["server_id"]] = (row, item.mod_revision)
+                elif kind == "regions":
+                    row = item.json()
+                    snap.regions[row["name"]] = (row, item.mod_revision)
+                else:
+                    snap.lost.add(int(item.key.rpartition("/")[2]))
+        return snap
+
+    def _read_one(self, what: str, name: str) -> tuple[dict[str, Any] | None, int]:
+        item = self.kv.get(self._key(what, name))
+        return (None, 0) if item is None else (item.json(), item.mod_revision)
+
+    def _commit(self, compare: list[kv.Op], ops: list[kv.Op]) -> bool:
+        """Apply ``ops`` if ``compare`` and the fence hold; False on a lost race.
+
+        Raises ControllerUnavailable when the fence fails (this controller no longer leads).
+        """
+        fence = self.fence
+        if fence is None and self.fenced:
+            raise errors.ControllerUnavailable(f"this controller stands by; the leader is "
+                                               f"{self.describe_leader()}")
+        checks = list(compare)
+        if fence is not None:
+            checks += [kv.value_is(self.epoch_key, str(fence.epoch)),
+                       kv.create_revision_is(self.leader_key, fence.leader_revision)]
+        result = self.kv.txn(checks, ops, [kv.get(self.epoch_key), kv.get(self.leader_key)])
+        if result.succeeded:
+            return True
+        if fence is not None:
+            epoch_kvs, leader_kvs = result.ranges
+            epoch = int(epoch_kvs[0].value) if epoch_kvs else 0
+            leader_rev = leader_kvs[0].create_revision if leader_kvs else 0
+            if epoch != fence.epoch or leader_rev != fence.leader_revision:
+                raise errors.ControllerUnavailable(
+                    f"this controller no longer leads (its epoch {fence.epoch}, now {epoch}); "
+                    f"nothing was changed; the leader is {self.describe_leader()}")
+        return False
+
+    def _retry(self, attempt: Callable[[], T | None], what: str) -> T:
+        """Run ``attempt`` (which returns None after a lost race) until it decides."""
+        with self._lock:
+            for _ in range(COMMIT_ATTEMPTS):
+                result = attempt()
+                if result is not None:
+                    return result
+        raise errors.ControllerUnavailable(f"{what}: etcd kept changing under this controller "
+                                           f"({COMMIT_ATTEMPTS} attempts); retry")
+
+    # -- leadership ----------------------------------------------------------------------
+    def recover(self) -> list[str]:
+        """Remove regions left ``creating`` by a controller that died; returns their names.
+
+        The extents their servers reserved become orphans the servers free after the grace.
+        """
+        def attempt() -> list[str] | None:
+            snap = self._snapshot(servers=False, lost=False)
+            stale = {n: rev for n, (row, rev) in snap.regions.items() if row["state"] == "creating"}
+            if stale and not self._commit([kv.mod_revision_is(self._key("regions", n), rev)
+                                           for n, rev in stale.items()],
+                                          [kv.delete(self._key("regions", n)) for n in stale]):
+                return None
+            return sorted(stale)
+        stale = self._retry(attempt, "removing half-created regions")
+        if stale:
+            log.warning("removed %d region(s) left half-created by a previous controller: %s; "
+                        "their extents are freed by the servers as orphans", len(stale), ", ".join(stale))
+        return stale
+
+    def take_over(self, fence: Fence, now: float | None = None) -> None:
+        """Start leading with ``fence``: clean what a dead leader left half-done, and give
+        every live server a full lease to find this controller."""
+        self.fence = fence
+        self.recover()
+        now = self._now(now)
+
+        def attempt() -> bool | None:
+            snap = self._snapshot(regions=False, lost=False)
+            live = {sid: (row, rev) for sid, (row, rev) in snap.servers.items() if row["state"] != "down"}
+            compare = [kv.mod_revision_is(self._key("servers", sid), rev) for sid, (_, rev) in live.items()]
+            ops = [kv.put(self._key("servers", sid), json.dumps({**row, "last_heartbeat": now}))
+                   for sid, (row, _) in live.items()]
+            return True if self._commit(compare, ops) else None
+        self._retry(attempt, "taking over")
+        log.info("leading with epoch %d", fence.epoch)
+
+    # -- servers -------------------------------------------------------------------------
+    def register_server(self, server_id: str, host_id: str, grpc_address: str,
+                        endpoints: Sequence[str], capacity: int,
+                        held: Iterable[HeldExtent] = (), now: float | None = None
+                        ) -> tuple[str, list[int]]:
+        """Add or refresh a memory server; returns its id and the orphan extent ids (as
+        :meth:`.state.ControllerState.register_server`)."""
+        now = self._now(now)
+        if not grpc_address:
+            raise errors.InvalidArgument("a memory server must give its gRPC address")
+        capacity = check_bytes("capacity", capacity)
+        server_id = server_id or uuid.uuid4().hex[:12]
+        held = list(held)
+        held_ids = {h.extent_id for h in held}
+
+        def attempt() -> tuple[str, list[int]] | None:
+            snap = self._snapshot(lost=False)
+            old = snap.servers.get(server_id)
+            row = {"server_id": server_id, "host_id": host_id, "grpc_address": grpc_address,
+                   "endpoints": list(endpoints), "capacity": int(capacity), "state": "up",
+                   "drain": False, "last_heartbeat": now, "registered_at": now}
+            if old is not None:
+                row["drain"] = bool(old[0]["drain"])
+                row["state"] = "draining" if row["drain"] else "up"
+            known = self._known_extents(snap, server_id)
+            lost = sorted(eid for eid, (_, state) in known.items() if state == "ready" and eid not in held_ids)
+            key = self._key("servers", server_id)
+            ops = [kv.put(key, json.dumps(row))] + [kv.put(self._key("lost", eid), "") for eid in lost]
+            if not self._commit([kv.mod_revision_is(key, old[1] if old else 0)], ops):
+                return None
+            if old is None:
+                log.info("server %s registered at %s (%d bytes)", server_id, grpc_address, capacity)
+            else:
+                log.info("server %s registered again at %s (%d bytes, %s)", server_id,
+                         grpc_address, capacity, row["state"])
+            if lost:
+                log.warning("server %s does not hold %d extent(s) the controller placed on it "
+                            "(restarted without persistence?); their regions are lost: %s",
+                            server_id, len(lost), ", ".join(map(str, lost[:10])))
+            return server_id, find_orphans(server_id, known, held, self.orphan_grace_seconds)
+        return self._retry(attempt, f"registering server {server_id}")
+
+    def heartbeat(self, server_id: str, held: Iterable[HeldExtent] = (),
+                  now: float | None = None) -> list[int]:
+        """Renew a server's lease; returns its orphan extent ids. Raises ServerNotFound."""
+        now = self._now(now)
+        held = list(held)
+
+        def attempt() -> list[int] | None:
+            snap = self._snapshot(lost=False)
+            old = snap.servers.get(server_id)
+            if old is None:
+                raise errors.ServerNotFound(f"no memory server {server_id!r} is registered; register first")
+            row, rev = old
+            state = "draining" if row["drain"] else "up"
+            if row["state"] == "down":
+                log.info("server %s is back (%s)", server_id, state)
+            key = self._key("servers", server_id)
+            if not self._commit([kv.mod_revision_is(key, rev)],
+                                [kv.put(key, json.dumps({**row, "state": state, "last_heartbeat": now}))]):
+                return None
+            return find_orphans(server_id, self._known_extents(snap, server_id), held,
+                                self.orphan_grace_seconds)
+        return self._retry(attempt, f"heartbeat of server {server_id}")
+
+    @staticmethod
+    def _known_extents(snap: _Snapshot, server_id: str) -> dict[int, tuple[str, str]]:
+        """extent id -> (region uid, region state) of the extents placed on a server."""
+        return {e[0]: (row["uid"], row["state"]) for row, _ in snap.regions.values()
+                for e in row["extents"] if e[2] == server_id}
+
+    def expire_leases(self, now: float | None = None) -> list[str]:
+        """Mark servers whose lease ran out ``down``; returns the ids newly marked."""
+        cutoff = self._now(now) - self.lease_seconds
+
+        def attempt() -> list[str] | None:
+            snap = self._snapshot(regions=False, lost=False)
+            late = {sid: (row, rev) for sid, (row, rev) in snap.servers.items()
+                    if row["state"] != "down" and row["last_heartbeat"] < cutoff}
+            if late and not self._commit(
+                    [kv.mod_revision_is(self._key("servers", sid), rev) for sid, (_, rev) in late.items()],
+                    [kv.put(self._key("servers", sid), json.dumps({**row, "state": "down"}))
+                     for sid, (row, _) in late.items()]):
+                return None
+            return sorted(late)
+        ids = self._retry(attempt, "expiring leases")
+        for sid in ids:
+            log.warning("server %s missed its lease (%.1f s): marked down", sid, self.lease_seconds)
+        return ids
+
+    def _update_server(self, server_id: str, change: Callable[[dict[str, Any]], dict[str, Any]],
+                       missing: str) -> None:
+        def attempt() -> bool | None:
+            row, rev = self._read_one("servers", server_id)
+            if row is None:
+                raise errors.ServerNotFound(missing)
+            key = self._key("servers", server_id)
+            return True if self._commit([kv.mod_revision_is(key, rev)],
+                                        [kv.put(key, json.dumps(change(row)))]) else None
+        self._retry(attempt, f"updating server {server_id}")
+
+    def unregister(self, server_id: str, reason: str = "") -> ServerRecord:
+        """A server stopping cleanly: mark it ``down`` now. Raises ServerNotFound."""
+        self._update_server(server_id, lambda row: {**row, "state": "down"},
+                            f"no memory server {server_id!r} is registered")
+        log.info("server %s stopped%s: marked down", server_id, f" ({reason})" if reason else "")
+        return self.get_server(server_id)
+
+    def drain(self, server_id: str, undrain: bool = False) -> ServerRecord:
+        """Stop (or resume) placing new extents on a server. Raises ServerNotFound."""
+        def change(row: dict[str, Any]) -> dict[str, Any]:
+            state = row["state"] if row["state"] == "down" else ("up" if undrain else "draining")
+            return {**row, "drain": not undrain, "state": state}
+        self._update_server(server_id, change,
+                            f"no memory server {server_id!r}; see ListServers for the ids")
+        log.info("server %s %s", server_id, "undrained" if undrain else "draining")
+        return self.get_server(server_id)
+
+    def get_server(self, server_id: str) -> ServerRecord:
+        """One server; raises ServerNotFound."""
+        for s in self.list_servers():
+            if s.server_id == server_id:
+                return s
+        raise errors.ServerNotFound(f"no memory server {server_id!r}")
+
+    def list_servers(self) -> list[ServerRecord]:
+        """Every server ever registered, by id, with ``used`` computed from its extents."""
+        return self._server_records(self._snapshot(lost=False))
+
+    @staticmethod
+    def _server_records(snap: _Snapshot) -> list[ServerRecord]:
+        used = dict.fromkeys(snap.servers, 0)
+        count = dict.fromkeys(snap.servers, 0)
+        for row, _ in snap.regions.values():
+            for _eid, _idx, sid, length in row["extents"]:
+                used[sid] = used.get(sid, 0) + length
+                count[sid] = count.get(sid, 0) + 1
+        return [ServerRecord(sid, r["host_id"], r["grpc_address"], tuple(r["endpoints"]), r["capacity"],
+                             used[sid], count[sid], r["state"], r["last_heartbeat"], r["registered_at"])
+                for sid, (r, _) in sorted(snap.servers.items())]
+
+    # -- regions -------------------------------------------------------------------------
+    def begin_create_region(self, name: str, size: int, placement: str = "striped",
+                            stripe_unit: int = 0, num_servers: int = 0,
+                            segment_sizes: Sequence[int] = (), persistent: bool = False,
+                            now: float | None = None) -> RegionRecord:
+        """Plan a region and record it as ``creating`` (as
+        :meth:`.state.ControllerState.begin_create_region`)."""
+        now = self._now(now)
+        check_region_name(name)
+        if size <= 0:
+            raise errors.InvalidArgument(f"region size must be positive, got {size} bytes")
+        size = check_bytes("region size", size, 1)
+        stripe_unit = check_bytes("stripe unit", stripe_unit)
+        segment_sizes = [check_bytes("a segment size", s) for s in segment_sizes]
+        if not 0 <= int(num_servers) <= MAX_SERVERS:
+            raise errors.InvalidArgument(f"num_servers must be 0 (all) to {MAX_SERVERS}, got {num_servers}")
+        placement = placement or "striped"
+        if placement != "layered" and segment_sizes:
+            raise errors.InvalidArgument(f"segment sizes are only for layered placement, not {placement!r}")
+
+        def attempt() -> RegionRecord | None:
+            snap = self._snapshot()
+            existing = snap.regions.get(name)
+            if existing is not None:
+                what = " (being created)" if existing[0]["state"] == "creating" else ""
+                raise errors.RegionExists(f"region {name!r} already exists{what}; open it, delete it, "
+                                          "or pass exist_ok")
+            alive = now - self.lease_seconds
+            free = {s.server_id: s.free for s in self._server_records(snap)
+                    if s.state == "up" and s.last_heartbeat >= alive}
+            layout, server_ids = placement_mod.plan(
+                int(size), placement, free, stripe_unit=int(stripe_unit),
+                num_servers=int(num_servers), segment_sizes=[int(s) for s in segment_sizes])
+            ids = self._draw_ids(len(server_ids))
+            row = {"name": name, "uid": uuid.uuid4().hex, "size": layout.size, "placement": layout.kind,
+                   "stripe_unit": layout.stripe_unit, "segment_sizes": list(layout.segment_sizes),
+                   "segment_extents": list(layout.segment_extents), "persistent": bool(persistent),
+                   "created_at": now, "state": "creating",
+                   "extents": [[eid, idx, sid, length] for idx, (eid, length, sid) in
+                               enumerate(zip(ids, layout.extent_lengths, server_ids, strict=True))]}
+            key = self._key("regions", name)
+            compare = [kv.absent(key)] + [kv.absent(self._key("issued", eid)) for eid in ids]
+            ops = [kv.put(key, json.dumps(row))] + [kv.put(self._key("issued", eid), "") for eid in ids]
+            if not self._commit(compare, ops):
+                return None
+            snap.regions[name] = (row, 0)
+            return self._region(row, snap)
+        region = self._retry(attempt, f"creating region {name}")
+        log.info("planned region %s (%s, %d bytes) on %d extent(s)", name, region.placement,
+                 region.size, len(region.extents))
+        return region
+
+    @staticmethod
+    def _draw_ids(n: int) -> list[int]:
+        ids: set[int] = set()
+        while len(ids) < n:
+            candidate = secrets.randbits(63)
+            if candidate:
+                ids.add(candidate)
+        return list(ids)
+
+    def commit_region(self, name: str, uid: str | None = None) -> RegionRecord:
+        """Mark a ``creating`` region ``ready`` (idempotent); raises RegionNotFound."""
+        def attempt() -> RegionRecord | None:
+            row, rev = self._read_one("regions", name)
+            if row is None or (uid is not None and row["uid"] != uid):
+                raise errors.RegionNotFound(f"region {name!r} was removed while it was being created")
+            key = self._key("regions", name)
+            row = {**row, "state": "ready"}
+            if not self._commit([kv.mod_revision_is(key, rev)], [kv.put(key, json.dumps(row))]):
+                return None
+            return self._region(row, self._snapshot(regions=False))
+        region = self._retry(attempt, f"committing region {name}")
+        log.info("region %s (uid %s) ready", name, region.uid)
+        return region
+
+    def abort_region(self, name: str, uid: str | None = None) -> list[ExtentRecord]:
+        """Forget a region still ``creating``; returns its extents (``[]`` when none is)."""
+        def attempt() -> list[ExtentRecord] | None:
+            row, rev = self._read_one("regions", name)
+            if row is None or row["state"] != "creating" or (uid is not None and row["uid"] != uid):
+                return []
+            if not self._commit([kv.mod_revision_is(self._key("regions", name), rev)],
+                                [kv.delete(self._key("regions", name))]):
+                return None
+            log.info("creation of region %s aborted", name)
+            return list(self._region(row, self._snapshot(regions=False)).extents)
+        return self._retry(attempt, f"aborting region {name}")
+
+    def get_region(self, name: str) -> RegionRecord:
+        """A ready region (state ``ready``, ``degraded`` or ``lost``); raises RegionNotFound."""
+        snap = self._snapshot(region_prefix=name)
+        found = snap.regions.get(name)
+        if found is None or found[0]["state"] == "creating":
+            raise errors.RegionNotFound(f"no region named {name!r}")
+        return self._region(found[0], snap)
+
+    def delete_region(self, name: str) -> list[ExtentRecord]:
+        """Remove a ready region; returns its extents, which the caller releases."""
+        def attempt() -> RegionRecord | None:
+            snap = self._snapshot(region_prefix=name)
+            found = snap.regions.get(name)
+            if found is None or found[0]["state"] == "creating":
+                raise errors.RegionNotFound(f"no region named {name!r}")
+            row, rev = found
+            ops = [kv.delete(self._key("regions", name))]
+            ops += [kv.delete(self._key("lost", e[0])) for e in row["extents"] if e[0] in snap.lost]
+            if not self._commit([kv.mod_revision_is(self._key("regions", name), rev)], ops):
+                return None
+            return self._region(row, snap)
+        region = self._retry(attempt, f"deleting region {name}")
+        log.info("region %s (uid %s) deleted", name, region.uid)
+        return list(region.extents)
+
+    def list_regions(self, prefix: str = "") -> list[RegionRecord]:
+        """Ready regions whose name starts with ``prefix``, by name."""
+        snap = self._snapshot(region_prefix=prefix)
+        return [self._region(row, snap) for name, (row, _) in sorted(snap.regions.items())
+                if row["state"] == "ready" and name.startswith(prefix)]
+
+    @staticmethod
+    def _region(row: dict[str, Any], snap: _Snapshot) -> RegionRecord:
+        extents = []
+        for eid, idx, sid, length in row["extents"]:
+            server = snap.servers.get(sid, ({}, 0))[0]
+            extents.append(ExtentRecord(eid, idx, sid, length, server.get("grpc_address", ""),
+                                        server.get("host_id", ""), tuple(server.get("endpoints", ())),
+                                        server.get("state", ""), eid in snap.lost))
+        return RegionRecord(row["name"], row["uid"], row["size"], row["placement"], row["stripe_unit"],
+                            tuple(row["segment_sizes"]), tuple(row["segment_extents"]),
+                            bool(row["persistent"]), row["created_at"],
+                            region_state(row["state"], extents), tuple(extents))

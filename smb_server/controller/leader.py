@@ -1,0 +1,200 @@
+"""Leader election among controllers that share one etcd, and the gate that keeps a
+standby from serving.
+
+One controller leads: it holds ``P/leader`` (its address and epoch) on an etcd lease
+it keeps alive. Winning is one transaction: the leader key is absent and ``P/epoch``
+is unchanged since it was read; it writes ``epoch + 1`` and the leader key. The epoch
+and the leader key's create revision are the new leader's :class:`.etcd_state.Fence`,
+checked by every write it makes; a leader that loses its lease (paused, cut off) cannot
+write again, because a successor's epoch differs.
+
+A standby polls the leader key (every ``POLL`` seconds; a watch would save the polls
+but not the time, which the lease sets) and campaigns once it is gone. A leader that
+has not renewed its lease for a whole lease (by its own monotonic clock) stops serving
+at once, before any renewal tells it so: a leader resumed after a pause never answers
+a single call as leader.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from smb_client import errors
+
+from ..grpc_util import abort
+from . import etcd_kv as kv
+from .etcd_state import Fence
+
+log = logging.getLogger(__name__)
+
+POLL = 0.5          # seconds between a standby's looks at the leader key
+MIN_LEASE = 2       # seconds; etcd refuses shorter leases
+
+
+@dataclass(frozen=True)
+class LeaderInfo:
+    address: str
+    epoch: int
+
+
+class Election:
+    """One controller's part in the election; borrows ``store`` (an etcd KV client).
+
+    ``address``: what clients are told to reach this controller at; ``lease_seconds``:
+    how long a silent leader keeps the lead (whole seconds, at least ``MIN_LEASE``).
+    """
+
+    def __init__(self, store: kv.EtcdKV, prefix: str, address: str, lease_seconds: float) -> None:
+        self.kv = store
+        self.epoch_key = f"{prefix}/epoch"
+        self.leader_key = f"{prefix}/leader"
+        self.address = address
+        self.ttl = max(MIN_LEASE, math.ceil(lease_seconds))
+        self.lease = 0
+        self.fence: Fence | None = None
+        self._renewed = 0.0  # monotonic seconds of the last successful grant/renewal
+
+    def current(self) -> LeaderInfo | None:
+        """The leader now, or None while there is none."""
+        item = self.kv.get(self.leader_key)
+        if item is None:
+            return None
+        row = item.json()
+        return LeaderInfo(row["address"], int(row["epoch"]))
+
+    def campaign(self) -> Fence | None:
+        """Try once to lead; returns the fence when this controller won."""
+        if self.kv.get(self.leader_key) is not None:
+            return None
+        epoch_item = self.kv.get(self.epoch_key)
+        epoch = int(epoch_item.value) + 1 if epoch_item is not None else 1
+        started = time.monotonic()
+        lease = self.kv.grant(self.ttl)
+        value = json.dumps({"address": self.address, "epoch": epoch})
+        result = self.kv.txn(
+            [kv.absent(self.leader_key),
+             kv.mod_revision_is(self.epoch_key, epoch_item.mod_revision if epoch_item else 0)],
+            [kv.put(self.epoch_key, str(epoch)), kv.put(self.leader_key, value, lease)])
+        if not result.succeeded:
+            self.kv.revoke(lease)
+            return None
+        self.lease, self._renewed = lease, started
+        self.fence = Fence(epoch, result.revision)
+        log.info("leading the controllers at %s (epoch %d, lease %d s)", self.address, epoch, self.ttl)
+        return self.fence
+
+    def leading(self) -> bool:
+        """True while this controller won and its lease surely has not run out."""
+        return self.fence is not None and time.monotonic() - self._renewed < self.ttl
+
+    def renew(self) -> bool:
+        """Keep the lease alive; False (and no longer leading) once it is lost."""
+        if self.fence is None:
+            return False
+        sent = time.monotonic()
+        try:
+            ttl = self.kv.keepalive(self.lease)
+        except errors.ControllerUnavailable as exc:
+            log.warning("cannot renew the leader lease: %s", exc)
+            return self.leading()
+        if ttl <= 0 or not self.leading():
+            self.step_down("the leader lease expired")
+            return False
+        self._renewed = sent
+        return True
+
+    def step_down(self, reason: str) -> None:
+        """Stop leading (the lease is revoked, so a standby takes over at once)."""
+        if self.fence is None:
+            return
+        log.warning("no longer leading (epoch %d): %s", self.fence.epoch, reason)
+        self.fence = None
+        lease, self.lease = self.lease, 0
+        self.kv.revoke(lease)
+
+
+class LeaderGate(grpc.ServerInterceptor):
+    """Refuses every call to ``service`` with ControllerUnavailable naming the leader
+    unless ``leading()``; other services (health) pass."""
+
+    def __init__(self, service: str, leading: Callable[[], bool], leader: Callable[[], str]) -> None:
+        self._prefix = f"/{service}/"
+        self._leading = leading
+
+        def refuse(request: Any, context: grpc.ServicerContext) -> None:
+            abort(context, errors.ControllerUnavailable(
+                f"this controller stands by; the leader is {leader()}"))
+
+        self._refuse = grpc.unary_unary_rpc_method_handler(refuse)
+
+    def intercept_service(self, continuation: Callable[..., Any], details: grpc.HandlerCallDetails) -> Any:
+        if details.method.startswith(self._prefix) and not self._leading():
+            return self._refuse
+        return continuation(details)
+
+
+class LeaderLoop:
+    """The thread that campaigns while standing by and renews while leading.
+
+    ``on_lead(fence)`` runs when this controller starts to lead (it should hand the fence
+    to the state); ``on_lose()`` when it stops.
+    """
+
+    def __init__(self, election: Election, on_lead: Callable[[Fence], None],
+                 on_lose: Callable[[], None]) -> None:
+        self.election = election
+        self.on_lead = on_lead
+        self.on_lose = on_lose
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="controller-election", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        e = self.election
+        while not self._stop.is_set():
+            try:
+                if e.fence is None:
+                    fence = e.campaign()
+                    if fence is not None:
+                        try:
+                            self.on_lead(fence)
+                        except Exception:
+                            log.exception("taking over failed; standing by again")
+                            e.step_down("taking over failed")
+                            self.on_lose()
+                            continue
+                    wait = e.ttl / 3 if fence is not None else POLL
+                elif e.renew():
+                    wait = e.ttl / 3
+                else:
+                    self.on_lose()
+                    wait = POLL
+            except errors.SMBError as exc:
+                log.warning("election: %s", exc)
+                if e.fence is not None and not e.leading():
+                    e.step_down("etcd unreachable for a whole lease")
+                    self.on_lose()
+                wait = POLL
+            except Exception:
+                log.exception("election")
+                wait = POLL
+            self._stop.wait(wait)
+
+    def stop(self, resign: bool = True) -> None:
+        """End the thread; with ``resign``, give up the lead so a standby takes over now."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        if resign and self.election.fence is not None:
+            self.election.step_down("stopping")
+            self.on_lose()

@@ -1,0 +1,74 @@
+"""Which state store a controller uses: the interface both backends offer, and
+:func:`open_state` that picks one from a path or URL.
+
+- a file path (or ``:memory:``): :class:`.state.ControllerState`, SQLite, the embedded
+  default for one controller (``smb up``, single-node use);
+- ``etcd://host:port[,host:port...][/prefix]``: :class:`.etcd_state.EtcdState`, for
+  several controllers (one leader, standbys; :mod:`.leader`).
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from typing import Protocol
+
+from .etcd_kv import is_etcd_url
+from .records import ExtentRecord, HeldExtent, RegionRecord, ServerRecord
+
+log = logging.getLogger(__name__)
+
+
+class StateStore(Protocol):
+    """What the servicer, the region creator and the daemon call; see
+    :class:`.state.ControllerState` for each method's contract."""
+
+    path: str
+    lease_seconds: float          # seconds a silent memory server stays up
+    orphan_grace_seconds: float   # seconds before an unknown held extent is an orphan
+
+    def close(self) -> None: ...
+
+    def register_server(self, server_id: str, host_id: str, grpc_address: str,
+                        endpoints: Sequence[str], capacity: int,
+                        held: Iterable[HeldExtent] = (), now: float | None = None
+                        ) -> tuple[str, list[int]]: ...
+
+    def heartbeat(self, server_id: str, held: Iterable[HeldExtent] = (),
+                  now: float | None = None) -> list[int]: ...
+
+    def expire_leases(self, now: float | None = None) -> list[str]: ...
+
+    def unregister(self, server_id: str, reason: str = "") -> ServerRecord: ...
+
+    def drain(self, server_id: str, undrain: bool = False) -> ServerRecord: ...
+
+    def get_server(self, server_id: str) -> ServerRecord: ...
+
+    def list_servers(self) -> list[ServerRecord]: ...
+
+    def begin_create_region(self, name: str, size: int, placement: str = "striped",
+                            stripe_unit: int = 0, num_servers: int = 0,
+                            segment_sizes: Sequence[int] = (), persistent: bool = False,
+                            now: float | None = None) -> RegionRecord: ...
+
+    def commit_region(self, name: str, uid: str | None = None) -> RegionRecord: ...
+
+    def abort_region(self, name: str, uid: str | None = None) -> list[ExtentRecord]: ...
+
+    def get_region(self, name: str) -> RegionRecord: ...
+
+    def delete_region(self, name: str) -> list[ExtentRecord]: ...
+
+    def list_regions(self, prefix: str = "") -> list[RegionRecord]: ...
+
+
+def open_state(where: str, lease_seconds: float = 5.0, orphan_grace_seconds: float = 30.0,
+               recover: bool = True) -> StateStore:
+    """Open the store at ``where`` (a SQLite path or an ``etcd://`` URL); the caller
+    closes it. ``recover`` (etcd only): remove half-created regions now; a standby
+    passes False (the SQLite file has one controller, which always recovers)."""
+    if is_etcd_url(where):
+        from .etcd_state import EtcdState
+        return EtcdState(where, lease_seconds, orphan_grace_seconds, recover=recover)
+    from .state import ControllerState
+    return ControllerState(where, lease_seconds, orphan_grace_seconds)

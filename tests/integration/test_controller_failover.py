@@ -1,0 +1,107 @@
+"""Several controllers on one etcd: one leads, the others stand by and name it; kill -9
+the leader and a standby leads within the lease, with every acknowledged region intact
+and no deleted one back; a paused leader that resumes after a standby took over can
+change nothing. Real etcd, real controller and memory server processes."""
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from smb_client import errors
+from tests.etcd_server import EtcdServer, etcd_server  # noqa: F401 (fixture)
+from tests.integration.controller_group import ControllerGroup
+
+LEADER_LEASE = 2      # seconds
+TAKEOVER_LIMIT = 10.0  # seconds: the target for a standby to lead after the leader died
+MiB = 1 << 20
+
+
+@pytest.fixture
+def group(tmp_path: Path, etcd_server: EtcdServer) -> Iterator[ControllerGroup]:  # noqa: F811
+    g = ControllerGroup(tmp_path, etcd_server.url(), count=2, leader_lease=LEADER_LEASE)
+    try:
+        g.start()
+        yield g
+    finally:
+        g.stop()
+
+
+def test_one_leads_and_the_standby_names_it(group: ControllerGroup) -> None:
+    leader = group.wait_leader()
+    standby = 1 - leader
+    record = group.leader_record()
+    assert record is not None and record["address"] == group.addresses[leader]
+    with pytest.raises(errors.ControllerUnavailable, match=f"leader is at {group.addresses[leader]}"):
+        with group.client(standby) as c:
+            c.list_regions()
+    with group.client(leader) as c:
+        assert c.list_regions() == []
+
+
+def test_kill_the_leader_a_standby_leads_with_every_acknowledged_region(group: ControllerGroup) -> None:
+    leader = group.wait_leader()
+    group.start_server()
+    kept, deleted = {}, []
+    with group.client(leader, reconnect_timeout=5) as c:
+        for i in range(12):
+            region = c.create_region(f"job/r{i}", MiB, placement="single")
+            kept[region.name] = region.uid
+        for i in range(0, 12, 3):
+            c.delete_region(f"job/r{i}")
+            deleted.append(f"job/r{i}")
+            del kept[f"job/r{i}"]
+        epoch = group.leader_record()["epoch"]  # type: ignore[index]
+    group.kill(leader)
+    killed = time.monotonic()
+    new = group.wait_leader(timeout=TAKEOVER_LIMIT + 5, among=(1 - leader,))
+    took = time.monotonic() - killed
+    assert took < TAKEOVER_LIMIT, f"the standby led only after {took:.1f} s"
+    record = group.leader_record()
+    assert record is not None and record["epoch"] == epoch + 1 and record["address"] == group.addresses[new]
+    with group.client(new) as c:
+        regions = {r.name: r for r in c.list_regions("job/")}
+        assert sorted(regions) == sorted(kept)
+        for name in deleted:
+            with pytest.raises(errors.RegionNotFound):
+                c.open_region(name)
+        # the memory server found the new leader: regions stay ready, new ones can be made
+        deadline = time.monotonic() + 10
+        while {s.state for s in c.list_servers()} != {"up"} and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert [s.state for s in c.list_servers()] == ["up"]
+        for name, uid in kept.items():
+            region = c.open_region(name)
+            assert region.uid == uid and region.state == "ready"
+            region.write(0, b"still here")
+            assert bytes(region.read(0, 10)) == b"still here"
+        c.create_region("job/after", MiB)
+
+
+def test_a_paused_leader_resumed_after_a_takeover_changes_nothing(group: ControllerGroup) -> None:
+    leader = group.wait_leader()
+    group.start_server()
+    with group.client(leader, reconnect_timeout=5) as c:
+        c.create_region("job/before", MiB)
+    group.kill(leader, signal.SIGSTOP)
+    try:
+        new = group.wait_leader(timeout=TAKEOVER_LIMIT + 5, among=(1 - leader,))
+    finally:
+        group.kill(leader, signal.SIGCONT)
+    # at once after it resumes, the old leader refuses, naming the new one, and applies nothing
+    with group.client(leader) as c:
+        with pytest.raises(errors.ControllerUnavailable, match=f"leader is at {group.addresses[new]}"):
+            c.create_region("job/from-the-old-leader", MiB)
+        with pytest.raises(errors.ControllerUnavailable):
+            c.delete_region("job/before")
+    with group.client(new) as c:
+        assert [r.name for r in c.list_regions("job/")] == ["job/before"]
+    # never two leaders: only the new one serves, the old one stays a standby
+    assert [group.answers(i) for i in (leader, new)] == [False, True]
+    time.sleep(LEADER_LEASE)
+    assert [group.answers(i) for i in (leader, new)] == [False, True]
+    record = group.leader_record()
+    assert record is not None and record["address"] == group.addresses[new]

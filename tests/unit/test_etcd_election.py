@@ -1,0 +1,84 @@
+"""Leader election and fencing on a real etcd server: one leader at a time, epochs
+that grow, and a deposed leader whose every write fails in the etcd transaction."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from smb_client import errors
+from smb_server.controller.etcd_state import EtcdState
+from smb_server.controller.leader import Election
+from tests.etcd_server import etcd_server, etcd_store  # noqa: F401 (fixtures)
+
+MiB = 1 << 20
+
+
+def _pair(url: str) -> tuple[EtcdState, EtcdState, Election, Election]:
+    a, b = EtcdState(url, recover=False), EtcdState(url, recover=False)
+    a.fenced = b.fenced = True
+    return a, b, Election(a.kv, a.prefix, "10.0.0.1:7700", 2), Election(b.kv, b.prefix, "10.0.0.2:7700", 2)
+
+
+def test_one_leader_at_a_time_and_epochs_grow(etcd_store: str) -> None:  # noqa: F811
+    a, b, ea, eb = _pair(etcd_store)
+    fence = ea.campaign()
+    assert fence is not None and fence.epoch == 1 and ea.leading()
+    assert eb.campaign() is None and not eb.leading()
+    assert eb.current() is not None and eb.current().address == "10.0.0.1:7700"  # type: ignore[union-attr]
+    assert ea.renew()
+    ea.step_down("test")                      # resigning frees the lead at once
+    assert not ea.leading() and eb.current() is None
+    again = eb.campaign()
+    assert again is not None and again.epoch == 2
+    assert a.describe_leader() == "at 10.0.0.2:7700 (epoch 2)"
+
+
+def test_a_standby_writes_nothing(etcd_store: str) -> None:  # noqa: F811
+    a, b, ea, eb = _pair(etcd_store)
+    with pytest.raises(errors.ControllerUnavailable, match="stands by"):
+        b.register_server("s1", "h", "127.0.0.1:1", [], 64 * MiB)
+    assert b.list_servers() == []
+
+
+def test_a_deposed_leader_cannot_write(etcd_store: str) -> None:  # noqa: F811
+    a, b, ea, eb = _pair(etcd_store)
+    fence_a = ea.campaign()
+    assert fence_a is not None
+    a.take_over(fence_a)
+    a.register_server("s1", "h", "127.0.0.1:1", [], 64 * MiB)
+    a.commit_region("job/x", a.begin_create_region("job/x", MiB).uid)
+    # a's lease runs out while it is paused (its process does not renew), b takes over
+    a.kv.revoke(ea.lease)
+    fence_b = eb.campaign()
+    assert fence_b is not None and fence_b.epoch == fence_a.epoch + 1
+    b.take_over(fence_b)
+    # a still believes it leads: every kind of write fails in etcd, nothing applied
+    with pytest.raises(errors.ControllerUnavailable, match="no longer leads.*10.0.0.2:7700"):
+        a.begin_create_region("job/y", MiB)
+    with pytest.raises(errors.ControllerUnavailable, match="no longer leads"):
+        a.delete_region("job/x")
+    with pytest.raises(errors.ControllerUnavailable, match="no longer leads"):
+        a.heartbeat("s1", [])
+    with pytest.raises(errors.ControllerUnavailable, match="no longer leads"):
+        a.expire_leases(now=time.time() + 3600)
+    assert [r.name for r in b.list_regions()] == ["job/x"]
+    assert b.get_server("s1").state == "up"
+    b.commit_region("job/y", b.begin_create_region("job/y", MiB).uid)
+    assert [r.name for r in b.list_regions()] == ["job/x", "job/y"]
+
+
+def test_a_new_leader_removes_half_created_regions(etcd_store: str) -> None:  # noqa: F811
+    a, b, ea, eb = _pair(etcd_store)
+    fence_a = ea.campaign()
+    assert fence_a is not None
+    a.take_over(fence_a)
+    a.register_server("s1", "h", "127.0.0.1:1", [], 64 * MiB)
+    a.begin_create_region("job/half", MiB)   # the leader dies here
+    ea.step_down("died")
+    fence_b = eb.campaign()
+    assert fence_b is not None
+    b.take_over(fence_b)
+    with pytest.raises(errors.RegionNotFound):
+        b.get_region("job/half")
+    b.commit_region("job/half", b.begin_create_region("job/half", MiB).uid)  # the name is free again
