@@ -76,6 +76,7 @@ test-integration: deps
 
 bench: deps
 	$(PY) bench/dataplane.py
+	$(PY) bench/notify.py
 
 bench-rdma: deps
 	SMB_VM_BENCH=1 tests/rdma/run_vm.sh
