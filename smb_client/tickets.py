@@ -7,6 +7,10 @@ secret. Clients treat tickets as opaque strings.
 
 Modes: ``ro`` (read), ``rw`` (read and write), ``admin`` (the controller reserving or
 releasing extents).
+
+A ticket may carry the signing controller's leader epoch (``epoch``, 0 when there is no
+election); memory servers refuse admin tickets of an epoch older than one they have
+seen, so that a deposed leader cannot reserve or release extents.
 """
 from __future__ import annotations
 
@@ -54,6 +58,7 @@ class Ticket:
     extent_ids: frozenset[int]
     mode: TicketMode
     expires_at: float  # unix seconds
+    epoch: int = 0     # the signing controller's leader epoch (0: no election)
 
     def allows(self, extent_id: int, write: bool = False) -> bool:
         if extent_id not in self.extent_ids:
@@ -70,12 +75,15 @@ def _unb64(text: str) -> bytes:
 
 
 def sign(secret: bytes, region_uid: str, extent_ids: Iterable[int], mode: str | TicketMode,
-         ttl: float = DEFAULT_TTL, now: float | None = None) -> tuple[str, float]:
-    """A signed ticket and its expiry (unix seconds)."""
+         ttl: float = DEFAULT_TTL, now: float | None = None, epoch: int = 0) -> tuple[str, float]:
+    """A signed ticket and its expiry (unix seconds); ``epoch``: the leader epoch."""
     mode = TicketMode.parse(mode)
     expires = (time.time() if now is None else now) + ttl
-    payload = json.dumps({"r": region_uid, "e": sorted(int(e) for e in extent_ids),
-                          "m": mode.value, "x": round(expires, 3)}, separators=(",", ":")).encode()
+    fields: dict[str, object] = {"r": region_uid, "e": sorted(int(e) for e in extent_ids),
+                                 "m": mode.value, "x": round(expires, 3)}
+    if epoch:
+        fields["p"] = int(epoch)
+    payload = json.dumps(fields, separators=(",", ":")).encode()
     mac = hmac.new(secret, payload, hashlib.sha256).digest()
     return f"{_b64(payload)}.{_b64(mac)}", expires
 
@@ -97,7 +105,8 @@ def verify(secret: bytes, token: str, now: float | None = None) -> Ticket:
     except (KeyError, TypeError):
         raise InvalidTicket("malformed ticket payload") from None
     try:
-        ticket = Ticket(str(data["r"]), frozenset(int(e) for e in data["e"]), mode, float(data["x"]))
+        ticket = Ticket(str(data["r"]), frozenset(int(e) for e in data["e"]), mode, float(data["x"]),
+                        int(data.get("p", 0)))
     except (ValueError, KeyError, TypeError):
         raise InvalidTicket("malformed ticket payload") from None
     if ticket.expires_at < (time.time() if now is None else now):

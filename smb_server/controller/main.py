@@ -147,6 +147,8 @@ class Controller(Daemon):
                                             self.config.leader_lease_seconds)
 
         def on_lead(fence: Fence) -> None:
+            if self.servicer is not None:  # memory servers refuse older epochs' admin tickets
+                self.servicer.memservers.epoch = fence.epoch
             state.take_over(fence)
 
         def on_lose() -> None:

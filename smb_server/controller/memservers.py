@@ -55,6 +55,7 @@ class GrpcMemoryServers:
         self._stubs: dict[str, tuple[grpc.Channel, memory_server_pb2_grpc.MemoryServerStub]] = {}
         self._lock = threading.Lock()
         self.tls: TLSConfig | None = None
+        self.epoch = 0  # the leader epoch admin tickets carry (0: no election)
 
     def _stub(self, address: str) -> memory_server_pb2_grpc.MemoryServerStub:
         with self._lock:
@@ -66,7 +67,8 @@ class GrpcMemoryServers:
             return entry[1]
 
     def _admin_ticket(self, region_uid: str, extent_id: int) -> str:
-        return tickets.sign(self.secret, region_uid, [extent_id], "admin", ttl=ADMIN_TICKET_TTL)[0]
+        return tickets.sign(self.secret, region_uid, [extent_id], "admin", ttl=ADMIN_TICKET_TTL,
+                            epoch=self.epoch)[0]
 
     def reserve(self, address: str, region_uid: str, extent: ExtentRecord,
                 persistent: bool = False) -> None:

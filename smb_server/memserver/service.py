@@ -1,7 +1,8 @@
 """The memory server's gRPC service: a thin translation onto the arena.
 
 ``ReserveExtent`` and ``ReleaseExtent`` carry a controller-signed ``admin`` ticket
-naming the extent (the bearer-token check is exempted for them, see
+naming the extent (and refused when its leader epoch is older than one already seen:
+a deposed controller's) (the bearer-token check is exempted for them, see
 :data:`TICKET_METHODS`); ``Connect`` (RDMA queue-pair exchange) carries a region ticket
 (``ro`` or ``rw``), verified here and handed to the rdma plane, and is refused when the
 server runs no rdma plane; ``Stats`` needs the bearer token.
@@ -9,6 +10,7 @@ server runs no rdma plane; ``Stats`` needs the bearer token.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -63,6 +65,8 @@ class MemoryServerServicer(pb_grpc.MemoryServerServicer):
         self._endpoints = endpoints
         self._rdma = rdma
         self._metrics_port = metrics_port
+        self.epoch = 0  # the newest controller leader epoch seen in an admin ticket
+        self._epoch_lock = threading.Lock()
 
     def _admin(self, token: str, extent_id: int) -> Ticket:
         ticket = verify(self.secret, token)
@@ -70,6 +74,13 @@ class MemoryServerServicer(pb_grpc.MemoryServerServicer):
             raise PermissionDenied(f"an admin ticket is required, not a {ticket.mode!r} one")
         if extent_id not in ticket.extent_ids:
             raise InvalidTicket(f"the ticket does not name extent {extent_id}")
+        with self._epoch_lock:
+            if ticket.epoch < self.epoch:
+                raise InvalidTicket(f"admin ticket of leader epoch {ticket.epoch}, from a deposed "
+                                    f"controller (this server has seen epoch {self.epoch})")
+            if ticket.epoch > self.epoch:
+                log.info("controller leader epoch %d", ticket.epoch)
+                self.epoch = ticket.epoch
         return ticket
 
     @typed_errors

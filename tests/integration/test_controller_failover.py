@@ -9,9 +9,11 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 
-from smb_client import errors
+from smb_client import errors, rpc, tickets
+from smb_client._proto.smb.v1 import memory_server_pb2, memory_server_pb2_grpc
 from tests.etcd_server import EtcdServer, etcd_server  # noqa: F401 (fixture)
 from tests.integration.controller_group import ControllerGroup
 
@@ -78,7 +80,21 @@ def test_kill_the_leader_a_standby_leads_with_every_acknowledged_region(group: C
             assert region.uid == uid and region.state == "ready"
             region.write(0, b"still here")
             assert bytes(region.read(0, 10)) == b"still here"
-        c.create_region("job/after", MiB)
+        c.create_region("job/after", MiB)  # reserved with the new epoch's admin ticket
+        server = c.list_servers()[0].grpc_address
+    # the memory server now refuses admin tickets of the dead leader's epoch
+    secret = bytes.fromhex(group.secret_file.read_text())
+    with grpc.insecure_channel(server) as channel:
+        stub = memory_server_pb2_grpc.MemoryServerStub(channel)
+
+        def reserve(extent_id: int, epoch: int) -> None:
+            ticket, _ = tickets.sign(secret, "uid-x", [extent_id], "admin", epoch=epoch)
+            rpc.call(stub.ReserveExtent, memory_server_pb2.ReserveExtentRequest(
+                ticket=ticket, extent_id=extent_id, region_uid="uid-x", length=4096), "", 10)
+
+        with pytest.raises(errors.InvalidTicket, match="deposed"):
+            reserve(991, epoch)
+        reserve(992, epoch + 1)
 
 
 def test_a_paused_leader_resumed_after_a_takeover_changes_nothing(group: ControllerGroup) -> None:
