@@ -31,6 +31,7 @@ import os
 import socket
 import struct
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -59,6 +60,28 @@ MAX_DEAD = 65536       # (ticket, extent) grants of dead channels remembered (ol
 REQUEST_HEAD = struct.Struct("<I")
 EXTENT_ID = struct.Struct("<Q")
 ANSWER_HEAD = struct.Struct("<BI")
+CONNECT_RETRY = 0.005  # seconds between connects while the server's backlog is full
+
+
+def _connect(path: str, timeout: float) -> socket.socket:
+    """A socket connected to ``path`` (the caller owns it), with ``timeout`` set. A
+    connect with a timeout fails at once (EAGAIN) while the server's backlog is full,
+    so it is tried again until ``timeout`` seconds have passed."""
+    deadline = time.monotonic() + timeout
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(timeout)
+            sock.connect(path)
+            return sock
+        except BlockingIOError:
+            sock.close()
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"the server's backlog stayed full for {timeout} s") from None
+            time.sleep(CONNECT_RETRY)
+        except BaseException:
+            sock.close()
+            raise
 
 
 def _refused(path: str) -> PermissionDenied:
@@ -74,9 +97,7 @@ def fetch_extent_fd(path: str, ticket: str, extent_id: int, timeout: float = 10.
     bytes, whether the descriptor is writable, i.e. the ticket allows writes)."""
     token = ticket.encode()
     try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-            sock.settimeout(timeout)
-            sock.connect(path)
+        with _connect(path, timeout) as sock:
             sock.sendall(REQUEST_HEAD.pack(len(token)) + token + EXTENT_ID.pack(extent_id))
             data, fds, _flags, _addr = socket.recv_fds(sock, 64 << 10, 1)
             while len(data) < ANSWER_HEAD.size:
@@ -112,13 +133,10 @@ class _Channel:
     process ends. Never written to: anything readable on it means the server is gone."""
 
     def __init__(self, path: str, timeout: float = 10.0) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            self.sock.settimeout(timeout)
-            self.sock.connect(path)
+            self.sock = _connect(path, timeout)
             self.sock.setblocking(False)
         except OSError as exc:
-            self.sock.close()
             if isinstance(exc, PermissionError):
                 raise _refused(path) from None
             raise ServerUnavailable(f"shm://{path}: {exc}") from None

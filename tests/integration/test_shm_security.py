@@ -229,8 +229,8 @@ for _ in range(n):
     s.connect(path)
     held.append(s)
 extra = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+extra.connect(path)        # blocking: waits while the backlog is full
 extra.settimeout(10)
-extra.connect(path)
 answer = b""
 while True:
     more = extra.recv(4096)
@@ -265,3 +265,60 @@ def test_one_user_cannot_take_every_shm_connection(shared_cluster):
         finally:
             flood.communicate("\n", timeout=30)
         assert flood.returncode == 0
+
+
+def test_a_full_backlog_delays_a_client_instead_of_failing_it(tmp_path):
+    """While a socket's backlog is full (connections nobody accepted yet), a client's
+    connect waits for room instead of failing at once with EAGAIN."""
+    import socket
+    import struct
+    import threading
+
+    from smb_client.errors import ExtentNotFound, Status
+    from smb_client.transports.shm import fetch_extent_fd
+
+    path = str(tmp_path / "s.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+    queued = []
+    while True:                       # fill the backlog
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.setblocking(False)
+        try:
+            s.connect(path)
+        except BlockingIOError:
+            s.close()
+            break
+        queued.append(s)
+    assert queued
+
+    def serve_later() -> None:
+        time.sleep(0.3)
+        listener.settimeout(10)
+        while True:
+            conn, _ = listener.accept()
+            head = conn.recv(4)
+            if len(head) < 4:         # one of the fillers: it sent nothing
+                conn.close()
+                continue
+            (n,) = struct.unpack("<I", head)
+            while n + 8 > 0:
+                n -= len(conn.recv(n + 8))
+            message = b"no such extent"
+            conn.sendall(struct.pack("<BI", Status.EXTENT_NOT_FOUND, len(message)) + message)
+            conn.close()
+            return
+
+    server = threading.Thread(target=serve_later)
+    server.start()
+    try:
+        for s in queued:
+            s.shutdown(socket.SHUT_WR)    # the fillers say nothing and hang up once accepted
+        with pytest.raises(ExtentNotFound, match="no such extent"):
+            fetch_extent_fd(path, "ticket", 7, timeout=10)
+    finally:
+        server.join(20)
+        for s in queued:
+            s.close()
+        listener.close()
