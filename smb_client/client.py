@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -62,7 +63,9 @@ class Client:
     """A connection to a Soft Memory Box cluster.
 
     ``address`` is the controller's ``host:port`` (default ``$SMB_CONTROLLER`` or
-    127.0.0.1:7700); ``token`` the bearer token (default ``$SMB_TOKEN``); ``transport``
+    127.0.0.1:7700), or a comma-separated list of controllers sharing one etcd store
+    (calls go to whichever leads, moving on at failover); ``token`` the bearer token
+    (default ``$SMB_TOKEN``); ``transport``
     one of auto, tcp, shm, rdma (default ``$SMB_TRANSPORT`` or auto). ``connections``
     is the number of connections per memory server, shared by all of this client's
     regions; ``chunk_bytes`` the largest single request; ``reconnect_timeout`` how long
@@ -99,8 +102,25 @@ class Client:
                                    io_threads=io_threads,
                                    transport_options={"tls": self.tls, **self.transport_options})
         self._closed = False
-        self._channel = rpc.channel(self.address, self.tls)
-        self._stub = pb_grpc.ControllerStub(self._channel)  # type: ignore[no-untyped-call]  # generated stub, untyped __init__
+        # a comma-separated list names a leader and its standbys: calls go to one; when it
+        # is unavailable (a standby refuses, or it does not answer) the next is tried
+        self.controllers = [a.strip() for a in self.address.split(",") if a.strip()] or [DEFAULT_CONTROLLER]
+        self._leader = 0  # index in self.controllers of the one calls go to
+        self._stubs: dict[str, tuple[Any, Any]] = {}  # address -> (channel, stub)
+        self._stubs_lock = threading.Lock()
+
+    @property
+    def controller(self) -> str:
+        """The controller calls go to now: of a list, the leader once a call found it."""
+        return self.controllers[self._leader]
+
+    def _stub(self, address: str) -> Any:
+        with self._stubs_lock:
+            if address not in self._stubs:
+                channel = rpc.channel(address, self.tls)
+                stub = pb_grpc.ControllerStub(channel)  # type: ignore[no-untyped-call]  # generated stub, untyped __init__
+                self._stubs[address] = (channel, stub)
+            return self._stubs[address][1]
 
     def __enter__(self) -> Client:
         return self
@@ -112,7 +132,9 @@ class Client:
         """Close the data plane (after submitted work ends) and the controller channel."""
         self._closed = True
         self.dataplane.close()
-        self._channel.close()
+        with self._stubs_lock:
+            for channel, _ in self._stubs.values():
+                channel.close()
 
     def _call(self, method: str, request: Any, timeout: float | None = None,
               reconnect_timeout: float | None = None) -> Any:
@@ -121,23 +143,27 @@ class Client:
         then raise ControllerUnavailable (at once on a closed client)."""
         if self._closed:
             raise ControllerUnavailable(f"controller {method}: the client is closed (Client.close was called)")
-        stub_method = getattr(self._stub, method)
         deadline = self.timeout if timeout is None else timeout
         patience = self.reconnect_timeout if reconnect_timeout is None else reconnect_timeout
         retry = Retry(on=(ControllerUnavailable,), timeout=patience,
                       backoff=Backoff(first=RECONNECT_FIRST, cap=RECONNECT_CAP))
-        return retry(lambda: self._call_once(stub_method, request, deadline), what=f"controller {method}")
+        return retry(lambda: self._call_once(method, request, deadline), what=f"controller {method}")
 
-    def _call_once(self, stub_method: Any, request: Any, deadline: float | None) -> Any:
+    def _call_once(self, method: str, request: Any, deadline: float | None) -> Any:
+        index = self._leader
+        address = self.controllers[index]
         try:
-            return rpc.call(stub_method, request, self.token, deadline, ControllerUnavailable)
+            return rpc.call(getattr(self._stub(address), method), request, self.token, deadline,
+                            ControllerUnavailable)
         except ControllerUnavailable as exc:
             # a controller that closes the connection at once may be refusing TLS (or its
             # absence): ask it with a handshake of our own, so the error says what to set
             if SOCKET_CLOSED in str(exc):
-                refusal = diagnose(self.address, self.tls)
+                refusal = diagnose(address, self.tls)
                 if refusal is not None:
                     raise refusal from None
+            if len(self.controllers) > 1:  # the next try goes to the next of the list
+                self._leader = (index + 1) % len(self.controllers)
             raise
 
     # -- regions -------------------------------------------------------------------

@@ -49,8 +49,16 @@ def gather(client: Client, metrics: bool = False, timeout: float = CALL_TIMEOUT)
         for row, extra in zip(rows, pool.map(lambda r: _ask_server(r, client.token, metrics, timeout), rows),
                               strict=True):
             row.update(extra)
+    # of a list of controllers (one etcd store), the one that answered leads
+    controllers = [{"address": a, "health": health.check(a, timeout=timeout),
+                    "role": "leader" if a == client.controller else "standby"}
+                   for a in client.controllers]
+    for c in controllers:
+        if c["health"] == "UNREACHABLE":
+            c["role"] = "unreachable"
     return {
-        "controller": {"address": client.address, "health": health.check(client.address, timeout=timeout)},
+        "controller": controllers[client.controllers.index(client.controller)],
+        "controllers": controllers,
         "servers": rows,
         "regions": [region_row(r) for r in regions],
     }
@@ -122,7 +130,11 @@ def _seconds(value: float | None) -> str:
 def render(status: dict[str, Any]) -> str:
     """The text tables of ``smb status``."""
     ctl = status["controller"]
-    lines = [f"controller {ctl['address']}: {ctl['health']}", ""]
+    controllers = status.get("controllers") or [ctl]
+    if len(controllers) == 1:
+        lines = [f"controller {ctl['address']}: {ctl['health']}", ""]
+    else:
+        lines = [f"controller {c['address']}: {c['health']} ({c['role']})" for c in controllers] + [""]
     servers = status["servers"]
     lines.append(f"servers ({len(servers)}):")
     rows = []

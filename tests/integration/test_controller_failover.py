@@ -4,7 +4,10 @@ and no deleted one back; a paused leader that resumes after a standby took over 
 change nothing. Real etcd, real controller and memory server processes."""
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,7 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from smb_client import errors, rpc, tickets
+from smb_client import Client, errors, rpc, tickets
 from smb_client._proto.smb.v1 import memory_server_pb2, memory_server_pb2_grpc
 from tests.etcd_server import EtcdServer, etcd_server  # noqa: F401 (fixture)
 from tests.integration.controller_group import ControllerGroup
@@ -42,6 +45,13 @@ def test_one_leads_and_the_standby_names_it(group: ControllerGroup) -> None:
             c.list_regions()
     with group.client(leader) as c:
         assert c.list_regions() == []
+    # smb status, given both, says which leads
+    out = subprocess.run([sys.executable, "-m", "smb_server.cli", "status", "--controller",
+                          ",".join(group.addresses)], env=dict(os.environ, SMB_TOKEN=group.token),
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert f"controller {group.addresses[leader]}: SERVING (leader)" in out.stdout
+    assert f"controller {group.addresses[standby]}: SERVING (standby)" in out.stdout
 
 
 def test_kill_the_leader_a_standby_leads_with_every_acknowledged_region(group: ControllerGroup) -> None:
@@ -121,3 +131,24 @@ def test_a_paused_leader_resumed_after_a_takeover_changes_nothing(group: Control
     assert [group.answers(i) for i in (leader, new)] == [False, True]
     record = group.leader_record()
     assert record is not None and record["address"] == group.addresses[new]
+
+
+def test_a_client_given_the_list_follows_the_leader(group: ControllerGroup) -> None:
+    leader = group.wait_leader()
+    group.start_server()
+    standby = 1 - leader
+    # the standby first in the list: the client moves on to the leader by itself
+    listed = f"{group.addresses[standby]},{group.addresses[leader]}"
+    with Client(listed, group.token, reconnect_timeout=TAKEOVER_LIMIT + 5) as c:
+        region = c.create_region("job/followed", MiB)
+        region.write(0, b"before")
+        group.kill(leader)
+        # the data plane never touches the controller: it works while none leads
+        assert bytes(region.read(0, 6)) == b"before"
+        region.write(0, b"during")
+        # control calls wait for the standby to lead, then go to it
+        c.create_region("job/after-failover", MiB)
+        assert [r.name for r in c.list_regions("job/")] == ["job/after-failover", "job/followed"]
+        assert c.controllers[c._leader] == group.addresses[standby]
+        again = c.open_region("job/followed")
+        assert bytes(again.read(0, 6)) == b"during"
