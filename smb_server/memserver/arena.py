@@ -264,7 +264,11 @@ class Extent:
 
     @staticmethod
     def _zero_file(fd: int, offset: int, length: int) -> None:
-        if length > 0 and not punch_hole(fd, offset, length):
+        """Make ``[offset, offset+length)`` of the file read as zeros (a hole where the
+        file system can; nothing to do where the file has a hole already)."""
+        if length <= 0 or not data_ranges(fd, offset, offset + length):
+            return
+        if not punch_hole(fd, offset, length):
             zeros = memoryview(bytes(min(length, COPY_CHUNK)))
             while length > 0:
                 _write_all(fd, zeros[:length], offset)
@@ -505,7 +509,8 @@ class Arena:
         return extent
 
     def release(self, extent_id: int) -> bool:
-        """Free an extent (and delete its file); False when it was not held."""
+        """Free an extent and delete its file (once a write-back under way ends); False
+        when it was not held."""
         with self._lock:
             extent = self._extents.pop(int(extent_id), None)
             if extent is None:

@@ -12,7 +12,7 @@ import pytest
 
 from smb_client.errors import ExtentNotFound, InvalidArgument, OutOfMemory, OutOfRange
 from smb_server.memserver.arena import HEADER, HEADER_BYTES, HEADER_MAGIC, LIVE_OFFSET, Arena
-from smb_server.memserver.memmap import data_ranges
+from smb_server.memserver.memmap import data_ranges, punch_hole
 
 MiB = 1 << 20
 
@@ -259,9 +259,29 @@ def test_write_back_runs_on_its_interval(tmp_path):
         while _file_bytes(path, HEADER_BYTES, 5) != b"later":
             assert time.monotonic() < deadline, "never written back"
             time.sleep(0.02)
-        arena.release(41)                                 # a deleted region's file goes
-        assert not os.path.exists(path)
+        arena.release(41)          # a deleted region's file goes (after a write-back under way)
+        while os.path.exists(path):
+            assert time.monotonic() < deadline, "file never removed"
+            time.sleep(0.02)
         time.sleep(0.2)                                   # and no later write-back brings it back
         assert not os.path.exists(path)
+    finally:
+        arena.close()
+
+
+def test_write_back_turns_memory_holes_into_zeros_in_the_file(tmp_path):
+    data_dir = str(tmp_path / "data")
+    arena = Arena(16 * MiB, data_dir, writeback_seconds=0)
+    try:
+        e = arena.reserve(51, "uid", 2 * MiB, persistent=True)
+        np.frombuffer(e.data, np.uint8)[:] = 9
+        arena.write_back()
+        path = os.path.join(data_dir, "51.extent")
+        assert _file_bytes(path, HEADER_BYTES + MiB, 4) == b"\x09" * 4
+        punch_hole(e.fd, HEADER_BYTES + MiB, MiB)          # what a rw client may do
+        arena.write_back()
+        assert _file_bytes(path, HEADER_BYTES + MiB, 4) == bytes(4)
+        assert _file_bytes(path, HEADER_BYTES, 4) == b"\x09" * 4
+        assert data_ranges(os.open(path, os.O_RDONLY), HEADER_BYTES + MiB, HEADER_BYTES + 2 * MiB) == []
     finally:
         arena.close()
