@@ -198,7 +198,8 @@ class MemoryServer(Daemon):
             prefer = None
         try:
             return RdmaPlane(self.arena, self.stats.for_transport("rdma"),
-                             device=self.config.rdma_device or None, prefer_ipv4=prefer)
+                             device=self.config.rdma_device or None, prefer_ipv4=prefer,
+                             dedup=self.dedup)
         except errors.SMBError as exc:
             log.warning("rdma plane not started: %s (run `smb doctor`)", exc)
             return None

@@ -14,14 +14,17 @@ from smb_client.errors import (
     ReadOnly,
     SMBError,
     Status,
+    Timeout,
     error_status,
+    status_error,
 )
 from smb_client.rdma_endpoint import RcEndpoint, RegisteredBuffer
 from smb_client.rdma_wire import MSG_BYTES, MsgOp
 from smb_client.tickets import Ticket
 
-from . import kernels
+from . import kernels, waiters
 from .access import TicketBook
+from .dedup import Entry
 
 if TYPE_CHECKING:
     from .rdma_plane import RdmaPlane
@@ -39,6 +42,11 @@ NOTICE_GRACE = 0.2        # seconds a doomed connection waits for its notice to 
 NOTICE_SLOT = 2 * RECV_DEPTH  # message slot of the server's unsolicited notice
 RECV_WR_BASE = 0          # wr_id of receive slot i: i
 SEND_WR_BASE = 1 << 20    # wr_id of reply slot i: SEND_WR_BASE + i
+DEDUP_WAIT = 1.0          # seconds a repeat waits for its first attempt (another plane's) to end
+
+
+class _Repeated(Exception):
+    """A numbered request that already took effect: answered OK, not applied again."""
 
 
 def _op_name(op: int) -> str:
@@ -142,8 +150,8 @@ class ServerConnection:
 
     def _serve(self, slot: int, nbytes: int) -> None:
         try:
-            op, dtype, req_id, extent_id, offset, length, staging, alpha = rdma_wire.unpack_request(
-                self.ep.slot(slot))
+            (op, dtype, req_id, extent_id, offset, length, staging, alpha, client,
+             seq) = rdma_wire.unpack_request(self.ep.slot(slot))
         except Exception as exc:
             self.doomed = f"malformed message ({nbytes} bytes): {exc}"
             return
@@ -155,8 +163,13 @@ class ServerConnection:
         status, message = Status.OK, ""
         start = time.perf_counter()
         try:
-            self._compute(op, dtype, extent_id, offset, length, staging, alpha)
+            if seq:
+                self._once(client, seq, op, dtype, extent_id, offset, length, staging, alpha)
+            else:
+                self._compute(op, dtype, extent_id, offset, length, staging, alpha)
             stats.add(operations=1, bytes_accumulated=length if op != MsgOp.SCALE else 0)
+        except _Repeated:
+            stats.add(operations=1, repeats=1)
         except SMBError as exc:
             status, message = error_status(exc), str(exc)
             stats.add(operations=1, errors=1)
@@ -168,8 +181,38 @@ class ServerConnection:
         self._reply(slot, req_id, status, message)
         stats.observe(_op_name(op), time.perf_counter() - start)
 
+    def _once(self, client: int, seq: int, op: int, dtype: int, extent_id: int, offset: int,
+              length: int, staging: int, alpha: float) -> None:
+        """Serve a numbered request at most once (see :mod:`.dedup`): a repeat of one
+        that succeeded raises :class:`_Repeated` (answered OK, applied nothing), of one
+        that failed after taking effect its first error; a failure before anything took
+        effect is forgotten, so a retry runs it."""
+        what = (int(op), extent_id, offset, length, dtype)
+        try:
+            fresh, entry = self.plane.dedup.begin(client, seq, DEDUP_WAIT, what)
+        except TimeoutError as exc:
+            raise Timeout(f"{exc}: retry later") from None
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from None
+        if not fresh:
+            if entry.status != Status.OK:
+                raise status_error(entry.status, entry.body.decode(errors="replace"))
+            raise _Repeated
+        try:
+            self._compute(op, dtype, extent_id, offset, length, staging, alpha, entry)
+        except SMBError as exc:
+            if entry.applied:
+                entry.finish(error_status(exc), str(exc).encode())
+            else:
+                self.plane.dedup.interrupt(entry)
+            raise
+        except BaseException:
+            self.plane.dedup.interrupt(entry)
+            raise
+        entry.finish(Status.OK)
+
     def _compute(self, op: int, dtype: int, extent_id: int, offset: int, length: int,
-                 staging: int, alpha: float) -> None:
+                 staging: int, alpha: float, entry: Entry | None = None) -> None:
         if op not in (MsgOp.ACCUMULATE, MsgOp.AXPY, MsgOp.SCALE):
             raise InvalidArgument(f"unknown rdma request {op}")
         extent = self.book.check(self.plane.arena, extent_id, write=True)
@@ -188,6 +231,9 @@ class ServerConnection:
             src = area.view[staging:staging + length]
         with extent.pin(), extent.lock, extent.data[offset:offset + length] as dst:
             kernels.apply(arith, dst, src, dt, alpha)
+            if entry is not None:
+                entry.applied = max(length, 1)
+        waiters.for_arena(self.plane.arena).touched(extent_id, offset, length)
         if not extent.live:
             raise ExtentNotFound(f"extent {extent_id} was released during the operation")
 

@@ -44,6 +44,7 @@ from smb_client.errors import ExtentNotFound, InvalidArgument, OutOfMemory, Serv
 from smb_client.tickets import Ticket, TicketMode
 
 from .arena import Arena, Extent
+from .dedup import DedupTable
 from .rdma_connection import ServerConnection
 from .stats import PlaneStats
 
@@ -92,8 +93,10 @@ class RdmaPlane:
     """
 
     def __init__(self, arena: Arena, stats: PlaneStats | None = None, device: str | None = None,
-                 prefer_ipv4: str | None = None, staging_bytes: int = STAGING_BYTES) -> None:
+                 prefer_ipv4: str | None = None, staging_bytes: int = STAGING_BYTES,
+                 dedup: DedupTable | None = None) -> None:
         self.arena = arena
+        self.dedup = dedup if dedup is not None else DedupTable()
         self.stats = stats if stats is not None else PlaneStats("rdma")
         self.device = verbs.Device(device, prefer_ipv4=prefer_ipv4)
         self.rw_access, self.ro_access, self.staging_access = access_flags()

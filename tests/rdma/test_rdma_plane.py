@@ -377,3 +377,26 @@ def test_server_closes_connections_on_bye(server, uri, extent):
     while server.rdma.connections > before and time.monotonic() < deadline:
         time.sleep(0.05)
     assert server.rdma.connections == before
+
+
+def test_numbered_arithmetic_is_applied_once(server, uri, extent):
+    """A numbered accumulate (several staging messages) or scale sent again, on the same
+    queue pair or on another session's, is answered and not applied twice; unnumbered
+    ones apply each time."""
+    a, tok = session(uri, [extent], client_id=0xABC)
+    b, _ = session(uri, [extent], client_id=0xABC)      # the same client on another queue pair
+    ones = np.ones(3 * MiB // 8, np.int64)              # more than one staging slot
+    for s in (a, b, a):
+        s.accumulate(tok, extent, 0, [memoryview(ones).cast("B")], DType.INT64, seq=5 << 20)
+    x = np.full(1024, 2.0, np.float64)
+    server.arena.get(extent).data[4 * MiB:4 * MiB + x.nbytes] = x.tobytes()
+    for s in (a, b):
+        s.scale(tok, extent, 4 * MiB, x.nbytes, DType.FLOAT64, 3.0, seq=6 << 20)
+    a.accumulate(tok, extent, 0, [memoryview(ones).cast("B")], DType.INT64)   # seq 0: applies
+    data = server.arena.get(extent).data
+    assert np.array_equal(np.frombuffer(bytes(data[:ones.nbytes]), np.int64), ones * 2)
+    assert np.array_equal(np.frombuffer(bytes(data[4 * MiB:4 * MiB + x.nbytes]), np.float64), x * 3)
+    with pytest.raises(errors.InvalidArgument, match="names one request"):
+        b.scale(tok, extent, 0, 64, DType.FLOAT64, 3.0, seq=6 << 20)           # another request, same number
+    a.close()
+    b.close()

@@ -333,9 +333,11 @@ class RdmaConnection:
 
     def send_request(self, op: int, extent_id: int = 0, offset: int = 0, length: int = 0,
                      dtype: int = 0, staging_offset: int = 0, alpha: float = 0.0,
-                     writes: Sequence[tuple[int, int, int, int, int]] = (), signaled: bool = True) -> int:
+                     writes: Sequence[tuple[int, int, int, int, int]] = (), signaled: bool = True,
+                     seq: int = 0) -> int:
         """Post the operand WRITEs then the request SEND in one batch; returns the
-        request id (its reply lands in ``replies``)."""
+        request id (its reply lands in ``replies``). ``seq`` numbers the request for
+        exactly-once service (0: not tracked)."""
         import pyverbs.enums as e
         qp = self.ep.qp
         sge = self.ep.sge
@@ -344,7 +346,7 @@ class RdmaConnection:
         slot = RECV_DEPTH + self._send_slot
         self._send_slot = (self._send_slot + 1) % RECV_DEPTH
         rdma_wire.pack_request(self.ep.slot(slot), op, req_id, extent_id, offset, length, dtype,
-                               staging_offset, alpha)
+                               staging_offset, alpha, self.session.client_id if seq else 0, seq)
         need = len(writes) + 1
         last = self.seq + need
         self.wait(lambda: self.seq + need - self.done <= SQ_DEPTH, "send")

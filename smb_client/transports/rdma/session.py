@@ -51,6 +51,7 @@ class RdmaSession(Session):
         self.where = str(endpoint)
         self.grpc_address = options.get("grpc_address") or format_hostport(endpoint.host, endpoint.port)
         self.token = options.get("token") or None
+        self.client_id = int(options.get("client_id", 0))
         self.tls = options.get("tls")   # TLS for the gRPC channel (None: the SMB_TLS_* environment)
         self.max_message = int(options.get("max_message") or 0)
         if self.max_message < 0:
@@ -254,13 +255,14 @@ class RdmaSession(Session):
                             pieces.pop(0)
                     state["sent"] = True
                     pending.append(conn.send_request(op, extent_id, offset + pos, n, int(dtype),
-                                                     slot * slot_bytes, alpha or 0.0, writes))
+                                                     slot * slot_bytes, alpha or 0.0, writes,
+                                                     seq=seq + chunk_no if seq else 0))
                     pos += n
                     chunk_no += 1
                 for req_id in pending:
                     conn.take_reply(req_id, "accumulate")
             self._with_local(conn, buffers, False, body)
-        self._do_arith(ticket, run)
+        self._do_arith(ticket, run, seq)
 
     def scale(self, ticket: str, extent_id: int, offset: int, length: int, dtype: DType, alpha: float,
               seq: int = 0) -> None:
@@ -270,23 +272,26 @@ class RdmaSession(Session):
             self._writable(conn, keys)
             state["sent"] = True
             conn.take_reply(conn.send_request(MsgOp.SCALE, extent_id, offset, length, int(dtype),
-                                              0, float(alpha)), "scale")
-        self._do_arith(ticket, run)
+                                              0, float(alpha), seq=seq), "scale")
+        self._do_arith(ticket, run, seq)
 
     def _writable(self, conn: RdmaConnection, keys: TicketKeys) -> None:
         if not keys.writable or not conn.staging[2]:
             raise ReadOnly(f"{self.where}: the region was opened read-only (no staging area)")
 
-    def _do_arith(self, ticket: str, run: Callable[[RdmaConnection, TicketKeys, dict[str, bool]], None]) -> None:
+    def _do_arith(self, ticket: str, run: Callable[[RdmaConnection, TicketKeys, dict[str, bool]], None],
+                  seq: int = 0) -> None:
         """Server errors arrive as replies (typed, QP intact); error completions as
-        _Broken. Retrying after a request was sent could apply it twice, so only
-        failures before the first request (a stale extent map) connect again."""
+        _Broken. A numbered request (``seq``) runs again on a fresh queue pair: the
+        server answers its messages that took effect and applies the others. An
+        unnumbered one could apply twice, so only failures before its first message
+        (a stale extent map) connect again."""
         def guarded(conn: RdmaConnection, keys: TicketKeys) -> None:
             state = {"sent": False}
             try:
                 run(conn, keys, state)
             except _Broken as exc:
-                if state["sent"]:
+                if state["sent"] and not seq:
                     exc.reconnect = False
                 raise
         self._do(ticket, guarded)
