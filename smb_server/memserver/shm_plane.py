@@ -83,6 +83,8 @@ class ShmPlane:
         self.stats = stats if stats is not None else PlaneStats("shm")
         self._listener = Listener(self.path, self._serve, name="shm", stats=self.stats,
                                   max_connections=max_connections, max_per_peer=max_per_user,
+                                  max_setting="MAX_CONNECTIONS in smb_server/memserver/shm_plane.py",
+                                  per_peer_setting="MAX_PER_USER in smb_server/memserver/shm_plane.py",
                                   refusal=_refusal,
                                   backlog=BACKLOG)
         try:
