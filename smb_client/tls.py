@@ -38,6 +38,9 @@ CA_HINT = ("point SMB_TLS_CA (tls_ca, or Client(tls=TLSConfig(ca=...))) at the C
            "the cluster's certificates")
 CERT_HINT = ("this server requires a client certificate: set SMB_TLS_CERT and SMB_TLS_KEY "
              "(tls_cert/tls_key) to a certificate signed by the cluster's CA")
+PEER_HINT = ("the server does not accept this client's certificate: set SMB_TLS_CERT and "
+             "SMB_TLS_KEY (tls_cert/tls_key) to a certificate signed by the CA the server trusts "
+             "(its tls_ca)")
 # OpenSSL's words in a failed handshake that mean "not trusted", on either side
 _TRUST_WORDS = ("CERTIFICATE_VERIFY_FAILED", "certificate verify failed", "UNKNOWN_CA",
                 "unknown ca", "BAD_CERTIFICATE", "bad certificate", "CERTIFICATE_REQUIRED",
@@ -136,8 +139,12 @@ def is_trust_failure(text: str) -> bool:
 def untrusted(where: str, detail: str) -> AuthenticationError:
     """The error for a refused TLS handshake with ``where`` (``tcp+tls://h:p``, a
     controller address), saying which settings to fix."""
-    hint = CERT_HINT if any(w in detail for w in _CLIENT_CERT_WORDS) else \
-        f"{CA_HINT}; if the server requires client certificates, also SMB_TLS_CERT and SMB_TLS_KEY"
+    if any(w in detail for w in _CLIENT_CERT_WORDS):
+        hint = CERT_HINT
+    elif "_ALERT_" in detail:   # the server's alert: it refused what we presented
+        hint = PEER_HINT
+    else:
+        hint = f"{CA_HINT}; if the server requires client certificates, also SMB_TLS_CERT and SMB_TLS_KEY"
     return AuthenticationError(f"{where}: TLS handshake refused ({detail.strip()}); {hint}")
 
 
@@ -192,10 +199,8 @@ def diagnose(address: str, tls: TLSConfig, timeout: float = PROBE_TIMEOUT) -> Au
             # closed without a word right after the handshake: our certificate was refused
             if not tls.cert:
                 return untrusted(address, "closed after the handshake: certificate required")
-            return AuthenticationError(
-                f"{address}: the server closed the connection after the TLS handshake: it does "
-                f"not accept this client's certificate ({tls.cert}); use one signed by the CA "
-                "the server trusts (its tls_ca)")
+            return AuthenticationError(f"{address}: the server closed the connection after the "
+                                       f"TLS handshake: {PEER_HINT} (this one: {tls.cert})")
     finally:
         sock.close()
 

@@ -24,6 +24,11 @@ connection or a renewed ticket) reuses its number. The server applies a numbered
 at most once and answers a repeat with the first answer (see
 ``smb_server/memserver/dedup.py``).
 
+Over TLS (``tcp+tls://`` endpoints) the frames are the same inside the TLS stream;
+:func:`sendmsg_all` and :func:`recv_into_all` hand TLS sockets to the loops of
+:mod:`smb_client.tls` (no ``sendmsg``/``recvmsg_into`` there) and keep the plain path as
+it is.
+
 Request:  magic u16 | op u8 | dtype u8 | req_id u32 | extent_id u64 | offset u64 |
           length u64 | arg0 i64 | arg1 i64 | alpha f64 | client u64 | seq u64
 Response: magic u16 | status u8 | pad u8 | req_id u32 | length u64
@@ -61,6 +66,8 @@ class Op(enum.IntEnum):
     WAIT = 10          # until a word meets a condition (see WaitCond); blocks its connection
     LOCK = 11          # take or renew a leased lock word
     UNLOCK = 12        # free a lock word this holder holds
+    PUSH = 13          # a collective's push: store or add a chunk, count the arrival
+    PULL = 14          # a collective's pull: wait for the count, read the chunk, count the read
 
 
 class WaitCond(enum.IntEnum):
@@ -76,7 +83,7 @@ class WaitCond(enum.IntEnum):
 
 
 #: operations whose request carries ``length`` payload bytes
-PAYLOAD_OPS = frozenset({Op.HELLO, Op.WRITE, Op.ACCUMULATE, Op.AXPY})
+PAYLOAD_OPS = frozenset({Op.HELLO, Op.WRITE, Op.ACCUMULATE, Op.AXPY, Op.PUSH})
 #: operations that change extent memory (refused on read-only tickets)
 WRITE_OPS = frozenset({Op.WRITE, Op.ACCUMULATE, Op.SCALE, Op.AXPY, Op.FETCH_ADD, Op.COMPARE_SWAP,
                        Op.LOCK, Op.UNLOCK})
@@ -85,6 +92,17 @@ WRITE_OPS = frozenset({Op.WRITE, Op.ACCUMULATE, Op.SCALE, Op.AXPY, Op.FETCH_ADD,
 #: arg1 = lease (ms), alpha = timeout (s); UNLOCK: arg0 = holder id. Each answers the
 #: word's value (8 bytes) or an error (TIMEOUT, LOCK_NOT_HELD).
 COORD_OPS = frozenset({Op.WAIT, Op.LOCK, Op.UNLOCK})
+#: a collective's chunk requests (``smb_client/collective.py``), each on a chunk of at most
+#: :data:`MAX_CHUNK` bytes with its int64 count word (``arg0``, an extent offset) in the
+#: same extent. PUSH (payload, ``dtype``): waits until the count is >= ``arg1`` (the
+#: round's base), stores the payload when the count equals it (the round's first arrival)
+#: and adds it otherwise, then adds 1 to the count; answers the count before. PULL: waits
+#: until the count is >= ``arg1``, answers the chunk's bytes, then adds 1 to the count
+#: (the chunk may be overwritten once every party pulled it). ``alpha``: the wait's
+#: timeout (s). Both are numbered (exactly once, a repeated PULL sends the bytes again
+#: and counts nothing).
+COLLECTIVE_OPS = frozenset({Op.PUSH, Op.PULL})
+MAX_CHUNK = 4 << 20         # bytes of one PUSH or PULL
 
 
 def pack_request(op: int, req_id: int = 0, extent_id: int = 0, offset: int = 0, length: int = 0,

@@ -27,7 +27,7 @@ from smb_client.tls import TLSConfig
 
 log = logging.getLogger(__name__)
 
-VALID_DAYS = 30          # days a throw-away certificate is valid
+VALID_DAYS = 30          # days a throw-away certificate is valid (smb up --tls)
 KEY_MODE = 0o600         # permissions of private key files
 
 
@@ -86,12 +86,12 @@ def _sans(hosts: Iterable[str]) -> list[x509.GeneralName]:
 
 def _issue(ca_key: ec.EllipticCurvePrivateKey, ca_name: x509.Name, common: str,
            hosts: Iterable[str], usages: list[x509.ObjectIdentifier],
-           now: datetime.datetime) -> tuple[bytes, bytes]:
+           now: datetime.datetime, days: int) -> tuple[bytes, bytes]:
     key = ec.generate_private_key(ec.SECP256R1())
     builder = (x509.CertificateBuilder().subject_name(_name(common)).issuer_name(ca_name)
                .public_key(key.public_key()).serial_number(x509.random_serial_number())
                .not_valid_before(now - datetime.timedelta(minutes=5))
-               .not_valid_after(now + datetime.timedelta(days=VALID_DAYS))
+               .not_valid_after(now + datetime.timedelta(days=days))
                .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
                .add_extension(x509.ExtendedKeyUsage(usages), critical=False))
     sans = _sans(hosts)
@@ -101,9 +101,10 @@ def _issue(ca_key: ec.EllipticCurvePrivateKey, ca_name: x509.Name, common: str,
     return cert.public_bytes(serialization.Encoding.PEM), _key_pem(key)
 
 
-def make_cluster_certs(directory: str, hosts: Iterable[str] = ()) -> ClusterCerts:
+def make_cluster_certs(directory: str, hosts: Iterable[str] = (), days: int = VALID_DAYS) -> ClusterCerts:
     """Write a fresh CA and a daemon and a client certificate into ``directory``
-    (created); the daemon certificate names ``hosts`` besides the local names."""
+    (created), valid for ``days``; the daemon certificate names ``hosts`` besides the
+    local names."""
     os.makedirs(directory, exist_ok=True)
     now = datetime.datetime.now(datetime.UTC)
     ca_key = ec.generate_private_key(ec.SECP256R1())
@@ -111,7 +112,7 @@ def make_cluster_certs(directory: str, hosts: Iterable[str] = ()) -> ClusterCert
     ca_cert = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name)
                .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
                .not_valid_before(now - datetime.timedelta(minutes=5))
-               .not_valid_after(now + datetime.timedelta(days=VALID_DAYS))
+               .not_valid_after(now + datetime.timedelta(days=days))
                .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
                .add_extension(x509.KeyUsage(digital_signature=False, content_commitment=False,
                                             key_encipherment=False, data_encipherment=False,
@@ -124,10 +125,10 @@ def make_cluster_certs(directory: str, hosts: Iterable[str] = ()) -> ClusterCert
     _write(paths.ca_key, _key_pem(ca_key), KEY_MODE)
     local = ["localhost", "127.0.0.1", "::1", socket.gethostname(), socket.getfqdn()]
     both = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
-    cert, key = _issue(ca_key, ca_name, "smb daemon", [*local, *hosts], both, now)
+    cert, key = _issue(ca_key, ca_name, "smb daemon", [*local, *hosts], both, now, days)
     _write(paths.server_cert, cert)
     _write(paths.server_key, key, KEY_MODE)
-    cert, key = _issue(ca_key, ca_name, "smb client", [], [ExtendedKeyUsageOID.CLIENT_AUTH], now)
+    cert, key = _issue(ca_key, ca_name, "smb client", [], [ExtendedKeyUsageOID.CLIENT_AUTH], now, days)
     _write(paths.client_cert, cert)
     _write(paths.client_key, key, KEY_MODE)
     log.info("wrote a throw-away CA and certificates to %s", directory)

@@ -189,6 +189,17 @@ def cmd_up(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_certs(args: argparse.Namespace) -> int:
+    from .certs import make_cluster_certs
+    made = make_cluster_certs(args.directory, args.host, args.days)
+    print(f"CA {made.ca} (key {made.ca_key}: keep it off the cluster)\n"
+          f"daemons: {made.server_cert} {made.server_key} (names {', '.join(args.host) or 'this host'})\n"
+          f"clients: {made.client_cert} {made.client_key}\n"
+          f"clients set SMB_TLS_CA={made.ca} SMB_TLS_CERT={made.client_cert} "
+          f"SMB_TLS_KEY={made.client_key}")
+    return 0
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     import json
 
@@ -293,6 +304,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-client-auth", action="store_true",
                    help="like --tls, and refuse clients without a certificate of that CA")
     p.set_defaults(fn=cmd_up)
+
+    p = sub.add_parser("certs", help="make a CA and TLS certificates for a small cluster",
+                       description="Writes ca.pem/ca.key, server.pem/server.key (for every daemon: "
+                                   "TLS server and client, naming localhost, this host and each "
+                                   "--host) and client.pem/client.key into DIRECTORY. "
+                                   "For tests and small clusters; see docs/operations.md (TLS).")
+    p.add_argument("directory", help="where the files go (created)")
+    p.add_argument("--host", action="append", default=[],
+                   help="a name or address daemons are reached at (repeat for each host)")
+    p.add_argument("--days", type=int, default=365, help="validity in days (default 365)")
+    p.set_defaults(fn=cmd_certs)
 
     p = sub.add_parser("status", help="print the cluster: servers (health, counters), regions",
                        description="Servers as the controller sees them, with each server's health "

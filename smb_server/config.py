@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from smb_client.errors import InvalidArgument
+from smb_client.tls import TLSConfig
 from smb_client.units import parse_size
 
 DEFAULT_CONTROLLER_FILE = "/etc/smb/controller.toml"
@@ -268,9 +269,25 @@ def load(cls: type[C], path: str | None = None, *, default_path: str = "",
         values[name] = _from_text(fields[name], value, where) if isinstance(value, str) else \
             _convert(fields[name], value, where)
     cfg = cls(**values)
+    check_tls(cfg, file)
     if with_secret:
         cfg.secret = load_secret(cfg.secret_file, env=env)
     return cfg
+
+
+def check_tls(cfg: ControllerConfig | ServerConfig, file: str = "") -> None:
+    """Raise ConfigError when the TLS settings do not fit together: a certificate without
+    its key or CA, a CA without this daemon's certificate, a file that cannot be read,
+    ``tls_client_auth`` without TLS."""
+    tls = TLSConfig(cfg.tls_ca, cfg.tls_cert, cfg.tls_key)
+    where = file or "settings"
+    if cfg.tls_client_auth and not tls.enabled:
+        raise ConfigError(f"{where}: tls_client_auth needs TLS: set tls_ca, tls_cert and tls_key")
+    if tls.enabled or tls.cert or tls.key:
+        try:
+            tls.check(server=True)
+        except InvalidArgument as exc:
+            raise ConfigError(f"{where}: {exc}") from None
 
 
 def load_secret(path: str = "", env: Mapping[str, str] | None = None) -> bytes:

@@ -113,6 +113,12 @@ class TcpConnection:
             self.sock.close()
             if isinstance(exc, ssl.SSLError) and is_trust_failure(str(exc)):
                 raise untrusted(self.where, str(exc)) from None
+            if isinstance(exc, ssl.SSLError) and "WRONG_VERSION_NUMBER" in str(exc):
+                # the plane's only clear-text bytes: its refusal of a connection it cannot take
+                raise ServerBusy(f"{self.where}: the memory server refused the connection before "
+                                 "the TLS handshake (full: tcp_connections_max or "
+                                 "tcp_connections_per_peer, or out of descriptors); retry later "
+                                 "or close idle clients") from None
             raise ServerUnavailable(f"{self.where}: TLS handshake failed: {exc} (a full server "
                                     "closes new connections; one that does not serve TLS "
                                     "advertises tcp://)") from None
@@ -221,7 +227,9 @@ class TcpSession(Session):
     Options: ``connections`` (default 2), ``io_timeout`` (seconds one send or receive may
     wait without progress on a live server, default :data:`IO_TIMEOUT`),
     ``dead_peer_timeout`` (seconds without any TCP acknowledgement before the server is
-    given up, default :data:`DEAD_PEER_TIMEOUT`: keep it below the controller's lease).
+    given up, default :data:`DEAD_PEER_TIMEOUT`: keep it below the controller's lease),
+    ``tls`` (a :class:`~smb_client.tls.TLSConfig`, used for ``tcp+tls://`` endpoints;
+    default ``SMB_TLS_*``). Registered for ``tcp`` and ``tcp+tls``.
     """
 
     scheme = "tcp"

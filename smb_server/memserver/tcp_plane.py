@@ -21,6 +21,14 @@ unsolicited ``SERVER_BUSY`` answer naming the limit (:class:`ServerBusy` on the 
 and is closed. The accept loop (a :class:`.listener.Listener`) survives EMFILE: it
 sheds the waiting connection with a spare descriptor kept for that, and backs off.
 
+With ``tls`` (an :class:`ssl.SSLContext`, from the server's ``tls_*`` settings) every
+connection is TLS: the handshake runs on the connection's own thread, within
+``hello_timeout`` of the accept (never in the accept loop), on a duplicate of the
+socket's descriptor so that :meth:`TcpPlane.close` still reaches it. Refusals for
+limits are sent in clear before any handshake (the client reports them as
+:class:`ServerBusy`). TLS sockets have no ``sendmsg``/``recvmsg_into``:
+:mod:`smb_client.wire` hands them to the loops of :mod:`smb_client.tls`.
+
 A request that fails a check is answered with a status code and a UTF-8 message after
 its payload was read and discarded, so the connection stays usable. A frame that
 breaks the protocol (bad magic, unknown opcode, oversized length, truncated frame, no

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from smb_server.certs import make_cluster_certs
 from smb_server.config import ControllerConfig, ServerConfig, load
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -70,6 +71,7 @@ def deployed(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ansible")
     root = tmp / "root"
     wheel = build_wheel(tmp)
+    certs = make_cluster_certs(str(tmp / "tls"), ["127.0.0.1"])
     variables = {
         "smb_prefix": f"{root}/opt/smb",
         "smb_etc_dir": f"{root}/etc/smb",
@@ -84,6 +86,8 @@ def deployed(tmp_path_factory):
         "smb_controller_hosts": "localhost",
         "smb_memory_server_hosts": "localhost",
         "smb_controller_address": "127.0.0.1:7700",
+        "smb_tls_ca_src": certs.ca, "smb_tls_cert_src": certs.server_cert,
+        "smb_tls_key_src": certs.server_key, "smb_tls_client_auth": True,
         "smb_server_instances": [
             {"name": "0", "capacity": "1G", "grpc_port": 7710, "tcp_port": 7711, "metrics_port": 9710},
             {"name": "numa1", "capacity": "2G", "grpc_port": 7720, "tcp_port": 7721, "numa_node": 1,
@@ -150,6 +154,20 @@ def test_configuration_files_load_as_the_daemons_will(deployed):
         assert srv.transports == ["tcp", "shm", "rdma"]
         assert Path(srv.state_dir).is_dir()
     assert Path(deployed["vars"]["smb_server_instances"][1]["data_dir"]).is_dir()
+
+
+def test_tls_files_installed_and_named_by_both_configurations(deployed):
+    etc = Path(deployed["vars"]["smb_etc_dir"])
+    tls = etc / "tls"
+    for name, mode in (("ca.pem", 0o644), ("cert.pem", 0o644), ("key.pem", 0o640)):
+        assert stat.S_IMODE((tls / name).stat().st_mode) == mode, name
+    assert (tls / "key.pem").read_bytes() == Path(deployed["vars"]["smb_tls_key_src"]).read_bytes()
+    ctl = load(ControllerConfig, str(etc / "controller.toml"), env={})
+    srv = load(ServerConfig, str(etc / "server.toml"), env=read_env_file(etc / "server-0.env"))
+    for cfg in (ctl, srv):
+        assert (cfg.tls_ca, cfg.tls_cert, cfg.tls_key) == (str(tls / "ca.pem"), str(tls / "cert.pem"),
+                                                          str(tls / "key.pem"))
+        assert cfg.tls_client_auth is True
 
 
 def test_installed_units_point_at_the_installation_and_verify(deployed):

@@ -17,7 +17,7 @@ import pytest
 
 from smb_client import Client, tickets
 from smb_client.addressing import parse_endpoint
-from smb_client.errors import AuthenticationError
+from smb_client.errors import AuthenticationError, ServerBusy
 from smb_client.tls import TLSConfig
 from smb_client.transports.tcp import TcpSession
 from smb_server.certs import make_cluster_certs
@@ -90,6 +90,20 @@ def test_client_without_certificate_is_refused(tls_cluster):
         c.delete_region("tls/nocert")
 
 
+def test_client_certificate_of_another_ca_is_refused(tls_cluster, other_ca):
+    foreign = TLSConfig(tls_cluster.certs.ca, other_ca.client_cert, other_ca.client_key)
+    with Client(tls_cluster.address, tls_cluster.token, tls=foreign) as c:
+        with pytest.raises(AuthenticationError, match="does not accept this client's certificate"):
+            c.list_servers()
+    with tls_cluster.client() as good:
+        good.create_region("tls/foreign", MiB)
+    with tls_cluster.client(transport_options={"tls": foreign}) as c:
+        r = c.open_region("tls/foreign")
+        with pytest.raises(AuthenticationError, match="does not accept this client's certificate"):
+            r.read(0, 64)
+        c.delete_region("tls/foreign")
+
+
 def test_client_with_tls_off_is_told_the_controller_serves_tls(tls_cluster):
     with Client(tls_cluster.address, tls_cluster.token, tls=TLSConfig()) as c:
         with pytest.raises(AuthenticationError, match="serves TLS.*SMB_TLS_CA"):
@@ -116,6 +130,25 @@ def test_tls_handshake_runs_on_the_connection_thread_under_the_hello_deadline(tm
             assert plane.stats.limits()["dropped"] >= 1
             silent.close()
             session.close()
+    finally:
+        arena.close()
+
+
+def test_a_full_tls_plane_refuses_with_server_busy(tmp_path):
+    certs = make_cluster_certs(str(tmp_path / "ca"))
+    arena = Arena(16 * MiB)
+    arena.reserve(1, "tls-uid", MiB)
+    token = tickets.sign(SECRET, "tls-uid", [1], "rw", ttl=60.0)[0]
+    try:
+        with TcpPlane(arena, SECRET, max_connections=1, tls=certs.daemon().server_context()) as plane:
+            uri = parse_endpoint(f"tcp+tls://127.0.0.1:{plane.port}")
+            first = TcpSession(uri, {"tls": certs.client(), "connections": 1})
+            first.write(token, 1, 0, [memoryview(b"abcd")])           # holds the only slot
+            second = TcpSession(uri, {"tls": certs.client()})
+            with pytest.raises(ServerBusy, match="tcp_connections_max"):
+                second.read_into(token, 1, 0, [memoryview(bytearray(4))])
+            first.close()
+            second.close()
     finally:
         arena.close()
 

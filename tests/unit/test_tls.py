@@ -76,3 +76,18 @@ def test_framing_over_tls_moves_scattered_buffers_in_order(certs):
             wire.recv_into_all(c, [memoryview(bytearray(1))])
     assert result["small"] == b"0123456789abcdefghij"
     assert result["big"] == payload + b"tail!"
+
+
+def test_daemon_settings_refuse_tls_files_that_do_not_fit(certs, tmp_path):
+    from smb_server.config import ConfigError, ServerConfig, load
+    ok = load(ServerConfig, env={"SMB_TLS_CA": certs.ca, "SMB_TLS_CERT": certs.server_cert,
+                                 "SMB_TLS_KEY": certs.server_key, "SMB_TLS_CLIENT_AUTH": "1"},
+              with_secret=False)
+    assert (ok.tls_ca, ok.tls_client_auth) == (certs.ca, True)
+    with pytest.raises(ConfigError, match="tls_ca: cannot read"):
+        load(ServerConfig, env={"SMB_TLS_CA": str(tmp_path / "missing.pem"), "SMB_TLS_CERT": certs.server_cert,
+                                "SMB_TLS_KEY": certs.server_key}, with_secret=False)
+    with pytest.raises(ConfigError, match="needs its certificate and key"):
+        load(ServerConfig, env={"SMB_TLS_CA": certs.ca}, with_secret=False)
+    with pytest.raises(ConfigError, match="tls_client_auth needs TLS"):
+        load(ServerConfig, env={}, flags={"tls_client_auth": True}, with_secret=False)
