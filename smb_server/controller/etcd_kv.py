@@ -21,7 +21,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from etcd3gw.client import Etcd3Client
-from etcd3gw.exceptions import Etcd3Exception
+from etcd3gw.exceptions import ConnectionFailedError, ConnectionTimeoutError, Etcd3Exception, InternalServerError
 
 from smb_client import errors
 
@@ -166,7 +166,9 @@ class EtcdKV:
         return client
 
     def _post(self, path: str, body: dict[str, Any]) -> Any:
-        """POST to the first endpoint that answers; raises ControllerUnavailable."""
+        """POST to the first endpoint that answers; raises ControllerUnavailable when none
+        does, ServerError when etcd refuses the request itself (a malformed or too large
+        transaction: trying another member would not help)."""
         start = self._preferred
         problems = []
         for k in range(len(self.endpoints)):
@@ -174,10 +176,13 @@ class EtcdKV:
             client = self._client(index)
             try:
                 result = client.post(client.get_url(path), json=body)
-            except Etcd3Exception as exc:
+            except (ConnectionFailedError, ConnectionTimeoutError, InternalServerError) as exc:
                 problems.append(f"{self.endpoints[index][0]}:{self.endpoints[index][1]}: "
                                 f"{type(exc).__name__} {exc.detail_text or ''}".strip())
                 continue
+            except Etcd3Exception as exc:
+                raise errors.ServerError(f"etcd at {self.endpoints[index][0]}:{self.endpoints[index][1]} "
+                                         f"refused {path}: {exc.detail_text or type(exc).__name__}") from None
             self._preferred = index
             return result
         raise errors.ControllerUnavailable(
@@ -215,8 +220,8 @@ class EtcdKV:
         """End a lease now (its keys go); a lease already gone is fine."""
         try:
             self._post("/kv/lease/revoke", {"ID": str(lease)})
-        except errors.ControllerUnavailable as exc:
-            log.warning("could not revoke etcd lease %x: %s", lease, exc)
+        except errors.SMBError as exc:  # gone already, or etcd unreachable: it expires anyway
+            log.info("could not revoke etcd lease %x: %s", lease, exc)
 
     def close(self) -> None:
         """Close this thread's sessions (others close with their threads)."""

@@ -5,8 +5,13 @@ Keys under the store's prefix ``P`` (default ``/smb``), values JSON:
 
 - ``P/servers/<server_id>``: one memory server (the columns of SQLite's ``servers``);
 - ``P/regions/<name>``: one region with its extents, in layout order;
+- ``P/placed/<server_id>/<extent_id>``: an index of the extents placed on a server (its
+  region's uid and name, its length), written and removed with the region, so that a
+  heartbeat reads the server's own extents and not every region;
 - ``P/lost/<extent_id>``: an extent its server registered without;
-- ``P/issued/<extent_id>``: every extent id ever handed out (never reused);
+- ``P/next_extent_id``: the next extent id to hand out; ids are never reused (the first
+  is drawn at random in [2^61, 2^62), so that a new store does not hand out the ids of
+  orphans a former one left on the servers);
 - ``P/epoch`` and ``P/leader``: the leader election (:mod:`.leader`).
 
 Every change that SQLite makes in one transaction is one etcd transaction here. Each
@@ -47,6 +52,8 @@ from .records import ExtentRecord, HeldExtent, RegionRecord, ServerRecord, find_
 log = logging.getLogger(__name__)
 
 MAX_SERVERS = 1 << 16
+FIRST_ID_BASE = 1 << 61  # a new store's first extent id is drawn in [2^61, 2^62)
+MAX_TXN_OPS = 128        # etcd's default --max-txn-ops: operations (or compares) in one transaction
 COMMIT_ATTEMPTS = 32   # fresh decisions after lost races before giving up
 
 T = TypeVar("T")
@@ -105,6 +112,10 @@ class EtcdState:
     @property
     def leader_key(self) -> str:
         return self._key("leader")
+
+    @property
+    def next_id_key(self) -> str:
+        return self._key("next_extent_id")
 
     def _leader_in_store(self) -> str:
         """``at host:port (epoch N)`` of the leader the leader key names, for messages."""
@@ -185,6 +196,23 @@ class EtcdState:
                     f"nothing was changed; the leader is {self.describe_leader()}")
         return False
 
+    def _commit_each(self, items: Iterable[tuple[list[kv.Op], list[kv.Op]]]) -> bool:
+        """Commit independent (compares, ops) items, as many per transaction as etcd takes
+        (``MAX_TXN_OPS``); False when one lost a race (others may be applied: the caller
+        decides again from a fresh read, so each item must be safe to find done)."""
+        done = True
+        compare: list[kv.Op] = []
+        ops: list[kv.Op] = []
+        for c, o in items:
+            if ops and (len(compare) + len(c) > MAX_TXN_OPS - 2 or len(ops) + len(o) > MAX_TXN_OPS):
+                done = self._commit(compare, ops) and done
+                compare, ops = [], []
+            compare += c
+            ops += o
+        if ops:
+            done = self._commit(compare, ops) and done
+        return done
+
     def _retry(self, attempt: Callable[[], T | None], what: str) -> T:
         """Run ``attempt`` (which returns None after a lost race) until it decides."""
         with self._lock:
@@ -204,9 +232,8 @@ class EtcdState:
         def attempt() -> list[str] | None:
             snap = self._snapshot(servers=False, lost=False)
             stale = {n: rev for n, (row, rev) in snap.regions.items() if row["state"] == "creating"}
-            if stale and not self._commit([kv.mod_revision_is(self._key("regions", n), rev)
-                                           for n, rev in stale.items()],
-                                          [kv.delete(self._key("regions", n)) for n in stale]):
+            if not self._commit_each(([kv.mod_revision_is(self._key("regions", n), rev)],
+                                       self._removal(snap.regions[n][0])) for n, rev in stale.items()):
                 return None
             return sorted(stale)
         stale = self._retry(attempt, "removing half-created regions")
@@ -220,17 +247,39 @@ class EtcdState:
         every live server a full lease to find this controller."""
         self.fence = fence
         self.recover()
+        self._reindex()
         now = self._now(now)
 
         def attempt() -> bool | None:
             snap = self._snapshot(regions=False, lost=False)
-            live = {sid: (row, rev) for sid, (row, rev) in snap.servers.items() if row["state"] != "down"}
-            compare = [kv.mod_revision_is(self._key("servers", sid), rev) for sid, (_, rev) in live.items()]
-            ops = [kv.put(self._key("servers", sid), json.dumps({**row, "last_heartbeat": now}))
-                   for sid, (row, _) in live.items()]
-            return True if self._commit(compare, ops) else None
+            live = {sid: (row, rev) for sid, (row, rev) in snap.servers.items()
+                    if row["state"] != "down" and row["last_heartbeat"] < now}
+            return True if self._commit_each(
+                ([kv.mod_revision_is(self._key("servers", sid), rev)],
+                 [kv.put(self._key("servers", sid), json.dumps({**row, "last_heartbeat": now}))])
+                for sid, (row, rev) in live.items()) else None
         self._retry(attempt, "taking over")
         log.info("leading with epoch %d", fence.epoch)
+
+    def _reindex(self) -> None:
+        """Make the ``placed`` index match the regions (a store written before the index,
+        or by hand): add missing entries, drop entries of no region."""
+        def attempt() -> bool | None:
+            snap_regions, placed = self.kv.read(kv.get_prefix(self._key("regions", "")),
+                                                kv.get_prefix(self._key("placed", "")))
+            want = {self._key("placed", sid, eid): json.dumps({"uid": r["uid"], "name": r["name"],
+                                                               "length": length})
+                    for r in (item.json() for item in snap_regions)
+                    for eid, _, sid, length in r["extents"]}
+            have = {item.key: item for item in placed}
+            ops = [kv.put(k, v) for k, v in want.items() if k not in have or have[k].value.decode() != v]
+            ops += [kv.delete(k) for k in have if k not in want]
+            if not ops:
+                return True
+            log.warning("repairing the placed-extent index: %d entr%s", len(ops), "y" if len(ops) == 1 else "ies")
+            # no compares: only this leader writes (its fence is checked), under its lock
+            return True if self._commit_each(([], [op]) for op in ops) else None
+        self._retry(attempt, "repairing the placed-extent index")
 
     # -- servers -------------------------------------------------------------------------
     def register_server(self, server_id: str, host_id: str, grpc_address: str,
@@ -281,11 +330,11 @@ class EtcdState:
         held = list(held)
 
         def attempt() -> list[int] | None:
-            snap = self._snapshot(lost=False)
-            old = snap.servers.get(server_id)
-            if old is None:
+            server, placed = self.kv.read(kv.get(self._key("servers", server_id)),
+                                          kv.get_prefix(self._key("placed", server_id, "")))
+            if not server:
                 raise errors.ServerNotFound(f"no memory server {server_id!r} is registered; register first")
-            row, rev = old
+            row, rev = server[0].json(), server[0].mod_revision
             state = "draining" if row["drain"] else "up"
             if row["state"] == "down":
                 log.info("server %s is back (%s)", server_id, state)
@@ -293,8 +342,8 @@ class EtcdState:
             if not self._commit([kv.mod_revision_is(key, rev)],
                                 [kv.put(key, json.dumps({**row, "state": state, "last_heartbeat": now}))]):
                 return None
-            return find_orphans(server_id, self._known_extents(snap, server_id), held,
-                                self.orphan_grace_seconds)
+            known = {int(item.key.rpartition("/")[2]): (item.json()["uid"], "") for item in placed}
+            return find_orphans(server_id, known, held, self.orphan_grace_seconds)
         return self._retry(attempt, f"heartbeat of server {server_id}")
 
     @staticmethod
@@ -311,12 +360,13 @@ class EtcdState:
             snap = self._snapshot(regions=False, lost=False)
             late = {sid: (row, rev) for sid, (row, rev) in snap.servers.items()
                     if row["state"] != "down" and row["last_heartbeat"] < cutoff}
-            if late and not self._commit(
-                    [kv.mod_revision_is(self._key("servers", sid), rev) for sid, (_, rev) in late.items()],
-                    [kv.put(self._key("servers", sid), json.dumps({**row, "state": "down"}))
-                     for sid, (row, _) in late.items()]):
+            if not self._commit_each(([kv.mod_revision_is(self._key("servers", sid), rev)],
+                                      [kv.put(self._key("servers", sid), json.dumps({**row, "state": "down"}))])
+                                     for sid, (row, rev) in late.items()):
+                marked.update(late)  # some may be applied; the next read shows which are left
                 return None
-            return sorted(late)
+            return sorted(marked | set(late))
+        marked: set[str] = set()
         ids = self._retry(attempt, "expiring leases")
         for sid in ids:
             log.warning("server %s missed its lease (%.1f s): marked down", sid, self.lease_seconds)
@@ -406,16 +456,23 @@ class EtcdState:
             layout, server_ids = placement_mod.plan(
                 int(size), placement, free, stripe_unit=int(stripe_unit),
                 num_servers=int(num_servers), segment_sizes=[int(s) for s in segment_sizes])
-            ids = self._draw_ids(len(server_ids))
-            row = {"name": name, "uid": uuid.uuid4().hex, "size": layout.size, "placement": layout.kind,
-                   "stripe_unit": layout.stripe_unit, "segment_sizes": list(layout.segment_sizes),
-                   "segment_extents": list(layout.segment_extents), "persistent": bool(persistent),
-                   "created_at": now, "state": "creating",
-                   "extents": [[eid, idx, sid, length] for idx, (eid, length, sid) in
-                               enumerate(zip(ids, layout.extent_lengths, server_ids, strict=True))]}
+            counter = self.kv.get(self.next_id_key)
+            first = int(counter.value) if counter is not None else FIRST_ID_BASE + secrets.randbits(61)
+            ids = list(range(first, first + len(server_ids)))
+            row: dict[str, Any] = {
+                "name": name, "uid": uuid.uuid4().hex, "size": layout.size, "placement": layout.kind,
+                "stripe_unit": layout.stripe_unit, "segment_sizes": list(layout.segment_sizes),
+                "segment_extents": list(layout.segment_extents), "persistent": bool(persistent),
+                "created_at": now, "state": "creating",
+                "extents": [[eid, idx, sid, length] for idx, (eid, length, sid) in
+                            enumerate(zip(ids, layout.extent_lengths, server_ids, strict=True))]}
             key = self._key("regions", name)
-            compare = [kv.absent(key)] + [kv.absent(self._key("issued", eid)) for eid in ids]
-            ops = [kv.put(key, json.dumps(row))] + [kv.put(self._key("issued", eid), "") for eid in ids]
+            compare = [kv.absent(key),
+                       kv.mod_revision_is(self.next_id_key, counter.mod_revision if counter else 0)]
+            ops = [kv.put(key, json.dumps(row)), kv.put(self.next_id_key, str(first + len(ids)))]
+            ops += [kv.put(self._key("placed", sid, eid), json.dumps({"uid": row["uid"], "name": name,
+                                                                       "length": length}))
+                    for eid, _, sid, length in row["extents"]]
             if not self._commit(compare, ops):
                 return None
             snap.regions[name] = (row, 0)
@@ -425,14 +482,10 @@ class EtcdState:
                  region.size, len(region.extents))
         return region
 
-    @staticmethod
-    def _draw_ids(n: int) -> list[int]:
-        ids: set[int] = set()
-        while len(ids) < n:
-            candidate = secrets.randbits(63)
-            if candidate:
-                ids.add(candidate)
-        return list(ids)
+    def _removal(self, row: dict[str, Any]) -> list[kv.Op]:
+        """The ops that remove a region: its key and its extents' index keys."""
+        return [kv.delete(self._key("regions", row["name"]))] + [
+            kv.delete(self._key("placed", sid, eid)) for eid, _, sid, _ in row["extents"]]
 
     def commit_region(self, name: str, uid: str | None = None) -> RegionRecord:
         """Mark a ``creating`` region ``ready`` (idempotent); raises RegionNotFound."""
@@ -455,8 +508,7 @@ class EtcdState:
             row, rev = self._read_one("regions", name)
             if row is None or row["state"] != "creating" or (uid is not None and row["uid"] != uid):
                 return []
-            if not self._commit([kv.mod_revision_is(self._key("regions", name), rev)],
-                                [kv.delete(self._key("regions", name))]):
+            if not self._commit([kv.mod_revision_is(self._key("regions", name), rev)], self._removal(row)):
                 return None
             log.info("creation of region %s aborted", name)
             return list(self._region(row, self._snapshot(regions=False)).extents)
@@ -478,7 +530,7 @@ class EtcdState:
             if found is None or found[0]["state"] == "creating":
                 raise errors.RegionNotFound(f"no region named {name!r}")
             row, rev = found
-            ops = [kv.delete(self._key("regions", name))]
+            ops = self._removal(row)
             ops += [kv.delete(self._key("lost", e[0])) for e in row["extents"] if e[0] in snap.lost]
             if not self._commit([kv.mod_revision_is(self._key("regions", name), rev)], ops):
                 return None

@@ -290,3 +290,18 @@ def test_server_back_without_an_extent_makes_its_region_lost(state: StateStore, 
             again.get_region("job/x")
         make(again, "job/y", 2 * MiB)
         assert again.get_region("job/y").state == "ready"
+
+
+def test_many_servers_expire_and_a_region_spans_many(state: StateStore) -> None:
+    # more servers than etcd takes operations in one transaction (128 by default)
+    for k in range(280):
+        state.register_server(f"s{k:03d}", f"h{k}", f"127.0.0.1:{3000 + k}", [], 64 * MiB, now=T0)
+    wide = make(state, "job/wide", 100 * MiB, stripe_unit=MiB, num_servers=100)
+    assert len({e.server_id for e in wide.extents}) == 100
+    assert len(set(wide.extent_ids)) == 100
+    for k in range(0, 280, 2):
+        state.heartbeat(f"s{k:03d}", [], now=T0 + LEASE)
+    expired = state.expire_leases(now=T0 + LEASE + 1)
+    assert expired == [f"s{k:03d}" for k in range(1, 280, 2)]
+    assert state.get_region("job/wide").state == "degraded"
+    assert sum(s.state == "down" for s in state.list_servers()) == 140

@@ -7,8 +7,10 @@ import time
 import pytest
 
 from smb_client import errors
+from smb_server.controller import etcd_kv as kv
 from smb_server.controller.etcd_state import EtcdState
 from smb_server.controller.leader import Election
+from smb_server.controller.records import HeldExtent
 from tests.etcd_server import etcd_server, etcd_store  # noqa: F401 (fixtures)
 
 MiB = 1 << 20
@@ -82,3 +84,22 @@ def test_a_new_leader_removes_half_created_regions(etcd_store: str) -> None:  # 
     with pytest.raises(errors.RegionNotFound):
         b.get_region("job/half")
     b.commit_region("job/half", b.begin_create_region("job/half", MiB).uid)  # the name is free again
+
+
+def test_a_new_leader_repairs_the_placed_extent_index(etcd_store: str) -> None:  # noqa: F811
+    a, b, ea, eb = _pair(etcd_store)
+    fence_a = ea.campaign()
+    assert fence_a is not None
+    a.take_over(fence_a)
+    a.register_server("s1", "h", "127.0.0.1:1", [], 64 * MiB)
+    region = a.commit_region("job/x", a.begin_create_region("job/x", MiB).uid)
+    (extent,) = region.extents
+    # the index lost its entry (a store written before it, or edited by hand), and holds a stray one
+    a.kv.txn([], [kv.delete(f"{a.prefix}/placed/s1/{extent.extent_id}"),
+                  kv.put(f"{a.prefix}/placed/s1/12345", '{"uid": "gone", "name": "x", "length": 1}')])
+    ea.step_down("test")
+    fence_b = eb.campaign()
+    assert fence_b is not None
+    b.take_over(fence_b)
+    held = [HeldExtent(extent.extent_id, region.uid, MiB, 1e6), HeldExtent(12345, "gone", 1, 1e6)]
+    assert b.heartbeat("s1", held) == [12345]   # its own extent is known again, the stray one is not
