@@ -9,9 +9,10 @@ TCP or shared memory.
         params.read_into(0, array)
 """
 from .client import Client, RegionStatus, ServerStatus, connect
+from .collective import Collective
 from .coord import Barrier, Lock
 from .errors import *  # noqa: F401,F403
 from .errors import SMBError
 from .region import Region
 
-__all__ = ["Barrier", "Client", "Lock", "Region", "RegionStatus", "ServerStatus", "SMBError", "connect"]
+__all__ = ["Barrier", "Client", "Collective", "Lock", "Region", "RegionStatus", "ServerStatus", "SMBError", "connect"]

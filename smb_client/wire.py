@@ -86,7 +86,7 @@ class WaitCond(enum.IntEnum):
 PAYLOAD_OPS = frozenset({Op.HELLO, Op.WRITE, Op.ACCUMULATE, Op.AXPY, Op.PUSH})
 #: operations that change extent memory (refused on read-only tickets)
 WRITE_OPS = frozenset({Op.WRITE, Op.ACCUMULATE, Op.SCALE, Op.AXPY, Op.FETCH_ADD, Op.COMPARE_SWAP,
-                       Op.LOCK, Op.UNLOCK})
+                       Op.LOCK, Op.UNLOCK, Op.PUSH, Op.PULL})
 #: coordination requests (one int64 word; served by ``smb_server/memserver/coord_ops.py``):
 #: WAIT: dtype = WaitCond, arg0 = value, alpha = timeout (s); LOCK: arg0 = holder id,
 #: arg1 = lease (ms), alpha = timeout (s); UNLOCK: arg0 = holder id. Each answers the

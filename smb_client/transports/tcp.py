@@ -259,16 +259,25 @@ class TcpSession(Session):
         return TcpConnection(self.endpoint.host, self.endpoint.port, self.io_timeout,
                              self.dead_peer_timeout, self.client_id, self.tls)
 
-    def _do(self, ticket: str, *args: Any, **kwargs: Any) -> bytes:
+    def _do(self, ticket: str, *args: Any, waits: float | None = None, **kwargs: Any) -> bytes:
         """Run one request on a pooled connection; once more on another connection when
-        this one broke and the request may run again (a read or a numbered request)."""
+        this one broke and the request may run again (a read or a numbered request).
+        ``waits``: the request may wait that many seconds at the server, so it goes on a
+        connection of the wait pool (whose socket timeout it extends)."""
         repeatable = kwargs.get("seq", 0) != 0 or args[0] == wire.Op.READ
         attempt = 0
         while True:
             try:
-                with self.pool.borrow() as conn:
+                with (self.pool if waits is None else self.waits).borrow() as conn:
                     conn.present(ticket)
-                    return conn.request(*args, **kwargs)
+                    if waits is None:
+                        return conn.request(*args, **kwargs)
+                    conn.sock.settimeout(waits + self.io_timeout)
+                    try:
+                        return conn.request(*args, **kwargs)
+                    finally:
+                        if not conn.closed:
+                            conn.sock.settimeout(self.io_timeout)
             except ConnectionBroken as exc:
                 if not repeatable or attempt >= RETRIES:
                     raise
@@ -302,6 +311,19 @@ class TcpSession(Session):
         body = self._do(ticket, wire.Op.COMPARE_SWAP, extent_id, offset, 8, arg0=expected, arg1=desired,
                         seq=seq)
         return int(_WORD.unpack(body)[0])
+
+    def push(self, ticket: str, extent_id: int, offset: int, buffers: Sequence[memoryview], dtype: DType,
+             word: int, base: int, timeout: float, seq: int = 0) -> int:
+        """A collective's ``PUSH`` (see :data:`smb_client.wire.COLLECTIVE_OPS`); the count before."""
+        body = self._do(ticket, wire.Op.PUSH, extent_id, offset, sum(len(b) for b in buffers), dtype=dtype,
+                        arg0=word, arg1=base, alpha=timeout, payload=buffers, seq=seq, waits=timeout)
+        return int(_WORD.unpack(body)[0])
+
+    def pull(self, ticket: str, extent_id: int, offset: int, buffers: Sequence[memoryview], word: int,
+             target: int, timeout: float, seq: int = 0) -> None:
+        """A collective's ``PULL`` into ``buffers`` (see :data:`smb_client.wire.COLLECTIVE_OPS`)."""
+        self._do(ticket, wire.Op.PULL, extent_id, offset, sum(len(b) for b in buffers), arg0=word,
+                 arg1=target, alpha=timeout, into=buffers, seq=seq, waits=timeout)
 
     def close(self) -> None:
         self.pool.close()

@@ -345,7 +345,9 @@ class _Connection:
         if not self.tickets:
             raise _Drop(f"{op.name} before HELLO")
         try:
-            if seq and op in wire.WRITE_OPS:
+            if op is Op.PULL:
+                body = self._pull(client, seq, extent_id, offset, length, arg0, arg1, alpha, req_id)
+            elif seq and op in wire.WRITE_OPS:
                 body = self._once(client, seq, op, dtype, extent_id, offset, length, arg0, arg1, alpha)
             else:
                 body = self._dispatch(op, dtype, extent_id, offset, length, arg0, arg1, alpha, req_id)
@@ -439,6 +441,8 @@ class _Connection:
             return coord_ops.serve(waiters.for_arena(self.plane.arena), op, extent, offset, length, dtype,
                                    arg0, arg1, alpha,
                                    lambda: self.plane.closing or coord_ops.peer_closed(self.sock))
+        if op is Op.PUSH:
+            return self._push(extent, offset, length, dtype, arg0, arg1, alpha, entry)
         if op is Op.READ:
             self._read(extent, offset, length, req_id)
             return None
@@ -453,6 +457,84 @@ class _Connection:
         if arith is Arith.SCALE:
             return self._scale(extent, offset, length, dt, alpha)
         return self._accumulate(extent, offset, length, dt, arith, alpha, entry)
+
+    # -- collectives (smb_client/collective.py) -------------------------------------------
+    def _chunk_word(self, op: Op, extent: Extent, offset: int, length: int, word: int) -> None:
+        if length > wire.MAX_CHUNK:
+            raise InvalidArgument(f"{op.name.lower()} moves at most {wire.MAX_CHUNK} bytes, not {length}")
+        if word % 8:
+            raise Misaligned(f"{op.name.lower()}: count word offset {word} is not 8-byte aligned")
+        extent.check_range(word, 8)
+        if word < offset + length and offset < word + 8:
+            raise InvalidArgument(f"{op.name.lower()}: count word at {word} overlaps the chunk "
+                                  f"[{offset}, {offset + length})")
+
+    def _cancelled(self) -> bool:
+        return self.plane.closing or coord_ops.peer_closed(self.sock)
+
+    def _push(self, extent: Extent, offset: int, length: int, dtype: int, word: int, base: int,
+              timeout: float, entry: Entry | None) -> bytes:
+        """Receive the chunk whole, wait until the count reaches ``base``, then under the
+        extent's lock store it (the round's first arrival: count == base) or add it,
+        and count the arrival. The decision and the count change under one lock, so
+        concurrent pushes of a round never lose a contribution."""
+        self._chunk_word(Op.PUSH, extent, offset, length, word)
+        dt = kernels.check_arith(Arith.ACCUMULATE, dtype, offset, length)
+        table = waiters.for_arena(self.plane.arena)
+        with extent.pin(), self._scratch(max(length, 1)) as scratch:
+            chunk = scratch[:length]
+            self._recv(chunk)
+            table.wait(extent, word, wire.WaitCond.AT_LEAST, base, timeout, self._cancelled)
+            with extent.lock, extent.data[offset:offset + length] as dst, \
+                    extent.data[word:word + 8] as count:
+                old = kernels.fetch_add(count, 0)
+                if old == base:
+                    dst[:] = chunk
+                else:
+                    kernels.apply(Arith.ACCUMULATE, dst, chunk, dt, 0.0)
+                # counted after the sum is in place: a pull reads once the count says so,
+                # without the lock
+                kernels.fetch_add(count, 1)
+                if entry is not None:
+                    entry.applied = max(length, 1)
+        if not extent.live:
+            raise ExtentNotFound(f"extent {extent.extent_id} was released during the push")
+        table.touched(extent.extent_id, word, 8)
+        self.plane.stats.add(bytes_accumulated=length)
+        return _OLD.pack(old)
+
+    def _pull(self, client: int, seq: int, extent_id: int, offset: int, length: int, word: int,
+              target: int, timeout: float, req_id: int) -> None:
+        """Wait until the count reaches ``target``, send the chunk, then count the pull
+        (once per numbered request: a repeat gets the bytes again and counts nothing)."""
+        extent = self.tickets.check(self.plane.arena, extent_id, write=True)
+        extent.check_range(offset, length)
+        self._chunk_word(Op.PULL, extent, offset, length, word)
+        table = waiters.for_arena(self.plane.arena)
+        entry = None
+        if seq:
+            try:
+                fresh, entry = self.plane.dedup.begin(client, seq, self.plane.frame_timeout,
+                                                      (int(Op.PULL), extent_id, offset, length, word))
+            except (TimeoutError, ValueError) as exc:
+                raise InvalidArgument(str(exc)) from None
+            if not fresh:
+                self.plane.stats.add(repeats=1)
+                self._read(extent, offset, length, req_id)
+                return None
+        try:
+            table.wait(extent, word, wire.WaitCond.AT_LEAST, target, timeout, self._cancelled)
+            self._read(extent, offset, length, req_id)   # in the socket's buffer once this returns
+        except BaseException:
+            if entry is not None:
+                self.plane.dedup.interrupt(entry)
+            raise
+        with extent.pin(), extent.lock, extent.data[word:word + 8] as count:
+            kernels.fetch_add(count, 1)
+        if entry is not None:
+            entry.finish(Status.OK)
+        table.touched(extent_id, word, 8)
+        return None
 
     def _read(self, extent: Extent, offset: int, length: int, req_id: int) -> None:
         with extent.pin():
@@ -607,6 +689,7 @@ class TcpPlane:
             dup.close()
             self.stats.add(errors=1, dropped=1)
             log.info("tcp %s: TLS handshake failed: %s", peer, exc)
+            _linger(sock)
             return None
 
     def close(self, timeout: float = 5.0) -> None:
@@ -622,6 +705,22 @@ class TcpPlane:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _linger(sock: socket.socket) -> None:
+    """Stop sending, then read and discard what the peer still sends for up to
+    :data:`GOODBYE_LINGER` seconds, so that the close is a FIN behind the TLS alert that
+    refused the peer, not a reset that loses it (a TLS 1.3 client sends its first request
+    before it learns that its certificate was refused)."""
+    end = time.monotonic() + GOODBYE_LINGER
+    try:
+        sock.shutdown(socket.SHUT_WR)
+        while (left := end - time.monotonic()) > 0:
+            sock.settimeout(left)
+            if not sock.recv(1 << 16):
+                break
+    except OSError:
+        pass
 
 
 def _refusal(err: SMBError) -> bytes:

@@ -246,3 +246,27 @@ def _expire_after(sessions, region, expired: str, after: int) -> list[int]:
             return inner(*args, **kwargs)
         session.accumulate = expiring
     return calls
+
+
+def test_a_collective_pull_whose_answer_was_cut_is_sent_again_and_counted_once(plane):
+    """PULL counts the read once it sent the bytes; its retry (same number) gets the bytes
+    again and counts nothing, so the slot's count stays right for the next round."""
+    arena, tcp, stats = plane
+    token = _ticket([1])
+    direct = _session(tcp.port)
+    data = np.arange(1024, dtype=np.int64)
+    word = 2 * data.nbytes
+    assert direct.push(token, 1, 0, [memoryview(data).cast("B")], DType.INT64, word, 0, 5.0, seq=1 << 20) == 0
+    direct.close()
+    proxy = CuttingProxy(tcp.port, down_limit=wire.RESPONSE.size + wire.RESPONSE.size + 100)
+    session = _session(proxy.port)
+    out = np.zeros_like(data)
+    try:
+        session.pull(token, 1, 0, [memoryview(out).cast("B")], word, 1, 5.0, seq=2 << 20)
+    finally:
+        session.close()
+        proxy.close()
+    assert proxy.cuts == 1
+    np.testing.assert_array_equal(out, data)
+    assert struct.unpack("<q", bytes(arena.get(1).data[word:word + 8]))[0] == 2   # one push, one pull
+    assert stats.snapshot()["repeats"] == 1

@@ -1,0 +1,273 @@
+"""Collectives over a region: ``all_reduce`` and ``broadcast`` by pipelined push-pull.
+
+A :class:`Collective` lays a buffer of ``nbytes`` out as chunks of at most
+:data:`~smb_client.wire.MAX_CHUNK` bytes, each a segment of a ``layered`` region, whole
+on one memory server (segments are dealt to the servers evenly), so the summation is
+spread over every server and each chunk's requests stay on one server::
+
+    chunk i:  slot 0 (chunk bytes) | slot 1 (chunk bytes) | count 0 | count 1 | padding to 64 bytes
+
+``all_reduce`` of round ``k`` uses slot ``k % 2``. Every party *pushes* each chunk (the
+server stores the round's first arrival and adds the others, counting arrivals in the
+slot's count word, under the extent's lock), and *pulls* each chunk as soon as its
+count shows every party's push: the server holds the pull until then, sends the sum,
+and counts the pull. Pushes of later chunks go on while earlier chunks are pulled, so
+both directions of every link stay busy; there is no barrier between the phases and no
+controller call.
+
+Reset without an extra round: a count word only grows. A slot's round starts at a
+*base* count that every party knows (it tracks the slot's history), and the round's
+first push *stores* instead of adding, so nobody zeroes the slot. A push of a later
+round waits, at the server, until the count reaches its base, which it only does once
+every party pulled the slot's previous round; so a slot is never overwritten while
+someone still reads it. Double buffering (two slots) makes that wait free in steady
+state. ``all_reduce`` adds ``2 × parties`` to a count (pushes and pulls), ``broadcast``
+``parties`` (the root's push and the others' pulls).
+
+Every party must call the same collectives in the same order with the same sizes (as
+with any collective library). PUSH and PULL are numbered requests: a retry after a
+broken connection or a renewed ticket is answered, not applied twice. They travel on
+the tcp plane (on connections that may wait), whatever transport the region's data
+uses. See docs/api.md and docs/architecture.md.
+"""
+from __future__ import annotations
+
+import logging
+import struct
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+from . import wire
+from .buffers import as_view
+from .dtypes import DType, itemsize, resolve
+from .errors import DtypeError, InvalidArgument, Misaligned
+from .placement import ExtentPlace
+from .transports.tcp import TcpSession
+
+if TYPE_CHECKING:
+    from .client import Client
+    from .region import Region
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Collective", "CHUNK_BYTES"]
+
+CHUNK_BYTES = wire.MAX_CHUNK   # default bytes per chunk (BytePS found ~4 MB pieces best)
+TAIL = 64                      # bytes after a chunk's two slots: two count words, padding
+DEFAULT_TIMEOUT = 300.0        # seconds a push or pull waits for the other parties
+MAX_THREADS = 8                # pushes (and pulls) in flight per collective
+_WORDS = struct.Struct("<qq")
+
+
+def _check_parties(parties: object) -> None:
+    if not isinstance(parties, int) or parties < 1:
+        raise InvalidArgument(f"parties must be a positive number, not {parties!r}")
+
+
+class _Chunk:
+    """Where chunk ``index`` lives: its server, the extent offsets of its two slots and
+    of their count words, and its byte range in the caller's buffer."""
+
+    def __init__(self, index: int, place: ExtentPlace, extent_offset: int, region_offset: int,
+                 start: int, length: int) -> None:
+        self.index = index
+        self.place = place
+        self.start = start
+        self.length = length
+        self.slots = (extent_offset, extent_offset + length)
+        self.words = (extent_offset + 2 * length, extent_offset + 2 * length + 8)
+        self.region_words = region_offset + 2 * length   # region offset of the two count words
+
+
+class Collective:
+    """All-reduce and broadcast among ``parties`` processes over the region ``region``
+    (made by :meth:`create`, opened by :meth:`open`). Borrows the region's client;
+    :meth:`close` stops its threads, :meth:`destroy` also deletes the region.
+
+    ``timeout``: seconds a chunk waits for the other parties (then
+    :class:`~smb_client.errors.Timeout`).
+    """
+
+    def __init__(self, region: Region, parties: int, *, timeout: float = DEFAULT_TIMEOUT) -> None:
+        _check_parties(parties)
+        layout = region.layout
+        if layout.kind != "layered" or any(s <= TAIL or (s - TAIL) % 2 for s in layout.segment_sizes):
+            raise InvalidArgument(f"region {region.name} is not a collective's (made by Collective.create)")
+        region._check_writable()
+        self.region = region
+        self.parties = parties
+        self.timeout = float(timeout)
+        self.chunks: list[_Chunk] = []
+        start = 0
+        for i, (seg_off, size) in enumerate(zip(layout.segment_offsets(), layout.segment_sizes, strict=True)):
+            (piece,) = layout.map(seg_off, size)
+            length = (size - TAIL) // 2
+            self.chunks.append(_Chunk(i, region.extents[piece.extent], piece.extent_offset, seg_off,
+                                      start, length))
+            start += length
+        self.nbytes = start
+        # the base of each (slot, chunk): the count when its next round starts, read now
+        # (zero for a new region; open every party at the same quiet point otherwise)
+        self._bases = [[0] * len(self.chunks), [0] * len(self.chunks)]
+        for c in self.chunks:
+            raw = region.read(c.region_words, 16)
+            self._bases[0][c.index], self._bases[1][c.index] = _WORDS.unpack(bytes(raw))
+        self.round = 0
+        threads = max(1, min(len(self.chunks), MAX_THREADS))
+        self._pushes = ThreadPoolExecutor(threads, thread_name_prefix="smb-push")
+        self._pulls = ThreadPoolExecutor(threads, thread_name_prefix="smb-pull")
+        self._lock = threading.Lock()
+
+    # -- making and opening -----------------------------------------------------------
+    @staticmethod
+    def segment_sizes(nbytes: int, chunk_bytes: int = CHUNK_BYTES) -> list[int]:
+        """The segments of a collective of ``nbytes`` with chunks of ``chunk_bytes``."""
+        if not isinstance(nbytes, int) or nbytes < 1:
+            raise InvalidArgument(f"nbytes must be a positive number of bytes, not {nbytes!r}")
+        if not isinstance(chunk_bytes, int) or not 8 <= chunk_bytes <= wire.MAX_CHUNK or chunk_bytes % 8:
+            raise InvalidArgument(f"chunk_bytes must be a multiple of 8 from 8 to {wire.MAX_CHUNK}, "
+                                  f"not {chunk_bytes!r}")
+        sizes, left = [], nbytes
+        while left:
+            n = min(chunk_bytes, left)
+            sizes.append(2 * n + TAIL)
+            left -= n
+        return sizes
+
+    @classmethod
+    def create(cls, client: Client, name: str, nbytes: int, parties: int, *,
+               chunk_bytes: int = CHUNK_BYTES, num_servers: int = 0,
+               timeout: float = DEFAULT_TIMEOUT) -> Collective:
+        """Create the region ``name`` for collectives of up to ``nbytes`` bytes, chunks
+        of ``chunk_bytes`` spread over ``num_servers`` servers (0: all)."""
+        sizes = cls.segment_sizes(nbytes, chunk_bytes)
+        _check_parties(parties)
+        region = client.create_region(name, sum(sizes), placement="layered", segment_sizes=sizes,
+                                      num_servers=num_servers)
+        try:
+            return cls(region, parties, timeout=timeout)
+        except BaseException:
+            client.delete_region(name)
+            raise
+
+    @classmethod
+    def open(cls, client: Client, name: str, parties: int, *, timeout: float = DEFAULT_TIMEOUT) -> Collective:
+        """Open the collective ``name`` that another party created."""
+        return cls(client.open_region(name), parties, timeout=timeout)
+
+    def close(self) -> None:
+        """Stop this party's threads (after the work in flight); the region stays."""
+        self._pushes.shutdown(wait=True)
+        self._pulls.shutdown(wait=True)
+
+    def destroy(self) -> None:
+        """Close, then delete the region (every party must be done with it)."""
+        self.close()
+        self.region._client.delete_region(self.region.name)
+
+    def __enter__(self) -> Collective:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- requests ---------------------------------------------------------------------
+    def _session(self, chunk: _Chunk) -> TcpSession:
+        session = self.region._dataplane.coordination(chunk.place)
+        assert isinstance(session, TcpSession)
+        return session
+
+    def _push(self, chunk: _Chunk, slot: int, base: int, data: memoryview, dt: DType) -> None:
+        seq = self.region._dataplane.next_seq()
+        session = self._session(chunk)
+        self.region._retrying(lambda: session.push(
+            self.region._ticket, chunk.place.extent_id, chunk.slots[slot], [data], dt,
+            chunk.words[slot], base, self.timeout, seq))
+
+    def _pull(self, chunk: _Chunk, slot: int, target: int, out: memoryview) -> None:
+        seq = self.region._dataplane.next_seq()
+        session = self._session(chunk)
+        self.region._retrying(lambda: session.pull(
+            self.region._ticket, chunk.place.extent_id, chunk.slots[slot], [out],
+            chunk.words[slot], target, self.timeout, seq))
+
+    def _typed(self, data: Any, dtype: Any) -> tuple[memoryview, DType]:
+        view, inferred = as_view(data, writable=True)
+        dt = resolve(dtype) if dtype is not None else inferred
+        if dt is None:
+            raise DtypeError("pass dtype= for untyped buffers")
+        if inferred is not None and inferred != dt:
+            raise DtypeError(f"buffer holds {inferred.name.lower()}, dtype {dt.name.lower()} asked for")
+        if len(view) % itemsize(dt):
+            raise Misaligned(f"{len(view)} bytes is not a whole number of {dt.name.lower()} elements")
+        if len(view) > self.nbytes:
+            raise InvalidArgument(f"{len(view)} bytes do not fit collective {self.region.name} "
+                                  f"({self.nbytes} bytes)")
+        return view, dt
+
+    def _run(self, jobs: list[tuple[ThreadPoolExecutor, Callable[[], None]]]) -> None:
+        """Submit every job in order (pushes before the pull of the same chunk); wait for
+        all; raise the first error."""
+        futures: list[Future[None]] = [pool.submit(fn) for pool, fn in jobs]
+        error: BaseException | None = None
+        for f in futures:
+            try:
+                f.result()
+            except BaseException as exc:
+                error = error or exc
+        if error is not None:
+            raise error
+
+    def _used(self, nbytes: int) -> list[tuple[_Chunk, int]]:
+        """The chunks a buffer of ``nbytes`` covers, with the bytes of each it uses."""
+        out = []
+        for c in self.chunks:
+            if c.start >= nbytes:
+                break
+            out.append((c, min(c.length, nbytes - c.start)))
+        return out
+
+    # -- collectives ------------------------------------------------------------------
+    def all_reduce(self, data: Any, dtype: Any = None) -> Any:
+        """Sum ``data`` (a writable numpy array, torch CPU tensor or buffer; float32,
+        float16, bfloat16, float64, int32 or int64) over the parties, in place; returns
+        ``data``. Chunks are pushed in order while the finished ones are pulled."""
+        view, dt = self._typed(data, dtype)
+        with self._lock:
+            slot = self.round % 2
+            bases = self._bases[slot]
+            jobs: list[tuple[ThreadPoolExecutor, Callable[[], None]]] = []
+            for c, n in self._used(len(view)):
+                part = view[c.start:c.start + n]
+                base = bases[c.index]
+                jobs.append((self._pushes, partial(self._push, c, slot, base, part, dt)))
+                jobs.append((self._pulls, partial(self._pull, c, slot, base + self.parties, part)))
+                bases[c.index] = base + 2 * self.parties
+            self.round += 1
+            self._run(jobs)
+        return data
+
+    def broadcast(self, data: Any, root: int, rank: int, dtype: Any = None) -> Any:
+        """Give every party ``root``'s ``data`` (in place at the others); ``rank`` is
+        this party's rank among ``0 .. parties-1``. Returns ``data``."""
+        if not (0 <= root < self.parties and 0 <= rank < self.parties):
+            raise InvalidArgument(f"root {root} and rank {rank} must lie in 0..{self.parties - 1}")
+        view, dt = self._typed(data, dtype)
+        with self._lock:
+            slot = self.round % 2
+            bases = self._bases[slot]
+            jobs: list[tuple[ThreadPoolExecutor, Callable[[], None]]] = []
+            for c, n in self._used(len(view)):
+                part = view[c.start:c.start + n]
+                base = bases[c.index]
+                if rank == root:
+                    jobs.append((self._pushes, partial(self._push, c, slot, base, part, dt)))
+                else:
+                    jobs.append((self._pulls, partial(self._pull, c, slot, base + 1, part)))
+                bases[c.index] = base + self.parties
+            self.round += 1
+            self._run(jobs)
+        return data

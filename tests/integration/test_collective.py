@@ -1,0 +1,130 @@
+"""Collectives on the memory servers: pipelined push-pull all_reduce and broadcast.
+
+Each party is a client of its own (its own connections and client id) in a thread of
+this process, against the shared local cluster (two memory servers). Integer data, so
+sums are exact; every party checks every element.
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from smb_client import errors
+from smb_client.collective import TAIL, Collective
+
+KiB = 1 << 10
+
+
+def _parties(cluster, name: str, parties: int, nbytes: int, chunk_bytes: int, transport: str, body,
+             num_servers: int = 0):
+    """Run ``body(coll, rank)`` in ``parties`` threads; the first creates the collective."""
+    clients = [cluster.client(transport=transport) for _ in range(parties)]
+    created = Collective.create(clients[0], name, nbytes, parties, chunk_bytes=chunk_bytes,
+                                num_servers=num_servers, timeout=60)
+    colls = [created] + [Collective.open(c, name, parties, timeout=60) for c in clients[1:]]
+    errors_: list[BaseException] = []
+
+    def run(rank: int) -> None:
+        try:
+            body(colls[rank], rank)
+        except BaseException as exc:   # reported below
+            errors_.append(exc)
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(parties)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    try:
+        assert not errors_, errors_
+        assert not any(t.is_alive() for t in threads)
+    finally:
+        for coll in colls[1:]:
+            coll.close()
+        created.destroy()
+        for c in clients:
+            c.close()
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+@pytest.mark.parametrize("parties,chunk_bytes,n", [(1, 4096, 1000), (2, 4096, 5000), (3, 64 * KiB, 100_000),
+                                                   (4, 8 * KiB, 33_333)])
+def test_all_reduce_sums_exactly_round_after_round(cluster, name, transport, parties, chunk_bytes, n):
+    def body(coll: Collective, rank: int) -> None:
+        for k in range(5):                     # both slots, each reused twice
+            x = np.arange(n, dtype=np.int64) * (rank + 1) + k
+            assert coll.all_reduce(x) is x
+            expect = np.arange(n, dtype=np.int64) * (parties * (parties + 1) // 2) + k * parties
+            np.testing.assert_array_equal(x, expect)
+    _parties(cluster, name, parties, n * 8, chunk_bytes, transport, body)
+
+
+def test_all_reduce_float32_and_a_shorter_buffer(cluster, name):
+    def body(coll: Collective, rank: int) -> None:
+        x = np.full(3000, rank + 0.5, np.float32)
+        coll.all_reduce(x)
+        np.testing.assert_array_equal(x, np.full(3000, 0.5 + 1.5 + 2.5, np.float32))
+        y = np.full(100, rank, np.int32)          # fewer bytes than the collective holds
+        coll.all_reduce(y)
+        np.testing.assert_array_equal(y, np.full(100, 3, np.int32))
+    _parties(cluster, name, 3, 3000 * 4, 2048, "tcp", body)
+
+
+def test_broadcast_between_all_reduces(cluster, name):
+    def body(coll: Collective, rank: int) -> None:
+        for k in range(4):
+            root = k % 3
+            b = np.full(2500, rank * 100 + k, np.int64)
+            coll.broadcast(b, root=root, rank=rank)
+            np.testing.assert_array_equal(b, np.full(2500, root * 100 + k, np.int64))
+            x = np.full(2500, rank + k, np.int64)
+            coll.all_reduce(x)
+            np.testing.assert_array_equal(x, np.full(2500, 3 + 3 * k, np.int64))
+    _parties(cluster, name, 3, 2500 * 8, 4096, "tcp", body)
+
+
+def test_chunks_are_spread_over_the_servers(cluster, name):
+    with cluster.client() as c:
+        coll = Collective.create(c, name, 10 * 4096, 2, chunk_bytes=4096)
+        try:
+            assert len(coll.chunks) == 10
+            per_server = {}
+            for chunk in coll.chunks:
+                per_server[chunk.place.server_id] = per_server.get(chunk.place.server_id, 0) + 1
+            assert sorted(per_server.values()) == [5, 5]
+            assert coll.region.size == 10 * (2 * 4096 + TAIL)
+        finally:
+            coll.destroy()
+
+
+def test_bad_arguments_are_typed_errors(cluster, name):
+    with cluster.client() as c:
+        with pytest.raises(errors.InvalidArgument, match="chunk_bytes"):
+            Collective.create(c, name, 1000, 2, chunk_bytes=5 << 20)
+        with pytest.raises(errors.InvalidArgument, match="parties"):
+            Collective.create(c, name, 1000, 0)
+        coll = Collective.create(c, name, 1024, 1, chunk_bytes=512)
+        try:
+            with pytest.raises(errors.InvalidArgument, match="do not fit"):
+                coll.all_reduce(np.zeros(200, np.int64))
+            with pytest.raises(errors.DtypeError):
+                coll.all_reduce(bytearray(16))
+            with pytest.raises(errors.InvalidArgument, match="root"):
+                coll.broadcast(np.zeros(4, np.int64), root=1, rank=0)
+            c.create_region(name + "x", 4096).close()
+            with pytest.raises(errors.InvalidArgument, match="not a collective"):
+                Collective.open(c, name + "x", 2)
+            c.delete_region(name + "x")
+        finally:
+            coll.destroy()
+
+
+def test_a_party_that_never_comes_times_out(cluster, name):
+    with cluster.client() as c:
+        coll = Collective.create(c, name, 4096, 2, chunk_bytes=4096, timeout=0.5)
+        try:
+            with pytest.raises(errors.Timeout):
+                coll.all_reduce(np.zeros(512, np.int64))
+        finally:
+            coll.destroy()
