@@ -106,7 +106,7 @@ class DataPlane:
         """The tcp session of ``place``'s server, whatever transport its data uses: waits,
         locks and the counters they watch go through the server (``smb_client.coord``)."""
         for uri in place.endpoints:
-            if uri.startswith("tcp://"):
+            if uri.startswith(("tcp://", "tcp+tls://")):
                 return self._session_for(uri, place)
         raise InvalidArgument(f"server {place.server_id} offers no tcp endpoint, which waits, locks and "
                               f"barriers need; it offers {', '.join(sorted(place.endpoints))}")

@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 
 TLS_SCHEME = "tcp+tls"
 PROBE_TIMEOUT = 1.0   # seconds a diagnosing handshake may take
+PROBE_AGAIN = 0.1     # seconds before a probe the server closed is repeated
 COALESCE_BYTES = 16 << 10   # bytes; frames up to this are sent as one TLS record
 CA_HINT = ("point SMB_TLS_CA (tls_ca, or Client(tls=TLSConfig(ca=...))) at the CA that signed "
            "the cluster's certificates")
@@ -167,40 +168,53 @@ def diagnose(address: str, tls: TLSConfig, timeout: float = PROBE_TIMEOUT) -> Au
     """Why the gRPC server at ``host:port`` closed a connection at once, when TLS is why:
     it serves TLS and ``tls`` is off, it does not trust our certificate (or wants one),
     or we do not trust its. None when a probe handshake finds nothing wrong (or the
-    server cannot be reached): the caller's own error stands. Takes at most about
-    ``timeout`` seconds twice."""
+    server cannot be reached): the caller's own error stands. A server that closes a
+    probe right after the handshake is probed once more (a server stopping closes
+    connections too), and blamed only when it does so again. Takes at most a few
+    ``timeout`` seconds."""
+    verdict, closed = _probe(address, tls, timeout)
+    if closed:
+        time.sleep(PROBE_AGAIN)
+        again, closed_again = _probe(address, tls, timeout)
+        return verdict if closed_again else again
+    return verdict
+
+
+def _probe(address: str, tls: TLSConfig, timeout: float) -> tuple[AuthenticationError | None, bool]:
+    """One probe handshake: (the refusal it shows or None, whether the server closed the
+    connection without a word right after the handshake)."""
     try:
         host, port = parse_hostport(address)
         sock = socket.create_connection((host, port), timeout)
     except (OSError, InvalidArgument):
-        return None
+        return None, False
     try:
         ctx = _probe_context(tls)
         try:
             ssock = ctx.wrap_socket(sock, server_hostname=host)
         except ssl.SSLCertVerificationError as exc:
-            return untrusted(address, str(exc))
+            return untrusted(address, str(exc)), False
         except (ssl.SSLError, OSError):
-            return None
+            return None, False
         with ssock:
             if not tls.enabled:
                 return AuthenticationError(f"{address} serves TLS and this process has TLS off; "
-                                           f"{CA_HINT}")
+                                           f"{CA_HINT}"), False
             try:
                 first = ssock.recv(1)   # the server's first HTTP/2 frame, or its refusal of us
             except ssl.SSLError as exc:
                 if is_trust_failure(str(exc)) or "ALERT" in str(exc):
-                    return untrusted(address, str(exc))
-                return None
+                    return untrusted(address, str(exc)), False
+                return None, False
             except OSError:
-                return None
+                return None, False
             if first:
-                return None
+                return None, False
             # closed without a word right after the handshake: our certificate was refused
             if not tls.cert:
-                return untrusted(address, "closed after the handshake: certificate required")
+                return untrusted(address, "closed after the handshake: certificate required"), True
             return AuthenticationError(f"{address}: the server closed the connection after the "
-                                       f"TLS handshake: {PEER_HINT} (this one: {tls.cert})")
+                                       f"TLS handshake: {PEER_HINT} (this one: {tls.cert})"), True
     finally:
         sock.close()
 

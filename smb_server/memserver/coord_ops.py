@@ -52,6 +52,8 @@ def peer_closed(sock: socket.socket) -> bool:
         readable, _, _ = select.select([sock], [], [], 0)
         if not readable:
             return False
-        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        # the plain socket's recv: a TLS socket refuses flags; a peek at its raw bytes
+        # tells end of file all the same
+        return socket.socket.recv(sock, 1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
     except (OSError, ValueError):
         return True

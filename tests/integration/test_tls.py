@@ -56,6 +56,10 @@ def test_region_operations_over_tls(tls_cluster):
         np.testing.assert_array_equal(r.read(16 * MiB, small.nbytes, np.int64), small)
         assert r.fetch_add(16 * MiB, 5) == 0
         assert r.compare_swap(16 * MiB, 5, 7) == 5
+        waiter = c.dataplane.submit(r.wait, 16 * MiB, value=8, timeout=30)   # served while it waits
+        time.sleep(0.2)
+        assert r.fetch_add(16 * MiB, 1) == 7
+        assert waiter.result(30) == 8
         assert r.transports() and set(r.transports().values()) == {"tcp+tls"}
         c.delete_region("tls/ops")
 
