@@ -116,6 +116,8 @@ class ServerConfig:
     server_id: str = _f("", "stable id (default: generated once and kept in state_dir)")
     state_dir: str = _f("", "where the server keeps its id and its shm socket")
     data_dir: str = _f("", "directory for file-backed (persistent) extents; empty: memory only")
+    writeback_seconds: float = _f(10.0, "seconds between write-backs of file-backed extents to "
+                                  "data_dir (0: only when the server stops)", minimum=0)
     transports: list[str] = _f(["tcp", "shm"], "data planes to offer: tcp, shm, rdma", choices=TRANSPORTS)
     rdma_device: str = _f("", "RDMA device to use (default: the first active one)")
     heartbeat_seconds: float = _f(1.0, "seconds between heartbeats to the controller", positive=True,

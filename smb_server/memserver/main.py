@@ -120,7 +120,7 @@ class MemoryServer(Daemon):
         self.server_id = cfg.server_id or self._load_server_id()
         soft, _hard = raise_fd_limit()   # each extent and each connection takes a descriptor
         log.info("descriptor limit: %d", soft)
-        self.arena = Arena(cfg.capacity, cfg.data_dir)
+        self.arena = Arena(cfg.capacity, cfg.data_dir, writeback_seconds=cfg.writeback_seconds)
         host = cfg.advertise_host or cfg.listen_host
         if host in ("0.0.0.0", "::", ""):
             host = socket.gethostname()

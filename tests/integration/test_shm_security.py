@@ -323,3 +323,29 @@ def test_a_full_backlog_delays_a_client_instead_of_failing_it(tmp_path):
         for s in queued:
             s.close()
         listener.close()
+
+
+def test_a_killed_server_keeps_what_was_written_back(tmp_path):
+    """File-backed data written straight into the memfd (shm) reaches the file by the
+    periodic write-back (``writeback_seconds``), so it survives kill -9."""
+    with LocalCluster(servers=1, capacity="64M", workdir=str(tmp_path / "cluster"), persistent=True,
+                      lease_seconds=30, env={"SMB_WRITEBACK_SECONDS": "0.2"}) as cluster:
+        with cluster.client(transport="shm") as c:
+            r = c.create_region("sec/crash", MiB, placement="single", persistent=True)
+            data = np.arange(MiB // 4, dtype=np.int32) + 5
+            r.write(0, data)
+            path = cluster.workdir / "server-0" / "data" / f"{r.extents[0].extent_id}.extent"
+            # the file changes twice after the write: the second write-back began after it
+            deadline = time.monotonic() + 20
+            for _ in range(2):
+                seen = path.stat().st_mtime_ns
+                while path.stat().st_mtime_ns == seen:
+                    assert time.monotonic() < deadline, "never written back"
+                    time.sleep(0.02)
+            cluster.kill_server(0)                                # kill -9: no write-back on the way out
+            cluster.start_server(0)
+            deadline = time.monotonic() + 20
+            while {s.server_id: s.state for s in c.list_servers()}[cluster.server_id(0)] != "up":
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+            np.testing.assert_array_equal(c.open_region("sec/crash").read(dtype="int32"), data)
