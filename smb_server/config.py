@@ -132,6 +132,9 @@ class ServerConfig:
     tcp_scratch_bytes: int = _f(64 << 20, "bytes of scratch buffers the TCP data plane shares "
                                 "among its connections for accumulate (e.g. 64M)", "size",
                                 minimum=4 << 20)
+    shm_connections_max: int = _f(256, "most concurrent connections to the shm socket", minimum=1)
+    shm_connections_per_user: int = _f(128, "most concurrent connections to the shm socket from "
+                                       "one user id", minimum=1)
     metrics_port: int = _port(0, "Prometheus /metrics and /healthz HTTP port (0: off)")
     metrics_host: str = _f("", "address of the metrics endpoint (default: listen_host)")
     ready_file: str = _f("", "written with the server id once registered")

@@ -155,7 +155,9 @@ class MemoryServer(Daemon):
             scheme = TLS_SCHEME if tls.enabled else "tcp"
             endpoints.append(f"{scheme}://{format_hostport(host, self.tcp.port)}")
         if "shm" in cfg.transports:
-            self.shm = ShmPlane(self.arena, cfg.secret, self._socket_path(), self.stats.for_transport("shm"))
+            self.shm = ShmPlane(self.arena, cfg.secret, self._socket_path(), self.stats.for_transport("shm"),
+                                max_connections=cfg.shm_connections_max,
+                                max_per_user=cfg.shm_connections_per_user)
             endpoints.append(self.shm.endpoint)
         if "rdma" in cfg.transports:
             self.rdma = self._start_rdma(host)

@@ -55,8 +55,8 @@ REQUEST_HEAD = struct.Struct("<I")
 EXTENT_ID = struct.Struct("<Q")
 ANSWER_HEAD = struct.Struct("<BI")
 FRAME_TIMEOUT = 10.0   # seconds a started request may stall
-MAX_CONNECTIONS = 256   # connections open at once
-MAX_PER_USER = 128      # connections open at once from one user id (each client process keeps one)
+MAX_CONNECTIONS = 256   # connections open at once (shm_connections_max)
+MAX_PER_USER = 128      # ... from one user id; each client process keeps one (shm_connections_per_user)
 BACKLOG = 64
 SOCKET_MODE = 0o666     # every user who can reach the path may ask; the ticket decides
 
@@ -83,8 +83,8 @@ class ShmPlane:
         self.stats = stats if stats is not None else PlaneStats("shm")
         self._listener = Listener(self.path, self._serve, name="shm", stats=self.stats,
                                   max_connections=max_connections, max_per_peer=max_per_user,
-                                  max_setting="MAX_CONNECTIONS in smb_server/memserver/shm_plane.py",
-                                  per_peer_setting="MAX_PER_USER in smb_server/memserver/shm_plane.py",
+                                  max_setting="shm_connections_max",
+                                  per_peer_setting="shm_connections_per_user",
                                   refusal=_refusal,
                                   backlog=BACKLOG)
         try:

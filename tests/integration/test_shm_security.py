@@ -258,7 +258,7 @@ def test_one_user_cannot_take_every_shm_connection(shared_cluster):
             out = json.loads(flood.stdout.readline())
             assert out["status"] == Status.SERVER_BUSY
             assert f"{MAX_PER_USER} data-plane connections are open from uid {OTHER_UID}" in out["message"]
-            assert "MAX_PER_USER" in out["message"]                 # names the knob
+            assert "shm_connections_per_user" in out["message"]     # names the knob
             # while that user holds its share, this user's clients are served
             with cluster.client(transport="shm") as other:
                 again = other.open_region("sec/flood")
