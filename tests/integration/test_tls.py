@@ -31,7 +31,7 @@ SECRET = b"t" * 32
 
 @pytest.fixture(scope="module")
 def tls_cluster(tmp_path_factory):
-    with LocalCluster(servers=2, capacity="128M", transports="tcp", log_level="WARNING",
+    with LocalCluster(servers=2, capacity="128M", transports="tcp,shm", log_level="WARNING",
                       workdir=str(tmp_path_factory.mktemp("tls") / "cluster"),
                       tls_client_auth=True) as c:
         yield c
@@ -44,8 +44,8 @@ def other_ca(tmp_path_factory):
 
 
 def test_region_operations_over_tls(tls_cluster):
-    with tls_cluster.client() as c:
-        assert all(e.startswith("tcp+tls://") for s in c.list_servers() for e in s.endpoints)
+    with tls_cluster.client(transport="tcp") as c:
+        assert all(e.startswith(("tcp+tls://", "shm://")) for s in c.list_servers() for e in s.endpoints)
         r = c.create_region("tls/ops", 32 * MiB, stripe_unit=MiB)   # both servers, scatter/gather
         a = np.arange(4 * MiB, dtype=np.float32)                 # 16 MiB: many TLS records
         r.write(0, a)
@@ -64,6 +64,35 @@ def test_region_operations_over_tls(tls_cluster):
         c.delete_region("tls/ops")
 
 
+def test_shm_arithmetic_goes_over_the_tls_plane(tls_cluster):
+    with tls_cluster.client() as c:                      # auto: shm on this host
+        r = c.create_region("tls/shm", 2 * MiB)
+        assert set(r.transports().values()) == {"shm"}
+        a = np.arange(MiB // 4, dtype=np.float32)
+        r.write(0, a)
+        r.accumulate(0, a)                               # through the server, over tcp+tls
+        np.testing.assert_array_equal(r.read(0, a.nbytes, np.float32), 2 * a)
+        assert any(uri.startswith("tcp+tls://") for uri in c.dataplane.sessions())
+        c.delete_region("tls/shm")
+
+
+def test_all_reduce_over_tls(tls_cluster):
+    """Two parties' pushes and pulls wait at the server on tcp+tls connections."""
+    from smb_client.collective import Collective
+    with tls_cluster.client() as c1, tls_cluster.client() as c2:
+        first = Collective.create(c1, "tls/allreduce", 3 * MiB, parties=2, timeout=30)
+        second = Collective.open(c2, "tls/allreduce", parties=2, timeout=30)
+        a, b = np.full(MiB // 2, 1.5, np.float32), np.arange(MiB // 2, dtype=np.float32)
+        expected = a + b
+        other = c2.dataplane.submit(second.all_reduce, b)
+        first.all_reduce(a)
+        other.result(30)
+        np.testing.assert_array_equal(a, expected)
+        np.testing.assert_array_equal(b, expected)
+        second.close()
+        first.destroy()
+
+
 def test_wrong_ca_is_refused_on_grpc_and_data_plane(tls_cluster, other_ca):
     start = time.monotonic()
     with Client(tls_cluster.address, tls_cluster.token, tls=other_ca.client()) as c:
@@ -73,7 +102,7 @@ def test_wrong_ca_is_refused_on_grpc_and_data_plane(tls_cluster, other_ca):
     with tls_cluster.client() as good:
         good.create_region("tls/ca", MiB)
     # the controller trusted, a memory server signed by another CA: the data plane refuses it
-    with tls_cluster.client(transport_options={"tls": other_ca.client()}) as c:
+    with tls_cluster.client(transport="tcp", transport_options={"tls": other_ca.client()}) as c:
         r = c.open_region("tls/ca")
         with pytest.raises(AuthenticationError, match="SMB_TLS_CA"):
             r.read(0, 64)
@@ -87,7 +116,7 @@ def test_client_without_certificate_is_refused(tls_cluster):
             c.list_servers()
     with tls_cluster.client() as good:
         good.create_region("tls/nocert", MiB)
-    with tls_cluster.client(transport_options={"tls": no_cert}) as c:
+    with tls_cluster.client(transport="tcp", transport_options={"tls": no_cert}) as c:
         r = c.open_region("tls/nocert")
         with pytest.raises(AuthenticationError, match="SMB_TLS_CERT"):
             r.write(0, b"x" * 64)
@@ -101,7 +130,7 @@ def test_client_certificate_of_another_ca_is_refused(tls_cluster, other_ca):
             c.list_servers()
     with tls_cluster.client() as good:
         good.create_region("tls/foreign", MiB)
-    with tls_cluster.client(transport_options={"tls": foreign}) as c:
+    with tls_cluster.client(transport="tcp", transport_options={"tls": foreign}) as c:
         r = c.open_region("tls/foreign")
         with pytest.raises(AuthenticationError, match="does not accept this client's certificate"):
             r.read(0, 64)
