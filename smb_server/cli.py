@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from importlib import metadata
 
 from smb_client import Client, errors
+from smb_client.tls import TLSConfig
 from smb_client.units import format_bytes, parse_size
 
 from . import doctor, logs
@@ -121,7 +122,9 @@ def _server_drain(args: argparse.Namespace, undrain: bool) -> int:
     cfg = load(ServerConfig, args.config, default_path=DEFAULT_SERVER_FILE,
                flags=_flags(args, ServerConfig), with_secret=False)
     server_id = cfg.server_id or read_server_id(cfg.state_dir)
-    with Client(cfg.controller, admin_token(cfg.secret_file) or cfg.token) as c:
+    # the server's own TLS files (its configuration), as the server itself reaches the controller
+    tls = TLSConfig(cfg.tls_ca, cfg.tls_cert, cfg.tls_key) if cfg.tls_ca else None
+    with Client(cfg.controller, admin_token(cfg.secret_file) or cfg.token, tls=tls) as c:
         s = c.drain_server(server_id, undrain=undrain)
     if undrain:
         print(f"server {s.server_id} at {s.grpc_address}: {s.state}; new extents may be placed on it")

@@ -143,6 +143,22 @@ def test_client_with_tls_off_is_told_the_controller_serves_tls(tls_cluster):
             c.list_servers()
 
 
+def test_smb_server_drain_uses_the_servers_tls_settings(tls_cluster):
+    """An operator's `smb server drain` on a memory server host reaches a TLS controller
+    with the server's own tls_* settings (its file, flags or variables)."""
+    daemon = tls_cluster.certs.daemon()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SMB_")}
+    server_id = tls_cluster.server_id(0)
+    for action in ("drain", "undrain"):
+        out = subprocess.run([sys.executable, "-m", "smb_server.cli", "server", action,
+                              "--server-id", server_id, "--controller", tls_cluster.address,
+                              "--secret-file", str(tls_cluster.secret_file), "--tls-ca", daemon.ca,
+                              "--tls-cert", daemon.cert, "--tls-key", daemon.key],
+                             env=env, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert server_id in out.stdout
+
+
 def test_tls_handshake_runs_on_the_connection_thread_under_the_hello_deadline(tmp_path):
     certs = make_cluster_certs(str(tmp_path / "ca"))
     arena = Arena(16 * MiB)
