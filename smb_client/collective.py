@@ -55,7 +55,9 @@ log = logging.getLogger(__name__)
 
 __all__ = ["Collective", "CHUNK_BYTES"]
 
-CHUNK_BYTES = wire.MAX_CHUNK   # default bytes per chunk (BytePS found ~4 MB pieces best)
+CHUNK_BYTES = wire.MAX_CHUNK   # largest default chunk, bytes (BytePS found ~4 MB pieces best)
+MIN_CHUNK = 64 << 10           # smallest default chunk, bytes
+CHUNKS_PER_SERVER = 4          # default chunks per server at least, for overlap and balance
 TAIL = 64                      # bytes after a chunk's two slots: two count words, padding
 DEFAULT_TIMEOUT = 300.0        # seconds a push or pull waits for the other parties
 MAX_THREADS = 8                # pushes (and pulls) in flight per collective
@@ -137,12 +139,25 @@ class Collective:
             left -= n
         return sizes
 
+    @staticmethod
+    def default_chunk(nbytes: int, servers: int) -> int:
+        """Chunk bytes for ``nbytes`` over ``servers``: at most :data:`CHUNK_BYTES`, and
+        small enough that every server gets :data:`CHUNKS_PER_SERVER` chunks (so that
+        pushes and pulls overlap and the servers share the work), at least
+        :data:`MIN_CHUNK`."""
+        want = -(-nbytes // (max(1, servers) * CHUNKS_PER_SERVER))
+        return max(MIN_CHUNK, min(CHUNK_BYTES, -(-want // 4096) * 4096))
+
     @classmethod
     def create(cls, client: Client, name: str, nbytes: int, parties: int, *,
-               chunk_bytes: int = CHUNK_BYTES, num_servers: int = 0,
+               chunk_bytes: int | None = None, num_servers: int = 0,
                timeout: float = DEFAULT_TIMEOUT) -> Collective:
         """Create the region ``name`` for collectives of up to ``nbytes`` bytes, chunks
-        of ``chunk_bytes`` spread over ``num_servers`` servers (0: all)."""
+        of ``chunk_bytes`` (default :meth:`default_chunk`) dealt over ``num_servers``
+        servers (0: all that are up)."""
+        if chunk_bytes is None:
+            servers = num_servers or sum(1 for s in client.list_servers() if s.state == "up")
+            chunk_bytes = cls.default_chunk(nbytes if isinstance(nbytes, int) else 0, servers)
         sizes = cls.segment_sizes(nbytes, chunk_bytes)
         _check_parties(parties)
         region = client.create_region(name, sum(sizes), placement="layered", segment_sizes=sizes,

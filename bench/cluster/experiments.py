@@ -199,7 +199,7 @@ def allreduce(s: Settings, tick: Tick, cpu: CpuSampler | None = None) -> dict[st
                       "log_level": s.log_level} for r in range(n)]
             runs = tb.run_workers(specs, name=f"ar-{size}-")
             point: dict[str, Any] = {"bytes": size}
-            for system in ("smb", "gloo"):
+            for system in ("smb", "collective", "gloo"):
                 per_sync = [max(r[str(size)][system]["times"][i] for r in runs)
                             for i in range(s.syncs)]
                 point[system] = {"seconds": statistics.median(per_sync), "syncs": per_sync,
@@ -211,9 +211,10 @@ def allreduce(s: Settings, tick: Tick, cpu: CpuSampler | None = None) -> dict[st
                 for phase in ("accumulate", "barrier", "read")}
             point["transports"] = runs[0][str(size)]["smb"]["transports"]
             point["smb_vs_gloo"] = point["gloo"]["seconds"] / point["smb"]["seconds"]
+            point["collective_vs_gloo"] = point["gloo"]["seconds"] / point["collective"]["seconds"]
             points.append(point)
-            tick(f"aggregation, {size / 1e6:.0f} MB: smb {point['smb']['seconds']:.2f} s, "
-                 f"gloo {point['gloo']['seconds']:.2f} s")
+            tick(f"aggregation, {size / 1e6:.0f} MB: smb {point['smb']['seconds']:.2f} s, collective "
+                 f"{point['collective']['seconds']:.2f} s, gloo {point['gloo']['seconds']:.2f} s")
     return {"workers": n, "syncs": s.syncs, "warmup": s.sync_warmup, "stripe_unit": MiB,
             "link_MBps": s.cap_mbit / 8, "points": points}
 

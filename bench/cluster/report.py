@@ -59,14 +59,18 @@ def link_bound(r: dict[str, Any], size: int) -> float | None:
 
 
 def allreduce_table(r: dict[str, Any]) -> str:
-    lines = ["| gradient size | memory box, accumulate then read (s) | gloo all-reduce (s) "
-             "| gloo time / memory-box time | link bound (s) | CPU cores used (memory box, gloo) |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| gradient size | memory box, accumulate then read (s) | memory box, pipelined push-pull (s) "
+             "| gloo all-reduce (s) | gloo time / memory-box time (accumulate-read, push-pull) "
+             "| link bound (s) | CPU cores used (accumulate-read, push-pull, gloo) |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for p in r["points"]:
+        coll = p.get("collective")
         lines.append(
-            f"| {p['bytes'] / 1e6:.0f} MB | {p['smb']['seconds']:.2f} | {p['gloo']['seconds']:.2f} "
-            f"| {p['smb_vs_gloo']:.2f} | {_f(link_bound(r, p['bytes']))} "
-            f"| {_cores(p['smb'].get('cpu'))}, {_cores(p['gloo'].get('cpu'))} |")
+            f"| {p['bytes'] / 1e6:.0f} MB | {p['smb']['seconds']:.2f} "
+            f"| {_f(coll['seconds'] if coll else None)} | {p['gloo']['seconds']:.2f} "
+            f"| {p['smb_vs_gloo']:.2f}, {_f(p.get('collective_vs_gloo'))} | {_f(link_bound(r, p['bytes']))} "
+            f"| {_cores(p['smb'].get('cpu'))}, {_cores(coll.get('cpu') if coll else None)}, "
+            f"{_cores(p['gloo'].get('cpu'))} |")
     return "\n".join(lines) + "\n"
 
 
@@ -195,10 +199,12 @@ def plot_allreduce(r: dict[str, Any], path: str) -> None:
     plt = _pyplot()
     pts = r["points"]
     x = range(len(pts))
-    w = 0.38
+    w = 0.26
     fig, ax = plt.subplots(figsize=(6.0, 4.2))
-    ax.bar([i - w / 2 for i in x], [p["smb"]["seconds"] for p in pts], w, label="memory box: accumulate, read")
-    ax.bar([i + w / 2 for i in x], [p["gloo"]["seconds"] for p in pts], w, label="gloo all-reduce")
+    ax.bar([i - w for i in x], [p["smb"]["seconds"] for p in pts], w, label="memory box: accumulate, read")
+    if all("collective" in p for p in pts):
+        ax.bar(list(x), [p["collective"]["seconds"] for p in pts], w, label="memory box: pipelined push-pull")
+    ax.bar([i + w for i in x], [p["gloo"]["seconds"] for p in pts], w, label="gloo all-reduce")
     for i, p in enumerate(pts):
         bound = link_bound(r, p["bytes"])
         if bound:

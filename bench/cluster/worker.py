@@ -211,6 +211,41 @@ def _smb_allreduce(c: Client, spec: dict[str, Any], size: int) -> dict[str, Any]
     return {"times": times, "phases": phases, "verified": ok, "transports": transports, "window": window}
 
 
+def _smb_collective(c: Client, spec: dict[str, Any], size: int) -> dict[str, Any]:
+    """Sum ``size`` bytes of float32 over the workers with :class:`Collective`'s
+    pipelined push-pull (chunks dealt over the servers; no barrier, no controller call)."""
+    from smb_client.collective import Collective
+    rank, world = spec["rank"], spec["world"]
+    n = size // 4
+    grads = np.empty(n, dtype=np.float32)
+    name = f"{spec['tag']}/coll{size}"
+    if rank == 0:
+        coll = Collective.create(c, name, size, world, num_servers=spec["servers"], timeout=BARRIER_TIMEOUT)
+    c.barrier(f"{name}/created", world, timeout=BARRIER_TIMEOUT)
+    if rank != 0:
+        coll = Collective.open(c, name, world, timeout=BARRIER_TIMEOUT)
+    times, ok, window = [], True, [0.0, 0.0]
+    for s in range(spec["warmup"] + spec["syncs"]):
+        if s == spec["warmup"]:
+            window[0] = time.time()
+        grads.fill(rank + 1)
+        c.barrier(f"{name}/align{s}", world, timeout=BARRIER_TIMEOUT)
+        t0 = time.perf_counter()
+        coll.all_reduce(grads)
+        t1 = time.perf_counter()
+        ok = ok and bool(np.all(grads == world * (world + 1) / 2))
+        if s >= spec["warmup"]:
+            times.append(t1 - t0)
+    window[1] = time.time()
+    c.barrier(f"{name}/done", world, timeout=BARRIER_TIMEOUT)
+    servers = sorted({chunk.place.server_id for chunk in coll.chunks})
+    if rank == 0:
+        coll.destroy()
+    else:
+        coll.close()
+    return {"times": times, "verified": ok, "window": window, "servers": len(servers)}
+
+
 def _gloo_allreduce(spec: dict[str, Any], size: int) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
@@ -246,7 +281,9 @@ def allreduce(spec: dict[str, Any]) -> dict[str, Any]:
     try:
         with _client(spec) as c:
             for size in spec["sizes"]:
-                result[str(size)] = {"smb": _smb_allreduce(c, spec, size), "gloo": _gloo_allreduce(spec, size)}
+                result[str(size)] = {"smb": _smb_allreduce(c, spec, size),
+                                     "collective": _smb_collective(c, spec, size),
+                                     "gloo": _gloo_allreduce(spec, size)}
     finally:
         dist.destroy_process_group()
     return result
