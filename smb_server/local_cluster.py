@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from smb_client import Client, errors
+from smb_client.tls import TLSConfig
 from smb_client.units import parse_size
 
 from .certs import ClusterCerts, make_cluster_certs
@@ -165,7 +166,10 @@ class LocalCluster(Daemon):
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
         logf = open(self.workdir / f"{name}.log", "ab")
         cmd = [sys.executable, "-m", "smb_server.cli", "--log-level", self.log_level, *args]
-        env = dict(self.env, SMB_TOKEN=self.token)
+        # the daemons' TLS comes from the flags of _tls_args, never from a shell's SMB_TLS_*
+        # (a client's files there would be taken for the daemons' own)
+        env = {k: v for k, v in self.env.items() if not k.startswith("SMB_TLS_")}
+        env["SMB_TOKEN"] = self.token
         try:
             return subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env,
                                     stdin=subprocess.DEVNULL, start_new_session=True)
@@ -285,16 +289,17 @@ class LocalCluster(Daemon):
 
     def client(self, **kwargs: Any) -> Client:
         """A client with the client token (regions, data, barriers), and with TLS the
-        cluster's client certificate."""
-        if self.certs is not None:
-            kwargs.setdefault("tls", self.certs.client())
+        cluster's client certificate (without, TLS off whatever SMB_TLS_* says)."""
+        kwargs.setdefault("tls", self._client_tls())
         return Client(self.address, self.token, **kwargs)
 
     def admin_client(self, **kwargs: Any) -> Client:
         """A client with the admin credential (drain, undrain, remove servers)."""
-        if self.certs is not None:
-            kwargs.setdefault("tls", self.certs.client())
+        kwargs.setdefault("tls", self._client_tls())
         return Client(self.address, self.admin_token, **kwargs)
+
+    def _client_tls(self) -> TLSConfig:
+        return self.certs.client() if self.certs is not None else TLSConfig()
 
     def describe(self) -> str:
         """Shell lines that point clients (and, with the admin line, operators) here."""

@@ -159,6 +159,16 @@ def test_smb_server_drain_uses_the_servers_tls_settings(tls_cluster):
         assert server_id in out.stdout
 
 
+def test_a_plain_local_cluster_ignores_the_shells_tls_variables(monkeypatch, other_ca):
+    """A shell that kept a TLS cluster's client settings starts a plain cluster as plain."""
+    client = other_ca.client()
+    for key, value in (("SMB_TLS_CA", client.ca), ("SMB_TLS_CERT", client.cert), ("SMB_TLS_KEY", client.key)):
+        monkeypatch.setenv(key, value)
+    with LocalCluster(servers=1, capacity="64M", transports="tcp", log_level="WARNING") as plain:
+        with plain.client() as c:
+            assert [e[:6] for s in c.list_servers() for e in s.endpoints] == ["tcp://"]
+
+
 def test_tls_handshake_runs_on_the_connection_thread_under_the_hello_deadline(tmp_path):
     certs = make_cluster_certs(str(tmp_path / "ca"))
     arena = Arena(16 * MiB)
