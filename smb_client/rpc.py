@@ -77,7 +77,7 @@ def translate(exc: grpc.RpcError, unavailable: type[errors.SMBError] = errors.Un
     if name:
         cls = errors.error_class(name)
     elif code == grpc.StatusCode.UNAVAILABLE and is_trust_failure(detail or ""):
-        return untrusted("gRPC", detail or "")
+        return untrusted("gRPC call", detail or "")
     elif code == grpc.StatusCode.UNAVAILABLE:
         cls = unavailable
     else:

@@ -42,6 +42,8 @@ CERT_HINT = ("this server requires a client certificate: set SMB_TLS_CERT and SM
 PEER_HINT = ("the server does not accept this client's certificate: set SMB_TLS_CERT and "
              "SMB_TLS_KEY (tls_cert/tls_key) to a certificate signed by the CA the server trusts "
              "(its tls_ca)")
+PLAIN_HINT = ("the server does not speak TLS: give it tls_ca, tls_cert and tls_key, or turn TLS "
+              "off on this side (unset SMB_TLS_CA, or Client(tls=TLSConfig()))")
 # OpenSSL's words in a failed handshake that mean "not trusted", on either side
 _TRUST_WORDS = ("CERTIFICATE_VERIFY_FAILED", "certificate verify failed", "UNKNOWN_CA",
                 "unknown ca", "BAD_CERTIFICATE", "bad certificate", "CERTIFICATE_REQUIRED",
@@ -140,7 +142,9 @@ def is_trust_failure(text: str) -> bool:
 def untrusted(where: str, detail: str) -> AuthenticationError:
     """The error for a refused TLS handshake with ``where`` (``tcp+tls://h:p``, a
     controller address), saying which settings to fix."""
-    if any(w in detail for w in _CLIENT_CERT_WORDS):
+    if "WRONG_VERSION_NUMBER" in detail:   # the peer answered in clear text
+        hint = PLAIN_HINT
+    elif any(w in detail for w in _CLIENT_CERT_WORDS):
         hint = CERT_HINT
     elif "_ALERT_" in detail:   # the server's alert: it refused what we presented
         hint = PEER_HINT

@@ -167,6 +167,9 @@ def test_a_plain_local_cluster_ignores_the_shells_tls_variables(monkeypatch, oth
     with LocalCluster(servers=1, capacity="64M", transports="tcp", log_level="WARNING") as plain:
         with plain.client() as c:
             assert [e[:6] for s in c.list_servers() for e in s.endpoints] == ["tcp://"]
+        with Client(plain.address, plain.token, tls=client) as c:       # TLS to a plain controller
+            with pytest.raises(AuthenticationError, match="does not speak TLS"):
+                c.list_servers()
 
 
 def test_tls_handshake_runs_on_the_connection_thread_under_the_hello_deadline(tmp_path):
