@@ -26,7 +26,7 @@ COUNTERS = ("bytes_read", "bytes_written", "bytes_accumulated", "operations", "e
 #: counts of the data planes' limits, read with :meth:`PlaneStats.limits` (not part of
 #: :meth:`PlaneStats.snapshot` nor of the metrics): connections refused at accept (full,
 #: per-peer share, no descriptors), connections dropped for missing their HELLO or frame
-#: deadline, and the TCP plane's shared scratch buffers (``scratch_bytes`` allocated and
+#: deadline or failing their TLS handshake, and the TCP plane's shared scratch buffers (``scratch_bytes`` allocated and
 #: ``scratch_in_use`` lent, both gauges; ``scratch_waits``: requests that waited for one)
 LIMIT_COUNTS = ("refused", "dropped", "scratch_bytes", "scratch_in_use", "scratch_waits")
 # seconds; from a small-message round trip to a multi-megabyte accumulate
