@@ -163,6 +163,9 @@ class EtcdKV:
         if client is None:
             host, port = self.endpoints[index]
             client = clients[index] = Etcd3Client(host, port, timeout=self.timeout, api_path="/v3/")
+            # etcd is reached directly: no proxy or netrc look-up in the environment on
+            # every request (a third of the CPU of a call otherwise)
+            client.session.trust_env = False
         return client
 
     def _post(self, path: str, body: dict[str, Any]) -> Any:

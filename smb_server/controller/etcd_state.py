@@ -38,7 +38,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from smb_client import errors
@@ -72,6 +72,7 @@ class _Snapshot:
     servers: dict[str, tuple[dict[str, Any], int]]   # id -> (row, mod revision)
     regions: dict[str, tuple[dict[str, Any], int]]   # name -> (row, mod revision)
     lost: set[int]
+    extra: dict[str, kv.KeyValue | None] = field(default_factory=dict)  # single keys asked for
 
 
 class EtcdState:
@@ -144,9 +145,9 @@ class EtcdState:
         return time.time() if now is None else float(now)
 
     def _snapshot(self, region_prefix: str = "", servers: bool = True, regions: bool = True,
-                  lost: bool = True) -> _Snapshot:
-        """The parts asked for, read at one revision."""
-        ops, kinds = [], []
+                  lost: bool = True, extra: Sequence[str] = ()) -> _Snapshot:
+        """The parts asked for (and the single keys of ``extra``), read at one revision."""
+        ops, kinds = [kv.get(key) for key in extra], ["extra"] * len(extra)
         for want, kind, op in ((servers, "servers", kv.get_prefix(self._key("servers", ""))),
                                (regions, "regions", kv.get_prefix(self._key("regions", region_prefix))),
                                (lost, "lost", kv.get_prefix(self._key("lost", "")))):
@@ -155,7 +156,11 @@ class EtcdState:
                 kinds.append(kind)
         snap = _Snapshot({}, {}, set())
         for kind, kvs in zip(kinds, self.kv.read(*ops), strict=True):
+            if kind == "extra":
+                snap.extra[extra[len(snap.extra)]] = kvs[0] if kvs else None
             for item in kvs:
+                if kind == "extra":
+                    continue
                 if kind == "servers":
                     row = item.json()
                     snap.servers[row["server_id"]] = (row, item.mod_revision)
@@ -444,7 +449,7 @@ class EtcdState:
             raise errors.InvalidArgument(f"segment sizes are only for layered placement, not {placement!r}")
 
         def attempt() -> RegionRecord | None:
-            snap = self._snapshot()
+            snap = self._snapshot(extra=(self.next_id_key,))
             existing = snap.regions.get(name)
             if existing is not None:
                 what = " (being created)" if existing[0]["state"] == "creating" else ""
@@ -456,7 +461,7 @@ class EtcdState:
             layout, server_ids = placement_mod.plan(
                 int(size), placement, free, stripe_unit=int(stripe_unit),
                 num_servers=int(num_servers), segment_sizes=[int(s) for s in segment_sizes])
-            counter = self.kv.get(self.next_id_key)
+            counter = snap.extra[self.next_id_key]
             first = int(counter.value) if counter is not None else FIRST_ID_BASE + secrets.randbits(61)
             ids = list(range(first, first + len(server_ids)))
             row: dict[str, Any] = {
@@ -490,14 +495,15 @@ class EtcdState:
     def commit_region(self, name: str, uid: str | None = None) -> RegionRecord:
         """Mark a ``creating`` region ``ready`` (idempotent); raises RegionNotFound."""
         def attempt() -> RegionRecord | None:
-            row, rev = self._read_one("regions", name)
+            snap = self._snapshot(region_prefix=name)
+            row, rev = snap.regions.get(name, (None, 0))
             if row is None or (uid is not None and row["uid"] != uid):
                 raise errors.RegionNotFound(f"region {name!r} was removed while it was being created")
             key = self._key("regions", name)
             row = {**row, "state": "ready"}
             if not self._commit([kv.mod_revision_is(key, rev)], [kv.put(key, json.dumps(row))]):
                 return None
-            return self._region(row, self._snapshot(regions=False))
+            return self._region(row, snap)
         region = self._retry(attempt, f"committing region {name}")
         log.info("region %s (uid %s) ready", name, region.uid)
         return region
