@@ -98,6 +98,8 @@ class Client:
         self.chunk_bytes = chunk_bytes
         self.transport_options = dict(transport_options or {})
         self.tls = TLSConfig.from_env() if tls is None else tls
+        if self.tls.enabled:
+            self.tls.client_context()   # unreadable or mismatched files: InvalidArgument now
         self.dataplane = DataPlane(self.transport, host_id(), connections=connections, token=self.token,
                                    io_threads=io_threads,
                                    transport_options={"tls": self.tls, **self.transport_options})

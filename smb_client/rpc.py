@@ -57,7 +57,7 @@ def channel(address: str, tls: TLSConfig | None = None) -> grpc.Channel:
     tls = TLSConfig.from_env() if tls is None else tls
     if not tls.enabled:
         return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
-    tls.check()
+    tls.client_context()   # checks the files: InvalidArgument naming them, before any call
     ca, cert, key = tls.read()
     credentials = grpc.ssl_channel_credentials(ca, key, cert)
     return grpc.secure_channel(address, credentials, options=CHANNEL_OPTIONS)

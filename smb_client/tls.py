@@ -111,10 +111,7 @@ class TLSConfig:
         ctx = self._contexts.get("client")
         if ctx is None:
             self.check()
-            ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=self.ca or None)
-            ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-            if self.cert:
-                ctx.load_cert_chain(self.cert, self.key)
+            ctx = self._context(ssl.Purpose.SERVER_AUTH)
             self._contexts["client"] = ctx
         return ctx
 
@@ -126,11 +123,24 @@ class TLSConfig:
         ctx = self._contexts.get(name)
         if ctx is None:
             self.check(server=True)
-            ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=self.ca)
-            ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-            ctx.load_cert_chain(self.cert, self.key)
+            ctx = self._context(ssl.Purpose.CLIENT_AUTH)
             ctx.verify_mode = ssl.CERT_REQUIRED if require_client_cert else ssl.CERT_NONE
             self._contexts[name] = ctx
+        return ctx
+
+    def _context(self, purpose: ssl.Purpose) -> ssl.SSLContext:
+        """A context that trusts ``ca`` (the system's CAs when none) and holds ``cert``;
+        files that are not PEM, or a key that is not the certificate's, raise
+        InvalidArgument naming them."""
+        try:
+            ctx = ssl.create_default_context(purpose, cafile=self.ca or None)
+            ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+            if self.cert:
+                ctx.load_cert_chain(self.cert, self.key)
+        except (ssl.SSLError, OSError) as exc:
+            files = ", ".join(p for p in (self.ca, self.cert, self.key) if p)
+            raise InvalidArgument(f"TLS files {files}: {exc} (PEM CA, certificate and its "
+                                  "private key expected)") from None
         return ctx
 
 

@@ -290,7 +290,7 @@ def check_tls(cfg: ControllerConfig | ServerConfig, file: str = "") -> None:
         raise ConfigError(f"{where}: tls_client_auth needs TLS: set tls_ca, tls_cert and tls_key")
     if tls.enabled or tls.cert or tls.key:
         try:
-            tls.check(server=True)
+            tls.server_context()   # reads the files: PEM, and the key of the certificate
         except InvalidArgument as exc:
             raise ConfigError(f"{where}: {exc}") from None
 

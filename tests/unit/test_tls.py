@@ -32,6 +32,12 @@ def test_settings_come_from_the_environment_and_are_checked(tmp_path):
         TLSConfig(ca=str(tmp_path / "missing.pem")).check()
 
 
+def test_a_client_with_files_that_are_not_its_certificate_and_key_is_refused_at_once(certs):
+    from smb_client import Client
+    with pytest.raises(InvalidArgument, match="PEM CA, certificate and its private key expected"):
+        Client("127.0.0.1:1", "t", tls=TLSConfig(certs.ca, certs.client_cert, certs.server_key))
+
+
 def test_refusals_name_the_setting_to_fix():
     assert "SMB_TLS_CA" in str(untrusted("tcp+tls://h:1", "certificate verify failed"))
     assert "SMB_TLS_CERT" in str(untrusted("tcp+tls://h:1", "tlsv13 alert certificate required"))
@@ -89,5 +95,8 @@ def test_daemon_settings_refuse_tls_files_that_do_not_fit(certs, tmp_path):
                                 "SMB_TLS_KEY": certs.server_key}, with_secret=False)
     with pytest.raises(ConfigError, match="needs its certificate and key"):
         load(ServerConfig, env={"SMB_TLS_CA": certs.ca}, with_secret=False)
+    with pytest.raises(ConfigError, match="PEM CA, certificate and its private key expected"):
+        load(ServerConfig, env={"SMB_TLS_CA": certs.ca, "SMB_TLS_CERT": certs.server_cert,
+                                "SMB_TLS_KEY": certs.client_key}, with_secret=False)   # not its key
     with pytest.raises(ConfigError, match="tls_client_auth needs TLS"):
         load(ServerConfig, env={}, flags={"tls_client_auth": True}, with_secret=False)
