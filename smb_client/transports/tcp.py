@@ -2,7 +2,11 @@
 of connections per memory server, shared by every region of a client. Each connection
 presents a region's ticket (``HELLO``) before its first request for that region.
 Payloads move between caller buffers and the socket with ``sendmsg``/``recvmsg_into``
-on memoryviews, without intermediate copies.
+on memoryviews, without intermediate copies. A ``tcp+tls://`` endpoint gets the same
+session over TLS (:mod:`smb_client.tls`): a handshake when each connection opens (the
+server checked against the client's CA, the client's certificate presented when it has
+one), then OpenSSL encrypts from and decrypts into the same buffers. A refused
+handshake raises :class:`AuthenticationError` naming the setting to fix.
 
 Failure detection: a memory server that is gone (host down, link down) is found by the
 kernel, not by guessing from the application's silence. Every socket sends TCP
