@@ -11,17 +11,20 @@ from pathlib import Path
 
 from smb_client import Client, errors
 from smb_server.config import new_secret, new_token
-from smb_server.controller.etcd_kv import EtcdKV, parse_url
+from smb_server.controller.etcd_kv import EtcdKV, is_etcd_url, parse_url
 from smb_server.local_cluster import wait_for_json
 
 START_TIMEOUT = 30.0  # seconds
 
 
 class ControllerGroup:
-    """``count`` controllers sharing ``store``; owns their processes (killed at :meth:`stop`)."""
+    """``count`` controllers sharing ``store`` (an ``etcd://`` URL; a SQLite path for one
+    controller); owns their processes (killed at :meth:`stop`). ``extra_args`` go to
+    every controller."""
 
     def __init__(self, workdir: Path, store: str, count: int = 2, leader_lease: int = 2,
-                 server_lease: float = 3.0) -> None:
+                 server_lease: float = 3.0, extra_args: tuple[str, ...] = ()) -> None:
+        self.extra_args = list(extra_args)
         self.workdir = workdir
         self.store = store
         self.leader_lease = leader_lease
@@ -32,8 +35,10 @@ class ControllerGroup:
         self.procs: list[subprocess.Popen[bytes] | None] = [None] * count
         self.addresses = [""] * count
         self.servers: list[subprocess.Popen[bytes]] = []
-        endpoints, self.prefix = parse_url(store)
-        self.kv = EtcdKV(endpoints)
+        self.kv: EtcdKV | None = None
+        if is_etcd_url(store):
+            endpoints, self.prefix = parse_url(store)
+            self.kv = EtcdKV(endpoints)
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
         with open(self.workdir / f"{name}.log", "ab") as logf:
@@ -48,7 +53,7 @@ class ControllerGroup:
         self.procs[i] = proc = self._spawn(f"controller-{i}", [
             "controller", "--listen", f"127.0.0.1:{port}", "--store", self.store,
             "--leader-lease-seconds", str(self.leader_lease), "--lease", str(self.server_lease),
-            "--secret-file", str(self.secret_file), "--ready-file", str(ready)])
+            "--secret-file", str(self.secret_file), "--ready-file", str(ready), *self.extra_args])
         self.addresses[i] = wait_for_json(ready, START_TIMEOUT, proc)["address"]
 
     def start(self) -> ControllerGroup:
@@ -74,6 +79,7 @@ class ControllerGroup:
 
     def leader_record(self) -> dict[str, object] | None:
         """The leader key as etcd holds it (address and epoch), None while there is none."""
+        assert self.kv is not None, "a SQLite store has no leader"
         item = self.kv.get(f"{self.prefix}/leader")
         return None if item is None else dict(item.json())
 
@@ -120,4 +126,5 @@ class ControllerGroup:
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
-        self.kv.close()
+        if self.kv is not None:
+            self.kv.close()
