@@ -18,7 +18,7 @@ from . import rpc
 from ._proto.smb.v1 import controller_pb2 as pb
 from ._proto.smb.v1 import controller_pb2_grpc as pb_grpc
 from .dataplane import TRANSPORT_POLICIES, DataPlane, choose_endpoint
-from .errors import ControllerUnavailable, InvalidArgument, RegionNotFound, SMBError
+from .errors import ControllerUnavailable, InvalidArgument, RegionNotFound, SMBError, Timeout
 from .hostinfo import host_id
 from .names import check_region_name
 from .placement import check_bytes
@@ -166,6 +166,14 @@ class Client:
                     raise refusal from None
             if len(self.controllers) > 1:  # the next try goes to the next of the list
                 self._leader = (index + 1) % len(self.controllers)
+            raise
+        except Timeout as exc:
+            # of a list, a controller that does not answer in time (paused, hung) may have
+            # been replaced by a standby: try the next (a lone controller's timeout stands)
+            if len(self.controllers) > 1 and type(exc) is Timeout:
+                self._leader = (index + 1) % len(self.controllers)
+                raise ControllerUnavailable(f"controller {address} did not answer within "
+                                            f"{deadline} s; trying the next of the list") from None
             raise
 
     # -- regions -------------------------------------------------------------------

@@ -112,11 +112,19 @@ def test_a_paused_leader_resumed_after_a_takeover_changes_nothing(group: Control
     group.start_server()
     with group.client(leader, reconnect_timeout=5) as c:
         c.create_region("job/before", MiB)
+    # a client given both, talking to the leader when it is paused
+    listed = Client(f"{group.addresses[leader]},{group.addresses[1 - leader]}", group.token,
+                    timeout=2, reconnect_timeout=TAKEOVER_LIMIT + 5)
+    listed.list_regions()
     group.kill(leader, signal.SIGSTOP)
     try:
         new = group.wait_leader(timeout=TAKEOVER_LIMIT + 5, among=(1 - leader,))
+        # the paused leader does not answer: the client gives up on it and finds the new one
+        assert [r.name for r in listed.list_regions("job/")] == ["job/before"]
+        assert listed.controller == group.addresses[new]
     finally:
         group.kill(leader, signal.SIGCONT)
+        listed.close()
     # at once after it resumes, the old leader refuses, naming the new one, and applies nothing
     with group.client(leader) as c:
         with pytest.raises(errors.ControllerUnavailable, match=f"leader is at {group.addresses[new]}"):
