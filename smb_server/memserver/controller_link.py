@@ -65,7 +65,7 @@ class ControllerLink:
                             "is secret_file the controller's secret?)", self.where,
                             type(exc).__name__, exc, self.failures)
             return self.backoff.next_delay()
-        except errors.ControllerUnavailable as exc:
+        except (errors.ControllerUnavailable, errors.Timeout) as exc:  # a standby, down, or paused
             if self.controllers is not None and len(self.controllers) > 1:
                 self.failures += 1
                 was = self.controllers.address

@@ -127,6 +127,15 @@ def test_unavailable_controller_moves_on_to_the_next_of_the_list() -> None:
     assert sorted(stubs.closed) == sorted(set(stubs.opened)) == ["a:1", "b:2", "c:3", "d:4"]
 
 
+def test_a_controller_that_does_not_answer_in_time_is_left_for_the_next() -> None:
+    controllers = Controllers("a:1,b:2", lambda address: None, lambda ch: "stub")
+    paused = errors.Timeout("Deadline Exceeded")
+    link = ControllerLink(Script([paused, None]).call("register"), lambda: None, lambda: INTERVAL,
+                          Backoff(first=0.1, cap=0.4), controllers=controllers)
+    assert link.step() == 0.0 and controllers.address == "b:2"
+    assert link.step() == INTERVAL and not link.need_register
+
+
 def test_a_single_controller_backs_off_as_before() -> None:
     controllers = Controllers("a:1", lambda address: None, lambda ch: "stub")
     link = ControllerLink(Script([errors.ControllerUnavailable("down")] * 2).call("register"),
