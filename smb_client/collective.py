@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 import struct
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -93,7 +93,8 @@ class Collective:
     :class:`~smb_client.errors.Timeout`).
     """
 
-    def __init__(self, region: Region, parties: int, *, timeout: float = DEFAULT_TIMEOUT) -> None:
+    def __init__(self, region: Region, parties: int, *, timeout: float = DEFAULT_TIMEOUT,
+                 fresh: bool = False) -> None:
         _check_parties(parties)
         layout = region.layout
         if layout.kind != "layered" or any(s <= TAIL or (s - TAIL) % 2 for s in layout.segment_sizes):
@@ -111,10 +112,11 @@ class Collective:
                                       start, length))
             start += length
         self.nbytes = start
-        # the base of each (slot, chunk): the count when its next round starts, read now
-        # (zero for a new region; open every party at the same quiet point otherwise)
+        # the base of each (slot, chunk): the count when its next round starts; zero for a
+        # region nobody used yet (``fresh``), else read now (open every party at the same
+        # quiet point, when nobody is in a collective on it)
         self._bases = [[0] * len(self.chunks), [0] * len(self.chunks)]
-        for c in self.chunks:
+        for c in self.chunks if not fresh else ():
             raw = region.read(c.region_words, 16)
             self._bases[0][c.index], self._bases[1][c.index] = _WORDS.unpack(bytes(raw))
         self.round = 0
@@ -163,15 +165,19 @@ class Collective:
         region = client.create_region(name, sum(sizes), placement="layered", segment_sizes=sizes,
                                       num_servers=num_servers)
         try:
-            return cls(region, parties, timeout=timeout)
+            return cls(region, parties, timeout=timeout, fresh=True)
         except BaseException:
             client.delete_region(name)
             raise
 
     @classmethod
-    def open(cls, client: Client, name: str, parties: int, *, timeout: float = DEFAULT_TIMEOUT) -> Collective:
-        """Open the collective ``name`` that another party created."""
-        return cls(client.open_region(name), parties, timeout=timeout)
+    def open(cls, client: Client, name: str, parties: int, *, timeout: float = DEFAULT_TIMEOUT,
+             fresh: bool = False) -> Collective:
+        """Open the collective ``name`` that another party created. ``fresh``: it was
+        just created and has not been used by this party's group before (its counts are
+        taken as zero, which stays right even if a faster party already pushed); else its
+        counts are read, so open it when no party is inside a collective on it."""
+        return cls(client.open_region(name), parties, timeout=timeout, fresh=fresh)
 
     def close(self) -> None:
         """Stop this party's threads (after the work in flight); the region stays."""
@@ -195,18 +201,18 @@ class Collective:
         assert isinstance(session, TcpSession)
         return session
 
-    def _push(self, chunk: _Chunk, slot: int, base: int, data: memoryview, dt: DType) -> None:
+    def _push(self, chunk: _Chunk, slot: int, base: int, data: list[memoryview], dt: DType) -> None:
         seq = self.region._dataplane.next_seq()
         session = self._session(chunk)
         self.region._retrying(lambda: session.push(
-            self.region._ticket, chunk.place.extent_id, chunk.slots[slot], [data], dt,
+            self.region._ticket, chunk.place.extent_id, chunk.slots[slot], data, dt,
             chunk.words[slot], base, self.timeout, seq))
 
-    def _pull(self, chunk: _Chunk, slot: int, target: int, out: memoryview) -> None:
+    def _pull(self, chunk: _Chunk, slot: int, target: int, out: list[memoryview]) -> None:
         seq = self.region._dataplane.next_seq()
         session = self._session(chunk)
         self.region._retrying(lambda: session.pull(
-            self.region._ticket, chunk.place.extent_id, chunk.slots[slot], [out],
+            self.region._ticket, chunk.place.extent_id, chunk.slots[slot], out,
             chunk.words[slot], target, self.timeout, seq))
 
     def _typed(self, data: Any, dtype: Any) -> tuple[memoryview, DType]:
@@ -218,9 +224,6 @@ class Collective:
             raise DtypeError(f"buffer holds {inferred.name.lower()}, dtype {dt.name.lower()} asked for")
         if len(view) % itemsize(dt):
             raise Misaligned(f"{len(view)} bytes is not a whole number of {dt.name.lower()} elements")
-        if len(view) > self.nbytes:
-            raise InvalidArgument(f"{len(view)} bytes do not fit collective {self.region.name} "
-                                  f"({self.nbytes} bytes)")
         return view, dt
 
     def _run(self, jobs: list[tuple[ThreadPoolExecutor, Callable[[], None]]]) -> None:
@@ -250,20 +253,26 @@ class Collective:
         """Sum ``data`` (a writable numpy array, torch CPU tensor or buffer; float32,
         float16, bfloat16, float64, int32 or int64) over the parties, in place; returns
         ``data``. Chunks are pushed in order while the finished ones are pulled."""
-        view, dt = self._typed(data, dtype)
-        with self._lock:
-            slot = self.round % 2
-            bases = self._bases[slot]
-            jobs: list[tuple[ThreadPoolExecutor, Callable[[], None]]] = []
-            for c, n in self._used(len(view)):
-                part = view[c.start:c.start + n]
-                base = bases[c.index]
-                jobs.append((self._pushes, partial(self._push, c, slot, base, part, dt)))
-                jobs.append((self._pulls, partial(self._pull, c, slot, base + self.parties, part)))
-                bases[c.index] = base + 2 * self.parties
-            self.round += 1
-            self._run(jobs)
+        self.begin(data, dtype).finish()
         return data
+
+    def begin(self, data: Any, dtype: Any = None, *, runs: Sequence[tuple[int, int]] | None = None,
+              hold: int | None = None) -> AllReduce:
+        """Start an all-reduce of ``data`` (as :meth:`all_reduce`) whose bytes become
+        final piece by piece: call :meth:`AllReduce.ready` as they do (each chunk is
+        pushed once all its bytes are), then :meth:`AllReduce.finish`. ``runs``:
+        ``(offset, length)`` byte ranges that take part (default: all of ``data``);
+        chunks outside them are neither pushed nor pulled (every party must pass the
+        same; only their bytes travel, packed). ``hold``: the offset of a byte whose chunk
+        is pushed only by ``finish``
+        (the round's end can then not be seen by anyone before every party called it)."""
+        view, dt = self._typed(data, dtype)
+        self._lock.acquire()
+        try:
+            return AllReduce(self, view, dt, runs, hold)
+        except BaseException:
+            self._lock.release()
+            raise
 
     def broadcast(self, data: Any, root: int, rank: int, dtype: Any = None) -> Any:
         """Give every party ``root``'s ``data`` (in place at the others); ``rank`` is
@@ -271,6 +280,9 @@ class Collective:
         if not (0 <= root < self.parties and 0 <= rank < self.parties):
             raise InvalidArgument(f"root {root} and rank {rank} must lie in 0..{self.parties - 1}")
         view, dt = self._typed(data, dtype)
+        if len(view) > self.nbytes:
+            raise InvalidArgument(f"{len(view)} bytes do not fit collective {self.region.name} "
+                                  f"({self.nbytes} bytes)")
         with self._lock:
             slot = self.round % 2
             bases = self._bases[slot]
@@ -279,10 +291,111 @@ class Collective:
                 part = view[c.start:c.start + n]
                 base = bases[c.index]
                 if rank == root:
-                    jobs.append((self._pushes, partial(self._push, c, slot, base, part, dt)))
+                    jobs.append((self._pushes, partial(self._push, c, slot, base, [part], dt)))
                 else:
-                    jobs.append((self._pulls, partial(self._pull, c, slot, base + 1, part)))
+                    jobs.append((self._pulls, partial(self._pull, c, slot, base + 1, [part])))
                 bases[c.index] = base + self.parties
             self.round += 1
             self._run(jobs)
         return data
+
+
+class AllReduce:
+    """One all-reduce round of a :class:`Collective` (from :meth:`Collective.begin`):
+    holds the collective until :meth:`finish`.
+
+    The round reduces the bytes of ``runs`` only, packed one after the other: chunk
+    ``i`` of the collective covers packed bytes ``[start, start+length)``, gathered from
+    (and scattered back to) the runs' pieces of the caller's buffer, so bytes outside
+    the runs (frozen parameters) cost no traffic.
+    """
+
+    def __init__(self, coll: Collective, view: memoryview, dt: DType,
+                 runs: Sequence[tuple[int, int]] | None, hold: int | None) -> None:
+        self.coll = coll
+        self.view = view
+        self.dt = dt
+        self.slot = coll.round % 2
+        runs = [(0, len(view))] if runs is None else sorted((o, n) for o, n in runs if n > 0)
+        self.runs: list[tuple[int, int, int]] = []       # (buffer offset, length, packed offset)
+        packed = 0
+        for off, n in runs:
+            if off < 0 or off + n > len(view) or (self.runs and off < self.runs[-1][0] + self.runs[-1][1]):
+                raise InvalidArgument(f"runs must be disjoint byte ranges inside the buffer, got {runs}")
+            self.runs.append((off, n, packed))
+            packed += n
+        if packed > coll.nbytes:
+            raise InvalidArgument(f"{packed} bytes do not fit collective {coll.region.name} ({coll.nbytes} bytes)")
+        self.futures: list[Future[None]] = []
+        self._todo: dict[int, tuple[_Chunk, int]] = {}
+        self._missing: dict[int, int] = {}      # chunk index -> bytes not final yet
+        self._held: int | None = None
+        held = self._packed(hold) if hold is not None else None
+        bases = coll._bases[self.slot]
+        self._bases: dict[int, int] = {}
+        for c, n in coll._used(packed):
+            self._todo[c.index] = (c, n)
+            self._missing[c.index] = n
+            self._bases[c.index] = bases[c.index]
+            bases[c.index] += 2 * coll.parties
+            if held is not None and c.start <= held < c.start + n:
+                self._held = c.index
+        coll.round += 1
+        self._finished = False
+
+    def _packed(self, offset: int) -> int | None:
+        for off, n, packed in self.runs:
+            if off <= offset < off + n:
+                return packed + offset - off
+        return None
+
+    def _pieces(self, lo: int, hi: int) -> list[memoryview]:
+        """The caller's buffer pieces holding packed bytes ``[lo, hi)``, in order."""
+        out = []
+        for off, n, packed in self.runs:
+            a, b = max(lo, packed), min(hi, packed + n)
+            if a < b:
+                out.append(self.view[off + a - packed:off + b - packed])
+        return out
+
+    def ready(self, offset: int, length: int) -> None:
+        """Bytes ``[offset, offset+length)`` of the buffer are final (each byte once)."""
+        for off, n, packed in self.runs:
+            a, b = max(offset, off), min(offset + length, off + n)
+            if a >= b:
+                continue
+            lo, hi = packed + a - off, packed + b - off
+            for index, (c, cn) in list(self._todo.items()):
+                got = min(hi, c.start + cn) - max(lo, c.start)
+                if got > 0:
+                    self._missing[index] -= got
+                    if self._missing[index] <= 0 and index != self._held:
+                        self._launch(index)
+
+    def _launch(self, index: int) -> None:
+        c, n = self._todo.pop(index)
+        parts = self._pieces(c.start, c.start + n)
+        base = self._bases[index]
+        coll = self.coll
+        self.futures.append(coll._pushes.submit(coll._push, c, self.slot, base, parts, self.dt))
+        self.futures.append(coll._pulls.submit(coll._pull, c, self.slot, base + coll.parties, parts))
+
+    def finish(self) -> None:
+        """Push what is left (in chunk order), wait for every push and pull; raise the
+        first error. Releases the collective."""
+        if self._finished:
+            return
+        self._finished = True
+        try:
+            for index in sorted(self._todo):
+                self._launch(index)
+            error: BaseException | None = None
+            for f in self.futures:
+                try:
+                    f.result()
+                except BaseException as exc:
+                    error = error or exc
+            if error is not None:
+                raise error
+        finally:
+            self.coll._lock.release()

@@ -27,6 +27,19 @@ server-side wait), so steady-state steps make no controller call. One
 
 Frozen parameters (``requires_grad=False``) are neither pushed, pulled nor zeroed.
 
+``exchange="collective"`` (the default ``auto`` picks it when every parameter has one
+element type) sums the gradients with the memory box's pipelined push-pull instead
+(:class:`~smb_client.collective.Collective`, over the region ``<prefix>/allreduce``):
+each chunk is pushed as soon as its gradients are final (from the backward hooks) and
+pulled as soon as every worker's share arrived, while later chunks are still pushed;
+no gradient slot, no zeroing, and no barrier per step unless buffers are synchronized.
+Chunks that hold only frozen parameters are skipped. Aligned stopping still holds:
+every worker publishes its count before it pushes the chunk it holds back until
+:meth:`SyncDataParallel.synchronize`, and reads the stop word after the last pull, so
+everybody's count is visible to everybody by then. ``exchange="slots"`` keeps the
+accumulate, barrier and read of the three gradient slots (needed for mixed element
+types).
+
 Buffers (batch-norm statistics) are synchronized every step through the store's
 ``buffers`` region, slot ``1 + s % 3`` in step ``s`` (the rotation argument above
 holds for it too): ``broadcast`` (the default, as DDP) rank 0 writes its buffers
@@ -51,8 +64,9 @@ from typing import Any
 
 import torch
 
+from ..collective import AllReduce, Collective
 from ..coord import Barrier
-from ..errors import InvalidArgument
+from ..errors import InvalidArgument, RegionNotFound
 from .counters import SYNC_BARRIER_WORD, SharedCounters
 from .flat import GradientHooks
 from .layout import ALIGN, Bucket
@@ -66,6 +80,7 @@ DEFAULT_PUBLISH_EVERY = 1         # steps between publications of the weights
 DEFAULT_BUCKET_BYTES = 256 << 10  # bytes per pushed bucket
 BARRIER_TIMEOUT = 300.0           # seconds
 BUFFER_MODES = ("broadcast", "average", "none")
+EXCHANGES = ("auto", "collective", "slots")
 
 
 class SyncDataParallel:
@@ -91,7 +106,8 @@ class SyncDataParallel:
     def __init__(self, store: ParameterStore, rank: int, world: int, *, overlap: bool = True,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, counters: SharedCounters | None = None,
                  barrier_timeout: float = BARRIER_TIMEOUT,
-                 publish_every: int = DEFAULT_PUBLISH_EVERY, buffers: str = "broadcast") -> None:
+                 publish_every: int = DEFAULT_PUBLISH_EVERY, buffers: str = "broadcast",
+                 exchange: str = "auto") -> None:
         if store.grad_slots < SYNC_SLOTS:
             raise InvalidArgument(f"synchronous training needs a store with grad_slots >= {SYNC_SLOTS}, "
                                   f"{store.prefix!r} has {store.grad_slots}")
@@ -101,6 +117,11 @@ class SyncDataParallel:
             raise InvalidArgument("synchronous workers need SharedCounters(..., lockstep=True)")
         if publish_every < 0:
             raise InvalidArgument(f"publish_every must be >= 0 (0: only at close), got {publish_every}")
+        if exchange not in EXCHANGES:
+            raise InvalidArgument(f"unknown exchange {exchange!r}: expected one of {', '.join(EXCHANGES)}")
+        if exchange == "collective" and store.flat.dtype is None:
+            raise InvalidArgument("exchange='collective' needs parameters of one element type; this model "
+                                  "mixes types: use exchange='slots'")
         if buffers not in BUFFER_MODES:
             raise InvalidArgument(f"unknown buffers mode {buffers!r}: expected one of {', '.join(BUFFER_MODES)}")
         if buffers != "none" and store.buffer_layout is None and any(True for _ in store.flat.model.buffers()):
@@ -132,12 +153,48 @@ class SyncDataParallel:
         self._hooks = GradientHooks(self.flat, bucket_bytes, self._push_bucket) if overlap else None
         self._barrier = Barrier(store.region("counters"), SYNC_BARRIER_WORD * 8, world)
         self._barrier_ready = False                # the first step zeroes the word (see _meet)
+        if exchange == "auto":
+            exchange = "collective" if self.flat.dtype is not None else "slots"
+        self.exchange = exchange
+        self._coll: Collective | None = None
+        self._round: AllReduce | None = None
+        if exchange == "collective":
+            self._coll = self._open_collective()
+            # held back until synchronize(): see the module's notes on aligned stopping
+            self._hold = self._runs[-1][0] if self._runs else None
+
+    def _open_collective(self) -> Collective:
+        """Rank 0 makes ``<prefix>/allreduce`` afresh (its counts must start at zero);
+        the others open it after a controller barrier (once, not per step)."""
+        store = self.store
+        name = store.region_name(store.prefix, "allreduce")
+        coll = None
+        if self.rank == 0:
+            try:
+                store.client.delete_region(name)
+            except RegionNotFound:
+                pass
+            packed = max(8, sum(n for _, n in self._runs))   # only trainable bytes travel
+            coll = Collective.create(store.client, name, packed, self.world, timeout=self.barrier_timeout)
+        store.client.barrier(f"{store.prefix}/allreduce", self.world, timeout=self.barrier_timeout)
+        if coll is None:
+            coll = Collective.open(store.client, name, self.world, timeout=self.barrier_timeout, fresh=True)
+        return coll
+
+    def _begin_round(self) -> AllReduce:
+        if self._round is None:
+            assert self._coll is not None
+            self._round = self._coll.begin(self.flat.flat_grads, runs=self._runs, hold=self._hold)
+        return self._round
 
     # -- per step -----------------------------------------------------------------
     def _slot(self, step: int) -> int:
         return step % SYNC_SLOTS
 
     def _push_bucket(self, bucket: Bucket) -> list[Future[Any]]:
+        if self._coll is not None:   # the chunks whose gradients are all final go out
+            self._begin_round().ready(bucket.offset, bucket.length)
+            return []
         base = self.store.slot_offset("grads", self._slot(self.step))
         return self.store.accumulate_flat("grads", base, self.flat.flat_grads, bucket.offset, bucket.length)
 
@@ -245,6 +302,9 @@ class SyncDataParallel:
         if self._closed:
             raise InvalidArgument("synchronize() after close()")
         self.flat.check_trainable()
+        if self._coll is not None:
+            self._synchronize_collective()
+            return
         store = self.store
         nxt = self.store.slot_offset("grads", self._slot(self.step + 1))
         futures: list[Future[Any]] = []
@@ -275,6 +335,41 @@ class SyncDataParallel:
             store.read_into("grads", base + off, self.flat.byte_range(self.flat.flat_grads, off, n))
         self.flat.scale_(self.flat.flat_grads, 1.0 / self.world)
         self._pull_buffers()
+        if self.counters is not None:
+            self.stop = self.counters.should_stop()
+        self.comm_wait += time.perf_counter() - t0
+        self.step += 1
+
+    def _synchronize_collective(self) -> None:
+        futures: list[Future[Any]] = []
+        publish = bool(self.publish_every) and self.step > self._published and \
+            self.step % self.publish_every == 0
+        if publish:
+            futures.extend(self._publish_async())
+        if self._hooks is not None:
+            self._hooks.finish()           # the buckets that got no gradient go out now
+        else:
+            self.flat.collect_grads()
+        t0 = time.perf_counter()
+        if self.counters is not None:      # before the held-back chunk: see the module's notes
+            self.counters.publish()
+        rnd = self._begin_round()
+        self._round = None
+        try:
+            if self._hooks is None:
+                for off, n in self._runs:
+                    rnd.ready(off, n)
+        finally:
+            rnd.finish()
+        self.store._count(sent=sum(n for _, n in self._runs), received=sum(n for _, n in self._runs))
+        self.flat.scale_(self.flat.flat_grads, 1.0 / self.world)
+        futures.extend(self._push_buffers())
+        self._wait(futures)
+        if publish:
+            self._published = self.step
+        if self.buffers != "none":
+            self._meet()
+            self._pull_buffers()
         if self.counters is not None:
             self.stop = self.counters.should_stop()
         self.comm_wait += time.perf_counter() - t0
@@ -312,6 +407,9 @@ class SyncDataParallel:
             if self._hooks is not None:
                 self._hooks.remove()
                 self._hooks = None
+            self._round = None                # a backward pass without synchronize() is dropped
+            if self._coll is not None:
+                self._coll.close()
 
     def __enter__(self) -> SyncDataParallel:
         return self

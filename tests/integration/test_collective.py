@@ -7,6 +7,7 @@ sums are exact; every party checks every element.
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -128,3 +129,23 @@ def test_a_party_that_never_comes_times_out(cluster, name):
                 coll.all_reduce(np.zeros(512, np.int64))
         finally:
             coll.destroy()
+
+
+def test_a_party_opening_after_a_faster_one_pushed_takes_fresh_counts(cluster, name):
+    """SyncDataParallel's case: rank 0 creates the collective and goes straight on; a
+    party that opens it later with fresh=True starts from zero counts, not from the
+    count rank 0's push left."""
+    with cluster.client() as a, cluster.client() as b:
+        first = Collective.create(a, name, 8 * 1024, 2, chunk_bytes=4096, timeout=30)
+        x = np.full(1024, 5, np.int64)
+        t = threading.Thread(target=first.all_reduce, args=(x,))
+        t.start()
+        time.sleep(0.5)                                   # its pushes are in, its pulls wait
+        second = Collective.open(b, name, 2, timeout=30, fresh=True)
+        y = np.full(1024, 7, np.int64)
+        second.all_reduce(y)
+        t.join(30)
+        np.testing.assert_array_equal(x, np.full(1024, 12, np.int64))
+        np.testing.assert_array_equal(y, np.full(1024, 12, np.int64))
+        second.close()
+        first.destroy()

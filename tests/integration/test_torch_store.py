@@ -83,7 +83,7 @@ def test_hook_pushes_equal_a_push_after_backward(client, name, placement):
     for overlap in (True, False):
         model = mlp(seed=5)
         store = ParameterStore.create(client, f"{name}-{overlap}", model, placement=placement, grad_slots=3)
-        dp = SyncDataParallel(store, 0, 1, overlap=overlap, bucket_bytes=512)
+        dp = SyncDataParallel(store, 0, 1, overlap=overlap, bucket_bytes=512, exchange="slots")
         try:
             for step in range(2):    # two steps: slot rotation and zeroing included
                 dp.zero_grad()
