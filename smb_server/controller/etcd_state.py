@@ -23,7 +23,8 @@ loses a race is decided again from a fresh read; a change refused by the fence r
 
 Nothing is cached: every call reads etcd, so a standby that takes over starts from
 exactly what the previous leader committed. Thread safety: one lock serializes this
-process's changes (reads do not take it).
+process's region changes; server rows (registrations, heartbeats, leases, drains) are
+changed under their compares alone, so that heartbeats never queue behind region changes.
 
 The module is longer than 400 lines on purpose, for the reason :mod:`.state` is: every
 durable change is one method and one transaction here, side by side with the SQLite
@@ -31,6 +32,7 @@ backend's, so that a reader can check the two keep the same rules.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import secrets
@@ -218,9 +220,15 @@ class EtcdState:
             done = self._commit(compare, ops) and done
         return done
 
-    def _retry(self, attempt: Callable[[], T | None], what: str) -> T:
-        """Run ``attempt`` (which returns None after a lost race) until it decides."""
-        with self._lock:
+    def _retry(self, attempt: Callable[[], T | None], what: str, regions: bool = True) -> T:
+        """Run ``attempt`` (which returns None after a lost race) until it decides.
+
+        ``regions``: under the lock that serializes this process's region changes (a
+        placement decides on every server's free bytes, which no compare covers). A
+        change of one server's row alone passes False: its compare on that row is enough,
+        and heartbeats must not wait behind a queue of region creates.
+        """
+        with self._lock if regions else contextlib.nullcontext():
             for _ in range(COMMIT_ATTEMPTS):
                 result = attempt()
                 if result is not None:
@@ -326,7 +334,7 @@ class EtcdState:
                             "(restarted without persistence?); their regions are lost: %s",
                             server_id, len(lost), ", ".join(map(str, lost[:10])))
             return server_id, find_orphans(server_id, known, held, self.orphan_grace_seconds)
-        return self._retry(attempt, f"registering server {server_id}")
+        return self._retry(attempt, f"registering server {server_id}", regions=False)
 
     def heartbeat(self, server_id: str, held: Iterable[HeldExtent] = (),
                   now: float | None = None) -> list[int]:
@@ -349,7 +357,7 @@ class EtcdState:
                 return None
             known = {int(item.key.rpartition("/")[2]): (item.json()["uid"], "") for item in placed}
             return find_orphans(server_id, known, held, self.orphan_grace_seconds)
-        return self._retry(attempt, f"heartbeat of server {server_id}")
+        return self._retry(attempt, f"heartbeat of server {server_id}", regions=False)
 
     @staticmethod
     def _known_extents(snap: _Snapshot, server_id: str) -> dict[int, tuple[str, str]]:
@@ -372,7 +380,7 @@ class EtcdState:
                 return None
             return sorted(marked | set(late))
         marked: set[str] = set()
-        ids = self._retry(attempt, "expiring leases")
+        ids = self._retry(attempt, "expiring leases", regions=False)
         for sid in ids:
             log.warning("server %s missed its lease (%.1f s): marked down", sid, self.lease_seconds)
         return ids
@@ -386,7 +394,7 @@ class EtcdState:
             key = self._key("servers", server_id)
             return True if self._commit([kv.mod_revision_is(key, rev)],
                                         [kv.put(key, json.dumps(change(row)))]) else None
-        self._retry(attempt, f"updating server {server_id}")
+        self._retry(attempt, f"updating server {server_id}", regions=False)
 
     def unregister(self, server_id: str, reason: str = "") -> ServerRecord:
         """A server stopping cleanly: mark it ``down`` now. Raises ServerNotFound."""

@@ -2,6 +2,7 @@
 that grow, and a deposed leader whose every write fails in the etcd transaction."""
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -103,3 +104,20 @@ def test_a_new_leader_repairs_the_placed_extent_index(etcd_store: str) -> None: 
     b.take_over(fence_b)
     held = [HeldExtent(extent.extent_id, region.uid, MiB, 1e6), HeldExtent(12345, "gone", 1, 1e6)]
     assert b.heartbeat("s1", held) == [12345]   # its own extent is known again, the stray one is not
+
+
+def test_heartbeats_do_not_queue_behind_region_changes(etcd_store: str) -> None:  # noqa: F811
+    state = EtcdState(etcd_store)
+    state.register_server("s1", "h", "127.0.0.1:1", [], 64 * MiB)
+    done = threading.Event()
+
+    def beat() -> None:
+        state.heartbeat("s1", [])
+        state.expire_leases()
+        done.set()
+
+    with state._lock:  # a region change in progress in another thread of the controller
+        worker = threading.Thread(target=beat)
+        worker.start()
+        assert done.wait(30), "the heartbeat waited for the region lock"
+    worker.join()
