@@ -5,8 +5,8 @@ from typing import Any
 
 import numpy as np
 
-from .dtypes import DType, resolve
-from .errors import DtypeError, InvalidArgument
+from .dtypes import DType, lookup, resolve
+from .errors import InvalidArgument
 
 
 def _torch_view(t: Any, writable: bool) -> tuple[memoryview, DType]:
@@ -37,11 +37,7 @@ def as_view(data: Any, writable: bool = False) -> tuple[memoryview, DType | None
             data = np.ascontiguousarray(data)
         if writable and not data.flags.writeable:
             raise InvalidArgument("read_into needs a writable array")
-        try:
-            dt: DType | None = resolve(data.dtype)
-        except DtypeError:
-            dt = None
-        return memoryview(data.reshape(-1).view(np.uint8)), dt
+        return memoryview(data.reshape(-1).view(np.uint8)), lookup(data.dtype)
     try:
         view = memoryview(data)
     except TypeError:

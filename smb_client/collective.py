@@ -29,6 +29,10 @@ with any collective library). PUSH and PULL are numbered requests: a retry after
 broken connection or a renewed ticket is answered, not applied twice. They travel on
 the tcp plane (on connections that may wait), whatever transport the region's data
 uses. See docs/api.md and docs/architecture.md.
+
+The module is longer than 400 lines on purpose: the layout of the chunks, the
+collectives and the piecewise round share one set of counting rules and read best
+together.
 """
 from __future__ import annotations
 

@@ -47,12 +47,44 @@ def itemsize(dt: DType) -> int:
     return STORAGE[dt].itemsize
 
 
+_RESOLVED: dict[Any, DType | None] = {}   # spec -> DType (None: unsupported), for the hot path
+_RESOLVED_MAX = 256
+
+
 def resolve(spec: Any) -> DType:
-    """A DType from a name, a numpy dtype, a torch dtype or a DType."""
+    """A DType from a name, a numpy dtype, a torch dtype or a DType (DtypeError for
+    anything else)."""
+    dt = lookup(spec)
+    if dt is None:
+        return _resolve(spec)   # raises the error that says what is supported
+    return dt
+
+
+def lookup(spec: Any) -> DType | None:
+    """:func:`resolve` without the error: None for an unsupported type. Results are
+    cached by spec: every operation on a typed buffer looks its type up, and numpy's
+    ``dtype.name`` alone costs microseconds."""
     if isinstance(spec, DType):
-        if spec is DType.NONE:
-            raise DtypeError("an element type is required")
-        return spec
+        return None if spec is DType.NONE else spec
+    try:
+        hit = _RESOLVED.get(spec, DType.NONE)
+    except TypeError:          # unhashable
+        hit = DType.NONE
+        cache = False
+    else:
+        cache = True
+    if hit is not DType.NONE:
+        return hit
+    try:
+        dt: DType | None = _resolve(spec)
+    except DtypeError:
+        dt = None
+    if cache and len(_RESOLVED) < _RESOLVED_MAX:
+        _RESOLVED[spec] = dt
+    return dt
+
+
+def _resolve(spec: Any) -> DType:
     if spec is None:
         raise DtypeError("an element type is required (float32, float16, bfloat16, float64, int32, int64)")
     name = str(spec).removeprefix("torch.")

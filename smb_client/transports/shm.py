@@ -61,6 +61,7 @@ REQUEST_HEAD = struct.Struct("<I")
 EXTENT_ID = struct.Struct("<Q")
 ANSWER_HEAD = struct.Struct("<BI")
 CONNECT_RETRY = 0.005  # seconds between connects while the server's backlog is full
+GIL_FREE_COPY = 64 << 10   # bytes from which copies go through numpy, which releases the GIL
 
 
 def _connect(path: str, timeout: float) -> socket.socket:
@@ -126,6 +127,15 @@ def fetch_extent_fd(path: str, ticket: str, extent_id: int, timeout: float = 10.
     (length,) = EXTENT_ID.unpack_from(data, ANSWER_HEAD.size + n)
     writable = fcntl.fcntl(fds[0], fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDWR
     return fds[0], length, writable
+
+
+def _copy(dst: memoryview, src: memoryview) -> None:
+    """``dst[:] = src``; large copies through numpy, which drops the GIL while it copies,
+    so that the requests of one operation (one per server) copy on several cores."""
+    if len(dst) < GIL_FREE_COPY:
+        dst[:] = src
+    else:
+        np.copyto(np.frombuffer(dst, np.uint8), np.frombuffer(src, np.uint8))
 
 
 class _Channel:
@@ -279,7 +289,7 @@ class ShmSession(Session):
         self._bounds(m, extent_id, offset, sum(len(b) for b in buffers))
         pos = offset
         for b in buffers:
-            m.data[pos:pos + len(b)] = b
+            _copy(m.data[pos:pos + len(b)], b)
             pos += len(b)
         m.check(extent_id)
         self._check_live(channel)   # died meanwhile: nobody will read what we wrote
@@ -289,7 +299,7 @@ class ShmSession(Session):
         self._bounds(m, extent_id, offset, sum(len(b) for b in buffers))
         pos = offset
         for b in buffers:
-            b[:] = m.data[pos:pos + len(b)]
+            _copy(b, m.data[pos:pos + len(b)])
             pos += len(b)
         m.check(extent_id)  # released meanwhile: what we copied may be zeros
         self._check_live(channel)

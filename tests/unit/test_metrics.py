@@ -121,7 +121,7 @@ def test_plane_stats_per_transport_and_totals():
     shm.add(operations=1, errors=1, sessions=2)
     shm.add(sessions=-1)
     assert root.snapshot() == {"bytes_read": 40, "bytes_written": 100, "bytes_accumulated": 0,
-                               "operations": 3, "errors": 1, "sessions": 2}
+                               "operations": 3, "errors": 1, "sessions": 2, "repeats": 0}
     by = root.by_transport()
     assert by["tcp"]["bytes_written"] == 100 and by["shm"]["sessions"] == 1 and by["shm"]["errors"] == 1
     tcp.observe("write", 0.0002)
