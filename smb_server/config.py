@@ -99,7 +99,8 @@ class ControllerConfig:
 
 @dataclass
 class ServerConfig:
-    controller: str = _f("127.0.0.1:7700", "host:port of the controller")
+    controller: str = _f("127.0.0.1:7700", "host:port of the controller, or a comma-separated list "
+                         "of controllers sharing an etcd store (the server follows the leader)")
     listen_host: str = _f("127.0.0.1", "address of the gRPC service and the TCP data plane")
     advertise_host: str = _f("", "address clients use to reach this server (default listen_host)")
     grpc_port: int = _port(0, "gRPC port (0: any free port)")
