@@ -257,10 +257,15 @@ class EtcdState:
 
     def take_over(self, fence: Fence, now: float | None = None) -> None:
         """Start leading with ``fence``: clean what a dead leader left half-done, and give
-        every live server a full lease to find this controller."""
-        self.fence = fence
-        self.recover()
-        self._reindex()
+        every live server a full lease to find this controller.
+
+        Region changes wait until it is done (it holds the region lock): a create begun
+        now must not be taken for one the dead leader left half-done.
+        """
+        with self._lock:
+            self.fence = fence
+            self.recover()
+            self._reindex()
         now = self._now(now)
 
         def attempt() -> bool | None:

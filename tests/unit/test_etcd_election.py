@@ -11,7 +11,7 @@ from smb_client import errors
 from smb_server.controller import etcd_kv as kv
 from smb_server.controller.etcd_state import EtcdState
 from smb_server.controller.leader import Election
-from smb_server.controller.records import HeldExtent
+from smb_server.controller.records import HeldExtent, RegionRecord
 from tests.etcd_server import etcd_server, etcd_store  # noqa: F401 (fixtures)
 
 MiB = 1 << 20
@@ -121,3 +121,33 @@ def test_heartbeats_do_not_queue_behind_region_changes(etcd_store: str) -> None:
         worker.start()
         assert done.wait(30), "the heartbeat waited for the region lock"
     worker.join()
+
+
+class _CreateDuringTakeOver(EtcdState):
+    """Starts a region create in another thread just as its recovery is about to run
+    (the moment a new leader's first calls may arrive)."""
+
+    created: list[RegionRecord]
+
+    def recover(self) -> list[str]:
+        if self.fence is not None and not hasattr(self, "created"):
+            self.created = []
+            self.racer = threading.Thread(
+                target=lambda: self.created.append(self.begin_create_region("job/early", MiB)))
+            self.racer.start()
+            self.racer.join(1.0)  # time enough to run, unless it waits for the take-over
+        return super().recover()
+
+
+def test_a_create_arriving_during_take_over_is_not_taken_for_a_dead_leaders(etcd_store: str) -> None:  # noqa: F811
+    seed = EtcdState(etcd_store)
+    seed.register_server("s1", "h", "127.0.0.1:1", [], 64 * MiB)
+    state = _CreateDuringTakeOver(etcd_store, recover=False)
+    state.fenced = True
+    election = Election(state.kv, state.prefix, "10.0.0.9:7700", 2)
+    fence = election.campaign()
+    assert fence is not None
+    state.take_over(fence)
+    state.racer.join(30)
+    (early,) = state.created
+    assert state.commit_region("job/early", early.uid).state == "ready"
