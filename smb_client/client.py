@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -200,7 +201,9 @@ class Client:
         resp = self._call("CreateRegion", pb.CreateRegionRequest(
             name=name, size=size, placement=placement, stripe_unit=stripe_unit,
             num_servers=num_servers, segment_sizes=list(segment_sizes),
-            persistent=persistent, exist_ok=exist_ok))
+            persistent=persistent, exist_ok=exist_ok,
+            # one uid for every attempt: a retry after a lost reply gets the region it made
+            uid=uuid.uuid4().hex))
         return Region(self, resp.region, resp.ticket, TicketMode.RW)
 
     def open_info(self, name: str, mode: str | TicketMode = TicketMode.RW,

@@ -43,6 +43,7 @@ class RegionSpec:
     num_servers: int = 0
     segment_sizes: tuple[int, ...] = ()
     persistent: bool = False
+    uid: str = ""   # the caller's uid for the region: a retry with it gets the region it made
 
 
 class RegionCreator:
@@ -57,7 +58,7 @@ class RegionCreator:
         self.exist_ok_wait = exist_ok_wait
         self._pool = futures.ThreadPoolExecutor(threads, thread_name_prefix="memserver-call")
         self._cond = threading.Condition()
-        self._creating: set[str] = set()  # names this controller is creating right now
+        self._creating: dict[str, str] = {}  # names this controller is creating now -> uid asked
 
     def close(self) -> None:
         """Wait for memory-server calls in flight; later calls fail."""
@@ -67,17 +68,22 @@ class RegionCreator:
     def create(self, spec: RegionSpec, exist_ok: bool = False) -> RegionRecord:
         """Create the region (or, with ``exist_ok``, return the existing one if it has
         the size and placement asked for). Raises typed errors; on any error nothing is
-        created."""
+        created.
+
+        With ``spec.uid``, a create that finds the region it names made under that uid
+        (an earlier attempt of the same call: its reply was lost to a failover or a
+        timeout) returns that region instead of RegionExists.
+        """
         deadline = time.monotonic() + self.exist_ok_wait
         while True:
-            self._claim(spec.name, exist_ok, deadline)
+            self._claim(spec.name, exist_ok, deadline, spec.uid)
             try:
                 try:
                     region = self.state.begin_create_region(
                         spec.name, spec.size, spec.placement, spec.stripe_unit, spec.num_servers,
-                        list(spec.segment_sizes), spec.persistent)
+                        list(spec.segment_sizes), spec.persistent, uid=spec.uid)
                 except errors.RegionExists:
-                    if not exist_ok:
+                    if not exist_ok and not spec.uid:
                         raise
                     try:
                         existing = self.state.get_region(spec.name)
@@ -85,17 +91,24 @@ class RegionCreator:
                         if time.monotonic() > deadline:
                             raise
                         continue
+                    if spec.uid and existing.uid == spec.uid:
+                        log.info("region %s: a repeated create of uid %s gets the region it made",
+                                 spec.name, spec.uid)
+                        return existing
+                    if not exist_ok:
+                        raise
                     check_same(existing, spec)
                     return existing
                 return self._reserve_and_commit(region)
             finally:
                 self._unclaim(spec.name)
 
-    def _claim(self, name: str, exist_ok: bool, deadline: float) -> None:
+    def _claim(self, name: str, exist_ok: bool, deadline: float, uid: str = "") -> None:
         """Mark ``name`` as being created here; with ``exist_ok`` first wait until no
-        other caller is creating it."""
+        other caller is creating it; with ``uid``, wait for a create of that uid (an
+        earlier attempt of the same call)."""
         with self._cond:
-            if exist_ok:
+            if exist_ok or (uid and self._creating.get(name) == uid):
                 if not self._cond.wait_for(lambda: name not in self._creating,
                                            max(0.0, deadline - time.monotonic())):
                     raise errors.RegionExists(
@@ -104,11 +117,11 @@ class RegionCreator:
             elif name in self._creating:
                 raise errors.RegionExists(f"region {name!r} already exists (being created); "
                                           "open it, delete it, or pass exist_ok")
-            self._creating.add(name)
+            self._creating[name] = uid
 
     def _unclaim(self, name: str) -> None:
         with self._cond:
-            self._creating.discard(name)
+            self._creating.pop(name, None)
             self._cond.notify_all()
 
     def _reserve_and_commit(self, region: RegionRecord) -> RegionRecord:

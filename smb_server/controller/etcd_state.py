@@ -49,7 +49,7 @@ from smb_client.names import check_region_name
 from smb_client.placement import check_bytes
 
 from . import etcd_kv as kv
-from .records import ExtentRecord, HeldExtent, RegionRecord, ServerRecord, find_orphans, region_state
+from .records import ExtentRecord, HeldExtent, RegionRecord, ServerRecord, check_uid, find_orphans, region_state
 
 log = logging.getLogger(__name__)
 
@@ -445,10 +445,11 @@ class EtcdState:
     def begin_create_region(self, name: str, size: int, placement: str = "striped",
                             stripe_unit: int = 0, num_servers: int = 0,
                             segment_sizes: Sequence[int] = (), persistent: bool = False,
-                            now: float | None = None) -> RegionRecord:
+                            now: float | None = None, uid: str = "") -> RegionRecord:
         """Plan a region and record it as ``creating`` (as
         :meth:`.state.ControllerState.begin_create_region`)."""
         now = self._now(now)
+        uid = check_uid(uid)
         check_region_name(name)
         if size <= 0:
             raise errors.InvalidArgument(f"region size must be positive, got {size} bytes")
@@ -468,6 +469,8 @@ class EtcdState:
                 what = " (being created)" if existing[0]["state"] == "creating" else ""
                 raise errors.RegionExists(f"region {name!r} already exists{what}; open it, delete it, "
                                           "or pass exist_ok")
+            if any(row["uid"] == uid for row, _ in snap.regions.values()):
+                raise errors.InvalidArgument(f"uid {uid} already names another region; draw a new one")
             alive = now - self.lease_seconds
             free = {s.server_id: s.free for s in self._server_records(snap)
                     if s.state == "up" and s.last_heartbeat >= alive}
@@ -478,7 +481,7 @@ class EtcdState:
             first = int(counter.value) if counter is not None else FIRST_ID_BASE + secrets.randbits(61)
             ids = list(range(first, first + len(server_ids)))
             row: dict[str, Any] = {
-                "name": name, "uid": uuid.uuid4().hex, "size": layout.size, "placement": layout.kind,
+                "name": name, "uid": uid, "size": layout.size, "placement": layout.kind,
                 "stripe_unit": layout.stripe_unit, "segment_sizes": list(layout.segment_sizes),
                 "segment_extents": list(layout.segment_extents), "persistent": bool(persistent),
                 "created_at": now, "state": "creating",

@@ -3,9 +3,12 @@ send; pure data, no database."""
 from __future__ import annotations
 
 import logging
+import re
+import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from smb_client.errors import InvalidArgument
 from smb_client.placement import Layout
 
 log = logging.getLogger(__name__)
@@ -89,6 +92,19 @@ class RegionRecord:
 
 
 # -- rules both state backends share --------------------------------------------------------
+_UID = re.compile(r"[0-9a-f]{32}")
+
+
+def check_uid(uid: str) -> str:
+    """A new region's uid: the caller's (32 lowercase hex digits, so that a retried create
+    is known by it) or, for "", a fresh one. Raises InvalidArgument."""
+    if not uid:
+        return uuid.uuid4().hex
+    if not isinstance(uid, str) or not _UID.fullmatch(uid):
+        raise InvalidArgument(f"a region uid is 32 lowercase hex digits, not {uid!r}")
+    return uid
+
+
 def region_state(stored: str, extents: Sequence[ExtentRecord]) -> str:
     """The state a client sees: ``lost`` once an extent is lost, ``degraded`` while a
     server holding one is down, else the stored ``creating``/``ready``."""

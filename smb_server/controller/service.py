@@ -153,7 +153,8 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
     def CreateRegion(self, request: controller_pb2.CreateRegionRequest,
                      context: grpc.ServicerContext) -> Any:
         spec = RegionSpec(request.name, request.size, request.placement, request.stripe_unit,
-                          request.num_servers, tuple(request.segment_sizes), request.persistent)
+                          request.num_servers, tuple(request.segment_sizes), request.persistent,
+                          request.uid)
         return self._response(self.creator.create(spec, exist_ok=request.exist_ok), "rw")
 
     @typed_errors

@@ -50,7 +50,7 @@ from smb_client.errors import InvalidArgument, RegionExists, RegionNotFound, Ser
 from smb_client.names import check_region_name
 from smb_client.placement import check_bytes
 
-from .records import ExtentRecord, HeldExtent, RegionRecord, ServerRecord, find_orphans, region_state
+from .records import ExtentRecord, HeldExtent, RegionRecord, ServerRecord, check_uid, find_orphans, region_state
 
 __all__ = ["SERVER_STATES", "ControllerState", "ExtentRecord", "HeldExtent", "RegionRecord",
            "ServerRecord"]
@@ -341,15 +341,18 @@ class ControllerState:
     def begin_create_region(self, name: str, size: int, placement: str = "striped",
                             stripe_unit: int = 0, num_servers: int = 0,
                             segment_sizes: Sequence[int] = (), persistent: bool = False,
-                            now: float | None = None) -> RegionRecord:
+                            now: float | None = None, uid: str = "") -> RegionRecord:
         """Plan a region and record it as ``creating``; returns it with its extents.
 
         Placement uses the servers that are ``up`` (not draining, lease not expired),
         each offering ``capacity - used`` bytes. The caller reserves the extents on the
-        servers, then calls :meth:`commit_region` or :meth:`abort_region`.
-        Raises InvalidArgument, RegionExists, or OutOfMemory (with the numbers).
+        servers, then calls :meth:`commit_region` or :meth:`abort_region`. ``uid``: the
+        caller's uid for the region (see :func:`.records.check_uid`); "" draws one.
+        Raises InvalidArgument (also for a uid another region has), RegionExists, or
+        OutOfMemory (with the numbers).
         """
         now = self._now(now)
+        uid = check_uid(uid)
         check_region_name(name)
         if size <= 0:
             raise InvalidArgument(f"region size must be positive, got {size} bytes")
@@ -375,7 +378,8 @@ class ControllerState:
             layout, server_ids = placement_mod.plan(
                 int(size), placement, free, stripe_unit=int(stripe_unit),
                 num_servers=int(num_servers), segment_sizes=[int(s) for s in segment_sizes])
-            uid = uuid.uuid4().hex
+            if db.execute("SELECT 1 FROM regions WHERE uid=?", (uid,)).fetchone() is not None:
+                raise InvalidArgument(f"uid {uid} already names another region; draw a new one")
             db.execute(
                 "INSERT INTO regions (name, uid, size, placement, stripe_unit, segment_sizes, "
                 "segment_extents, persistent, created_at, state) VALUES (?,?,?,?,?,?,?,?,?,'creating')",

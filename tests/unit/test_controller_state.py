@@ -305,3 +305,16 @@ def test_many_servers_expire_and_a_region_spans_many(state: StateStore) -> None:
     assert expired == [f"s{k:03d}" for k in range(1, 280, 2)]
     assert state.get_region("job/wide").state == "degraded"
     assert sum(s.state == "down" for s in state.list_servers()) == 140
+
+
+def test_a_region_may_take_the_callers_uid(state: StateStore) -> None:
+    add(state, "a")
+    uid = "0123456789abcdef" * 2
+    region = make(state, "job/mine", MiB, uid=uid)
+    assert region.uid == uid and state.get_region("job/mine").uid == uid
+    with pytest.raises(errors.InvalidArgument, match="already names another region"):
+        state.begin_create_region("job/other", MiB, now=T0, uid=uid)
+    for bad in ("xyz", uid.upper(), uid + "0"):
+        with pytest.raises(errors.InvalidArgument, match="32 lowercase hex"):
+            state.begin_create_region("job/bad", MiB, now=T0, uid=bad)
+    assert [r.name for r in state.list_regions()] == ["job/mine"]

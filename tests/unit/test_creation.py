@@ -254,3 +254,32 @@ def test_barriers_open_for_all_parties() -> None:
     b.close()
     with pytest.raises(errors.ControllerUnavailable):
         b.wait("job/b", 1)
+
+
+def test_a_repeated_create_of_one_uid_gets_the_region_it_made(creator: RegionCreator,
+                                                              servers: InMemoryServers) -> None:
+    uid = "ab" * 16
+    first = creator.create(RegionSpec("job/u", 3 * MiB, stripe_unit=MiB, uid=uid))
+    # the reply was lost (failover, timeout): the caller sends the same create again
+    again = creator.create(RegionSpec("job/u", 3 * MiB, stripe_unit=MiB, uid=uid))
+    assert again.uid == first.uid == uid and again.extent_ids == first.extent_ids
+    assert servers.total() == 3                               # nothing reserved twice
+    with pytest.raises(errors.RegionExists):                  # another caller's create
+        creator.create(RegionSpec("job/u", 3 * MiB, uid="cd" * 16))
+
+
+def test_a_repeat_arriving_while_its_first_attempt_runs_waits_for_it(creator: RegionCreator,
+                                                                    servers: InMemoryServers) -> None:
+    uid = "ef" * 16
+    servers.gate = threading.Event()
+    first: list[object] = []
+    t = threading.Thread(target=lambda: first.append(
+        creator.create(RegionSpec("job/w", 3 * MiB, stripe_unit=MiB, uid=uid))))
+    t.start()
+    assert servers.reserving.wait(5)
+    with pytest.raises(errors.RegionExists, match="being created"):   # another caller: at once
+        creator.create(RegionSpec("job/w", 3 * MiB, uid="01" * 16))
+    threading.Timer(0.2, servers.gate.set).start()
+    again = creator.create(RegionSpec("job/w", 3 * MiB, stripe_unit=MiB, uid=uid))
+    t.join(10)
+    assert again.uid == uid == first[0].uid  # type: ignore[attr-defined]
