@@ -225,7 +225,8 @@ class Client:
 
     def delete_region(self, name: str) -> None:
         """Delete a region; its memory is freed and old handles stop working."""
-        self._call("DeleteRegion", pb.DeleteRegionRequest(name=name))
+        # one request id for every attempt: a retry after a lost reply is answered as done
+        self._call("DeleteRegion", pb.DeleteRegionRequest(name=name, request_id=uuid.uuid4().hex))
 
     def delete_regions(self, prefix: str) -> list[str]:
         """Delete every region whose name starts with ``prefix`` (e.g. a job's

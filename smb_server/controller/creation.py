@@ -149,10 +149,17 @@ class RegionCreator:
             raise
 
     # -- delete --------------------------------------------------------------------------
-    def delete(self, name: str) -> None:
-        """Remove the region, then release its extents; raises RegionNotFound."""
-        region = self.state.get_region(name)
-        extents = self.state.delete_region(name)
+    def delete(self, name: str, request_id: str = "") -> None:
+        """Remove the region, then release its extents; raises RegionNotFound, except for
+        a repeat of a delete of ``request_id`` that was done (its reply was lost)."""
+        try:
+            region = self.state.get_region(name)
+        except errors.RegionNotFound:
+            if self.state.deleted_by(name, request_id):
+                log.info("region %s: a repeated delete (request %s) was done already", name, request_id)
+                return
+            raise
+        extents = self.state.delete_region(name, request_id)
         self.release_all(region.uid, extents)
 
     def release_all(self, region_uid: str, extents: Sequence[ExtentRecord]) -> None:

@@ -102,6 +102,11 @@ def delete(key: str) -> Op:
     return {"request_delete_range": {"key": _b64(key)}}
 
 
+def delete_range(start: str, end: str) -> Op:
+    """Delete the keys in [start, end)."""
+    return {"request_delete_range": {"key": _b64(start), "range_end": _b64(end)}}
+
+
 def get(key: str) -> Op:
     return {"request_range": {"key": _b64(key)}}
 

@@ -12,6 +12,9 @@ Keys under the store's prefix ``P`` (default ``/smb``), values JSON:
 - ``P/next_extent_id``: the next extent id to hand out; ids are never reused (the first
   is drawn at random in [2^61, 2^62), so that a new store does not hand out the ids of
   orphans a former one left on the servers);
+- ``P/done_deletes/<unix seconds, 12 digits>/<request_id>``: a done delete (the region's
+  name), kept ``DELETE_MEMORY_SECONDS`` for its retries; time first, so that the old
+  ones go with one range delete;
 - ``P/epoch`` and ``P/leader``: the leader election (:mod:`.leader`).
 
 Every change that SQLite makes in one transaction is one etcd transaction here. Each
@@ -49,7 +52,17 @@ from smb_client.names import check_region_name
 from smb_client.placement import check_bytes
 
 from . import etcd_kv as kv
-from .records import ExtentRecord, HeldExtent, RegionRecord, ServerRecord, check_uid, find_orphans, region_state
+from .records import (
+    DELETE_MEMORY_SECONDS,
+    ExtentRecord,
+    HeldExtent,
+    RegionRecord,
+    ServerRecord,
+    check_request_id,
+    check_uid,
+    find_orphans,
+    region_state,
+)
 
 log = logging.getLogger(__name__)
 
@@ -544,8 +557,12 @@ class EtcdState:
             raise errors.RegionNotFound(f"no region named {name!r}")
         return self._region(found[0], snap)
 
-    def delete_region(self, name: str) -> list[ExtentRecord]:
-        """Remove a ready region; returns its extents, which the caller releases."""
+    def delete_region(self, name: str, request_id: str = "", now: float | None = None) -> list[ExtentRecord]:
+        """Remove a ready region; returns its extents, which the caller releases (as
+        :meth:`.state.ControllerState.delete_region`)."""
+        request_id, now = check_request_id(request_id), self._now(now)
+        done = self._key("done_deletes", "")
+
         def attempt() -> RegionRecord | None:
             snap = self._snapshot(region_prefix=name)
             found = snap.regions.get(name)
@@ -554,12 +571,23 @@ class EtcdState:
             row, rev = found
             ops = self._removal(row)
             ops += [kv.delete(self._key("lost", e[0])) for e in row["extents"] if e[0] in snap.lost]
+            ops.append(kv.delete_range(done, done + f"{int(now - DELETE_MEMORY_SECONDS):012d}"))
+            if request_id:
+                ops.append(kv.put(done + f"{int(now):012d}/{request_id}", name))
             if not self._commit([kv.mod_revision_is(self._key("regions", name), rev)], ops):
                 return None
             return self._region(row, snap)
         region = self._retry(attempt, f"deleting region {name}")
         log.info("region %s (uid %s) deleted", name, region.uid)
         return list(region.extents)
+
+    def deleted_by(self, name: str, request_id: str) -> bool:
+        """True when the delete of ``request_id`` removed region ``name`` lately (as
+        :meth:`.state.ControllerState.deleted_by`)."""
+        if not request_id:
+            return False
+        (kvs,) = self.kv.read(kv.get_prefix(self._key("done_deletes", "")))
+        return any(item.key.endswith("/" + request_id) and item.value.decode() == name for item in kvs)
 
     def list_regions(self, prefix: str = "") -> list[RegionRecord]:
         """Ready regions whose name starts with ``prefix``, by name."""

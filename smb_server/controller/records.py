@@ -93,6 +93,14 @@ class RegionRecord:
 
 # -- rules both state backends share --------------------------------------------------------
 _UID = re.compile(r"[0-9a-f]{32}")
+DELETE_MEMORY_SECONDS = 3600.0  # how long a done delete is remembered for its retries
+
+
+def check_request_id(request_id: str) -> str:
+    """A delete's request id: "" (none) or 32 lowercase hex digits. Raises InvalidArgument."""
+    if request_id and (not isinstance(request_id, str) or not _UID.fullmatch(request_id)):
+        raise InvalidArgument(f"a request id is 32 lowercase hex digits, not {request_id!r}")
+    return request_id
 
 
 def check_uid(uid: str) -> str:

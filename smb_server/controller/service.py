@@ -173,7 +173,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
     @typed_errors
     def DeleteRegion(self, request: controller_pb2.DeleteRegionRequest,
                      context: grpc.ServicerContext) -> Any:
-        self.creator.delete(request.name)
+        self.creator.delete(request.name, request.request_id)
         return controller_pb2.DeleteRegionResponse()
 
     @typed_errors

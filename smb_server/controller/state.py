@@ -50,7 +50,17 @@ from smb_client.errors import InvalidArgument, RegionExists, RegionNotFound, Ser
 from smb_client.names import check_region_name
 from smb_client.placement import check_bytes
 
-from .records import ExtentRecord, HeldExtent, RegionRecord, ServerRecord, check_uid, find_orphans, region_state
+from .records import (
+    DELETE_MEMORY_SECONDS,
+    ExtentRecord,
+    HeldExtent,
+    RegionRecord,
+    ServerRecord,
+    check_request_id,
+    check_uid,
+    find_orphans,
+    region_state,
+)
 
 __all__ = ["SERVER_STATES", "ControllerState", "ExtentRecord", "HeldExtent", "RegionRecord",
            "ServerRecord"]
@@ -100,6 +110,11 @@ CREATE TABLE IF NOT EXISTS lost_extents (
 );
 CREATE TABLE IF NOT EXISTS issued_extent_ids (
     extent_id INTEGER PRIMARY KEY
+);
+CREATE TABLE IF NOT EXISTS done_deletes (
+    request_id TEXT PRIMARY KEY,
+    name       TEXT NOT NULL,
+    deleted_at REAL NOT NULL
 );
 """
 
@@ -445,11 +460,14 @@ class ControllerState:
             raise RegionNotFound(f"no region named {name!r}")
         return region
 
-    def delete_region(self, name: str) -> list[ExtentRecord]:
+    def delete_region(self, name: str, request_id: str = "", now: float | None = None) -> list[ExtentRecord]:
         """Remove a ready region; returns its extents, which the caller releases.
 
-        Raises RegionNotFound (also for a region still being created).
+        ``request_id`` (see :meth:`deleted_by`) is remembered for
+        ``DELETE_MEMORY_SECONDS``. Raises RegionNotFound (also for a region still being
+        created).
         """
+        request_id, now = check_request_id(request_id), self._now(now)
         with self._tx() as db:
             region = self._load_region(db, name)
             if region is None or region.state == "creating":
@@ -457,8 +475,21 @@ class ControllerState:
             db.executemany("DELETE FROM lost_extents WHERE extent_id=?",
                            [(e.extent_id,) for e in region.extents])
             db.execute("DELETE FROM regions WHERE name=?", (name,))
+            db.execute("DELETE FROM done_deletes WHERE deleted_at < ?", (now - DELETE_MEMORY_SECONDS,))
+            if request_id:
+                db.execute("INSERT OR REPLACE INTO done_deletes (request_id, name, deleted_at) "
+                           "VALUES (?,?,?)", (request_id, name, now))
         log.info("region %s (uid %s) deleted", name, region.uid)
         return list(region.extents)
+
+    def deleted_by(self, name: str, request_id: str) -> bool:
+        """True when the delete of ``request_id`` removed region ``name`` (within the last
+        ``DELETE_MEMORY_SECONDS``): a retry of it is answered as done."""
+        if not request_id:
+            return False
+        with self._read() as db:
+            row = db.execute("SELECT name FROM done_deletes WHERE request_id=?", (request_id,)).fetchone()
+        return row is not None and row["name"] == name
 
     def list_regions(self, prefix: str = "") -> list[RegionRecord]:
         """Ready regions whose name starts with ``prefix``, by name."""

@@ -318,3 +318,21 @@ def test_a_region_may_take_the_callers_uid(state: StateStore) -> None:
         with pytest.raises(errors.InvalidArgument, match="32 lowercase hex"):
             state.begin_create_region("job/bad", MiB, now=T0, uid=bad)
     assert [r.name for r in state.list_regions()] == ["job/mine"]
+
+
+def test_a_done_delete_is_remembered_for_its_retries(state: StateStore) -> None:
+    add(state, "a")
+    for name in ("job/a", "job/b", "job/c"):
+        make(state, name, MiB)
+    first, other = "1" * 32, "2" * 32
+    state.delete_region("job/a", first, now=T0)
+    assert state.deleted_by("job/a", first)
+    assert not state.deleted_by("job/a", other) and not state.deleted_by("job/b", first)
+    assert not state.deleted_by("job/a", "")
+    state.delete_region("job/b", now=T0 + 10)                 # no request id: nothing kept
+    assert not state.deleted_by("job/b", "")
+    # an hour later the next delete forgets the old ones
+    state.delete_region("job/c", other, now=T0 + 3601)
+    assert not state.deleted_by("job/a", first) and state.deleted_by("job/c", other)
+    with pytest.raises(errors.InvalidArgument, match="32 lowercase hex"):
+        state.delete_region("job/x", "nope")

@@ -283,3 +283,16 @@ def test_a_repeat_arriving_while_its_first_attempt_runs_waits_for_it(creator: Re
     again = creator.create(RegionSpec("job/w", 3 * MiB, stripe_unit=MiB, uid=uid))
     t.join(10)
     assert again.uid == uid == first[0].uid  # type: ignore[attr-defined]
+
+
+def test_a_repeated_delete_of_one_request_is_answered_as_done(creator: RegionCreator,
+                                                              servers: InMemoryServers) -> None:
+    creator.create(RegionSpec("job/d", 3 * MiB, stripe_unit=MiB))
+    request = "a1" * 16
+    creator.delete("job/d", request)
+    assert servers.total() == 0
+    creator.delete("job/d", request)                          # its reply was lost: done already
+    with pytest.raises(errors.RegionNotFound):                 # another caller's delete
+        creator.delete("job/d", "b2" * 16)
+    with pytest.raises(errors.RegionNotFound):
+        creator.delete("job/d")
