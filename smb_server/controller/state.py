@@ -21,6 +21,8 @@ Tables (see ``_SCHEMA``):
 
 - ``lost_extents``: extents a server registered without (restarted without its
   memory); their bytes have no copy anywhere.
+- ``done_deletes``: the request ids of deletes done in the last hour, so that a delete
+  repeated after its reply was lost (a failover, a timeout) is answered as done.
 
 Region state as reported to clients: ``ready``; ``degraded`` while any server holding
 one of its extents is down (it may come back with them); ``lost`` once some extent is
