@@ -48,6 +48,7 @@ from . import wire
 from .buffers import as_view
 from .dtypes import DType, itemsize, resolve
 from .errors import DtypeError, InvalidArgument, Misaligned
+from .futures import wait_all
 from .placement import ExtentPlace
 from .transports.tcp import TcpSession
 
@@ -233,15 +234,7 @@ class Collective:
     def _run(self, jobs: list[tuple[ThreadPoolExecutor, Callable[[], None]]]) -> None:
         """Submit every job in order (pushes before the pull of the same chunk); wait for
         all; raise the first error."""
-        futures: list[Future[None]] = [pool.submit(fn) for pool, fn in jobs]
-        error: BaseException | None = None
-        for f in futures:
-            try:
-                f.result()
-            except BaseException as exc:
-                error = error or exc
-        if error is not None:
-            raise error
+        wait_all([pool.submit(fn) for pool, fn in jobs])
 
     def _used(self, nbytes: int) -> list[tuple[_Chunk, int]]:
         """The chunks a buffer of ``nbytes`` covers, with the bytes of each it uses."""
@@ -393,13 +386,6 @@ class AllReduce:
         try:
             for index in sorted(self._todo):
                 self._launch(index)
-            error: BaseException | None = None
-            for f in self.futures:
-                try:
-                    f.result()
-                except BaseException as exc:
-                    error = error or exc
-            if error is not None:
-                raise error
+            wait_all(self.futures)
         finally:
             self.coll._lock.release()

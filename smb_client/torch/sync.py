@@ -70,6 +70,7 @@ import torch
 from ..collective import AllReduce, Collective
 from ..coord import Barrier
 from ..errors import InvalidArgument, RegionNotFound
+from ..futures import wait_all
 from .counters import SYNC_BARRIER_WORD, SharedCounters
 from .flat import GradientHooks
 from .layout import ALIGN, Bucket
@@ -287,14 +288,7 @@ class SyncDataParallel:
 
     @staticmethod
     def _wait(futures: list[Future[Any]]) -> None:
-        error: BaseException | None = None
-        for f in futures:
-            try:
-                f.result()
-            except BaseException as exc:
-                error = error or exc
-        if error is not None:
-            raise error
+        wait_all(futures)
 
     def synchronize(self) -> None:
         """Finish pushing this step's gradients, wait for every worker, and replace the

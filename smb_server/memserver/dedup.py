@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from smb_client.errors import InvalidArgument, SMBError, Status, Timeout, error_status
 
 WINDOW = 4096      # finished requests remembered per client
 MAX_CLIENTS = 4096  # clients remembered; the least recently seen is forgotten first
@@ -84,6 +87,38 @@ class DedupTable:
                     return True, entry
                 if not self._cond.wait(timeout):
                     raise TimeoutError(f"request {seq} of client {client:#x} is still running")
+
+    def once(self, client: int, seq: int, what: tuple[int, ...], timeout: float,
+             run: Callable[[Entry], bytes | None]) -> tuple[bool, Entry, bytes]:
+        """Run a numbered request at most once: ``(True, entry, body)`` after ``run(entry)``
+        applied it (``run`` counts in ``entry.applied`` what took effect, and skips what
+        an interrupted attempt applied); ``(False, entry, b"")`` for a repeat of a
+        finished one, whose first answer is ``entry.status``/``entry.body``. A failure of
+        ``run`` after something took effect is remembered as the answer; one before is
+        forgotten (the retry runs it). Typed errors: Timeout while another attempt runs
+        past ``timeout`` seconds, InvalidArgument for a number reused for another
+        request."""
+        try:
+            fresh, entry = self.begin(client, seq, timeout, what)
+        except TimeoutError as exc:
+            raise Timeout(f"{exc}: retry later") from None
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from None
+        if not fresh:
+            return False, entry, b""
+        try:
+            body = run(entry) or b""
+        except SMBError as exc:
+            if entry.applied:
+                entry.finish(error_status(exc), str(exc).encode())
+            else:
+                self.interrupt(entry)
+            raise
+        except BaseException:
+            self.interrupt(entry)
+            raise
+        entry.finish(Status.OK, body)
+        return True, entry, body
 
     def interrupt(self, entry: Entry) -> None:
         """The attempt stopped part way (``entry.applied`` bytes in effect): a retry resumes it."""

@@ -14,7 +14,6 @@ from smb_client.errors import (
     ReadOnly,
     SMBError,
     Status,
-    Timeout,
     error_status,
     status_error,
 )
@@ -188,28 +187,13 @@ class ServerConnection:
         that failed after taking effect its first error; a failure before anything took
         effect is forgotten, so a retry runs it."""
         what = (int(op), extent_id, offset, length, dtype)
-        try:
-            fresh, entry = self.plane.dedup.begin(client, seq, DEDUP_WAIT, what)
-        except TimeoutError as exc:
-            raise Timeout(f"{exc}: retry later") from None
-        except ValueError as exc:
-            raise InvalidArgument(str(exc)) from None
+        fresh, entry, _ = self.plane.dedup.once(
+            client, seq, what, DEDUP_WAIT,
+            lambda entry: self._compute(op, dtype, extent_id, offset, length, staging, alpha, entry))
         if not fresh:
             if entry.status != Status.OK:
                 raise status_error(entry.status, entry.body.decode(errors="replace"))
             raise _Repeated
-        try:
-            self._compute(op, dtype, extent_id, offset, length, staging, alpha, entry)
-        except SMBError as exc:
-            if entry.applied:
-                entry.finish(error_status(exc), str(exc).encode())
-            else:
-                self.plane.dedup.interrupt(entry)
-            raise
-        except BaseException:
-            self.plane.dedup.interrupt(entry)
-            raise
-        entry.finish(Status.OK)
 
     def _compute(self, op: int, dtype: int, extent_id: int, offset: int, length: int,
                  staging: int, alpha: float, entry: Entry | None = None) -> None:

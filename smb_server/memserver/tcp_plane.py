@@ -400,31 +400,15 @@ class _Connection:
         extent = self.tickets.check(self.plane.arena, extent_id, write=True)
         extent.check_range(offset, length)
         what = (int(op), extent_id, offset, length, dtype)
-        try:
-            fresh, entry = self.plane.dedup.begin(client, seq, self.plane.frame_timeout, what)
-        except TimeoutError as exc:
-            raise Timeout(f"{exc}: retry later") from None
-        except ValueError as exc:
-            raise InvalidArgument(str(exc)) from None
+        fresh, entry, body = self.plane.dedup.once(
+            client, seq, what, self.plane.frame_timeout,
+            lambda entry: self._dispatch(op, dtype, extent_id, offset, length, arg0, arg1, alpha, 0, entry))
         if not fresh:
             self.plane.stats.add(repeats=1)
             if entry.status != Status.OK:
                 raise _Repeat(entry.status, entry.body)
             self._drain()
             return entry.body
-        try:
-            body = self._dispatch(op, dtype, extent_id, offset, length, arg0, arg1, alpha, 0, entry)
-        except SMBError as exc:
-            if entry.applied:
-                entry.finish(error_status(exc), str(exc).encode())
-            else:
-                self.plane.dedup.interrupt(entry)
-            raise
-        except BaseException:
-            self.plane.dedup.interrupt(entry)
-            raise
-        assert body is not None
-        entry.finish(Status.OK, body)
         return body
 
     def _dispatch(self, op: Op, dtype: int, extent_id: int, offset: int, length: int,
