@@ -47,6 +47,8 @@ class Settings:
     model_hidden: int = 512
     sync_sizes: tuple[int, ...] = (25_000_000, 100_000_000)   # experiment 3, bytes
     sync_workers: int = 4
+    # experiment 3 with memory servers on hosts of their own: (workers, servers)
+    sync_dedicated: tuple[tuple[int, int], ...] = ((4, 4), (8, 4))
     syncs: int = 3
     sync_warmup: int = 1
     lease_seconds: float = 5.0                    # failure: controller lease (the default)
@@ -57,7 +59,7 @@ class Settings:
 
 QUICK = Settings(cap_mbit=200.0, clients=2, server_counts=(1, 2), op_bytes=MiB, seconds=1.0,
                  shard_configs=((2, 2),), shard_steps=2, model_inputs=512, model_hidden=64,
-                 sync_sizes=(2_000_000,), sync_workers=2, syncs=2)
+                 sync_sizes=(2_000_000,), sync_workers=2, syncs=2, sync_dedicated=((2, 2),))
 
 
 # -- experiment 1: bandwidth scaling --------------------------------------------------
@@ -186,19 +188,33 @@ def sharding(tb: Testbed, s: Settings, tick: Tick, cpu: CpuSampler | None = None
 
 # -- experiment 3: aggregation ------------------------------------------------------
 def allreduce(s: Settings, tick: Tick, cpu: CpuSampler | None = None) -> dict[str, Any]:
-    """Gradient synchronization among ``s.sync_workers`` workers, each on a host that
-    also runs a memory server: memory-box accumulate-then-read vs gloo all-reduce."""
+    """Gradient synchronization: memory-box accumulate-then-read, memory-box pipelined
+    push-pull (:class:`smb_client.Collective`) and gloo all-reduce, on the same hosts.
+    First ``s.sync_workers`` workers each on a host that also runs a memory server
+    (``points``), then workers and memory servers on hosts of their own
+    (``dedicated``: one point per (workers, servers) and size)."""
     n = s.sync_workers
+    points = _allreduce_points(s, tick, cpu, n, n, colocate=True)
+    dedicated = []
+    for workers, servers in s.sync_dedicated:
+        dedicated += _allreduce_points(s, tick, cpu, workers, servers, colocate=False)
+    return {"workers": n, "syncs": s.syncs, "warmup": s.sync_warmup, "stripe_unit": MiB,
+            "link_MBps": s.cap_mbit / 8, "points": points, "dedicated": dedicated}
+
+
+def _allreduce_points(s: Settings, tick: Tick, cpu: CpuSampler | None, n: int, k: int,
+                      colocate: bool) -> list[dict[str, Any]]:
     points = []
-    with Testbed(n, n, colocate=True, cap_mbit=s.cap_mbit, log_level=s.log_level,
-                 capacity=f"{max(256, 4 * max(s.sync_sizes) // n // MiB + 64)}M") as tb:
+    where = "co-located" if colocate else "dedicated"
+    with Testbed(k, n, colocate=colocate, cap_mbit=s.cap_mbit, log_level=s.log_level,
+                 capacity=f"{max(256, 4 * max(s.sync_sizes) * max(1, n // k) // k // MiB + 64)}M") as tb:
         for size in s.sync_sizes:
             specs = [{"mode": "allreduce", "rank": r, "world": n, "sizes": [size], "syncs": s.syncs,
-                      "warmup": s.sync_warmup, "servers": n, "stripe_unit": MiB,
+                      "warmup": s.sync_warmup, "servers": k, "stripe_unit": MiB,
                       "master": tb.workers[0].address, "master_port": MASTER_PORT, "tag": f"ar{size}",
                       "log_level": s.log_level} for r in range(n)]
             runs = tb.run_workers(specs, name=f"ar-{size}-")
-            point: dict[str, Any] = {"bytes": size}
+            point: dict[str, Any] = {"bytes": size, "workers": n, "servers": k, "colocated": colocate}
             for system in ("smb", "collective", "gloo"):
                 per_sync = [max(r[str(size)][system]["times"][i] for r in runs)
                             for i in range(s.syncs)]
@@ -213,10 +229,10 @@ def allreduce(s: Settings, tick: Tick, cpu: CpuSampler | None = None) -> dict[st
             point["smb_vs_gloo"] = point["gloo"]["seconds"] / point["smb"]["seconds"]
             point["collective_vs_gloo"] = point["gloo"]["seconds"] / point["collective"]["seconds"]
             points.append(point)
-            tick(f"aggregation, {size / 1e6:.0f} MB: smb {point['smb']['seconds']:.2f} s, collective "
-                 f"{point['collective']['seconds']:.2f} s, gloo {point['gloo']['seconds']:.2f} s")
-    return {"workers": n, "syncs": s.syncs, "warmup": s.sync_warmup, "stripe_unit": MiB,
-            "link_MBps": s.cap_mbit / 8, "points": points}
+            tick(f"aggregation, {n} workers, {k} {where} servers, {size / 1e6:.0f} MB: smb "
+                 f"{point['smb']['seconds']:.2f} s, collective {point['collective']['seconds']:.2f} s, "
+                 f"gloo {point['gloo']['seconds']:.2f} s")
+    return points
 
 
 # -- failure ------------------------------------------------------------------------
@@ -295,7 +311,7 @@ def points(s: Settings) -> int:
     n = 0
     n += len(s.server_counts) if "bandwidth" in s.only else 0
     n += len(s.shard_configs) if "sharding" in s.only else 0
-    n += len(s.sync_sizes) if "allreduce" in s.only else 0
+    n += len(s.sync_sizes) * (1 + len(s.sync_dedicated)) if "allreduce" in s.only else 0
     n += 1 if "failure" in s.only else 0
     return n
 

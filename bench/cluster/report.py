@@ -74,6 +74,36 @@ def allreduce_table(r: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def dedicated_bounds(r: dict[str, Any], p: dict[str, Any]) -> tuple[float | None, float | None]:
+    """(memory box, ring) link bounds in seconds for a point with dedicated memory
+    servers: a worker sends and receives the gradient once, a server ``n/k`` of it, so
+    the memory box needs ``max(1, n/k) × size`` on the busiest link; the ring
+    ``2(n-1)/n × size`` on every link."""
+    rate = r.get("link_MBps")
+    if not rate:
+        return None, None
+    n, k, size = p["workers"], p["servers"], p["bytes"]
+    return max(1.0, n / k) * size / (rate * 1e6), 2 * (n - 1) / n * size / (rate * 1e6)
+
+
+def dedicated_table(r: dict[str, Any]) -> str:
+    lines = ["| workers | memory servers | gradient size | accumulate then read (s) | pipelined push-pull (s) "
+             "| gloo all-reduce (s) | gloo time / memory-box time (accumulate-read, push-pull) "
+             "| link bound: memory box, ring (s) | expected ratio at the link bound "
+             "| CPU cores used (accumulate-read, push-pull, gloo) |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for p in r.get("dedicated", []):
+        box, ring = dedicated_bounds(r, p)
+        lines.append(
+            f"| {p['workers']} | {p['servers']} | {p['bytes'] / 1e6:.0f} MB | {p['smb']['seconds']:.2f} "
+            f"| {p['collective']['seconds']:.2f} | {p['gloo']['seconds']:.2f} "
+            f"| {p['smb_vs_gloo']:.2f}, {p['collective_vs_gloo']:.2f} | {_f(box)}, {_f(ring)} "
+            f"| {_f(ring / box if box and ring else None)} "
+            f"| {_cores(p['smb'].get('cpu'))}, {_cores(p['collective'].get('cpu'))}, "
+            f"{_cores(p['gloo'].get('cpu'))} |")
+    return "\n".join(lines) + "\n"
+
+
 def failure_table(r: dict[str, Any]) -> str:
     err = r.get("error") or {}
     retry = r.get("retry_error") or {}
@@ -115,6 +145,10 @@ def markdown(results: dict[str, Any]) -> str:
         parts.append(f"**Aggregation**: {a['workers']} workers, each host also a memory server; median of "
                      f"{a['syncs']} synchronizations\n")
         parts.append(allreduce_table(a))
+        if a.get("dedicated"):
+            parts.append(f"**Aggregation, memory servers on hosts of their own**: median of {a['syncs']} "
+                         "synchronizations\n")
+            parts.append(dedicated_table(a))
     if "failure" in results:
         parts.append("**Failure**: a memory server's link goes down mid-run\n")
         parts.append(failure_table(results["failure"]))

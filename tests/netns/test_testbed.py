@@ -84,6 +84,10 @@ def test_aggregation_short_against_gloo():
     assert point["smb"]["verified"] and point["gloo"]["verified"]
     assert point["smb"]["seconds"] > 0 and point["gloo"]["seconds"] > 0
     assert point["transports"] == ["shm", "tcp"]     # the local server by shm, the other over the link
+    assert point["collective"]["verified"] and point["collective"]["seconds"] > 0
+    (dedicated,) = result["dedicated"]                 # workers and servers on hosts of their own
+    assert (dedicated["workers"], dedicated["servers"], dedicated["colocated"]) == (2, 2, False)
+    assert all(dedicated[system]["verified"] for system in ("smb", "collective", "gloo"))
 
 
 def test_failed_start_leaves_nothing_behind():
