@@ -28,6 +28,7 @@ from .retry import Backoff, Retry
 from .tickets import TicketMode
 from .tls import TLSConfig, diagnose
 
+MAX_LEASE = 7 * 24 * 3600.0   # seconds: the longest owner lease a controller takes
 log = logging.getLogger(__name__)
 
 DEFAULT_CONTROLLER = "127.0.0.1:7700"
@@ -105,6 +106,11 @@ class Client:
                                    io_threads=io_threads,
                                    transport_options={"tls": self.tls, **self.transport_options})
         self._closed = False
+        # owner leases: regions created with lease= are kept while this client renews
+        self.owner = uuid.uuid4().hex
+        self._lease_seconds = 0.0                # the shortest lease asked for; 0: none yet
+        self._lease_stop = threading.Event()
+        self._lease_thread: threading.Thread | None = None
         # a comma-separated list names a leader and its standbys: calls go to one; when it
         # is unavailable (a standby refuses, or it does not answer) the next is tried
         self.controllers = [a.strip() for a in self.address.split(",") if a.strip()] or [DEFAULT_CONTROLLER]
@@ -132,7 +138,11 @@ class Client:
         self.close()
 
     def close(self) -> None:
-        """Close the data plane (after submitted work ends) and the controller channel."""
+        """Close the data plane (after submitted work ends) and the controller channel.
+        Regions this client created with a lease are deleted once the lease runs out."""
+        self._lease_stop.set()
+        if self._lease_thread is not None and self._lease_thread is not threading.current_thread():
+            self._lease_thread.join(timeout=self.timeout)
         self._closed = True
         self.dataplane.close()
         with self._stubs_lock:
@@ -181,7 +191,7 @@ class Client:
     def create_region(self, name: str, size: int, *, placement: str = "striped",
                       stripe_unit: int = 0, num_servers: int = 0,
                       segment_sizes: Sequence[int] = (), persistent: bool = False,
-                      exist_ok: bool = False) -> Region:
+                      exist_ok: bool = False, lease: float | None = None) -> Region:
         """Create a region of ``size`` bytes and return a read-write handle.
 
         ``placement``: ``striped`` (``stripe_unit`` bytes round-robin over
@@ -189,6 +199,11 @@ class Client:
         on one server) or ``single``. Raises InvalidArgument for a size that is not a
         positive whole number of bytes below 2**63 (and the like), RegionExists unless
         ``exist_ok``, OutOfMemory when it does not fit.
+
+        ``lease`` (seconds): the region belongs to this client, which renews its lease in
+        the background (every third of the shortest lease it holds); once nobody renewed
+        it for ``lease`` seconds (the process died or was cut off, or :meth:`close` was
+        called), the controller deletes it. None: it stays until deleted.
         """
         # also checked by the controller; a name too large for one gRPC message fails in the channel
         check_region_name(name)
@@ -198,13 +213,37 @@ class Client:
             raise InvalidArgument(f"num_servers must be a whole number >= 0 (0: all servers), not {num_servers!r}")
         for k, seg in enumerate(segment_sizes):
             check_bytes(f"segment_sizes[{k}]", seg, minimum=1)
+        if lease is not None and not (isinstance(lease, (int, float)) and 0 < lease <= MAX_LEASE):
+            raise InvalidArgument(f"lease must be more than 0 and at most {MAX_LEASE:g} seconds, not {lease!r}")
         resp = self._call("CreateRegion", pb.CreateRegionRequest(
             name=name, size=size, placement=placement, stripe_unit=stripe_unit,
             num_servers=num_servers, segment_sizes=list(segment_sizes),
             persistent=persistent, exist_ok=exist_ok,
             # one uid for every attempt: a retry after a lost reply gets the region it made
-            uid=uuid.uuid4().hex))
+            uid=uuid.uuid4().hex,
+            owner=self.owner if lease else "", lease_seconds=float(lease or 0.0)))
+        if lease:
+            self._keep_leases(float(lease))
         return Region(self, resp.region, resp.ticket, TicketMode.RW)
+
+    def _keep_leases(self, seconds: float) -> None:
+        """Renew this client's owner lease every third of the shortest lease asked for."""
+        with self._stubs_lock:
+            self._lease_seconds = min(self._lease_seconds or seconds, seconds)
+            if self._lease_thread is None:
+                self._lease_thread = threading.Thread(target=self._renew_loop, name="smb-leases", daemon=True)
+                self._lease_thread.start()
+
+    def _renew_loop(self) -> None:
+        while not self._lease_stop.wait(self._lease_seconds / 3):
+            try:
+                held = self._call("RenewLease", pb.RenewLeaseRequest(owner=self.owner),
+                                  reconnect_timeout=self._lease_seconds / 3).regions
+            except SMBError as exc:
+                log.warning("could not renew the lease of this client's regions: %s", exc)
+                continue
+            if not held:
+                log.debug("no leased region left to renew")
 
     def open_info(self, name: str, mode: str | TicketMode = TicketMode.RW,
                   reconnect_timeout: float | None = None) -> tuple[Any, Any]:

@@ -120,7 +120,7 @@ class ParameterStore:
     def create(cls, client: Any, prefix: str, model: Any, *, scheme: str | None = None,
                placement: str = "striped", grad_slots: int | None = None, delta_slots: int | None = None,
                workers: int = 1, stripe_unit: int | None = None, num_servers: int = 0,
-               replace: bool = False, buffers: bool = True) -> ParameterStore:
+               replace: bool = False, buffers: bool = True, lease: float | None = None) -> ParameterStore:
         """Lay ``model`` out in new regions under ``prefix`` and store its parameters.
 
         ``scheme`` sizes the slots that are not given: ``sync`` (the default when
@@ -139,6 +139,11 @@ class ParameterStore:
 
         A store (any of its regions) already under ``prefix`` raises RegionExists;
         ``replace=True`` deletes it first.
+
+        ``lease`` (seconds): the regions belong to ``client``, which keeps them while it
+        lives (see :meth:`Client.create_region`); once it is gone (killed, cut off or
+        closed) for ``lease`` seconds, the controller deletes them. None: they stay until
+        :meth:`destroy`.
         """
         if placement not in PLACEMENTS:
             raise InvalidArgument(f"unknown placement {placement!r}: expected one of {', '.join(PLACEMENTS)}")
@@ -171,29 +176,32 @@ class ParameterStore:
                 "grad_slots": grad_slots, "delta_slots": delta_slots, "workers": workers,
                 "buffers": json.loads(blayout.to_json()) if blayout is not None else None}
         regions: dict[str, Any] = {}
+
+        def create_region(name: str, size: int, **options: Any) -> Any:
+            return client.create_region(name, size, lease=lease, **options)
         try:
             def make(kind: str, slots: int) -> None:
                 size = layout.slot_bytes * slots
                 name = cls.region_name(prefix, kind)
                 if placement == "layered":
-                    regions[kind] = client.create_region(name, size, placement="layered",
+                    regions[kind] = create_region(name, size, placement="layered",
                                                          segment_sizes=layout.segment_sizes(slots))
                 elif placement == "striped":
-                    regions[kind] = client.create_region(name, size, placement="striped",
+                    regions[kind] = create_region(name, size, placement="striped",
                                                          stripe_unit=stripe_unit or 0,
                                                          num_servers=num_servers)
                 else:
-                    regions[kind] = client.create_region(name, size, placement="single")
+                    regions[kind] = create_region(name, size, placement="single")
             make("params", 1)
             if grad_slots:
                 make("grads", grad_slots)
             if delta_slots:
                 make("deltas", delta_slots)
             counters = align_up((COUNTER_WORDS + workers) * 8, ALIGN)
-            regions["counters"] = client.create_region(cls.region_name(prefix, "counters"), counters,
+            regions["counters"] = create_region(cls.region_name(prefix, "counters"), counters,
                                                        placement="single")
             if blayout is not None:
-                regions["buffers"] = client.create_region(cls.region_name(prefix, "buffers"),
+                regions["buffers"] = create_region(cls.region_name(prefix, "buffers"),
                                                           blayout.slot_bytes * BUFFER_SLOTS, placement="single")
             store = cls(client, prefix, flat, regions, meta, master=True)
             store.push_params()
@@ -204,7 +212,7 @@ class ParameterStore:
                 store.push_buffers()
             doc = json.dumps(meta).encode()
             blob = META_HEADER.pack(META_MAGIC, len(doc)) + doc
-            regions["meta"] = client.create_region(
+            regions["meta"] = create_region(
                 cls.region_name(prefix, "meta"), align_up(len(blob), META_PAGE), placement="single")
             regions["meta"].write(0, blob)
         except BaseException:

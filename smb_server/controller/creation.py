@@ -44,6 +44,8 @@ class RegionSpec:
     segment_sizes: tuple[int, ...] = ()
     persistent: bool = False
     uid: str = ""   # the caller's uid for the region: a retry with it gets the region it made
+    owner: str = ""               # with lease_seconds: whose lease keeps the region
+    lease_seconds: float = 0.0    # > 0: deleted once the owner renewed nothing for this long
 
 
 class RegionCreator:
@@ -99,6 +101,12 @@ class RegionCreator:
                         raise
                     check_same(existing, spec)
                     return existing
+                if spec.lease_seconds:
+                    try:
+                        self.state.lease_region(spec.name, spec.owner, spec.lease_seconds)
+                    except BaseException:
+                        self.state.abort_region(spec.name, region.uid)
+                        raise
                 return self._reserve_and_commit(region)
             finally:
                 self._unclaim(spec.name)
@@ -161,6 +169,19 @@ class RegionCreator:
             raise
         extents = self.state.delete_region(name, request_id)
         self.release_all(region.uid, extents)
+
+    def delete_expired(self) -> list[str]:
+        """Delete the regions whose owner's lease ran out (the owner stopped renewing: it
+        died or was cut off); returns their names."""
+        gone = []
+        for name in self.state.expired_leases():
+            try:
+                self.delete(name)
+            except errors.RegionNotFound:
+                continue
+            log.warning("region %s deleted: its owner's lease ran out", name)
+            gone.append(name)
+        return gone
 
     def release_all(self, region_uid: str, extents: Sequence[ExtentRecord]) -> None:
         """Release extents in parallel, best effort: a server that is down or does not

@@ -58,6 +58,7 @@ from .records import (
     HeldExtent,
     RegionRecord,
     ServerRecord,
+    check_lease,
     check_request_id,
     check_uid,
     find_orphans,
@@ -518,7 +519,7 @@ class EtcdState:
 
     def _removal(self, row: dict[str, Any]) -> list[kv.Op]:
         """The ops that remove a region: its key and its extents' index keys."""
-        return [kv.delete(self._key("regions", row["name"]))] + [
+        return [kv.delete(self._key("regions", row["name"])), kv.delete(self._key("region_leases", row["name"]))] + [
             kv.delete(self._key("placed", sid, eid)) for eid, _, sid, _ in row["extents"]]
 
     def commit_region(self, name: str, uid: str | None = None) -> RegionRecord:
@@ -580,6 +581,54 @@ class EtcdState:
         region = self._retry(attempt, f"deleting region {name}")
         log.info("region %s (uid %s) deleted", name, region.uid)
         return list(region.extents)
+
+    # -- owner leases (as :class:`.state.ControllerState`'s) --------------------------------
+    def lease_region(self, name: str, owner: str, seconds: float, now: float | None = None) -> None:
+        """Tie region ``name`` to ``owner``'s lease of ``seconds`` (one transaction)."""
+        owner, seconds, now = check_lease(owner, seconds), float(seconds), self._now(now)
+        key = self._key("owner_leases", owner)
+
+        def attempt() -> bool | None:
+            row, rev = self._read_one("owner_leases", owner)
+            lease = {"seconds": max(seconds, row["seconds"] if row else 0.0),
+                     "expires": max(now + seconds, row["expires"] if row else 0.0)}
+            compare = [kv.mod_revision_is(key, rev) if row else kv.absent(key)]
+            ops = [kv.put(self._key("region_leases", name), owner), kv.put(key, json.dumps(lease))]
+            return True if self._commit(compare, ops) else None
+        self._retry(attempt, f"leasing region {name}", regions=False)
+
+    def renew_lease(self, owner: str, now: float | None = None) -> int:
+        """Renew ``owner``'s lease; how many regions it holds (0: none, or run out)."""
+        now = self._now(now)
+        key = self._key("owner_leases", owner)
+
+        def attempt() -> int | None:
+            row, rev = self._read_one("owner_leases", owner)
+            if row is None or row["expires"] < now:
+                return 0
+            (leases,) = self.kv.read(kv.get_prefix(self._key("region_leases", "")))
+            held = sum(1 for item in leases if item.value.decode() == owner)
+            lease = {**row, "expires": now + row["seconds"]}
+            return held if self._commit([kv.mod_revision_is(key, rev)], [kv.put(key, json.dumps(lease))]) else None
+        return self._retry(attempt, f"renewing the lease of {owner}", regions=False)
+
+    def expired_leases(self, now: float | None = None) -> list[str]:
+        """Ready regions whose owner's lease ran out, by name; forgets owners that hold
+        no region any more."""
+        now = self._now(now)
+        owners_prefix, leases_prefix = self._key("owner_leases", ""), self._key("region_leases", "")
+        owners, leases, regions = self.kv.read(kv.get_prefix(owners_prefix), kv.get_prefix(leases_prefix),
+                                               kv.get_prefix(self._key("regions", "")))
+        expired = {item.key[len(owners_prefix):]: item.mod_revision for item in owners
+                   if item.json()["expires"] < now}
+        ready = {item.json()["name"] for item in regions if item.json()["state"] == "ready"}
+        holding = {item.value.decode() for item in leases}
+        idle = [(owner, rev) for owner, rev in expired.items() if owner not in holding]
+        if idle:
+            self._commit_each(([kv.mod_revision_is(self._key("owner_leases", o), rev)],
+                               [kv.delete(self._key("owner_leases", o))]) for o, rev in idle)
+        return sorted(item.key[len(leases_prefix):] for item in leases
+                      if item.value.decode() in expired and item.key[len(leases_prefix):] in ready)
 
     def deleted_by(self, name: str, request_id: str) -> bool:
         """True when the delete of ``request_id`` removed region ``name`` lately (as

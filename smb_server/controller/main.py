@@ -169,6 +169,7 @@ class Controller(Daemon):
                 continue
             try:
                 self.state.expire_leases()
+                self.servicer.creator.delete_expired()   # regions whose owner stopped renewing
             except errors.ControllerUnavailable as exc:
                 log.info("expiring leases: %s", exc)
             except Exception:

@@ -103,6 +103,20 @@ def check_request_id(request_id: str) -> str:
     return request_id
 
 
+MAX_LEASE_SECONDS = 7 * 24 * 3600.0   # the longest owner lease
+
+
+def check_lease(owner: str, seconds: float) -> str:
+    """An owner lease's owner (32 lowercase hex digits, the client's) and length (more
+    than 0, at most :data:`MAX_LEASE_SECONDS`). Raises InvalidArgument."""
+    if not isinstance(owner, str) or not _UID.fullmatch(owner):
+        raise InvalidArgument(f"a lease's owner is 32 lowercase hex digits, not {owner!r}")
+    if not (isinstance(seconds, (int, float)) and 0 < seconds <= MAX_LEASE_SECONDS):
+        raise InvalidArgument(f"a lease lasts more than 0 and at most {MAX_LEASE_SECONDS:g} seconds, "
+                              f"not {seconds!r}")
+    return owner
+
+
 def check_uid(uid: str) -> str:
     """A new region's uid: the caller's (32 lowercase hex digits, so that a retried create
     is known by it) or, for "", a fresh one. Raises InvalidArgument."""

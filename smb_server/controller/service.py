@@ -40,6 +40,7 @@ METHOD_ROLES: dict[str, tuple[str, ...]] = {
     "OpenRegion": (CLIENT,),
     "DeleteRegion": (CLIENT,),
     "ListRegions": (CLIENT,),
+    "RenewLease": (CLIENT,),
     "Barrier": (CLIENT,),
 }
 
@@ -154,7 +155,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
                      context: grpc.ServicerContext) -> Any:
         spec = RegionSpec(request.name, request.size, request.placement, request.stripe_unit,
                           request.num_servers, tuple(request.segment_sizes), request.persistent,
-                          request.uid)
+                          request.uid, request.owner, request.lease_seconds)
         return self._response(self.creator.create(spec, exist_ok=request.exist_ok), "rw")
 
     @typed_errors
@@ -175,6 +176,10 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
                      context: grpc.ServicerContext) -> Any:
         self.creator.delete(request.name, request.request_id)
         return controller_pb2.DeleteRegionResponse()
+
+    @typed_errors
+    def RenewLease(self, request: controller_pb2.RenewLeaseRequest, context: grpc.ServicerContext) -> Any:
+        return controller_pb2.RenewLeaseResponse(regions=self.state.renew_lease(request.owner))
 
     @typed_errors
     def ListRegions(self, request: controller_pb2.ListRegionsRequest,

@@ -58,6 +58,7 @@ from .records import (
     HeldExtent,
     RegionRecord,
     ServerRecord,
+    check_lease,
     check_request_id,
     check_uid,
     find_orphans,
@@ -112,6 +113,16 @@ CREATE TABLE IF NOT EXISTS lost_extents (
 );
 CREATE TABLE IF NOT EXISTS issued_extent_ids (
     extent_id INTEGER PRIMARY KEY
+);
+CREATE TABLE IF NOT EXISTS region_leases (
+    name    TEXT PRIMARY KEY REFERENCES regions(name) ON DELETE CASCADE,
+    owner   TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS region_leases_by_owner ON region_leases(owner);
+CREATE TABLE IF NOT EXISTS owner_leases (
+    owner   TEXT PRIMARY KEY,
+    seconds REAL NOT NULL,
+    expires REAL NOT NULL
 );
 CREATE TABLE IF NOT EXISTS done_deletes (
     request_id TEXT PRIMARY KEY,
@@ -483,6 +494,41 @@ class ControllerState:
                            "VALUES (?,?,?)", (request_id, name, now))
         log.info("region %s (uid %s) deleted", name, region.uid)
         return list(region.extents)
+
+    # -- owner leases --------------------------------------------------------------------
+    def lease_region(self, name: str, owner: str, seconds: float, now: float | None = None) -> None:
+        """Tie region ``name`` to ``owner``'s lease of ``seconds``: once the owner renewed
+        nothing for that long (the longest lease of its regions), :meth:`expired_leases`
+        names the region. Raises InvalidArgument for a bad owner or lease."""
+        owner, seconds, now = check_lease(owner, seconds), float(seconds), self._now(now)
+        with self._tx() as db:
+            db.execute("INSERT OR REPLACE INTO region_leases (name, owner) VALUES (?, ?)", (name, owner))
+            db.execute("INSERT INTO owner_leases (owner, seconds, expires) VALUES (?, ?, ?) "
+                       "ON CONFLICT(owner) DO UPDATE SET seconds = max(seconds, excluded.seconds), "
+                       "expires = max(expires, excluded.expires)", (owner, seconds, now + seconds))
+
+    def renew_lease(self, owner: str, now: float | None = None) -> int:
+        """Renew ``owner``'s lease; returns how many regions it holds (0: none, or the
+        lease had run out and they are gone)."""
+        now = self._now(now)
+        with self._tx() as db:
+            db.execute("UPDATE owner_leases SET expires = ? + seconds WHERE owner = ? AND expires >= ?",
+                       (now, owner, now))
+            return int(db.execute("SELECT count(*) FROM region_leases l JOIN owner_leases o "
+                                  "ON o.owner = l.owner WHERE l.owner = ? AND o.expires >= ?",
+                                  (owner, now)).fetchone()[0])
+
+    def expired_leases(self, now: float | None = None) -> list[str]:
+        """Ready regions whose owner's lease ran out, by name; forgets owners that hold
+        no region any more."""
+        now = self._now(now)
+        with self._tx() as db:
+            db.execute("DELETE FROM owner_leases WHERE expires < ? AND owner NOT IN "
+                       "(SELECT owner FROM region_leases)", (now,))
+            return [r[0] for r in db.execute(
+                "SELECT l.name FROM region_leases l JOIN owner_leases o ON o.owner = l.owner "
+                "JOIN regions r ON r.name = l.name WHERE o.expires < ? AND r.state = 'ready' "
+                "ORDER BY l.name", (now,))]
 
     def deleted_by(self, name: str, request_id: str) -> bool:
         """True when the delete of ``request_id`` removed region ``name`` (within the last

@@ -336,3 +336,31 @@ def test_a_done_delete_is_remembered_for_its_retries(state: StateStore) -> None:
     assert not state.deleted_by("job/a", first) and state.deleted_by("job/c", other)
     with pytest.raises(errors.InvalidArgument, match="32 lowercase hex"):
         state.delete_region("job/x", "nope")
+
+
+OWNER = "ab" * 16
+
+
+def test_owner_leases_name_the_regions_of_an_owner_that_stopped_renewing(state: StateStore) -> None:
+    add(state, "a")
+    for name in ("job/x", "job/y", "keep/other"):
+        make(state, name, MiB)
+    state.lease_region("job/x", OWNER, 10.0, now=T0)
+    state.lease_region("job/y", OWNER, 4.0, now=T0)        # the owner's lease is its longest
+    assert state.expired_leases(now=T0 + 9) == []
+    assert state.renew_lease(OWNER, now=T0 + 9) == 2        # until T0 + 19
+    assert state.expired_leases(now=T0 + 18) == []
+    assert state.expired_leases(now=T0 + 19.5) == ["job/x", "job/y"]
+    assert state.renew_lease(OWNER, now=T0 + 20) == 0       # too late: renewing revives nothing
+    assert state.expired_leases(now=T0 + 20) == ["job/x", "job/y"]
+    state.delete_region("job/x")
+    state.delete_region("job/y")
+    assert state.expired_leases(now=T0 + 21) == []          # the owner is forgotten with them
+    assert state.renew_lease(OWNER, now=T0 + 21) == 0
+    assert [r.name for r in state.list_regions()] == ["keep/other"]
+    assert state.renew_lease("cd" * 16, now=T0) == 0         # an owner nobody knows
+    with pytest.raises(errors.InvalidArgument, match="owner"):
+        state.lease_region("keep/other", "not-hex", 5.0, now=T0)
+    with pytest.raises(errors.InvalidArgument, match="lease"):
+        state.lease_region("keep/other", OWNER, 0.0, now=T0)
+    assert state.expired_leases(now=T0 + 1e6) == []         # keep/other was never leased
