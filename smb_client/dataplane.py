@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 from . import transports, verbs
 from .addressing import parse_endpoint
 from .errors import InvalidArgument, ServerUnavailable
+from .futures import wait_all
 from .placement import ExtentPlace
 from .transports import Session
 
@@ -154,20 +155,15 @@ class DataPlane:
             futures = [self._io.submit(t) for t in tasks[1:]]
         except RuntimeError:   # shut down meanwhile
             raise ServerUnavailable("the client's data plane is closed") from None
-        results: list[Any] = []
-        error: BaseException | None = None
         try:
-            results.append(tasks[0]())
-        except BaseException as exc:
-            error = exc
-        for f in futures:
+            first = tasks[0]()
+        except BaseException:
             try:
-                results.append(f.result())
-            except BaseException as exc:
-                error = error or exc
-        if error is not None:
-            raise error
-        return results
+                wait_all(futures)          # every task ends before the error is raised
+            except BaseException:
+                pass                       # the first task's error wins
+            raise
+        return [first, *wait_all(futures)]
 
     def submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Future[T]:
         """Run ``fn`` on the async pool (the ``*_async`` forms of Region)."""
