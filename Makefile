@@ -66,7 +66,7 @@ test-host: deps
 	$(PY) -m pytest -q tests
 
 test-rdma: deps
-	SMB_VM_BENCH=0 tests/rdma/run_vm.sh
+	SMB_VM_BENCH=0 SMB_VM_TIMEOUT=$${SMB_VM_TIMEOUT:-1500} tests/rdma/run_vm.sh
 
 test-unit: deps
 	$(PY) -m pytest -q tests/unit

@@ -31,7 +31,16 @@ from .daemon import Daemon, Status
 
 log = logging.getLogger(__name__)
 
-START_TIMEOUT = 30.0  # seconds
+
+def start_timeout() -> float:
+    """Seconds a daemon of a local cluster has to become ready: ``$SMB_START_TIMEOUT``
+    (for slow hosts, such as the emulated Soft-RoCE VM) or :data:`START_TIMEOUT`."""
+    try:
+        return max(1.0, float(os.environ.get("SMB_START_TIMEOUT", "") or START_TIMEOUT))
+    except ValueError:
+        return START_TIMEOUT
+
+START_TIMEOUT = 30.0  # seconds a daemon has to become ready (default of $SMB_START_TIMEOUT)
 STOP_TIMEOUT = 10.0   # seconds daemons get after SIGTERM before SIGKILL
 LOOPBACK = "127.0.0.1"
 
@@ -186,7 +195,7 @@ class LocalCluster(Daemon):
 
     def _wait_file(self, path: Path, proc: subprocess.Popen[bytes], what: str) -> dict[str, Any]:
         try:
-            doc: dict[str, Any] = wait_for_json(path, START_TIMEOUT, proc)
+            doc: dict[str, Any] = wait_for_json(path, start_timeout(), proc)
             return doc
         except ChildProcessError:
             tail = self.log_tail(what)
@@ -198,7 +207,8 @@ class LocalCluster(Daemon):
             raise ClusterError(f"{what} exited with {proc.returncode}; {self._log_hint(what)}:\n"
                                + tail) from None
         except TimeoutError:
-            raise ClusterError(f"{what} not ready after {START_TIMEOUT} s; {self._log_hint(what)}:\n"
+            raise ClusterError(f"{what} not ready after {start_timeout():g} s (SMB_START_TIMEOUT); "
+                               f"{self._log_hint(what)}:\n"
                                + self.log_tail(what)) from None
 
     def _log_hint(self, name: str) -> str:
@@ -248,8 +258,10 @@ class LocalCluster(Daemon):
         if wait:
             self._wait_file(ready, proc, name)
 
-    def wait_servers(self, count: int, timeout: float = START_TIMEOUT) -> None:
-        """Wait until ``count`` memory servers are registered and up."""
+    def wait_servers(self, count: int, timeout: float | None = None) -> None:
+        """Wait until ``count`` memory servers are registered and up (``timeout``
+        seconds, default :func:`start_timeout`)."""
+        timeout = start_timeout() if timeout is None else timeout
         for i, p in enumerate(self.servers):
             if p is not None:
                 self._wait_file(self.workdir / f"server-{i}" / "ready", p, f"server-{i}")

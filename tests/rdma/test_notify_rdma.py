@@ -1,12 +1,16 @@
 """The wait, lock and barrier tests of tests/integration/test_notify.py and test_locks.py,
 again with the regions' data over rdma (coordination requests go over the servers' tcp
 planes; rdma fetch_add is a one-sided atomic that the server's re-read notices, and rdma
-accumulate is served by the server, which wakes the waits at once)."""
+accumulate is served by the server, which wakes the waits at once), and the collectives
+among rdma clients (on the same cluster: starting one takes minutes in the VM)."""
 from __future__ import annotations
+
+import threading
 
 import numpy as np
 import pytest
 
+from smb_client.collective import Collective
 from tests.integration.test_locks import (  # noqa: F401  (collected here with transport=rdma)
     test_a_held_lock_keeps_others_out_until_released,
     test_a_holder_killed_with_sigkill_frees_the_lock_after_its_lease,
@@ -63,3 +67,44 @@ def test_rdma_accumulate_wakes_a_wait_and_one_sided_fetch_add_is_seen(region):
     region.accumulate(WORD, np.array([2], np.int64))        # two-sided: the server applies it
     region.fetch_add(WORD, 3)                                # one-sided NIC atomic
     assert w.outcome() == 5
+
+
+def test_collective_among_rdma_clients(cluster, name):  # noqa: F811
+    """All-reduce and broadcast among clients whose data goes over rdma: the collective's
+    PUSH/PULL travel on each server's tcp plane, as waits do; exact integer sums."""
+    parties, n = 3, 20_000
+    clients = [cluster.client(transport="rdma") for _ in range(parties)]
+    colls = [Collective.create(clients[0], name, n * 8, parties, chunk_bytes=16 << 10, timeout=120)]
+    colls += [Collective.open(c, name, parties, timeout=120, fresh=True) for c in clients[1:]]
+    failures: list[BaseException] = []
+
+    def worker(rank: int) -> None:
+        try:
+            for k in range(2):
+                x = np.arange(n, dtype=np.int64) * (rank + 1) + k
+                colls[rank].all_reduce(x)
+                np.testing.assert_array_equal(x, np.arange(n, dtype=np.int64) * 6 + 3 * k)
+            b = np.full(n, rank, np.int64)
+            colls[rank].broadcast(b, root=2, rank=rank)
+            np.testing.assert_array_equal(b, np.full(n, 2, np.int64))
+        except BaseException as exc:
+            failures.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(r,)) for r in range(parties)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(240)
+        assert not failures, failures
+        assert set(colls[0].region.transports().values()) == {"rdma"}     # the region's data path
+        grads = clients[1].create_region(f"{name}-g", 1 << 20)
+        grads.accumulate(0, np.ones(1 << 17, np.int64))
+        np.testing.assert_array_equal(grads.read(0, 1 << 20, dtype="int64"), np.ones(1 << 17, np.int64))
+        clients[1].delete_region(f"{name}-g")
+    finally:
+        for coll in colls[1:]:
+            coll.close()
+        colls[0].destroy()
+        for c in clients:
+            c.close()

@@ -23,6 +23,8 @@ export PYTHONDONTWRITEBYTECODE=1 HOME=/tmp TMPDIR=/tmp SMB_RDMA_VM=1
 # the guest CPU is emulated (no KVM): a gRPC handshake that takes milliseconds on a host
 # can take tens of seconds here while other processes import torch
 export SMB_RDMA_CONNECT_TIMEOUT=${SMB_RDMA_CONNECT_TIMEOUT:-120}
+# for the same reason, a local cluster's daemons get longer to become ready
+export SMB_START_TIMEOUT=${SMB_START_TIMEOUT:-120}
 "$@"
 rc=$?
 echo "guest: command exited with $rc"
