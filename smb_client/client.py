@@ -110,6 +110,7 @@ class Client:
         self.owner = uuid.uuid4().hex
         self._lease_seconds = 0.0                # the shortest lease asked for; 0: none yet
         self._lease_stop = threading.Event()
+        self._lease_lock = threading.Lock()
         self._lease_thread: threading.Thread | None = None
         # a comma-separated list names a leader and its standbys: calls go to one; when it
         # is unavailable (a standby refuses, or it does not answer) the next is tried
@@ -228,7 +229,7 @@ class Client:
 
     def _keep_leases(self, seconds: float) -> None:
         """Renew this client's owner lease every third of the shortest lease asked for."""
-        with self._stubs_lock:
+        with self._lease_lock:
             self._lease_seconds = min(self._lease_seconds or seconds, seconds)
             if self._lease_thread is None:
                 self._lease_thread = threading.Thread(target=self._renew_loop, name="smb-leases", daemon=True)

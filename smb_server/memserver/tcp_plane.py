@@ -423,8 +423,7 @@ class _Connection:
         extent.check_range(offset, length)
         if op in wire.COORD_OPS:
             return coord_ops.serve(waiters.for_arena(self.plane.arena), op, extent, offset, length, dtype,
-                                   arg0, arg1, alpha,
-                                   lambda: self.plane.closing or coord_ops.peer_closed(self.sock))
+                                   arg0, arg1, alpha, self._cancelled)
         if op is Op.PUSH:
             return self._push(extent, offset, length, dtype, arg0, arg1, alpha, entry)
         if op is Op.READ:
@@ -454,6 +453,7 @@ class _Connection:
                                   f"[{offset}, {offset + length})")
 
     def _cancelled(self) -> bool:
+        """Whether a waiting request should stop: the plane closes or the peer left."""
         return self.plane.closing or coord_ops.peer_closed(self.sock)
 
     def _push(self, extent: Extent, offset: int, length: int, dtype: int, word: int, base: int,
@@ -495,28 +495,21 @@ class _Connection:
         extent.check_range(offset, length)
         self._chunk_word(Op.PULL, extent, offset, length, word)
         table = waiters.for_arena(self.plane.arena)
-        entry = None
-        if seq:
-            try:
-                fresh, entry = self.plane.dedup.begin(client, seq, self.plane.frame_timeout,
-                                                      (int(Op.PULL), extent_id, offset, length, word))
-            except (TimeoutError, ValueError) as exc:
-                raise InvalidArgument(str(exc)) from None
+
+        def run(entry: Entry | None) -> None:
+            table.wait(extent, word, wire.WaitCond.AT_LEAST, target, timeout, self._cancelled)
+            self._read(extent, offset, length, req_id)   # in the socket's buffer once this returns
+            with extent.pin(), extent.lock, extent.data[word:word + 8] as count:
+                kernels.fetch_add(count, 1)
+        if not seq:
+            run(None)
+        else:
+            fresh, _, _ = self.plane.dedup.once(client, seq, (int(Op.PULL), extent_id, offset, length, word),
+                                                self.plane.frame_timeout, run)
             if not fresh:
                 self.plane.stats.add(repeats=1)
                 self._read(extent, offset, length, req_id)
                 return None
-        try:
-            table.wait(extent, word, wire.WaitCond.AT_LEAST, target, timeout, self._cancelled)
-            self._read(extent, offset, length, req_id)   # in the socket's buffer once this returns
-        except BaseException:
-            if entry is not None:
-                self.plane.dedup.interrupt(entry)
-            raise
-        with extent.pin(), extent.lock, extent.data[word:word + 8] as count:
-            kernels.fetch_add(count, 1)
-        if entry is not None:
-            entry.finish(Status.OK)
         table.touched(extent_id, word, 8)
         return None
 
