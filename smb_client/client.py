@@ -321,8 +321,8 @@ def _mode(mode: object) -> TicketMode:
         parsed = TicketMode.parse(mode.value if isinstance(mode, TicketMode) else str(mode))
     except ValueError as exc:
         raise InvalidArgument(str(exc)) from None
-    if parsed is TicketMode.ADMIN:
-        raise InvalidArgument("regions open in mode rw or ro; admin tickets are the controller's")
+    if parsed in (TicketMode.ADMIN, TicketMode.REPLICA):
+        raise InvalidArgument("regions open in mode rw or ro; admin and replica tickets are the servers'")
     return parsed
 
 

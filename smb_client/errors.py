@@ -50,6 +50,7 @@ class Status(enum.IntEnum):
     CONTROLLER_BUSY = 25
     REGION_LOST = 26
     LOCK_NOT_HELD = 27
+    NOT_PRIMARY = 28
 
 
 class SMBError(Exception):
@@ -84,6 +85,14 @@ class ServerUnavailable(Unavailable):
     """A memory server did not answer or dropped the connection."""
 
     status: ClassVar[Status] = Status.SERVER_UNAVAILABLE
+
+
+class NotPrimary(ServerUnavailable):
+    """A mutation of a replicated region reached a copy that is not (or no longer) the
+    primary of its replica set: open the region again for the current primary and send
+    the same numbered request there (the region does this by itself)."""
+
+    status: ClassVar[Status] = Status.NOT_PRIMARY
 
 
 class ServerBusy(ServerUnavailable):
@@ -300,7 +309,7 @@ def error_status(exc: BaseException) -> Status:
 # keeps it equal to the tree
 __all__ = [
     "SMBError", "Unavailable", "ControllerUnavailable", "ControllerBusy", "ServerUnavailable",
-    "ServerBusy",
+    "ServerBusy", "NotPrimary",
     "Timeout",
     "BarrierTimeout", "NotFound", "RegionNotFound", "ExtentNotFound", "ServerNotFound",
     "RegionExists", "RegionLost", "OutOfMemory", "PermissionDenied", "AuthenticationError", "InvalidTicket",

@@ -66,12 +66,17 @@ class ExtentPlace:
     host_id: str
     endpoints: tuple[str, ...]   # data-plane URIs the server offers
     server_state: str
+    index: int = 0       # the layout slot it holds
+    copy: int = 0        # which copy of the slot (replicated regions)
+    role: str = ""       # primary | backup | syncing ("" unreplicated)
 
     @classmethod
     def from_message(cls, e: Any) -> ExtentPlace:
-        """From a protobuf ``ExtentInfo`` (or anything with the same fields)."""
+        """From a protobuf ``ExtentRef`` (or anything with the same fields; the replica
+        fields default when absent)."""
         return cls(e.extent_id, e.server_id, e.length, e.grpc_address, e.host_id,
-                   tuple(e.endpoints), e.server_state)
+                   tuple(e.endpoints), e.server_state, int(getattr(e, "index", 0)),
+                   int(getattr(e, "copy", 0)), str(getattr(e, "role", "")))
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,9 @@ The controller signs with the cluster secret; memory servers verify with the sam
 secret. Clients treat tickets as opaque strings.
 
 Modes: ``ro`` (read), ``rw`` (read and write), ``admin`` (the controller reserving or
-releasing extents).
+releasing extents), ``replica`` (a primary memory server forwarding the mutations of a
+replicated extent to a backup copy; memory servers sign these with the shared secret,
+and a ticket's ``view`` names the replica-set version it was signed for).
 
 A ticket may carry the signing controller's leader epoch (``epoch``, 0 when there is no
 election); memory servers refuse admin tickets of an epoch older than one they have
@@ -33,6 +35,7 @@ class TicketMode(enum.StrEnum):
     RO = "ro"          # read
     RW = "rw"          # read and write
     ADMIN = "admin"    # the controller reserving or releasing extents
+    REPLICA = "replica"  # a primary memory server forwarding mutations to a backup copy
 
     @property
     def writes(self) -> bool:
@@ -59,6 +62,7 @@ class Ticket:
     mode: TicketMode
     expires_at: float  # unix seconds
     epoch: int = 0     # the signing controller's leader epoch (0: no election)
+    view: int = 0      # replica tickets: the replica-set version of the signing primary
 
     def allows(self, extent_id: int, write: bool = False) -> bool:
         if extent_id not in self.extent_ids:
@@ -75,14 +79,18 @@ def _unb64(text: str) -> bytes:
 
 
 def sign(secret: bytes, region_uid: str, extent_ids: Iterable[int], mode: str | TicketMode,
-         ttl: float = DEFAULT_TTL, now: float | None = None, epoch: int = 0) -> tuple[str, float]:
-    """A signed ticket and its expiry (unix seconds); ``epoch``: the leader epoch."""
+         ttl: float = DEFAULT_TTL, now: float | None = None, epoch: int = 0,
+         view: int = 0) -> tuple[str, float]:
+    """A signed ticket and its expiry (unix seconds); ``epoch``: the leader epoch;
+    ``view``: the replica-set version (replica tickets)."""
     mode = TicketMode.parse(mode)
     expires = (time.time() if now is None else now) + ttl
     fields: dict[str, object] = {"r": region_uid, "e": sorted(int(e) for e in extent_ids),
                                  "m": mode.value, "x": round(expires, 3)}
     if epoch:
         fields["p"] = int(epoch)
+    if view:
+        fields["v"] = int(view)
     payload = json.dumps(fields, separators=(",", ":")).encode()
     mac = hmac.new(secret, payload, hashlib.sha256).digest()
     return f"{_b64(payload)}.{_b64(mac)}", expires
@@ -106,7 +114,7 @@ def verify(secret: bytes, token: str, now: float | None = None) -> Ticket:
         raise InvalidTicket("malformed ticket payload") from None
     try:
         ticket = Ticket(str(data["r"]), frozenset(int(e) for e in data["e"]), mode, float(data["x"]),
-                        int(data.get("p", 0)))
+                        int(data.get("p", 0)), int(data.get("v", 0)))
     except (ValueError, KeyError, TypeError):
         raise InvalidTicket("malformed ticket payload") from None
     if ticket.expires_at < (time.time() if now is None else now):
