@@ -18,9 +18,20 @@ and read best together; waits, locks and barriers live in :mod:`.coord`.
 
 Exactly once: an operation is planned once into requests, and every mutating request gets
 its sequence number then (:meth:`DataPlane.next_seq`). When the operation runs again (a
-ticket the server called expired, renewed; a connection that broke, on another one), the
-same requests with the same numbers are sent: those that took effect are answered with
-their first answer by the server and not applied twice.
+ticket the server called expired, renewed; a connection that broke, on another one; a
+replicated region's primary that died, at the backup promoted in its place), the same
+requests with the same numbers are sent: those that took effect are answered with their
+first answer by the server and not applied twice.
+
+Replicated regions (``replicas`` > 1): every mutating request goes to its slot's
+*primary* copy over the primary server's tcp plane (the primary orders mutations and
+forwards them to the backups before it answers); reads go to the nearest live copy (one
+on this host over shm, else the primary). A request is planned by layout slot, and the
+copy it goes to is looked up when it runs, so a retry after a failover reaches the new
+primary. When a server does not answer or a copy says it is not the primary, the region
+opens itself again and runs the operation again with the same numbers, for up to
+:data:`FAILOVER_TIMEOUT` seconds (the controller needs a server lease to notice a dead
+server and promote a backup).
 """
 from __future__ import annotations
 
@@ -50,6 +61,8 @@ log = logging.getLogger(__name__)
 REFRESH_MARGIN = 60.0      # seconds before expiry a ticket is renewed
 REFRESH_TIMEOUT = 2.0      # seconds an operation keeps renewing a ticket the server calls expired
 EXPLAIN_PATIENCE = 0.5     # seconds a failed operation waits for the controller to say why
+FAILOVER_TIMEOUT = 30.0    # seconds an operation on a replicated region waits for a live primary
+AVOID_SECONDS = 10.0       # seconds a replicated region reads from other copies than a failed server's
 FLOATING_TYPES = (DType.FLOAT32, DType.FLOAT16, DType.BFLOAT16, DType.FLOAT64)
 
 __all__ = ["Region", "ExtentPlace", "layout_of"]
@@ -81,6 +94,7 @@ class Region:
         self._dataplane = client.dataplane
         self.mode = TicketMode(mode)
         self._lock = threading.Lock()
+        self._avoid: dict[str, float] = {}   # server id -> monotonic time until which reads avoid it
         self._apply(info, ticket)
 
     def _apply(self, info: Any, ticket: Any) -> None:
@@ -91,9 +105,32 @@ class Region:
         self.stripe_unit: int = info.stripe_unit
         self.state: str = info.state
         self.layout = layout_of(info)
+        #: each layout slot's extent (a replicated region's: the slot's primary copy)
         self.extents: tuple[ExtentPlace, ...] = tuple(ExtentPlace.from_message(e) for e in info.extents)
+        self.replicas: int = max(1, int(getattr(info, "replicas", 0) or 1))
+        #: the other copies of every slot (backups, and copies being synced)
+        self.copies: tuple[ExtentPlace, ...] = tuple(ExtentPlace.from_message(c)
+                                                     for c in getattr(info, "copies", ()))
+        self._readers = tuple(self._nearest(slot) for slot in range(len(self.extents)))
         self._ticket: str = ticket.token
         self._expires_at: float = ticket.expires_at
+
+    def _nearest(self, slot: int) -> ExtentPlace:
+        """The copy of ``slot`` reads go to: a live copy on this host (shm), else the
+        primary, else a live backup; servers that failed lately come last."""
+        primary = self.extents[slot]
+        if self.replicas == 1:
+            return primary
+        backups = [c for c in self.copies if c.index == slot and c.role == "backup"]
+        here = self._dataplane.here
+        avoid = getattr(self, "_avoid", {})
+        now = time.monotonic()
+
+        def rank(p: ExtentPlace) -> tuple[int, int, int]:
+            failed = avoid.get(p.server_id, 0.0) > now
+            local = p.host_id == here and any(u.startswith("shm://") for u in p.endpoints)
+            return (int(failed or p.server_state == "down"), int(not local), int(p is not primary))
+        return min([primary, *backups], key=rank)
 
     def __repr__(self) -> str:
         return (f"Region({self.name!r}, size={self.size}, placement={self.placement!r}, "
@@ -116,11 +153,43 @@ class Region:
             self._apply(info, ticket)
 
     def transports(self) -> dict[str, str]:
-        """The transport used for each server of this region (opening sessions)."""
-        return {p.server_id: self._session(p).scheme for p in self.extents}
+        """The transport used for each server of this region (opening sessions); for a
+        replicated region, the one its reads use (mutations go to the primary's tcp plane)."""
+        return {p.server_id: self._session(p).scheme for p in (*self.extents, *self.copies)
+                if p.role != "syncing"}
 
     def _session(self, place: ExtentPlace) -> Session:
         return self._dataplane.session(place)
+
+    def _target(self, slot: int, mutate: bool) -> tuple[Session, ExtentPlace]:
+        """The session and copy a request on layout slot ``slot`` goes to now: a
+        replicated region's mutations go to the primary's tcp plane, its reads to the
+        nearest live copy; an unreplicated region's requests to the slot's extent over
+        the transport chosen for its server."""
+        if self.replicas == 1:
+            place = self.extents[slot]
+            return self._session(place), place
+        if mutate:
+            place = self.extents[slot]
+            return self._dataplane.coordination(place), place
+        place = self._readers[slot]
+        return self._session(place), place
+
+    def _failed(self, place: ExtentPlace) -> None:
+        """Reads of a replicated region avoid ``place``'s server for a while."""
+        if self.replicas > 1:
+            with self._lock:
+                self._avoid[place.server_id] = time.monotonic() + AVOID_SECONDS
+                self._readers = tuple(self._nearest(slot) for slot in range(len(self.extents)))
+
+    def _request(self, slot: int, mutate: bool, send: Callable[[Session, ExtentPlace], Any]) -> Any:
+        """Send one request on ``slot`` to the copy :meth:`_target` names when it runs."""
+        session, place = self._target(slot, mutate)
+        try:
+            return send(session, place)
+        except errors.ServerUnavailable:
+            self._failed(place)
+            raise
 
     def _retrying(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` under a fresh ticket; after TicketExpired, renew the ticket and run
@@ -129,10 +198,31 @@ class Region:
         if time.time() > self._expires_at - REFRESH_MARGIN:
             self.refresh()
         try:
+            if self.replicas > 1:
+                return self._failing_over(fn)
             return self._retrying_once(fn)
         except (errors.ServerUnavailable, errors.ExtentNotFound) as exc:
             self._explain(exc)
             raise
+
+    def _failing_over(self, fn: Callable[[], Any]) -> Any:
+        """:meth:`_retrying_once` for a replicated region: also after a server that did
+        not answer, a copy that is no longer the primary (NotPrimary) or an extent a
+        server no longer holds (a copy the controller replaced), open the region again and
+        run ``fn`` again, for up to :data:`FAILOVER_TIMEOUT` seconds. The controller
+        being unreachable meanwhile is waited out the same way; a region deleted or lost
+        meanwhile raises from the reopening."""
+        attempts = 0
+
+        def attempt() -> Any:
+            nonlocal attempts
+            attempts += 1
+            if attempts > 1:
+                self.refresh()
+            return fn()
+        retry = Retry(on=(TicketExpired, errors.Unavailable, errors.ExtentNotFound),
+                      timeout=FAILOVER_TIMEOUT, backoff=Backoff(first=0.02, cap=0.5))
+        return retry(attempt, what=f"region {self.name}")
 
     def _explain(self, exc: errors.SMBError) -> None:
         """After a server was unreachable or no longer held an extent, ask the controller
@@ -165,20 +255,19 @@ class Region:
     def _run(self, tasks: list[Callable[[], Any]]) -> list[Any]:
         return self._dataplane.run(tasks)
 
-    def _chunks(self, offset: int, length: int, align: int = 1) -> list[tuple[ExtentPlace, Run]]:
-        runs = split_runs(self.layout.runs(offset, length), self._client.chunk_bytes, align)
-        return [(self.extents[run.extent], run) for run in runs]
+    def _chunks(self, offset: int, length: int, align: int = 1) -> list[Run]:
+        return split_runs(self.layout.runs(offset, length), self._client.chunk_bytes, align)
 
     def _tasks(self, offset: int, view: memoryview, align: int, op: BufferOp,
                numbered: bool = True) -> list[Callable[[], Any]]:
-        """One task per request; each reads the region's current ticket when it runs and
-        keeps the sequence number given here (``numbered``: a mutating request)."""
-        def task(place: ExtentPlace, run: Run, bufs: list[memoryview]) -> Callable[[], Any]:
+        """One task per request; each reads the region's current ticket and copy when it
+        runs and keeps the sequence number given here (``numbered``: a mutating request)."""
+        def task(run: Run, bufs: list[memoryview]) -> Callable[[], Any]:
             seq = self._dataplane.next_seq() if numbered else 0
-            return lambda: op(self._session(place), self._ticket, place.extent_id, run.extent_offset,
-                              bufs, seq)
-        return [task(place, run, [view[ro - offset:ro - offset + n] for ro, n in run.parts])
-                for place, run in self._chunks(offset, len(view), align)]
+            return lambda: self._request(run.extent, numbered, lambda s, place: op(
+                s, self._ticket, place.extent_id, run.extent_offset, bufs, seq))
+        return [task(run, [view[ro - offset:ro - offset + n] for ro, n in run.parts])
+                for run in self._chunks(offset, len(view), align)]
 
     def _check_writable(self) -> None:
         if not self.mode.writes:
@@ -258,37 +347,42 @@ class Region:
         self.layout.check_range(offset, length)
         a = float(alpha)
 
-        def task(place: ExtentPlace, run: Run) -> Callable[[], None]:
+        def task(run: Run) -> Callable[[], None]:
             seq = self._dataplane.next_seq()
-            return lambda: self._session(place).scale(self._ticket, place.extent_id, run.extent_offset,
-                                                      run.length, dt, a, seq)
-        tasks = [task(p, r) for p, r in self._chunks(offset, length, size)]
+            return lambda: self._request(run.extent, True, lambda s, place: s.scale(
+                self._ticket, place.extent_id, run.extent_offset, run.length, dt, a, seq))
+        tasks = [task(r) for r in self._chunks(offset, length, size)]
         self._retrying(lambda: self._run(tasks))
 
     def _word(self, offset: int) -> tuple[ExtentPlace, int]:
+        slot, eoff = self._slot_word(offset)
+        return self.extents[slot], eoff
+
+    def _slot_word(self, offset: int) -> tuple[int, int]:
+        """The layout slot and extent offset of the int64 word at ``offset``."""
         if offset % 8:
             raise Misaligned(f"atomic word offset {offset} is not 8-byte aligned")
         pieces = self.layout.map(offset, 8)
         if len(pieces) != 1:
             raise Misaligned(f"word at {offset} straddles two extents")
-        return self.extents[pieces[0].extent], pieces[0].extent_offset
+        return pieces[0].extent, pieces[0].extent_offset
 
     def fetch_add(self, offset: int, value: int) -> int:
         """Atomically add ``value`` to the int64 at ``offset``; returns the old value."""
         self._check_writable()
-        place, eoff = self._word(offset)
+        slot, eoff = self._slot_word(offset)
         seq = self._dataplane.next_seq()
-        return int(self._retrying(lambda: self._session(place).fetch_add(self._ticket, place.extent_id, eoff,
-                                                                         int(value), seq)))
+        return int(self._retrying(lambda: self._request(slot, True, lambda s, place: s.fetch_add(
+            self._ticket, place.extent_id, eoff, int(value), seq))))
 
     def compare_swap(self, offset: int, expected: int, desired: int) -> int:
         """Atomically set the int64 at ``offset`` to ``desired`` if it equals ``expected``;
         returns the old value (equal to ``expected`` when the swap happened)."""
         self._check_writable()
-        place, eoff = self._word(offset)
+        slot, eoff = self._slot_word(offset)
         seq = self._dataplane.next_seq()
-        return int(self._retrying(lambda: self._session(place).compare_swap(
-            self._ticket, place.extent_id, eoff, int(expected), int(desired), seq)))
+        return int(self._retrying(lambda: self._request(slot, True, lambda s, place: s.compare_swap(
+            self._ticket, place.extent_id, eoff, int(expected), int(desired), seq))))
 
     def wait(self, offset: int, *, value: int | None = None, equals: int | None = None,
              changed_from: int | None = None, timeout: float | None = None) -> int:
@@ -336,20 +430,21 @@ class Region:
         atomic; the batch is not (another client's atomics may interleave).
         """
         self._check_writable()
-        batches: dict[int, tuple[ExtentPlace, list[int], list[tuple[int, int]]]] = {}
+        batches: dict[int, tuple[int, list[int], list[tuple[int, int]]]] = {}
         n = 0
         for offset, value in items:
-            place, eoff = self._word(offset)
-            _, where, ops = batches.setdefault(place.extent_id, (place, [], []))
+            slot, eoff = self._slot_word(offset)
+            _, where, ops = batches.setdefault(slot, (slot, [], []))
             where.append(n)
             ops.append((eoff, int(value)))
             n += 1
         olds = [0] * n
 
-        def batch(place: ExtentPlace, where: list[int], ops: list[tuple[int, int]]) -> Callable[[], None]:
+        def batch(slot: int, where: list[int], ops: list[tuple[int, int]]) -> Callable[[], None]:
             seq = self._dataplane.next_seq()      # word k of the batch: seq + k
             def run() -> None:
-                got = self._session(place).fetch_add_many(self._ticket, place.extent_id, ops, seq)
+                got = self._request(slot, True, lambda s, place: s.fetch_add_many(
+                    self._ticket, place.extent_id, ops, seq))
                 for k, old in zip(where, got, strict=True):
                     olds[k] = old
             return run
