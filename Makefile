@@ -77,6 +77,7 @@ test-integration: deps
 bench: deps
 	$(PY) bench/dataplane.py
 	$(PY) bench/notify.py
+	$(PY) bench/replication.py
 
 bench-rdma: deps
 	SMB_VM_BENCH=1 tests/rdma/run_vm.sh
