@@ -75,74 +75,88 @@ def test_copies_live_on_distinct_servers(three):
             c.create_region("job/too-many", MiB, replicas=9)
 
 
+def check_concurrent_writers(client, name: str, size: int = 8 * MiB, chunk: int = 300_000) -> None:
+    """Four threads write and accumulate overlapping float32 ranges of a replicated
+    region; afterwards every copy is byte-identical and reads agree with the primaries."""
+    r = client.create_region(name, size, stripe_unit=MiB, replicas=2)
+    n = r.size // 4
+    errs: list[BaseException] = []
+
+    def writer(k: int) -> None:
+        rng = np.random.default_rng(k)
+        try:
+            for _ in range(12):
+                start = int(rng.integers(0, n - chunk))
+                data = rng.standard_normal(chunk).astype(np.float32)
+                if k % 2:
+                    r.accumulate(start * 4, data)
+                else:
+                    r.write(start * 4, data)
+        except BaseException as exc:   # reported below
+            errs.append(exc)
+    threads = [threading.Thread(target=writer, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errs, errs
+    assert_copies_identical(r)
+    # reads (over shm or rdma where the client uses them) see what the primaries hold
+    assert r.read(0, r.size) == b"".join(
+        _read_copy(r, r.extents[s.extent])[s.extent_offset:s.extent_offset + s.length]
+        for s in r.layout.map(0, r.size))
+    client.delete_region(name)
+
+
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
 def test_concurrent_writers_leave_every_copy_identical(three, transport):
     with three.client(transport=transport) as c:
-        r = c.create_region("job/conc", 8 * MiB, stripe_unit=MiB, replicas=2)
-        n = r.size // 4
-        errs: list[BaseException] = []
+        check_concurrent_writers(c, "job/conc")
 
-        def writer(k: int) -> None:
-            rng = np.random.default_rng(k)
-            try:
-                for _ in range(12):
-                    start = int(rng.integers(0, n - 300_000))
-                    data = rng.standard_normal(300_000).astype(np.float32)
-                    if k % 2:
-                        r.accumulate(start * 4, data)
-                    else:
-                        r.write(start * 4, data)
-            except BaseException as exc:   # reported below
-                errs.append(exc)
-        threads = [threading.Thread(target=writer, args=(k,)) for k in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert not errs, errs
-        assert_copies_identical(r)
-        # reads (over shm where the copy is local) see what the primaries hold
-        assert r.read(0, r.size) == b"".join(
-            _read_copy(r, r.extents[s.extent])[s.extent_offset:s.extent_offset + s.length]
-            for s in r.layout.map(0, r.size))
+
+def check_primary_killed(cluster: LocalCluster, client, name: str, size: int = 24 * MiB) -> None:
+    """kill -9 of a primary's server while accumulates run: each applies exactly once
+    (at the promoted backup), the region is repaired onto the spare server with every
+    copy identical, and a second kill after the repair loses nothing."""
+    r = client.create_region(name, size, stripe_unit=MiB, replicas=2)
+    n = r.size // 8
+    r.write(0, np.arange(n, dtype=np.int64))
+    victim = r.extents[0].server_id
+    ones = np.ones(n, dtype=np.int64)
+    done: list[BaseException | None] = []
+
+    def accumulate() -> None:
+        try:
+            for _ in range(3):
+                r.accumulate(0, ones)
+            done.append(None)
+        except BaseException as exc:   # reported below
+            done.append(exc)
+    t = threading.Thread(target=accumulate)
+    t.start()
+    time.sleep(0.05)
+    cluster.kill_server(_index(cluster, victim))          # kill -9 while accumulates run
+    t.join(120)
+    assert done == [None], done
+    got = r.read(0, r.size, dtype=np.int64)
+    np.testing.assert_array_equal(got, np.arange(n, dtype=np.int64) + 3)   # each applied once
+    assert victim not in {p.server_id for p in r.extents}                # a backup took over
+
+    _wait_state(client, name, "ready", timeout=120)                       # repaired on the spare
+    assert_copies_identical(r)
+    assert victim not in {p.server_id for places in _copies(r).values() for p in places}
+
+    # a second server dies after the repair: still nothing lost
+    second = r.extents[0].server_id
+    cluster.kill_server(_index(cluster, second))
+    r.accumulate(0, ones)
+    np.testing.assert_array_equal(r.read(0, r.size, dtype=np.int64), np.arange(n, dtype=np.int64) + 4)
+    _wait_state(client, name, "degraded")
 
 
 def test_primary_killed_mid_operation_applies_once_then_repairs(three):
     with three.client(transport="tcp") as c:
-        r = c.create_region("job/fail", 24 * MiB, stripe_unit=MiB, replicas=2)
-        n = r.size // 8
-        r.write(0, np.arange(n, dtype=np.int64))
-        victim = r.extents[0].server_id
-        ones = np.ones(n, dtype=np.int64)
-        done: list[BaseException | None] = []
-
-        def accumulate() -> None:
-            try:
-                for _ in range(3):
-                    r.accumulate(0, ones)
-                done.append(None)
-            except BaseException as exc:   # reported below
-                done.append(exc)
-        t = threading.Thread(target=accumulate)
-        t.start()
-        time.sleep(0.05)
-        three.kill_server(_index(three, victim))          # kill -9 while accumulates run
-        t.join(120)
-        assert done == [None], done
-        got = r.read(0, r.size, dtype=np.int64)
-        np.testing.assert_array_equal(got, np.arange(n, dtype=np.int64) + 3)   # each applied once
-        assert victim not in {p.server_id for p in r.extents}                # a backup took over
-
-        _wait_state(c, "job/fail", "ready")                                  # repaired on the spare
-        assert_copies_identical(r)
-        assert victim not in {p.server_id for places in _copies(r).values() for p in places}
-
-        # a second server dies after the repair: still nothing lost
-        second = r.extents[0].server_id
-        three.kill_server(_index(three, second))
-        r.accumulate(0, ones)
-        np.testing.assert_array_equal(r.read(0, r.size, dtype=np.int64), np.arange(n, dtype=np.int64) + 4)
-        _wait_state(c, "job/fail", "degraded")
+        check_primary_killed(three, c, "job/fail")
 
 
 def test_backup_killed_writes_go_on(three):
