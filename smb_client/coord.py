@@ -61,9 +61,9 @@ def _tcp(region: Region, offset: int) -> tuple[ExtentPlace, int, TcpSession]:
 
 def _request(region: Region, offset: int, op: wire.Op, timeout: float, **args: Any) -> int:
     """One coordination request on a wait connection of the word's server; the word."""
-    place, eoff, session = _tcp(region, offset)
-
     def run() -> int:
+        # looked up on every attempt: a replicated region's retry goes to the new primary
+        place, eoff, session = _tcp(region, offset)
         with session.waits.borrow() as conn:
             conn.present(region._ticket)
             conn.sock.settimeout(timeout + session.io_timeout)
@@ -137,10 +137,12 @@ class Barrier:
         """Arrive and wait for the other parties; returns the generation (0, 1, ...).
         :class:`~smb_client.errors.BarrierTimeout` after ``timeout`` seconds."""
         deadline = _deadline(timeout)
-        place, eoff, session = _tcp(self.region, self.offset)
         seq = self.region._dataplane.next_seq()      # a retry is answered, not added again
-        old = int(self.region._retrying(
-            lambda: session.fetch_add(self.region._ticket, place.extent_id, eoff, 1, seq)))
+
+        def arrive() -> int:
+            place, eoff, session = _tcp(self.region, self.offset)
+            return int(session.fetch_add(self.region._ticket, place.extent_id, eoff, 1, seq))
+        old = int(self.region._retrying(arrive))
         generation = old // self.parties
         try:
             wait(self.region, self.offset, value=(generation + 1) * self.parties,
