@@ -241,13 +241,13 @@ class Region:
             self._apply(info, ticket)      # the servers' current endpoints for the next operation
 
     def _retrying_once(self, fn: Callable[[], Any]) -> Any:
-        attempts = 0
+        try:                  # the common case first: no retry policy built per operation
+            return fn()
+        except TicketExpired:
+            pass
 
         def attempt() -> Any:
-            nonlocal attempts
-            attempts += 1
-            if attempts > 1:
-                self.refresh()
+            self.refresh()
             return fn()
         retry = Retry(on=(TicketExpired,), timeout=REFRESH_TIMEOUT, backoff=Backoff(first=0.01, cap=0.2))
         return retry(attempt, what=f"region {self.name}")
