@@ -24,6 +24,31 @@ connection or a renewed ticket) reuses its number. The server applies a numbered
 at most once and answers a repeat with the first answer (see
 ``smb_server/memserver/dedup.py``).
 
+Replicated extents (``smb_server/memserver/replication.py``): clients send every
+mutation of a replicated region to its primary's tcp plane; a backup answers a client's
+mutation with ``NOT_PRIMARY``. The primary applies a request in *pieces* of at most 4 MiB
+under the extent's lock and forwards each piece, still under the lock, to every backup
+on a connection that presented a ``replica`` ticket (signed by the primary with the
+shared secret, naming the backup's extent, ``view`` = the replica set's version); it
+waits for the backup's answer before the next mutation of that extent. A piece is an
+ordinary request frame: the original ``op``, ``dtype``, ``alpha``, ``client`` and
+``seq``, the backup's ``extent_id``, and
+
+* ``WRITE``/``ACCUMULATE``/``AXPY``/``SCALE``: the piece's ``offset``/``length`` (and
+  its payload), with the *whole request's* offset and length in ``arg0``/``arg1``;
+* ``FETCH_ADD``/``COMPARE_SWAP``: the request itself (one word; the backup computes
+  the same answer, its copy being identical);
+* ``LOCK``/``UNLOCK``: the word's new value in ``arg0`` and the request's answer in
+  ``arg1`` (the backup stores the word; leases stay on the primary).
+
+The backup files a numbered piece under the original request's dedup entry (the same
+``what`` as the client's request: op, extent, offset, length, dtype) and counts the
+applied payload bytes, so a client that retries at the promoted backup gets "done" or
+resumes after them. ``seq`` 0 pieces (an unnumbered request, and ``WRITE`` chunks of a
+sync copy) are applied without bookkeeping. A piece whose ticket has an older view than
+the backup's is refused with ``NOT_PRIMARY`` (a deposed primary); a newer view makes
+the extent a backup of that view.
+
 Over TLS (``tcp+tls://`` endpoints) the frames are the same inside the TLS stream;
 :func:`sendmsg_all` and :func:`recv_into_all` hand TLS sockets to the loops of
 :mod:`smb_client.tls` (no ``sendmsg``/``recvmsg_into`` there) and keep the plain path as

@@ -53,6 +53,11 @@ class TicketBook:
             for extent_id in ticket.extent_ids:
                 self._by_extent[extent_id] = ticket
 
+    def get(self, extent_id: int) -> Ticket | None:
+        """The ticket presented for ``extent_id``, if any."""
+        with self._lock:
+            return self._by_extent.get(extent_id)
+
     def check(self, arena: Arena, extent_id: int, write: bool) -> Extent:
         """The extent, if the ticket presented for it allows the access (see
         :func:`check_access`); InvalidTicket when no ticket names it."""

@@ -17,7 +17,7 @@ from smb_client.errors import InvalidArgument, Misaligned
 from smb_client.wire import Op, WaitCond
 
 from .arena import Extent
-from .waiters import Cancelled, Waiters
+from .waiters import Applied, Cancelled, Waiters
 
 log = logging.getLogger(__name__)
 
@@ -25,9 +25,11 @@ _WORD = struct.Struct("<q")
 
 
 def serve(waiters: Waiters, op: Op, extent: Extent, offset: int, length: int, dtype: int,
-          arg0: int, arg1: int, alpha: float, cancelled: Cancelled) -> bytes:
+          arg0: int, arg1: int, alpha: float, cancelled: Cancelled,
+          applied: Applied | None = None) -> bytes:
     """Run one checked coordination request (ticket and range already checked); returns
-    the answer body: the word's value as 8 bytes."""
+    the answer body: the word's value as 8 bytes. ``applied(word)`` runs under the
+    extent's lock once a LOCK or UNLOCK changed the word (see :meth:`Waiters.lock`)."""
     if length != 8:
         raise InvalidArgument(f"{op.name.lower()} works on one 8-byte word, not {length} bytes")
     if offset % 8:
@@ -40,9 +42,9 @@ def serve(waiters: Waiters, op: Op, extent: Extent, offset: int, length: int, dt
                                   + ", ".join(f"{c.value} ({c.name.lower()})" for c in WaitCond)) from None
         word = waiters.wait(extent, offset, cond, arg0, alpha, cancelled)
     elif op is Op.LOCK:
-        word = waiters.lock(extent, offset, arg0, arg1 / 1000.0, alpha, cancelled)
+        word = waiters.lock(extent, offset, arg0, arg1 / 1000.0, alpha, cancelled, applied)
     else:
-        word = waiters.unlock(extent, offset, arg0)
+        word = waiters.unlock(extent, offset, arg0, applied)
     return _WORD.pack(word)
 
 

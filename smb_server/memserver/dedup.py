@@ -94,8 +94,10 @@ class DedupTable:
         applied it (``run`` counts in ``entry.applied`` what took effect, and skips what
         an interrupted attempt applied); ``(False, entry, b"")`` for a repeat of a
         finished one, whose first answer is ``entry.status``/``entry.body``. A failure of
-        ``run`` after something took effect is remembered as the answer; one before is
-        forgotten (the retry runs it). Typed errors: Timeout while another attempt runs
+        ``run`` after something took effect is remembered as the answer, unless the
+        error says it is ``resumable`` (a replicated request that timed out waiting for
+        its backups: the retry resumes after ``entry.applied``); one before is forgotten
+        (the retry runs it). Typed errors: Timeout while another attempt runs
         past ``timeout`` seconds, InvalidArgument for a number reused for another
         request."""
         try:
@@ -109,7 +111,7 @@ class DedupTable:
         try:
             body = run(entry) or b""
         except SMBError as exc:
-            if entry.applied:
+            if entry.applied and not getattr(exc, "resumable", False):
                 entry.finish(error_status(exc), str(exc).encode())
             else:
                 self.interrupt(entry)

@@ -41,6 +41,7 @@ from ..grpc_util import BearerAuth, add_port, make_server, tls_settings
 from ..health import HEALTH_METHODS, Health
 from ..metrics import MetricsServer, Registry
 from ..rpc_metrics import RpcMetrics
+from . import replication
 from .arena import Arena
 from .controller_link import ControllerLink, Controllers
 from .dedup import DedupTable
@@ -86,6 +87,7 @@ class MemoryServer(Daemon):
         self.tcp: TcpPlane | None = None
         self.shm: ShmPlane | None = None
         self.rdma: RdmaPlane | None = None
+        self.replication: replication.Replication | None = None   # forwarding to backups
         self.registered = threading.Event()
         self.lease_seconds = 0.0
         self.registry = Registry()
@@ -125,6 +127,8 @@ class MemoryServer(Daemon):
         if host in ("0.0.0.0", "::", ""):
             host = socket.gethostname()
 
+        tls = tls_settings(cfg)   # backups are reached with the server's own certificate and CA:
+        self.replication = replication.for_arena(self.arena, cfg.secret, tls.client_context() if tls.enabled else None)
         servicer = MemoryServerServicer(self.arena, cfg.secret, self.stats,
                                         server_id=lambda: self.server_id,
                                         endpoints=lambda: self.endpoints,
@@ -135,7 +139,6 @@ class MemoryServer(Daemon):
             BearerAuth(cfg.token, exempt=TICKET_METHODS + HEALTH_METHODS)])
         memory_server_pb2_grpc.add_MemoryServerServicer_to_server(servicer, self._grpc)
         self._health = Health(self._grpc, ["smb.v1.MemoryServer"])
-        tls = tls_settings(cfg)
         port = add_port(self._grpc, format_hostport(cfg.listen_host, cfg.grpc_port), tls,
                         cfg.tls_client_auth)
         if port == 0:
@@ -221,7 +224,7 @@ class MemoryServer(Daemon):
             self._thread.join(RPC_TIMEOUT + 1)
         if was_running and self.registered.is_set():
             self._unregister(reason)
-        for plane in (self.tcp, self.shm, self.rdma):
+        for plane in (self.tcp, self.shm, self.rdma, self.replication):
             if plane is not None:
                 plane.close()
         if self._grpc is not None:
@@ -274,7 +277,7 @@ class MemoryServer(Daemon):
 
     def _add_metrics(self) -> None:
         assert self.arena is not None
-        add_server_metrics(self.registry, self, self.arena, self.stats)
+        add_server_metrics(self.registry, self, self.arena, self.stats, self.replication)
 
     # -- state dir ----------------------------------------------------------------------
     def _mkdtemp(self) -> str:

@@ -6,6 +6,7 @@ from typing import Any, Protocol
 
 from ..metrics import Registry
 from .arena import Arena
+from .replication import Replication
 from .service import rss_bytes
 from .stats import COUNTERS, PlaneStats
 
@@ -18,8 +19,9 @@ class ServerIdentity(Protocol):
     def registered(self) -> Any: ...   # a threading.Event: set while the controller accepted us
 
 
-def add_server_metrics(reg: Registry, server: ServerIdentity, arena: Arena, stats: PlaneStats) -> None:
-    """Register a memory server's metrics in ``reg``."""
+def add_server_metrics(reg: Registry, server: ServerIdentity, arena: Arena, stats: PlaneStats,
+                       replication: Replication | None = None) -> None:
+    """Register a memory server's metrics in ``reg`` (with ``replication``: its forwarding)."""
     def per_transport(name: str) -> Any:
         return lambda: [((t,), c[name]) for t, c in stats.by_transport().items()]
 
@@ -44,3 +46,12 @@ def add_server_metrics(reg: Registry, server: ServerIdentity, arena: Arena, stat
         reg.counter(f"smb_server_{name}_total", f"Data-plane {what} (see docs/operations.md for "
                     "what each transport can count)", ["transport"], fn=per_transport(name))
     reg.register(stats.latency)
+    if replication is None:
+        return
+    counts = replication.counts
+    for name, doc in (("pieces", "Pieces of mutations a primary forwarded to its backups (one per backup)"),
+                      ("bytes", "Payload bytes a primary forwarded to its backups"),
+                      ("sync_bytes", "Bytes copied to backups being synced"),
+                      ("failures", "Backups this server marked failed while forwarding or syncing")):
+        reg.counter(f"smb_server_replica_{name}_total", doc,
+                    fn=lambda name=name: [((), counts[name])])

@@ -10,6 +10,7 @@ from smb_client import rdma_wire, verbs
 from smb_client.errors import (
     ExtentNotFound,
     InvalidArgument,
+    NotPrimary,
     OutOfRange,
     ReadOnly,
     SMBError,
@@ -21,7 +22,7 @@ from smb_client.rdma_endpoint import RcEndpoint, RegisteredBuffer
 from smb_client.rdma_wire import MSG_BYTES, MsgOp
 from smb_client.tickets import Ticket
 
-from . import kernels, waiters
+from . import kernels, replication, waiters
 from .access import TicketBook
 from .dedup import Entry
 
@@ -201,6 +202,9 @@ class ServerConnection:
             raise InvalidArgument(f"unknown rdma request {op}")
         extent = self.book.check(self.plane.arena, extent_id, write=True)
         extent.check_range(offset, length)
+        if replication.role_of(self.plane.arena, extent_id):
+            raise NotPrimary(f"extent {extent_id} is replicated: its mutations go to the primary's "
+                             "tcp data plane")
         arith = _ARITH[MsgOp(op)]
         dt = kernels.check_arith(arith, dtype, offset, length)
         if op == MsgOp.SCALE:

@@ -13,7 +13,9 @@ queue pair named by its :class:`~smb_client.verbs.QPInfo`. The first ``Connect``
 queue pair (QPN, PSN, GID) creates the server's side; a later one adds its ticket to
 that connection. The answer holds the server QP's QPN/PSN/GID, the negotiated MTU and,
 for each extent of the ticket's region held here, the address and the rkey of the
-registration matching the ticket's mode, plus the staging area for a writing ticket.
+registration matching the ticket's mode (the ``ro`` one for an extent of a replicated
+region, whose mutations go to its primary's tcp plane), plus the staging area for a
+writing ticket; two-sided arithmetic on a replicated extent is refused with NotPrimary.
 A ``Connect`` naming a queue pair this plane already dropped is refused
 (``ServerUnavailable``): the client must connect a new one.
 
@@ -43,6 +45,7 @@ from smb_client import verbs
 from smb_client.errors import ExtentNotFound, InvalidArgument, OutOfMemory, ServerUnavailable, TicketExpired
 from smb_client.tickets import Ticket, TicketMode
 
+from . import replication
 from .arena import Arena, Extent
 from .dedup import DedupTable
 from .rdma_connection import ServerConnection
@@ -207,8 +210,11 @@ class RdmaPlane:
             raise ExtentNotFound(f"extent {gone[0].extent.extent_id} was released during Connect")
         if new:
             self.stats.add(sessions=1)
-        extents = [(r.extent.extent_id, r.address, (r.rw if mode.writes else r.ro).rkey, r.extent.length)
-                   for r in regs]
+        def rkey(r: _Registration) -> int:
+            writes = mode.writes and not replication.role_of(self.arena, r.extent.extent_id)
+            return int((r.rw if writes else r.ro).rkey)
+
+        extents = [(r.extent.extent_id, r.address, rkey(r), r.extent.length) for r in regs]
         log.debug("rdma connect %s: qpn %d <-> %d, %s ticket (%s), mtu %d, %d extents", peer_name,
                   conn.info.qpn, peer.qpn, mode.value, "new" if new else "added", conn.mtu, len(extents))
         return {"qpn": conn.info.qpn, "psn": conn.psn, "gid": conn.info.gid, "mtu": conn.mtu, "lid": 0,

@@ -5,7 +5,9 @@ naming the extent (and refused when its leader epoch is older than one already s
 a deposed controller's) (the bearer-token check is exempted for them, see
 :data:`TICKET_METHODS`); ``Connect`` (RDMA queue-pair exchange) carries a region ticket
 (``ro`` or ``rw``), verified here and handed to the rdma plane, and is refused when the
-server runs no rdma plane; ``Stats`` needs the bearer token.
+server runs no rdma plane; ``ConfigureReplicas`` (admin ticket naming the extent, as
+``ReserveExtent``) sets the extent's place in its replica set (:mod:`.replication`);
+``Stats`` needs the bearer token.
 """
 from __future__ import annotations
 
@@ -18,11 +20,13 @@ import grpc
 
 from smb_client._proto.smb.v1 import memory_server_pb2 as pb
 from smb_client._proto.smb.v1 import memory_server_pb2_grpc as pb_grpc
+from smb_client.addressing import parse_endpoint
 from smb_client.errors import InvalidArgument, InvalidTicket, PermissionDenied
 from smb_client.tickets import Ticket, TicketMode, verify
 from smb_client.verbs import QPInfo
 
 from ..grpc_util import typed_errors
+from . import replication
 from .arena import Arena
 from .stats import PlaneStats
 
@@ -33,7 +37,8 @@ log = logging.getLogger(__name__)
 
 SERVICE = "/smb.v1.MemoryServer/"
 #: methods that check a ticket instead of the bearer token
-TICKET_METHODS = (SERVICE + "ReserveExtent", SERVICE + "ReleaseExtent", SERVICE + "Connect")
+TICKET_METHODS = (SERVICE + "ReserveExtent", SERVICE + "ReleaseExtent", SERVICE + "Connect",
+                  SERVICE + "ConfigureReplicas")
 
 
 def rss_bytes() -> int:
@@ -67,6 +72,7 @@ class MemoryServerServicer(pb_grpc.MemoryServerServicer):
         self._metrics_port = metrics_port
         self.epoch = 0  # the newest controller leader epoch seen in an admin ticket
         self._epoch_lock = threading.Lock()
+        self.replication = replication.for_arena(arena, secret)
 
     def _admin(self, token: str, extent_id: int) -> Ticket:
         ticket = verify(self.secret, token)
@@ -103,6 +109,18 @@ class MemoryServerServicer(pb_grpc.MemoryServerServicer):
         return pb.ReleaseExtentResponse(released=released)
 
     @typed_errors
+    def ConfigureReplicas(self, request: pb.ConfigureReplicasRequest, context: grpc.ServicerContext) -> Any:
+        ticket = self._admin(request.ticket, request.extent_id)
+        extent = self.arena.get(request.extent_id)
+        if ticket.region_uid and ticket.region_uid != extent.region_uid:
+            raise InvalidTicket(f"the ticket is for region {ticket.region_uid!r}, "
+                                f"not {extent.region_uid!r}")
+        targets = [(b.extent_id, b.server_id, _tcp_endpoint(b.endpoints, b.server_id), b.sync)
+                   for b in request.backups]
+        view, synced = self.replication.configure(extent, request.view, request.role, targets)
+        return pb.ConfigureReplicasResponse(view=view, synced_bytes=synced)
+
+    @typed_errors
     def Connect(self, request: pb.ConnectRequest, context: grpc.ServicerContext) -> Any:
         plane = self._rdma()
         if plane is None:
@@ -127,3 +145,12 @@ class MemoryServerServicer(pb_grpc.MemoryServerServicer):
             bytes_accumulated=counts["bytes_accumulated"], operations=counts["operations"],
             errors=counts["errors"], sessions=max(0, counts["sessions"]), rss_bytes=rss_bytes(),
             endpoints=list(self._endpoints()), metrics_port=self._metrics_port())
+
+
+def _tcp_endpoint(endpoints: Sequence[str], server_id: str) -> str:
+    """The tcp (or tcp+tls) data-plane endpoint among a backup server's endpoints."""
+    for uri in endpoints:
+        if parse_endpoint(uri).scheme.startswith("tcp"):
+            return uri
+    raise InvalidArgument(f"backup server {server_id or '?'} offers no tcp endpoint "
+                          f"(it has {', '.join(endpoints) or 'none'}): replicas forward over tcp")

@@ -19,6 +19,9 @@ user than the server:
   file; the file's descriptor never leaves the server), sealed against shrinking,
   growing and further seals (:mod:`.arena`): no client can make the server's mapping
   fault (SIGBUS) or change what others map;
+- an extent of a replicated region (a primary or a backup, :mod:`.replication`) is
+  handed out read-only whatever the ticket: its mutations go to the primary's tcp plane,
+  which forwards them, so no client may write it behind the server's back;
 - a read-only ticket gets a read-only descriptor (the memfd reopened ``O_RDONLY``
   through the server's ``/proc/self/fd``). It cannot be mapped writable, ``mprotect``
   cannot make its mapping writable, and reopening it through the client's own
@@ -44,6 +47,7 @@ from smb_client import wire
 from smb_client.errors import SMBError, Status, error_status
 from smb_client.tickets import verify
 
+from . import replication
 from .access import check_access
 from .arena import Arena
 from .listener import Listener
@@ -156,7 +160,7 @@ class ShmPlane:
             ticket = verify(self.secret, token.decode(errors="replace"))
             extent = check_access(ticket, self.arena, extent_id, write=False)
             with extent.pin():
-                writable = ticket.mode.writes
+                writable = ticket.mode.writes and not replication.role_of(self.arena, extent_id)
                 fd = extent.fd if writable else os.open(f"/proc/self/fd/{extent.fd}",
                                                         os.O_RDONLY | os.O_CLOEXEC)
                 try:
@@ -166,7 +170,7 @@ class ShmPlane:
                     if not writable:
                         os.close(fd)
             self.stats.add(operations=1)
-            log.debug("shm: passed extent %d (%s)", extent_id, ticket.mode.value)
+            log.debug("shm: passed extent %d (%s)", extent_id, "rw" if writable else "ro")
         except SMBError as exc:
             self.stats.add(operations=1, errors=1)
             message = str(exc).encode()

@@ -36,7 +36,18 @@ breaks the protocol (bad magic, unknown opcode, oversized length, truncated fram
 
 The module is longer than 400 lines on purpose: a connection's framing, its deadlines
 and the copy-free paths of every operation share one socket and one set of rules, and
-read best together; accepting and admission live in :mod:`.listener`.
+read best together; accepting and admission live in :mod:`.listener`. The same holds
+for the mutations of replicated extents (:mod:`.replication`): a primary receives,
+applies and forwards each piece on the connection's thread, and a backup serves the
+pieces a primary forwards with the connection's framing and dedup table; the replica
+configuration and the forwarding connections live in :mod:`.replication`.
+
+Replicated extents: a mutation on a connection that presented a ``replica`` ticket for
+its extent is a piece forwarded by a primary (:meth:`_Connection._piece`, format in
+:mod:`smb_client.wire`); a client's mutation of a primary is received into scratch
+(writes too) and applied and forwarded piece by piece under the extent's lock
+(:meth:`_Connection._replicated`), then answered once no backup is marked failed; a
+client's mutation of a backup, and PUSH/PULL on any replicated extent, are refused.
 """
 from __future__ import annotations
 
@@ -47,7 +58,7 @@ import struct
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 from smb_client import wire
 from smb_client.dtypes import DType
@@ -56,16 +67,17 @@ from smb_client.errors import (
     InvalidArgument,
     InvalidTicket,
     Misaligned,
+    NotPrimary,
     ServerError,
     SMBError,
     Status,
     Timeout,
     error_status,
 )
-from smb_client.tickets import verify
+from smb_client.tickets import TicketMode, verify
 from smb_client.wire import Op
 
-from . import coord_ops, kernels, waiters
+from . import coord_ops, kernels, replication, waiters
 from .access import TicketBook
 from .arena import Arena, Extent
 from .dedup import DedupTable, Entry
@@ -347,6 +359,8 @@ class _Connection:
         try:
             if op is Op.PULL:
                 body = self._pull(client, seq, extent_id, offset, length, arg0, arg1, alpha, req_id)
+            elif op in wire.WRITE_OPS and self._forwarded(extent_id):
+                body = self._piece(client, seq, op, dtype, extent_id, offset, length, arg0, arg1, alpha)
             elif seq and op in wire.WRITE_OPS:
                 body = self._once(client, seq, op, dtype, extent_id, offset, length, arg0, arg1, alpha)
             else:
@@ -402,7 +416,8 @@ class _Connection:
         what = (int(op), extent_id, offset, length, dtype)
         fresh, entry, body = self.plane.dedup.once(
             client, seq, what, self.plane.frame_timeout,
-            lambda entry: self._dispatch(op, dtype, extent_id, offset, length, arg0, arg1, alpha, 0, entry))
+            lambda entry: self._dispatch(op, dtype, extent_id, offset, length, arg0, arg1, alpha, 0, entry,
+                                         client, seq))
         if not fresh:
             self.plane.stats.add(repeats=1)
             if entry.status != Status.OK:
@@ -413,14 +428,16 @@ class _Connection:
 
     def _dispatch(self, op: Op, dtype: int, extent_id: int, offset: int, length: int,
                   arg0: int, arg1: int, alpha: float, req_id: int,
-                  entry: Entry | None = None) -> bytes | None:
+                  entry: Entry | None = None, client: int = 0, seq: int = 0) -> bytes | None:
         """Serve a checked request; returns the OK answer body, or None when already sent.
-        ``entry`` (a numbered request) counts the payload bytes that took effect and,
-        on a resumed attempt, says how many to skip."""
+        ``entry`` (a numbered request ``seq`` of ``client``) counts the payload bytes that
+        took effect and, on a resumed attempt, says how many to skip."""
         if op is Op.PING:
             return b""
         extent = self.tickets.check(self.plane.arena, extent_id, write=op in wire.WRITE_OPS)
         extent.check_range(offset, length)
+        if op in wire.WRITE_OPS and self.plane.replication.role(extent_id):
+            return self._replicated(op, extent, offset, length, dtype, arg0, arg1, alpha, client, seq, entry)
         if op in wire.COORD_OPS:
             return coord_ops.serve(waiters.for_arena(self.plane.arena), op, extent, offset, length, dtype,
                                    arg0, arg1, alpha, self._cancelled)
@@ -493,6 +510,9 @@ class _Connection:
         (once per numbered request: a repeat gets the bytes again and counts nothing)."""
         extent = self.tickets.check(self.plane.arena, extent_id, write=True)
         extent.check_range(offset, length)
+        if self.plane.replication.role(extent_id):
+            raise InvalidArgument(f"pull: extent {extent_id} is replicated; collectives use regions "
+                                  "of their own")
         self._chunk_word(Op.PULL, extent, offset, length, word)
         table = waiters.for_arena(self.plane.arena)
 
@@ -569,16 +589,218 @@ class _Connection:
         return b""
 
     def _atomic(self, op: Op, extent: Extent, offset: int, length: int, arg0: int, arg1: int) -> bytes:
-        if length != 8:
-            raise InvalidArgument(f"{op.name.lower()} works on one 8-byte word, not {length} bytes")
-        if offset % 8:
-            raise Misaligned(f"{op.name.lower()} needs an 8-byte aligned offset, not {offset}")
-        with extent.pin(), extent.lock, extent.data[offset:offset + 8] as word:
+        _check_word(op, offset, length)
+        with extent.pin(), extent.lock:
+            return self._atomic_locked(op, extent, offset, arg0, arg1)
+
+    @staticmethod
+    def _atomic_locked(op: Op, extent: Extent, offset: int, arg0: int, arg1: int) -> bytes:
+        with extent.data[offset:offset + 8] as word:
             if op is Op.FETCH_ADD:
                 old = kernels.fetch_add(word, arg0)
             else:
                 old = kernels.compare_swap(word, arg0, arg1)
         return _OLD.pack(old)
+
+    # -- replicated extents (see .replication) ------------------------------------------
+    def _forwarded(self, extent_id: int) -> bool:
+        """Whether this connection presented a replica ticket for the extent: its
+        mutations are pieces forwarded by a primary."""
+        ticket = self.tickets.get(extent_id)
+        return ticket is not None and ticket.mode is TicketMode.REPLICA
+
+    def _primary(self, extent: Extent) -> replication.ReplicaConfig:
+        """The extent's configuration, read under its lock; NotPrimary unless it is a primary."""
+        cfg = self.plane.replication.config(extent.extent_id)
+        if cfg is None or cfg.role != "primary":
+            role = cfg.role if cfg is not None and cfg.role else "not replicated"
+            raise NotPrimary(f"extent {extent.extent_id} is {role} here, not a primary: open the "
+                             "region again and send mutations to its primary")
+        return cfg
+
+    def _replicated(self, op: Op, extent: Extent, offset: int, length: int, dtype: int, arg0: int,
+                    arg1: int, alpha: float, client: int, seq: int, entry: Entry | None) -> bytes:
+        """A client's mutation of a replicated extent: on a primary, applied piece by piece
+        and each piece forwarded to the backups under the extent's lock, answered once no
+        backup is marked failed; on a backup, NotPrimary."""
+        if self.plane.replication.role(extent.extent_id) != "primary":
+            self._primary(extent)   # raises NotPrimary
+        if op not in replication.REPLICATED_OPS:
+            raise InvalidArgument(f"{op.name.lower()} is not served on replicated extent "
+                                  f"{extent.extent_id} (collectives use regions of their own)")
+        with extent.pin():
+            if op in replication.RANGED_OPS:
+                body = self._replicate_range(op, extent, offset, length, dtype, alpha, client, seq, entry)
+            elif op in wire.COORD_OPS:
+                body = self._replicate_lock(op, extent, offset, length, dtype, arg0, arg1, alpha,
+                                            client, seq, entry)
+            else:
+                _check_word(op, offset, length)
+                with extent.lock:
+                    cfg = self._primary(extent)
+                    if entry is not None and entry.applied:
+                        body = entry.body     # applied by an earlier attempt: forwarded again only
+                    else:
+                        body = self._atomic_locked(op, extent, offset, arg0, arg1)
+                        if entry is not None:
+                            entry.applied, entry.body = 8, body
+                    self.plane.replication.forward(extent, cfg, op, offset, 8, dtype, arg0, arg1, alpha,
+                                                   client, seq)
+        self.plane.replication.settle(extent.extent_id)
+        if not extent.live:
+            raise ExtentNotFound(f"extent {extent.extent_id} was released during the operation")
+        return body
+
+    def _replicate_range(self, op: Op, extent: Extent, offset: int, length: int, dtype: int,
+                         alpha: float, client: int, seq: int, entry: Entry | None) -> bytes:
+        """WRITE, ACCUMULATE, AXPY, SCALE on a primary: received into scratch (writes too,
+        so that they are ordered with the rest), applied and forwarded piece by piece
+        under the extent's lock. Bytes an earlier attempt applied here (``entry.applied``)
+        are not applied again but forwarded again: a backup applies what it lacks."""
+        arith = _ARITH.get(op)
+        dt = kernels.check_arith(arith, dtype, offset, length) if arith is not None else None
+        done = entry.applied if entry is not None else 0
+        payload = op in wire.PAYLOAD_OPS
+        pos, end = offset, offset + length
+        with self._scratch(length) if payload else nullcontext(None) as scratch:
+            step = len(scratch) if scratch is not None else SCRATCH_BYTES
+            while pos < end:
+                n = min(end - pos, step)
+                chunk = scratch[:n] if scratch is not None else None
+                if chunk is not None:
+                    self._recv(chunk)
+                with extent.lock:
+                    cfg = self._primary(extent)
+                    first = max(pos, offset + done)
+                    if first < pos + n:
+                        with extent.data[first:pos + n] as dst:
+                            src = chunk[first - pos:] if chunk is not None else None
+                            if arith is None:
+                                dst[:] = src
+                            else:
+                                assert dt is not None
+                                kernels.apply(arith, dst, src, dt, alpha)
+                        if entry is not None:
+                            entry.applied = pos + n - offset
+                    self.plane.replication.forward(extent, cfg, op, pos, n, dtype, offset, length, alpha,
+                                                   client, seq, [chunk] if chunk is not None else [])
+                pos += n
+        if op is Op.WRITE:
+            self.plane.stats.add(bytes_written=length)
+        elif op is not Op.SCALE:
+            self.plane.stats.add(bytes_accumulated=length)
+        return b""
+
+    def _replicate_lock(self, op: Op, extent: Extent, offset: int, length: int, dtype: int, arg0: int,
+                        arg1: int, alpha: float, client: int, seq: int, entry: Entry | None) -> bytes:
+        """LOCK/UNLOCK on a primary: served as usual; once the word changed (under the
+        extent's lock) it goes to the backups as a piece: arg0 the new word, arg1 the answer."""
+        repl = self.plane.replication
+        new = arg0 if op is Op.LOCK else 0
+        if entry is not None and entry.applied:   # taken by an earlier attempt: forwarded again only
+            with extent.lock:
+                cfg = self._primary(extent)
+                repl.forward(extent, cfg, op, offset, 8, dtype, new, _OLD.unpack(entry.body)[0], alpha,
+                             client, seq)
+            return entry.body
+
+        def applied(before: int) -> None:
+            cfg = self._primary(extent)
+            if entry is not None:
+                entry.applied, entry.body = 8, _OLD.pack(before)
+            repl.forward(extent, cfg, op, offset, 8, dtype, new, before, alpha, client, seq)
+
+        return coord_ops.serve(waiters.for_arena(self.plane.arena), op, extent, offset, length, dtype,
+                               arg0, arg1, alpha, self._cancelled, applied)
+
+    def _piece(self, client: int, seq: int, op: Op, dtype: int, extent_id: int, offset: int,
+               length: int, arg0: int, arg1: int, alpha: float) -> bytes:
+        """A piece a primary forwarded (this connection presented a replica ticket), filed
+        under the client request it belongs to (:func:`.replication.piece_what`): its bytes
+        up to ``entry.applied`` are skipped, the rest applied; the entry is finished once
+        the whole request is in. A piece that starts after a fresh entry's first byte
+        belongs to a request that began before this backup joined (its copy brings the
+        start); a gap in a started one is refused."""
+        ticket = self.tickets.get(extent_id)
+        assert ticket is not None
+        extent = self.tickets.check(self.plane.arena, extent_id, write=True)
+        extent.check_range(offset, length)
+        self.plane.replication.admit_piece(ticket, extent_id)
+        if op not in replication.REPLICATED_OPS:
+            raise InvalidArgument(f"{op.name.lower()} is not forwarded to replicas")
+        with extent.pin():
+            if not seq:
+                return self._apply_piece(op, extent, offset, length, dtype, arg0, arg1, alpha, 0)
+            what, start, end = replication.piece_what(op, extent_id, offset, length, dtype, arg0, arg1)
+            try:
+                fresh, entry = self.plane.dedup.begin(client, seq, self.plane.frame_timeout, what)
+            except TimeoutError as exc:
+                raise Timeout(f"{exc}: retry later") from None
+            except ValueError as exc:
+                raise InvalidArgument(str(exc)) from None
+            if not fresh:
+                self.plane.stats.add(repeats=1)
+                self._drain()
+                return b""
+            try:
+                if entry.applied == 0:
+                    entry.applied = start
+                if entry.applied < start:
+                    raise InvalidArgument(f"piece [{start}, {end}) of request {seq} of client {client:#x}: "
+                                          f"only {entry.applied} bytes of it arrived before")
+                body = self._apply_piece(op, extent, offset, length, dtype, arg0, arg1, alpha,
+                                         min(entry.applied, end) - start)
+                entry.applied = max(entry.applied, end)
+            except BaseException:
+                self.plane.dedup.interrupt(entry)
+                raise
+            if entry.applied >= what[3]:
+                entry.finish(Status.OK, body)
+            else:
+                self.plane.dedup.interrupt(entry)   # the next piece continues it
+        return body
+
+    def _apply_piece(self, op: Op, extent: Extent, offset: int, length: int, dtype: int, arg0: int,
+                     arg1: int, alpha: float, skip: int) -> bytes:
+        """Apply a forwarded piece, after its first ``skip`` bytes (received and dropped)."""
+        if op in (Op.FETCH_ADD, Op.COMPARE_SWAP):
+            return self._atomic(op, extent, offset, length, arg0, arg1)
+        if op in wire.COORD_OPS:   # LOCK/UNLOCK: store the primary's word, answer its answer
+            _check_word(op, offset, length)
+            with extent.lock, extent.data[offset:offset + 8] as word:
+                _OLD.pack_into(word, 0, arg0)
+            return _OLD.pack(arg1)
+        arith = _ARITH.get(op)
+        dt = kernels.check_arith(arith, dtype, offset, length) if arith is not None else None
+        if op is Op.SCALE:
+            assert dt is not None
+            if skip < length:
+                with extent.lock, extent.data[offset + skip:offset + length] as dst:
+                    kernels.apply(Arith.SCALE, dst, None, dt, alpha)
+            return b""
+        with self._scratch(length) as scratch:
+            pos = 0
+            while pos < length:
+                n = min(length - pos, len(scratch))
+                chunk = scratch[:n]
+                self._recv(chunk)
+                first = max(pos, skip)
+                if first < pos + n:
+                    with extent.lock, extent.data[offset + first:offset + pos + n] as dst:
+                        if arith is None:
+                            dst[:] = chunk[first - pos:]
+                        else:
+                            assert dt is not None
+                            kernels.apply(arith, dst, chunk[first - pos:], dt, alpha)
+                pos += n
+        return b""
+
+
+def _check_word(op: Op, offset: int, length: int) -> None:
+    if length != 8:
+        raise InvalidArgument(f"{op.name.lower()} works on one 8-byte word, not {length} bytes")
+    if offset % 8:
+        raise Misaligned(f"{op.name.lower()} needs an 8-byte aligned offset, not {offset}")
 
 
 class TcpPlane:
@@ -611,6 +833,7 @@ class TcpPlane:
         self.scratch = ScratchPool(scratch_bytes, SCRATCH_BYTES, self.stats)
         self.dedup = dedup if dedup is not None else DedupTable()
         self.tls = tls
+        self.replication = replication.for_arena(arena, secret)
         self._listener = Listener(
             (host, port), self._serve, name="tcp", stats=self.stats,
             max_connections=max_connections, max_per_peer=max_per_peer, refusal=_refusal,

@@ -49,6 +49,8 @@ _WORD = struct.Struct("<q")
 
 #: Cancelled() -> True once the waiting request's connection or plane went away
 Cancelled = Callable[[], bool]
+#: Applied(word before) -> None: runs under the extent's lock once a lock word changed
+Applied = Callable[[int], None]
 
 
 def holds(cond: WaitCond, word: int, value: int) -> bool:
@@ -142,11 +144,13 @@ class Waiters:
                 self._sleep(event, left, extent, cancelled)
 
     def lock(self, extent: Extent, offset: int, holder: int, lease: float, timeout: float,
-             cancelled: Cancelled = lambda: False) -> int:
+             cancelled: Cancelled = lambda: False, applied: Applied | None = None) -> int:
         """Take (or renew) the lock word at ``offset`` for ``holder`` (non-zero) with a
         lease of ``lease`` seconds, waiting up to ``timeout`` seconds while another holds
         it; returns the word before (0, ``holder`` for a renewal, or the id of a holder
-        whose lease ran out). :class:`Timeout` when it stays held."""
+        whose lease ran out). :class:`Timeout` when it stays held. ``applied(before)``
+        runs under the extent's lock once the word is set (a replicated extent's primary
+        forwards the change there)."""
         if holder == 0:
             raise InvalidArgument("a lock holder id must not be 0 (0 marks a free lock)")
         if not (math.isfinite(lease) and LEASE_MIN <= lease <= LEASE_MAX):
@@ -155,20 +159,27 @@ class Waiters:
         key = (extent.extent_id, offset)
         with extent.pin(), self._watch(*key) as event:
             while True:
-                with extent.lock, self._lock:
-                    now = time.monotonic()
-                    word = int(_WORD.unpack_from(extent.data, offset)[0])
-                    held = self._leases.get(key)
-                    if word != 0 and (held is None or held.holder != word):
-                        held = self._leases[key] = _Lease(word, now + lease)   # first seen: lease starts
-                    if word in (0, holder) or held is None or held.expires <= now:
-                        if word not in (0, holder):
-                            log.info("lock at byte %d of extent %d: lease of holder %#x ran out",
-                                     offset, extent.extent_id, word)
-                        _WORD.pack_into(extent.data, offset, holder)
-                        self._leases[key] = _Lease(holder, now + lease)
+                with extent.lock:
+                    with self._lock:
+                        now = time.monotonic()
+                        word = int(_WORD.unpack_from(extent.data, offset)[0])
+                        held = self._leases.get(key)
+                        if word != 0 and (held is None or held.holder != word):
+                            held = self._leases[key] = _Lease(word, now + lease)   # first seen: lease starts
+                        taken = word in (0, holder) or held is None or held.expires <= now
+                        if taken:
+                            if word not in (0, holder):
+                                log.info("lock at byte %d of extent %d: lease of holder %#x ran out",
+                                         offset, extent.extent_id, word)
+                            _WORD.pack_into(extent.data, offset, holder)
+                            self._leases[key] = _Lease(holder, now + lease)
+                        else:
+                            assert held is not None
+                            expires = held.expires
+                    if taken:
+                        if applied is not None:
+                            applied(word)
                         break
-                    expires = held.expires
                 left = deadline - now
                 if left <= 0:
                     raise Timeout(f"lock at byte {offset} of extent {extent.extent_id} is held by "
@@ -177,17 +188,21 @@ class Waiters:
         self.touched(extent.extent_id, offset, 8)
         return word
 
-    def unlock(self, extent: Extent, offset: int, holder: int) -> int:
+    def unlock(self, extent: Extent, offset: int, holder: int, applied: Applied | None = None) -> int:
         """Free the lock word at ``offset`` if ``holder`` holds it (returns ``holder``);
-        else :class:`LockNotHeld`."""
+        else :class:`LockNotHeld`. ``applied(holder)`` runs under the extent's lock once
+        the word is cleared."""
         key = (extent.extent_id, offset)
-        with extent.pin(), extent.lock, self._lock:
-            word = int(_WORD.unpack_from(extent.data, offset)[0])
-            if word != holder or holder == 0:
-                raise LockNotHeld(f"lock at byte {offset} of extent {extent.extent_id} is held by "
-                                  f"{word:#x}, not by {holder:#x}: its lease ran out or it was never taken")
-            _WORD.pack_into(extent.data, offset, 0)
-            self._leases.pop(key, None)
+        with extent.pin(), extent.lock:
+            with self._lock:
+                word = int(_WORD.unpack_from(extent.data, offset)[0])
+                if word != holder or holder == 0:
+                    raise LockNotHeld(f"lock at byte {offset} of extent {extent.extent_id} is held by "
+                                      f"{word:#x}, not by {holder:#x}: its lease ran out or it was never taken")
+                _WORD.pack_into(extent.data, offset, 0)
+                self._leases.pop(key, None)
+            if applied is not None:
+                applied(word)
         self.touched(extent.extent_id, offset, 8)
         return word
 

@@ -1,0 +1,388 @@
+"""Replicated extents on a memory server: each extent's place in its replica set, and
+the forwarding of a primary's mutations to its backups.
+
+The controller sets an extent's role with ``ConfigureReplicas`` (:meth:`Replication.configure`):
+
+* ``""``: unreplicated, today's behaviour;
+* ``backup``: mutations come only from the primary, as *pieces* on a tcp connection
+  that presented a ``replica`` ticket of at least the extent's view (the tcp plane
+  serves them, see :func:`piece_what` and ``docs/architecture.md``, Replicated
+  regions); every other mutation is answered :class:`NotPrimary`. Reads work as usual;
+* ``primary``: the tcp plane applies every mutation piece by piece under the extent's
+  lock and, still under it, forwards the piece to every backup and waits for the
+  answers (:meth:`Replication.forward`), so each byte changes in the same order on
+  every copy. The request is acknowledged once no backup of the extent is marked failed
+  (:meth:`Replication.settle`).
+
+A backup that fails (refused, reset, silent for the dead-peer time, or an error answer
+other than NotPrimary) is marked failed and gets nothing more; requests wait, outside
+every lock the controller's next ``ConfigureReplicas`` needs, until a new view drops
+it (or copies it again) or :data:`REPLICA_TIMEOUT` passes (:class:`ReplicaTimeout`,
+the dedup entry keeps what was applied so that a retry resumes). A backup answering
+NotPrimary has a newer view than this primary: this one was deposed, and its client is
+told NotPrimary.
+
+A backup marked ``sync`` is added to the forwarding set first, then copied chunk by
+chunk (:data:`SYNC_CHUNK`), each chunk under the extent's lock as the forwarding is: a
+piece forwarded into a range not copied yet is overwritten by the copy that already
+holds it, a piece after a chunk's copy lands after it on both copies.
+
+One :class:`Replication` per arena (:func:`for_arena`), shared by the servicer and the
+planes. Connections to a backup server are pooled per endpoint (:class:`Forwarder`),
+:class:`smb_client.transports.tcp.TcpConnection` underneath (TLS to ``tcp+tls://``
+endpoints with the server's own certificate, key and CA).
+"""
+from __future__ import annotations
+
+import logging
+import ssl
+import struct
+import threading
+import time
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from smb_client.addressing import parse_endpoint
+from smb_client.errors import (
+    InvalidArgument,
+    NotPrimary,
+    ServerUnavailable,
+    SMBError,
+)
+from smb_client.tickets import Ticket, TicketMode, sign
+from smb_client.tls import TLS_SCHEME
+from smb_client.transports.pool import ConnectionPool
+from smb_client.transports.tcp import DEAD_PEER_TIMEOUT, TcpConnection
+from smb_client.wire import Op
+
+from .arena import Extent
+
+log = logging.getLogger(__name__)
+
+ROLES = ("", "primary", "backup")
+REPLICA_TIMEOUT = 30.0    # seconds a mutation waits for a failed backup to be dropped
+SYNC_CHUNK = 4 << 20      # bytes copied to a syncing backup per hold of the extent's lock
+FORWARD_TIMEOUT = 60.0    # seconds a forwarded piece may wait for its answer from a live backup
+CONNECTIONS = 4           # pooled connections per backup server
+TICKET_TTL = 3600.0       # seconds a replica ticket is valid; signed again at half of it
+_WORD = struct.Struct("<q")
+#: payload ops and SCALE are forwarded in pieces with the request's range in arg0/arg1
+RANGED_OPS = frozenset({Op.WRITE, Op.ACCUMULATE, Op.AXPY, Op.SCALE})
+#: operations a replicated extent serves (PUSH/PULL: collectives use unreplicated regions)
+REPLICATED_OPS = RANGED_OPS | {Op.FETCH_ADD, Op.COMPARE_SWAP, Op.LOCK, Op.UNLOCK}
+
+
+class ReplicaTimeout(ServerUnavailable):
+    """A backup failed and was not dropped by the controller in time. ``resumable``:
+    the dedup entry keeps what was applied, so a retry resumes instead of failing again."""
+
+    resumable = True
+
+
+def piece_what(op: int, extent_id: int, offset: int, length: int, dtype: int,
+               arg0: int, arg1: int) -> tuple[tuple[int, ...], int, int]:
+    """The dedup ``what`` of the client request a forwarded piece belongs to, and the
+    piece's start and end relative to that request (bytes)."""
+    if op in RANGED_OPS:
+        return (int(op), extent_id, arg0, arg1, dtype), offset - arg0, offset - arg0 + length
+    return (int(op), extent_id, offset, length, dtype), 0, length
+
+
+@dataclass(eq=False)
+class Backup:
+    """One backup of a primary extent: ``state`` syncing | live | failed."""
+    extent_id: int
+    server_id: str
+    endpoint: str
+    state: str = "live"
+    reason: str = ""
+
+
+@dataclass(eq=False)
+class ReplicaConfig:
+    role: str = ""
+    view: int = 0
+    backups: tuple[Backup, ...] = ()
+    tickets: dict[int, tuple[str, float]] = field(default_factory=dict)  # backup extent -> (ticket, renew at)
+
+
+class Forwarder:
+    """Pooled connections to one backup server's tcp plane (``endpoint``)."""
+
+    def __init__(self, endpoint: str, tls: ssl.SSLContext | None,
+                 dead_peer_timeout: float = DEAD_PEER_TIMEOUT) -> None:
+        ep = parse_endpoint(endpoint)
+        self.endpoint = endpoint
+        context = tls if ep.scheme == TLS_SCHEME else None
+        if ep.scheme == TLS_SCHEME and context is None:
+            raise InvalidArgument(f"backup {endpoint} serves TLS but this server has no tls_* settings")
+        self.pool: ConnectionPool[TcpConnection] = ConnectionPool(
+            lambda: TcpConnection(ep.host, ep.port, FORWARD_TIMEOUT, dead_peer_timeout, 0, context),
+            CONNECTIONS, name=f"replica {endpoint}")
+
+    def send(self, ticket: str, op: int, extent_id: int, offset: int, length: int, dtype: int,
+             arg0: int, arg1: int, alpha: float, client: int, seq: int,
+             payload: Sequence[memoryview] = ()) -> bytes:
+        with self.pool.borrow() as conn:
+            conn.present(ticket)
+            conn.client_id = client   # the original client's number travels with the piece
+            return conn.request(op, extent_id, offset, length, dtype, arg0, arg1, alpha,
+                                payload=payload, seq=seq)
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+class Replication:
+    """The replica configuration of every extent of one arena, and the forwarders.
+
+    Thread-safe. The configuration lives under its own condition (never under an
+    extent's lock), so that requests waiting for a failed backup to be dropped hold
+    nothing that :meth:`configure` needs.
+    """
+
+    def __init__(self, secret: bytes = b"", tls: ssl.SSLContext | None = None,
+                 timeout: float = REPLICA_TIMEOUT) -> None:
+        self.secret = secret
+        self.tls = tls
+        self.timeout = timeout
+        self._configs: dict[int, ReplicaConfig] = {}
+        self._cond = threading.Condition()
+        self._forwarders: dict[str, Forwarder] = {}
+        self._configuring: dict[int, threading.Lock] = {}
+        self.counts = dict.fromkeys(("pieces", "bytes", "sync_bytes", "failures"), 0)
+
+    # -- lookups (no lock: one dict read) --------------------------------------------
+    def config(self, extent_id: int) -> ReplicaConfig | None:
+        return self._configs.get(extent_id)
+
+    def role(self, extent_id: int) -> str:
+        cfg = self._configs.get(extent_id)
+        return cfg.role if cfg is not None else ""
+
+    def count(self, **counts: int) -> None:
+        with self._cond:
+            for name, n in counts.items():
+                self.counts[name] += n
+
+    # -- the controller's calls -------------------------------------------------------
+    def configure(self, extent: Extent, view: int, role: str,
+                  targets: Sequence[tuple[int, str, str, bool]]) -> tuple[int, int]:
+        """Set ``extent``'s role at ``view``; ``targets``: (extent id, server id,
+        tcp endpoint, sync) of each backup (primary only). Returns (view in force, bytes
+        copied to syncing backups). An older view is refused (InvalidArgument); the same
+        view changes nothing but copies again backups that are not live. A sync that
+        fails marks the backup failed and raises ServerUnavailable."""
+        if role not in ROLES:
+            raise InvalidArgument(f"unknown replica role {role!r}: expected primary, backup or ''")
+        if role and view < 1:
+            raise InvalidArgument(f"a replicated extent's view starts at 1, not {view}")
+        if role != "primary" and targets:
+            raise InvalidArgument(f"a {role or 'unreplicated'} extent has no backups")
+        with self._cond:
+            lock = self._configuring.setdefault(extent.extent_id, threading.Lock())
+        with lock:
+            with self._cond:
+                old = self._configs.get(extent.extent_id) or ReplicaConfig()
+                if view < old.view:
+                    raise InvalidArgument(f"extent {extent.extent_id}: view {view} is older than "
+                                          f"its view {old.view}")
+                if view == old.view and role == old.role and old.view:
+                    backups = old.backups
+                    cfg = old
+                    for b in backups:
+                        if b.state != "live":
+                            b.state = "syncing"
+                else:
+                    backups = tuple(self._backup(old, *t) for t in targets)
+                    cfg = ReplicaConfig(role, view, backups)
+                    self._configs[extent.extent_id] = cfg
+                    self._cond.notify_all()
+                for b in backups:
+                    self._forwarder(b.endpoint)
+            log.info("extent %d: %s at view %d%s", extent.extent_id, role or "unreplicated", view,
+                     "".join(f", backup {b.extent_id} on {b.server_id} ({b.state})" for b in backups))
+            synced = sum(self._sync(extent, cfg, b) for b in backups if b.state == "syncing")
+        return view, synced
+
+    def _backup(self, old: ReplicaConfig, extent_id: int, server_id: str, endpoint: str,
+                sync: bool) -> Backup:
+        """A backup of a new view: a live one of the old view stays live; a new one is
+        trusted unless marked sync; one that failed or was syncing is copied again."""
+        before = next((b for b in old.backups if (b.extent_id, b.server_id) == (extent_id, server_id)), None)
+        stale = before is not None and before.state != "live"
+        return Backup(extent_id, server_id, endpoint, "syncing" if sync or stale else "live")
+
+    def _forwarder(self, endpoint: str) -> Forwarder:
+        """Under ``_cond``."""
+        fwd = self._forwarders.get(endpoint)
+        if fwd is None:
+            fwd = self._forwarders[endpoint] = Forwarder(endpoint, self.tls)
+        return fwd
+
+    def _sync(self, extent: Extent, cfg: ReplicaConfig, backup: Backup) -> int:
+        """Copy ``extent`` to a backup already in the forwarding set, one chunk per hold
+        of the extent's lock; returns the bytes copied."""
+        copied = 0
+        with extent.pin():
+            for pos in range(0, extent.length, SYNC_CHUNK):
+                n = min(SYNC_CHUNK, extent.length - pos)
+                with extent.lock:
+                    if backup.state != "syncing":
+                        break
+                    try:
+                        self._send(extent, cfg, backup, Op.WRITE, pos, n, 0, 0, 0, 0.0, 0, 0,
+                                   [extent.data[pos:pos + n]])
+                    except SMBError as exc:
+                        self._fail(extent, backup, exc)
+                        raise ServerUnavailable(f"extent {extent.extent_id}: copying it to backup "
+                                                f"{backup.extent_id} on {backup.endpoint} failed: {exc}") from None
+                copied += n
+        with self._cond:
+            if backup.state == "syncing":
+                backup.state = "live"
+                self._cond.notify_all()
+        self.count(sync_bytes=copied)
+        log.info("extent %d: %d bytes copied to backup %d on %s", extent.extent_id, copied,
+                 backup.extent_id, backup.endpoint)
+        return copied
+
+    def admit_piece(self, ticket: Ticket, extent_id: int) -> None:
+        """Check a replica ticket's view for a piece on ``extent_id``: a newer view than
+        the extent's makes it a backup of that view (a primary configured before its
+        backups, or a deposed primary that a new one copies into); the same view is
+        accepted on a backup; an older one (a deposed primary) is NotPrimary."""
+        with self._cond:
+            cfg = self._configs.get(extent_id) or ReplicaConfig()
+            if ticket.view > cfg.view:
+                log.info("extent %d: backup at view %d (a primary forwards to it)", extent_id, ticket.view)
+                self._configs[extent_id] = ReplicaConfig("backup", ticket.view)
+                self._cond.notify_all()
+            elif ticket.view < cfg.view or cfg.role != "backup":
+                raise NotPrimary(f"extent {extent_id} is {cfg.role or 'unreplicated'} at view {cfg.view}: "
+                                 f"a forward of view {ticket.view} comes from a deposed primary")
+
+    # -- the primary's path ---------------------------------------------------------
+    def forward(self, extent: Extent, cfg: ReplicaConfig, op: int, offset: int, length: int,
+                dtype: int, arg0: int, arg1: int, alpha: float, client: int, seq: int,
+                payload: Sequence[memoryview] = ()) -> None:
+        """Send one piece to every backup of ``cfg`` not marked failed and wait for the
+        answers; the caller holds the extent's lock. A failing backup is marked failed
+        (:meth:`settle` waits for it to be dropped); NotPrimary from a backup (this
+        primary was deposed) is raised."""
+        sent = 0
+        for backup in cfg.backups:
+            if backup.state == "failed":
+                continue
+            sent += 1
+            try:
+                self._send(extent, cfg, backup, op, offset, length, dtype, arg0, arg1, alpha,
+                           client, seq, payload)
+            except NotPrimary:
+                raise NotPrimary(f"extent {extent.extent_id}: backup {backup.extent_id} on "
+                                 f"{backup.endpoint} has a newer view: this copy is no longer "
+                                 "the primary; open the region again") from None
+            except SMBError as exc:
+                self._fail(extent, backup, exc)
+        n = sum(len(p) for p in payload)
+        self.count(pieces=sent, bytes=n * sent)
+
+    def _send(self, extent: Extent, cfg: ReplicaConfig, backup: Backup, op: int, offset: int,
+              length: int, dtype: int, arg0: int, arg1: int, alpha: float, client: int, seq: int,
+              payload: Sequence[memoryview]) -> None:
+        with self._cond:
+            fwd = self._forwarder(backup.endpoint)
+            token, renew = cfg.tickets.get(backup.extent_id, ("", 0.0))
+            if time.monotonic() >= renew:
+                token = sign(self.secret, extent.region_uid, [backup.extent_id], TicketMode.REPLICA,
+                             ttl=TICKET_TTL, view=cfg.view)[0]
+                cfg.tickets[backup.extent_id] = (token, time.monotonic() + TICKET_TTL / 2)
+        fwd.send(token, op, backup.extent_id, offset, length, dtype, arg0, arg1, alpha, client, seq,
+                 payload)
+
+    def _fail(self, extent: Extent, backup: Backup, exc: BaseException) -> None:
+        with self._cond:
+            if backup.state == "failed":
+                return
+            backup.state, backup.reason = "failed", str(exc)
+            self.counts["failures"] += 1
+            self._cond.notify_all()
+        log.warning("extent %d: backup %d on %s failed (%s); mutations wait until the controller "
+                    "drops it", extent.extent_id, backup.extent_id, backup.endpoint, exc)
+
+    def settle(self, extent_id: int) -> None:
+        """Block until no backup of the extent is marked failed (the controller dropped
+        or re-copied it): then every live backup has what this primary applied. Raises
+        NotPrimary when the extent stopped being a primary meanwhile,
+        :class:`ReplicaTimeout` after :attr:`timeout` seconds."""
+        deadline = time.monotonic() + self.timeout
+        with self._cond:
+            while True:
+                cfg = self._configs.get(extent_id)
+                if cfg is None or cfg.role != "primary":
+                    raise NotPrimary(f"extent {extent_id} is no longer the primary of its replica set; "
+                                     "open the region again")
+                failed = [b for b in cfg.backups if b.state == "failed"]
+                if not failed:
+                    return
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ReplicaTimeout(
+                        f"extent {extent_id}: backup {failed[0].extent_id} on {failed[0].endpoint} failed "
+                        f"({failed[0].reason}) and the controller did not drop it within "
+                        f"{self.timeout:g} s; the request is applied here, retry it")
+                self._cond.wait(left)
+
+    # -- lifecycle --------------------------------------------------------------------
+    def extent_added(self, extent: Extent) -> None:
+        pass
+
+    def extent_retiring(self, extent: Extent) -> None:
+        with self._cond:
+            self._configs.pop(extent.extent_id, None)
+            self._configuring.pop(extent.extent_id, None)
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            forwarders = list(self._forwarders.values())
+            self._forwarders.clear()
+        for fwd in forwarders:
+            fwd.close()
+
+
+_tables: weakref.WeakKeyDictionary[object, Replication] = weakref.WeakKeyDictionary()
+_tables_lock = threading.Lock()
+
+
+def for_arena(arena: object, secret: bytes = b"", tls: ssl.SSLContext | None = None) -> Replication:
+    """The one :class:`Replication` of ``arena`` (made on first use and registered as
+    the arena's listener; shared by its servicer and planes). ``secret`` and ``tls``
+    fill in what the first caller did not know."""
+    with _tables_lock:
+        repl = _tables.get(arena)
+        if repl is None:
+            repl = _tables[arena] = Replication(secret, tls)
+            add = getattr(arena, "add_listener", None)
+            if add is not None:
+                add(repl)
+        if secret and not repl.secret:
+            repl.secret = secret
+        if tls is not None and repl.tls is None:
+            repl.tls = tls
+        return repl
+
+
+def role_of(arena: object, extent_id: int) -> str:
+    """The replica role of an extent (``""`` when unreplicated or never configured)."""
+    repl = _tables.get(arena)
+    return repl.role(extent_id) if repl is not None else ""
+
+
+def word(value: int) -> bytes:
+    return _WORD.pack(value)
+
+
+__all__ = ["Backup", "Forwarder", "REPLICA_TIMEOUT", "ReplicaConfig", "ReplicaTimeout",
+           "Replication", "for_arena", "piece_what", "role_of", "word"]

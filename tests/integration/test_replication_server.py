@@ -1,0 +1,389 @@
+"""Replicated extents on the memory-server side: a primary forwards every mutation to its
+backups, in order, exactly once (``smb_server/memserver/replication.py``).
+
+Two to four memory servers run in-process, each an arena with its own tcp plane, dedup
+table and gRPC service (real sockets); the test plays the controller (ConfigureReplicas
+with admin tickets signed by the shared secret) and a plain client (the tcp session of
+``smb_client``), so every byte crosses the same wire as in a cluster.
+"""
+from __future__ import annotations
+
+import itertools
+import mmap
+import os
+import socket
+import struct
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from smb_client import dtypes, rpc, tickets
+from smb_client._proto.smb.v1 import memory_server_pb2 as pb
+from smb_client._proto.smb.v1 import memory_server_pb2_grpc as pb_grpc
+from smb_client.addressing import parse_endpoint
+from smb_client.dtypes import DType
+from smb_client.errors import InvalidArgument, NotPrimary, ServerUnavailable, Status
+from smb_client.transports.tcp import TcpConnection, TcpSession
+from smb_client.wire import Op
+from smb_server.grpc_util import make_server
+from smb_server.memserver import replication
+from smb_server.memserver.arena import HEADER_BYTES, Arena
+from smb_server.memserver.dedup import DedupTable
+from smb_server.memserver.service import MemoryServerServicer
+from smb_server.memserver.shm_plane import ShmPlane
+from smb_server.memserver.stats import PlaneStats
+from smb_server.memserver.tcp_plane import TcpPlane
+
+SECRET = b"r" * 32
+UID = "replicated-region"
+MiB = 1 << 20
+SIZE = 10 * MiB   # bytes per extent: several 4 MiB forwarding pieces
+
+
+class Node:
+    """One memory server: arena, tcp plane (+ shm), gRPC service; holds extent ``eid``."""
+
+    def __init__(self, name: str, eid: int, tmp_path, size: int = SIZE) -> None:
+        self.name, self.eid = name, eid
+        self.arena = Arena(4 * size)
+        self.tcp = TcpPlane(self.arena, SECRET, "127.0.0.1", 0, PlaneStats("tcp"), dedup=DedupTable())
+        self.shm = ShmPlane(self.arena, SECRET, str(tmp_path / f"{name}.sock"), PlaneStats("shm"))
+        self.grpc = make_server(max_workers=8)
+        self.servicer = MemoryServerServicer(self.arena, SECRET, PlaneStats())
+        pb_grpc.add_MemoryServerServicer_to_server(self.servicer, self.grpc)
+        port = self.grpc.add_insecure_port("127.0.0.1:0")
+        self.grpc.start()
+        self.channel = rpc.channel(f"127.0.0.1:{port}")
+        self.stub = pb_grpc.MemoryServerStub(self.channel)
+        self.repl = replication.for_arena(self.arena)
+        self.repl.timeout = 10.0
+        self.arena.reserve(eid, UID, size)
+        self.endpoint = f"tcp://127.0.0.1:{self.tcp.port}"
+
+    def configure(self, view: int, role: str, backups=(), sync=()) -> pb.ConfigureReplicasResponse:
+        admin = tickets.sign(SECRET, UID, [self.eid], "admin", ttl=600)[0]
+        targets = [pb.ReplicaTarget(extent_id=b.eid, server_id=b.name, endpoints=[b.endpoint],
+                                    sync=b in sync) for b in backups]
+        return rpc.call(self.stub.ConfigureReplicas, pb.ConfigureReplicasRequest(
+            ticket=admin, extent_id=self.eid, view=view, role=role, backups=targets), None, 60)
+
+    def data(self) -> bytes:
+        return bytes(self.arena.get(self.eid).data)
+
+    def array(self, dtype) -> np.ndarray:
+        return np.frombuffer(self.data(), dtype=dtype)
+
+    def close(self) -> None:
+        self.repl.close()
+        self.tcp.close()
+        self.shm.close()
+        self.grpc.stop(0)
+        self.channel.close()
+        self.arena.close()
+
+
+@pytest.fixture
+def nodes(tmp_path):
+    made: list[Node] = []
+
+    def make(n: int, size: int = SIZE) -> list[Node]:
+        for _ in range(n):
+            made.append(Node(f"srv{len(made)}", 100 + len(made), tmp_path, size))
+        return made[-n:]
+    yield make
+    for node in made:
+        node.close()
+
+
+class Client:
+    """A plain client: one id, numbered requests over the tcp session of smb_client."""
+
+    def __init__(self, node: Node, client_id: int | None = None) -> None:
+        self.id = client_id or int.from_bytes(os.urandom(8), "little") | 1
+        self.seqs = itertools.count(1)
+        self.session = self.open(node)
+
+    def open(self, node: Node) -> TcpSession:
+        self.node = node
+        self.ticket = tickets.sign(SECRET, UID, [node.eid], "rw", ttl=600)[0]
+        return TcpSession(parse_endpoint(node.endpoint), {"client_id": self.id, "connections": 2})
+
+    def accumulate(self, offset: int, arr: np.ndarray, seq: int | None = None) -> int:
+        seq = seq or next(self.seqs)
+        self.session.accumulate(self.ticket, self.node.eid, offset, [memoryview(arr).cast("B")],
+                                dtypes.resolve(arr.dtype), seq=seq)
+        return seq
+
+    def write(self, offset: int, data: bytes, seq: int | None = None) -> int:
+        seq = seq or next(self.seqs)
+        self.session.write(self.ticket, self.node.eid, offset, [memoryview(data)], seq=seq)
+        return seq
+
+    def read(self, offset: int, n: int) -> bytes:
+        buf = bytearray(n)
+        self.session.read_into(self.ticket, self.node.eid, offset, [memoryview(buf)])
+        return bytes(buf)
+
+    def close(self) -> None:
+        self.session.close()
+
+
+def replica_set(make, n: int = 2) -> list[Node]:
+    """A primary and ``n - 1`` backups at view 1 (controller order: primary, then backups)."""
+    primary, *backups = make(n)
+    primary.configure(1, "primary", backups)
+    for b in backups:
+        b.configure(1, "backup")
+    return [primary, *backups]
+
+
+def run_threads(fn, n: int) -> None:
+    errors: list[BaseException] = []
+
+    def body(i: int) -> None:
+        try:
+            fn(i)
+        except BaseException as exc:   # pragma: no cover - reported below
+            errors.append(exc)
+    threads = [threading.Thread(target=body, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+
+
+def test_concurrent_accumulates_are_exact_and_identical_on_every_copy(nodes):
+    primary, b1, b2 = replica_set(nodes, 3)
+    words = SIZE // 8
+    rounds = 3
+
+    def worker(i: int) -> None:
+        c = Client(primary)
+        try:
+            for _ in range(rounds):
+                c.accumulate(0, np.full(words, i + 1, np.int64))            # 10 MiB: 3 pieces
+                c.accumulate(8 * (i + 1), np.arange(100, dtype=np.int64))  # small, overlapping
+        finally:
+            c.close()
+    run_threads(worker, 4)
+    expect = np.full(words, rounds * (1 + 2 + 3 + 4), np.int64)
+    for i in range(4):
+        expect[i + 1:i + 101] += rounds * np.arange(100, dtype=np.int64)
+    for node in (primary, b1, b2):
+        assert np.array_equal(node.array(np.int64), expect), node.name
+    assert primary.repl.counts["pieces"] > 0 and primary.repl.counts["failures"] == 0
+
+
+def test_float_accumulates_leave_identical_bytes(nodes):
+    primary, backup = replica_set(nodes)
+    rng = np.random.default_rng(7)
+    parts = [rng.standard_normal(SIZE // 4).astype(np.float32) for _ in range(3)]
+
+    def worker(i: int) -> None:
+        c = Client(primary)
+        try:
+            for _ in range(2):
+                c.accumulate(0, parts[i])
+                c.session.scale(c.ticket, primary.eid, 0, 1 * MiB, DType.FLOAT32, 0.5, seq=next(c.seqs))
+        finally:
+            c.close()
+    run_threads(worker, 3)
+    assert primary.data() == backup.data()
+    assert np.any(primary.array(np.float32) != 0)
+
+
+def test_overlapping_writes_leave_copies_byte_identical(nodes):
+    primary, backup = replica_set(nodes)
+
+    def worker(i: int) -> None:
+        c = Client(primary)
+        try:
+            for k in range(6):
+                off = (i * 1_234_567 + k * 777_777) % (SIZE - 5 * MiB)
+                c.write(off, bytes([i * 16 + k]) * (5 * MiB))
+        finally:
+            c.close()
+    run_threads(worker, 4)
+    assert primary.data() == backup.data() and any(backup.data())
+
+
+def test_retry_at_promoted_backup_is_answered_as_done(nodes):
+    primary, backup = replica_set(nodes)
+    c = Client(primary)
+    ones = np.ones(SIZE // 8, np.int64)
+    seq = c.accumulate(0, ones)
+    fa_seq = next(c.seqs)
+    old = c.session.fetch_add(c.ticket, primary.eid, 0, 5, seq=fa_seq)
+    assert old == 1
+    # the primary dies; the controller promotes the backup (backups first, then the new primary)
+    primary.tcp.close()
+    backup.configure(2, "primary")
+    c.close()
+    c.session = c.open(backup)
+    c.accumulate(0, ones, seq=seq)                       # the same numbered request: done already
+    assert c.session.fetch_add(c.ticket, backup.eid, 0, 5, seq=fa_seq) == 1   # its first answer
+    got = backup.array(np.int64)
+    assert got[0] == 1 + 5 and np.all(got[1:] == 1)
+    c.close()
+
+
+def test_request_cut_mid_way_resumes_at_promoted_backup(nodes):
+    """The primary forwarded the first piece of an accumulate, then died: the client's
+    retry at the promoted backup applies only the rest."""
+    primary, backup = replica_set(nodes)
+    client_id, seq = 0x5EED, 77
+    data = np.arange(SIZE // 8, dtype=np.int64)
+    raw = memoryview(data).cast("B")
+    piece = replication.SYNC_CHUNK
+    token = tickets.sign(SECRET, UID, [backup.eid], "replica", ttl=600, view=1)[0]
+    conn = TcpConnection("127.0.0.1", backup.tcp.port, client_id=client_id)
+    conn.present(token)
+    conn.request(Op.ACCUMULATE, backup.eid, 0, piece, DType.INT64, arg0=0, arg1=SIZE,
+                 payload=[raw[:piece]], seq=seq)
+    conn.close()
+    backup.configure(2, "primary")
+    c = Client(backup, client_id)
+    c.accumulate(0, data, seq=seq)
+    assert np.array_equal(backup.array(np.int64), data)   # once, not the first piece twice
+    c.close()
+
+
+def test_sync_of_a_new_backup_while_writers_run(nodes):
+    primary, newcomer = nodes(2, size=32 * MiB)
+    primary.configure(1, "primary")
+    stop = threading.Event()
+
+    def writer(i: int) -> None:
+        c = Client(primary)
+        rng = np.random.default_rng(i)
+        try:
+            while not stop.is_set():
+                off = int(rng.integers(0, 32 * MiB - MiB)) & ~7
+                if i % 2:
+                    c.write(off, rng.bytes(int(rng.integers(1, MiB))))
+                else:
+                    c.accumulate(off, np.ones(int(rng.integers(1, MiB // 8)), np.int64))
+        finally:
+            c.close()
+    threads = [threading.Thread(target=writer, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)
+    answer = primary.configure(2, "primary", [newcomer], sync=[newcomer])
+    newcomer.configure(2, "backup")
+    time.sleep(0.3)
+    stop.set()
+    for t in threads:
+        t.join(60)
+    assert answer.view == 2 and answer.synced_bytes == 32 * MiB
+    assert primary.data() == newcomer.data()
+    assert primary.repl.counts["sync_bytes"] == 32 * MiB
+
+
+def test_failed_backup_holds_acknowledgement_until_it_is_dropped(nodes):
+    primary, backup = replica_set(nodes)
+    backup.tcp.close()                                    # the backup dies
+    c = Client(primary)
+    done = threading.Event()
+    result: list[object] = []
+
+    def mutate() -> None:
+        try:
+            c.accumulate(0, np.ones(1000, np.int64))
+            result.append("ok")
+        except Exception as exc:   # reported below
+            result.append(exc)
+        done.set()
+    threading.Thread(target=mutate).start()
+    assert not done.wait(1.0), result                     # waits: not acknowledged
+    assert primary.repl.counts["failures"] == 1
+    primary.configure(2, "primary", [])                  # the controller drops the backup
+    assert done.wait(10) and result == ["ok"]
+    assert primary.array(np.int64)[999] == 1
+    # with the failed backup still configured, a request ends in ServerUnavailable after the
+    # replica timeout; its retry (same number) is answered once the backup is dropped
+    primary.configure(3, "primary", [backup])
+    primary.repl.timeout = 0.5
+    seq = next(c.seqs)
+    with pytest.raises(ServerUnavailable):
+        c.accumulate(0, np.ones(1000, np.int64), seq=seq)
+    primary.configure(4, "primary", [])
+    c.accumulate(0, np.ones(1000, np.int64), seq=seq)
+    assert primary.array(np.int64)[999] == 2            # applied once
+    c.close()
+
+
+def test_backups_refuse_clients_and_deposed_primaries(nodes):
+    primary, backup = replica_set(nodes)
+    Client(primary).write(0, b"hello")
+    c = Client(backup)
+    with pytest.raises(NotPrimary):
+        c.write(0, b"bypass")
+    with pytest.raises(NotPrimary):
+        c.session.fetch_add(c.ticket, backup.eid, 8, 1, seq=next(c.seqs))
+    assert c.read(0, 5) == b"hello"                       # reads work on a backup
+    backup.configure(2, "primary")                        # promoted: the old primary is deposed
+    with pytest.raises(NotPrimary):
+        Client(primary).write(0, b"stale")                # its forward (view 1) is refused
+    assert backup.data()[:5] == b"hello"
+    old = tickets.sign(SECRET, UID, [backup.eid], "replica", ttl=600, view=1)[0]
+    conn = TcpConnection("127.0.0.1", backup.tcp.port)
+    conn.present(old)
+    with pytest.raises(NotPrimary):
+        conn.request(Op.WRITE, backup.eid, 0, 5, payload=[memoryview(b"stale")], arg0=0, arg1=5)
+    conn.close()
+    c.close()
+
+
+def test_views_only_grow_and_repeat_is_idempotent(nodes):
+    primary, backup = replica_set(nodes)
+    assert primary.configure(1, "primary", [backup]).view == 1
+    primary.configure(3, "primary", [backup])
+    with pytest.raises(InvalidArgument):
+        primary.configure(2, "primary", [backup])
+    with pytest.raises(InvalidArgument):
+        primary.configure(4, "mirror")
+
+
+def test_atomics_and_locks_are_forwarded(nodes):
+    primary, backup = replica_set(nodes)
+    c = Client(primary)
+    assert c.session.fetch_add(c.ticket, primary.eid, 64, 7, seq=next(c.seqs)) == 0
+    assert c.session.compare_swap(c.ticket, primary.eid, 64, 7, 9, seq=next(c.seqs)) == 7
+    conn = TcpConnection("127.0.0.1", primary.tcp.port, client_id=c.id)
+    conn.present(c.ticket)
+    assert conn.request(Op.LOCK, primary.eid, 128, 8, arg0=42, arg1=5000, alpha=1.0, seq=1001) == bytes(8)
+    assert primary.data()[64:136] == backup.data()[64:136]
+    assert struct.unpack_from("<q", backup.data(), 128)[0] == 42
+    assert conn.request(Op.UNLOCK, primary.eid, 128, 8, arg0=42, seq=1002) == struct.pack("<q", 42)
+    assert struct.unpack_from("<q", backup.data(), 128)[0] == 0
+    with pytest.raises(InvalidArgument):            # collectives use regions of their own
+        conn.request(Op.PUSH, primary.eid, 0, 8, DType.INT64, arg0=1024, arg1=0, alpha=1.0,
+                     payload=[memoryview(bytes(8))], seq=1003)
+    conn.close()
+    c.close()
+
+
+def test_shm_hands_out_read_only_descriptors_of_replicated_extents(nodes):
+    primary, backup = replica_set(nodes)
+    for node in (primary, backup):
+        rw = tickets.sign(SECRET, UID, [node.eid], "rw", ttl=600)[0]
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(5)
+            sock.connect(node.shm.path)
+            raw = rw.encode()
+            sock.sendall(struct.pack("<I", len(raw)) + raw + struct.pack("<Q", node.eid))
+            data, fds, _flags, _addr = socket.recv_fds(sock, 4096, 1)
+        assert data[0] == Status.OK and fds
+        try:
+            with pytest.raises(PermissionError):
+                mmap.mmap(fds[0], HEADER_BYTES + SIZE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            m = mmap.mmap(fds[0], HEADER_BYTES + SIZE, mmap.MAP_SHARED, mmap.PROT_READ)
+            assert struct.unpack_from("<Q", m, 8)[0] == 1   # the live word
+            m.close()
+        finally:
+            os.close(fds[0])
+
