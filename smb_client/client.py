@@ -22,7 +22,7 @@ from .dataplane import TRANSPORT_POLICIES, DataPlane, choose_endpoint
 from .errors import ControllerUnavailable, InvalidArgument, RegionNotFound, SMBError, Timeout
 from .hostinfo import host_id
 from .names import check_region_name
-from .placement import check_bytes
+from .placement import MAX_REPLICAS, check_bytes
 from .region import Region
 from .retry import Backoff, Retry
 from .tickets import TicketMode
@@ -56,9 +56,11 @@ class RegionStatus:
     size: int           # bytes
     placement: str
     servers: tuple[str, ...]
-    state: str
+    state: str          # ready | degraded | lost
     persistent: bool
     created_at: float
+    replicas: int = 1   # copies of every byte
+    copy_servers: tuple[str, ...] = ()  # the servers of the other copies (backups, syncing)
 
 
 class Client:
@@ -192,7 +194,8 @@ class Client:
     def create_region(self, name: str, size: int, *, placement: str = "striped",
                       stripe_unit: int = 0, num_servers: int = 0,
                       segment_sizes: Sequence[int] = (), persistent: bool = False,
-                      exist_ok: bool = False, lease: float | None = None) -> Region:
+                      exist_ok: bool = False, lease: float | None = None,
+                      replicas: int = 1) -> Region:
         """Create a region of ``size`` bytes and return a read-write handle.
 
         ``placement``: ``striped`` (``stripe_unit`` bytes round-robin over
@@ -205,6 +208,12 @@ class Client:
         the background (every third of the shortest lease it holds); once nobody renewed
         it for ``lease`` seconds (the process died or was cut off, or :meth:`close` was
         called), the controller deletes it. None: it stays until deleted.
+
+        ``replicas`` (1 to 3): copies of every byte, each on another memory server (on
+        another host where there are enough). Writes and accumulates reach every live
+        copy before they are acknowledged; when a server holding a copy dies the region
+        keeps serving (``degraded``) and the controller copies it to another server.
+        OutOfMemory when fewer than ``replicas`` servers can take it.
         """
         # also checked by the controller; a name too large for one gRPC message fails in the channel
         check_region_name(name)
@@ -214,6 +223,8 @@ class Client:
             raise InvalidArgument(f"num_servers must be a whole number >= 0 (0: all servers), not {num_servers!r}")
         for k, seg in enumerate(segment_sizes):
             check_bytes(f"segment_sizes[{k}]", seg, minimum=1)
+        if not isinstance(replicas, int) or isinstance(replicas, bool) or not 1 <= replicas <= MAX_REPLICAS:
+            raise InvalidArgument(f"replicas must be 1 to {MAX_REPLICAS}, not {replicas!r}")
         if lease is not None and not (isinstance(lease, (int, float)) and 0 < lease <= MAX_LEASE):
             raise InvalidArgument(f"lease must be more than 0 and at most {MAX_LEASE:g} seconds, not {lease!r}")
         resp = self._call("CreateRegion", pb.CreateRegionRequest(
@@ -222,7 +233,7 @@ class Client:
             persistent=persistent, exist_ok=exist_ok,
             # one uid for every attempt: a retry after a lost reply gets the region it made
             uid=uuid.uuid4().hex,
-            owner=self.owner if lease else "", lease_seconds=float(lease or 0.0)))
+            owner=self.owner if lease else "", lease_seconds=float(lease or 0.0), replicas=replicas))
         if lease:
             self._keep_leases(float(lease))
         return Region(self, resp.region, resp.ticket, TicketMode.RW)
@@ -287,7 +298,8 @@ class Client:
     def list_regions(self, prefix: str = "") -> list[RegionStatus]:
         resp = self._call("ListRegions", pb.ListRegionsRequest(prefix=prefix))
         return [RegionStatus(r.name, r.size, r.placement, tuple(e.server_id for e in r.extents),
-                             r.state, r.persistent, r.created_at) for r in resp.regions]
+                             r.state, r.persistent, r.created_at, max(1, r.replicas),
+                             tuple(e.server_id for e in r.copies)) for r in resp.regions]
 
     # -- cluster -------------------------------------------------------------------
     def list_servers(self) -> list[ServerStatus]:

@@ -33,6 +33,7 @@ def check_bytes(what: str, value: object, minimum: int = 0) -> int:
 
 DEFAULT_STRIPE_UNIT = 1 << 20  # bytes
 PLACEMENTS = ("striped", "layered", "single")
+MAX_REPLICAS = 3               # copies of every byte a region may ask for
 
 
 @dataclass(frozen=True)
@@ -295,3 +296,49 @@ def plan(size: int, placement: str, free: Mapping[str, int], *,
             f"region of {size} bytes does not fit ({placement} over {len(order)} servers): {detail}; "
             f"total free {sum(free.values())} bytes")
     return layout, servers
+
+
+def plan_replicated(size: int, placement: str, free: Mapping[str, int], replicas: int,
+                    hosts: Mapping[str, str] | None = None, *, stripe_unit: int = 0,
+                    num_servers: int = 0, segment_sizes: Sequence[int] = ()
+                    ) -> tuple[Layout, list[list[str]]]:
+    """Choose servers and a layout for a region with ``replicas`` copies of every slot.
+
+    Returns the layout and, per slot in layout order, the server of each copy (copy 0,
+    the primary, first). The slots and primaries are those of :func:`plan` (primaries
+    balanced over the servers); each further copy goes, largest slot first, to a server
+    holding no copy of the slot, preferring a host (``hosts``: server id -> host id)
+    that holds none either, then the most free bytes left. ``replicas`` 1 is
+    :func:`plan`'s answer. Raises InvalidArgument for ``replicas`` outside 1 to
+    :data:`MAX_REPLICAS`, OutOfMemory (with the numbers) with fewer servers than
+    copies or too little free memory.
+    """
+    if not isinstance(replicas, int) or not 1 <= replicas <= MAX_REPLICAS:
+        raise InvalidArgument(f"replicas must be 1 to {MAX_REPLICAS}, not {replicas!r}")
+    if replicas > 1 and len(free) < replicas:
+        raise OutOfMemory(f"{replicas} copies of every byte need {replicas} memory servers, "
+                          f"only {len(free)} available")
+    layout, primaries = plan(size, placement, free, stripe_unit=stripe_unit,
+                             num_servers=num_servers, segment_sizes=segment_sizes)
+    hosts = hosts or {}
+    left = dict(free)
+    for e, sid in enumerate(primaries):
+        left[sid] -= layout.extent_lengths[e]
+    copies = [[sid] for sid in primaries]
+    order = sorted(range(len(primaries)), key=lambda e: -layout.extent_lengths[e])
+    for _ in range(1, replicas):
+        for e in order:
+            length = layout.extent_lengths[e]
+            taken = set(copies[e])
+            taken_hosts = {hosts.get(s, s) for s in taken}
+            fits = [s for s in left if s not in taken and left[s] >= length]
+            if not fits:
+                most = max((left[s] for s in left if s not in taken), default=0)
+                raise OutOfMemory(
+                    f"region of {size} bytes with {replicas} copies does not fit ({placement} over "
+                    f"{len(primaries)} servers): a copy of {length} bytes finds at most {most} bytes "
+                    f"free on a server without a copy of it; total free {sum(free.values())} bytes")
+            best = min(fits, key=lambda s: (hosts.get(s, s) in taken_hosts, -left[s], s))
+            left[best] -= length
+            copies[e].append(best)
+    return layout, copies

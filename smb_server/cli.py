@@ -220,7 +220,7 @@ def cmd_region(args: argparse.Namespace) -> int:
             size = parse_size(args.size) if args.size else sum(segments)
             r = c.create_region(args.name, size, placement=args.placement,
                                 stripe_unit=parse_size(args.stripe_unit), num_servers=args.num_servers,
-                                segment_sizes=segments, persistent=args.persistent)
+                                segment_sizes=segments, persistent=args.persistent, replicas=args.replicas)
             print(f"created {r.name}: {format_bytes(r.size)} {r.placement} over {len(r.extents)} servers")
             r.close()
         elif args.action == "ls":
@@ -341,6 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="memory servers to spread the region over (default 0: all that fit)")
     p.add_argument("--segments", default="", help="layered: comma-separated segment sizes")
     p.add_argument("--persistent", action="store_true", help="file-backed extents (servers with data_dir)")
+    p.add_argument("--replicas", type=int, default=1, help="create: copies of every byte (1 to 3)")
     p.add_argument("--prefix", default="", help="rm: delete every region whose name starts with this, e.g. job/")
     p.set_defaults(fn=cmd_region)
 

@@ -159,6 +159,10 @@ def render(status: dict[str, Any]) -> str:
     regions = status["regions"]
     lines += ["", f"regions ({len(regions)}):"]
     lines.append(region_table(regions))
+    degraded = [r["name"] for r in regions if r["state"] == "degraded"]
+    if degraded:
+        lines.append(f"degraded (a copy is missing or being repaired, data still served): "
+                     f"{', '.join(degraded)}")
     lost = [r["name"] for r in regions if r["state"] == "lost"]
     if lost:
         lines.append(f"lost (some bytes have no copy; delete and recreate): {', '.join(lost)}")
@@ -168,14 +172,20 @@ def render(status: dict[str, Any]) -> str:
 def region_row(r: Any) -> dict[str, Any]:
     """A region as ``smb status --json`` prints it (``r``: a RegionInfo)."""
     return {"name": r.name, "size_bytes": r.size, "placement": r.placement, "state": r.state,
-            "persistent": r.persistent, "servers": list(r.servers)}
+            "persistent": r.persistent, "servers": list(r.servers),
+            "replicas": int(getattr(r, "replicas", 1) or 1),
+            "copy_servers": list(getattr(r, "copy_servers", ()))}
 
 
 def region_table(regions: list[dict[str, Any]]) -> str:
-    """The regions table of ``smb status`` and ``smb region ls``, sizes readable."""
-    return _table([[r["name"], format_bytes(r["size_bytes"]), r["placement"], r["state"],
-                    ",".join(r["servers"])] for r in regions],
-                  ["NAME", "SIZE", "PLACEMENT", "STATE", "SERVERS"])
+    """The regions table of ``smb status`` and ``smb region ls``, sizes readable;
+    SERVERS lists the primaries' servers, then ``+`` the other copies' servers."""
+    def servers(r: dict[str, Any]) -> str:
+        others = sorted(set(r.get("copy_servers", ())))
+        return ",".join(r["servers"]) + (f" +{','.join(others)}" if others else "")
+    return _table([[r["name"], format_bytes(r["size_bytes"]), r["placement"], str(r.get("replicas", 1)),
+                    r["state"], servers(r)] for r in regions],
+                  ["NAME", "SIZE", "PLACEMENT", "REPLICAS", "STATE", "SERVERS"])
 
 
 def _io(s: dict[str, Any]) -> str:

@@ -120,7 +120,8 @@ class ParameterStore:
     def create(cls, client: Any, prefix: str, model: Any, *, scheme: str | None = None,
                placement: str = "striped", grad_slots: int | None = None, delta_slots: int | None = None,
                workers: int = 1, stripe_unit: int | None = None, num_servers: int = 0,
-               replace: bool = False, buffers: bool = True, lease: float | None = None) -> ParameterStore:
+               replace: bool = False, buffers: bool = True, lease: float | None = None,
+               replicas: int = 1) -> ParameterStore:
         """Lay ``model`` out in new regions under ``prefix`` and store its parameters.
 
         ``scheme`` sizes the slots that are not given: ``sync`` (the default when
@@ -144,6 +145,10 @@ class ParameterStore:
         lives (see :meth:`Client.create_region`); once it is gone (killed, cut off or
         closed) for ``lease`` seconds, the controller deletes them. None: they stay until
         :meth:`destroy`.
+
+        ``replicas`` (1 to 3): copies of every byte of every region, each on another
+        memory server (see :meth:`Client.create_region`): training goes on when a server
+        holding one dies, and the controller makes a new copy elsewhere.
         """
         if placement not in PLACEMENTS:
             raise InvalidArgument(f"unknown placement {placement!r}: expected one of {', '.join(PLACEMENTS)}")
@@ -178,6 +183,8 @@ class ParameterStore:
         regions: dict[str, Any] = {}
 
         def create_region(name: str, size: int, **options: Any) -> Any:
+            if replicas != 1:    # as before for clients that predate replicas
+                options["replicas"] = replicas
             return client.create_region(name, size, lease=lease, **options)
         try:
             def make(kind: str, slots: int) -> None:

@@ -1,8 +1,12 @@
 """Creating and deleting regions: the sequence between the state and the memory servers.
 
-Create: plan the region in the state (``creating``), reserve every extent on its server
-in parallel, then commit. If any reservation fails, what was reserved is released, the
-region is aborted, and one typed error names the server (``nothing was created``).
+Create: plan the region in the state (``creating``), reserve every extent (every copy
+of a replicated region) on its server in parallel, then commit. A replicated region's
+replica sets are configured before the commit: backups first (role backup, view 1),
+then primaries (role primary, view 1, their backups with ``sync`` off: fresh extents
+are zeros on every copy). If any reservation or configuration fails, what was reserved
+is released, the region is aborted, and one typed error names the server (``nothing
+was created``).
 With ``exist_ok``, a caller that finds the name being created by another caller waits
 (on a condition, woken when that creation ends) and then gets the region it made.
 
@@ -22,8 +26,8 @@ from dataclasses import dataclass
 
 from smb_client import errors
 
-from .memservers import MemoryServers
-from .records import ExtentRecord, RegionRecord
+from .memservers import Backup, MemoryServers
+from .records import BACKUP, PRIMARY, ExtentRecord, RegionRecord
 from .store import StateStore
 
 log = logging.getLogger(__name__)
@@ -46,6 +50,7 @@ class RegionSpec:
     uid: str = ""   # the caller's uid for the region: a retry with it gets the region it made
     owner: str = ""               # with lease_seconds: whose lease keeps the region
     lease_seconds: float = 0.0    # > 0: deleted once the owner renewed nothing for this long
+    replicas: int = 0             # copies of every byte on distinct servers (0 or 1: one)
 
 
 class RegionCreator:
@@ -83,7 +88,8 @@ class RegionCreator:
                 try:
                     region = self.state.begin_create_region(
                         spec.name, spec.size, spec.placement, spec.stripe_unit, spec.num_servers,
-                        list(spec.segment_sizes), spec.persistent, uid=spec.uid)
+                        list(spec.segment_sizes), spec.persistent, uid=spec.uid,
+                        replicas=spec.replicas)
                 except errors.RegionExists:
                     if not exist_ok and not spec.uid:
                         raise
@@ -146,6 +152,8 @@ class RegionCreator:
             except Exception as exc:  # a bug; keep the cluster consistent anyway
                 log.exception("reserving extent %d", extent.extent_id)
                 failed.append((extent, errors.ServerError(str(exc))))
+        if not failed and region.replicas > 1:
+            failed = self._configure_new(region)
         if failed:
             self.release_all(region.uid, reserved)
             self.state.abort_region(region.name, region.uid)
@@ -155,6 +163,30 @@ class RegionCreator:
         except errors.SMBError:
             self.release_all(region.uid, reserved)
             raise
+
+    def _configure_new(self, region: RegionRecord) -> list[tuple[ExtentRecord, errors.SMBError]]:
+        """Configure a new region's replica sets (backups, then primaries, each group in
+        parallel); returns the failures."""
+        backups = [e for e in region.extents if e.role == BACKUP]
+        primaries = [(e, [Backup(b) for b in region.copies_of(e.index) if b.role == BACKUP])
+                     for e in region.extents if e.role == PRIMARY]
+        failed: list[tuple[ExtentRecord, errors.SMBError]] = []
+        groups: list[list[tuple[ExtentRecord, str, list[Backup]]]] = [
+            [(e, BACKUP, []) for e in backups], [(e, PRIMARY, bs) for e, bs in primaries]]
+        for group in groups:
+            jobs = {self._pool.submit(self.servers.configure_replicas, e.grpc_address, region.uid,
+                                      e, e.view, role, targets): e for e, role, targets in group}
+            for job, extent in jobs.items():
+                try:
+                    job.result()
+                except errors.SMBError as exc:
+                    failed.append((extent, exc))
+                except Exception as exc:  # a bug; keep the cluster consistent anyway
+                    log.exception("configuring extent %d", extent.extent_id)
+                    failed.append((extent, errors.ServerError(str(exc))))
+            if failed:
+                break
+        return failed
 
     # -- delete --------------------------------------------------------------------------
     def delete(self, name: str, request_id: str = "") -> None:
@@ -205,6 +237,10 @@ def check_same(existing: RegionRecord, spec: RegionSpec) -> None:
     if spec.placement and spec.placement != existing.placement:
         raise errors.RegionExists(f"region {existing.name!r} exists with {existing.placement} "
                                   f"placement, not {spec.placement}")
+    if spec.replicas > 1 and spec.replicas != existing.replicas:
+        raise errors.RegionExists(f"region {existing.name!r} exists with {existing.replicas} "
+                                  f"cop{'y' if existing.replicas == 1 else 'ies'} of every byte, "
+                                  f"not {spec.replicas}")
 
 
 def reserve_error(name: str, failed: list[tuple[ExtentRecord, errors.SMBError]]) -> errors.SMBError:
@@ -217,4 +253,5 @@ def reserve_error(name: str, failed: list[tuple[ExtentRecord, errors.SMBError]])
         cls = errors.ServerUnavailable
     others = f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""
     return cls(f"memory server {extent.server_id} at {extent.grpc_address} could not reserve "
-               f"{extent.length} bytes for region {name!r}: {exc}{others}; nothing was created")
+               f"{extent.length} bytes for region {name!r} (or set up its copy): {exc}{others}; "
+               "nothing was created")

@@ -4,7 +4,10 @@
 Keys under the store's prefix ``P`` (default ``/smb``), values JSON:
 
 - ``P/servers/<server_id>``: one memory server (the columns of SQLite's ``servers``);
-- ``P/regions/<name>``: one region with its extents, in layout order;
+- ``P/regions/<name>``: one region with its extents, by (slot, copy): each
+  ``[extent_id, slot, server_id, length, copy, role, view]`` (rows written before
+  replication have the first four; the rest default to an unreplicated extent), and
+  ``replicas`` (absent: 1);
 - ``P/placed/<server_id>/<extent_id>``: an index of the extents placed on a server (its
   region's uid and name, its length), written and removed with the region, so that a
   heartbeat reads the server's own extents and not every region;
@@ -58,10 +61,14 @@ from .records import (
     HeldExtent,
     RegionRecord,
     ServerRecord,
+    SlotChange,
     check_lease,
+    check_replicas,
     check_request_id,
+    check_slot_change,
     check_uid,
     find_orphans,
+    initial_role,
     region_state,
 )
 
@@ -302,7 +309,7 @@ class EtcdState:
             want = {self._key("placed", sid, eid): json.dumps({"uid": r["uid"], "name": r["name"],
                                                                "length": length})
                     for r in (item.json() for item in snap_regions)
-                    for eid, _, sid, length in r["extents"]}
+                    for eid, _, sid, length, *_ in r["extents"]}
             have = {item.key: item for item in placed}
             ops = [kv.put(k, v) for k, v in want.items() if k not in have or have[k].value.decode() != v]
             ops += [kv.delete(k) for k in have if k not in want]
@@ -448,7 +455,7 @@ class EtcdState:
         used = dict.fromkeys(snap.servers, 0)
         count = dict.fromkeys(snap.servers, 0)
         for row, _ in snap.regions.values():
-            for _eid, _idx, sid, length in row["extents"]:
+            for _eid, _idx, sid, length, *_ in row["extents"]:
                 used[sid] = used.get(sid, 0) + length
                 count[sid] = count.get(sid, 0) + 1
         return [ServerRecord(sid, r["host_id"], r["grpc_address"], tuple(r["endpoints"]), r["capacity"],
@@ -459,11 +466,13 @@ class EtcdState:
     def begin_create_region(self, name: str, size: int, placement: str = "striped",
                             stripe_unit: int = 0, num_servers: int = 0,
                             segment_sizes: Sequence[int] = (), persistent: bool = False,
-                            now: float | None = None, uid: str = "") -> RegionRecord:
+                            now: float | None = None, uid: str = "", replicas: int = 1
+                            ) -> RegionRecord:
         """Plan a region and record it as ``creating`` (as
         :meth:`.state.ControllerState.begin_create_region`)."""
         now = self._now(now)
         uid = check_uid(uid)
+        replicas = check_replicas(replicas)
         check_region_name(name)
         if size <= 0:
             raise errors.InvalidArgument(f"region size must be positive, got {size} bytes")
@@ -486,28 +495,30 @@ class EtcdState:
             if any(row["uid"] == uid for row, _ in snap.regions.values()):
                 raise errors.InvalidArgument(f"uid {uid} already names another region; draw a new one")
             alive = now - self.lease_seconds
-            free = {s.server_id: s.free for s in self._server_records(snap)
-                    if s.state == "up" and s.last_heartbeat >= alive}
-            layout, server_ids = placement_mod.plan(
-                int(size), placement, free, stripe_unit=int(stripe_unit),
+            up = [s for s in self._server_records(snap) if s.state == "up" and s.last_heartbeat >= alive]
+            layout, copies = placement_mod.plan_replicated(
+                int(size), placement, {s.server_id: s.free for s in up}, replicas,
+                {s.server_id: s.host_id for s in up}, stripe_unit=int(stripe_unit),
                 num_servers=int(num_servers), segment_sizes=[int(s) for s in segment_sizes])
             counter = snap.extra[self.next_id_key]
             first = int(counter.value) if counter is not None else FIRST_ID_BASE + secrets.randbits(61)
-            ids = list(range(first, first + len(server_ids)))
+            extents: list[list[Any]] = []
+            for idx, (length, sids) in enumerate(zip(layout.extent_lengths, copies, strict=True)):
+                for copy, sid in enumerate(sids):
+                    role, view = initial_role(replicas, copy)
+                    extents.append([first + len(extents), idx, sid, length, copy, role, view])
             row: dict[str, Any] = {
                 "name": name, "uid": uid, "size": layout.size, "placement": layout.kind,
                 "stripe_unit": layout.stripe_unit, "segment_sizes": list(layout.segment_sizes),
                 "segment_extents": list(layout.segment_extents), "persistent": bool(persistent),
-                "created_at": now, "state": "creating",
-                "extents": [[eid, idx, sid, length] for idx, (eid, length, sid) in
-                            enumerate(zip(ids, layout.extent_lengths, server_ids, strict=True))]}
+                "created_at": now, "state": "creating", "replicas": replicas, "extents": extents}
             key = self._key("regions", name)
             compare = [kv.absent(key),
                        kv.mod_revision_is(self.next_id_key, counter.mod_revision if counter else 0)]
-            ops = [kv.put(key, json.dumps(row)), kv.put(self.next_id_key, str(first + len(ids)))]
+            ops = [kv.put(key, json.dumps(row)), kv.put(self.next_id_key, str(first + len(extents)))]
             ops += [kv.put(self._key("placed", sid, eid), json.dumps({"uid": row["uid"], "name": name,
                                                                        "length": length}))
-                    for eid, _, sid, length in row["extents"]]
+                    for eid, _, sid, length, *_ in row["extents"]]
             if not self._commit(compare, ops):
                 return None
             snap.regions[name] = (row, 0)
@@ -520,7 +531,7 @@ class EtcdState:
     def _removal(self, row: dict[str, Any]) -> list[kv.Op]:
         """The ops that remove a region: its key and its extents' index keys."""
         return [kv.delete(self._key("regions", row["name"])), kv.delete(self._key("region_leases", row["name"]))] + [
-            kv.delete(self._key("placed", sid, eid)) for eid, _, sid, _ in row["extents"]]
+            kv.delete(self._key("placed", sid, eid)) for eid, _, sid, *_ in row["extents"]]
 
     def commit_region(self, name: str, uid: str | None = None) -> RegionRecord:
         """Mark a ``creating`` region ``ready`` (idempotent); raises RegionNotFound."""
@@ -581,6 +592,59 @@ class EtcdState:
         region = self._retry(attempt, f"deleting region {name}")
         log.info("region %s (uid %s) deleted", name, region.uid)
         return list(region.extents)
+
+    # -- replica sets ----------------------------------------------------------------------
+    def change_slot(self, name: str, uid: str, change: SlotChange
+                    ) -> tuple[RegionRecord, list[ExtentRecord]] | None:
+        """Apply one change of one slot of a replicated region in one transaction (as
+        :meth:`.state.ControllerState.change_slot`): compares on the region's key and,
+        for a new copy, on the extent id counter; writes the region, the ``placed`` index
+        of added and removed copies and drops removed copies' ``lost`` keys."""
+        def attempt() -> tuple[tuple[RegionRecord, list[ExtentRecord]] | None] | None:
+            snap = self._snapshot(region_prefix=name, extra=(self.next_id_key,))
+            found = snap.regions.get(name)
+            if found is None or found[0]["uid"] != uid or found[0]["state"] == "creating":
+                raise errors.RegionNotFound(f"no region named {name!r} (uid {uid})")
+            row, rev = found
+            region = self._region(row, snap)
+            if region.view_of(change.index) != change.view:
+                return (None,)
+            check_slot_change(region, change, snap.servers)
+            removed = [e for e in region.copies_of(change.index) if e.copy in change.remove]
+            key = self._key("regions", name)
+            compare = [kv.mod_revision_is(key, rev)]
+            ops: list[kv.Op] = []
+            extents: list[list[Any]] = []
+            for eid, idx, sid, length, copy, role, view in (_extent_row(e) for e in row["extents"]):
+                if idx == change.index:
+                    if copy in change.remove:
+                        ops.append(kv.delete(self._key("placed", sid, eid)))
+                        ops.append(kv.delete(self._key("lost", eid)))
+                        continue
+                    role, view = change.roles.get(copy, role), change.view + 1
+                extents.append([eid, idx, sid, length, copy, role, view])
+            if change.add is not None:
+                counter = snap.extra[self.next_id_key]
+                eid = int(counter.value) if counter is not None else FIRST_ID_BASE + secrets.randbits(61)
+                compare.append(kv.mod_revision_is(self.next_id_key, counter.mod_revision if counter else 0))
+                length = region.copies_of(change.index)[0].length
+                sid = change.add.server_id
+                extents.append([eid, change.index, sid, length, change.add.copy, change.add.role,
+                                change.view + 1])
+                ops.append(kv.put(self.next_id_key, str(eid + 1)))
+                ops.append(kv.put(self._key("placed", sid, eid),
+                                  json.dumps({"uid": uid, "name": name, "length": length})))
+            extents.sort(key=lambda e: (e[1], e[4]))
+            new_row = {**row, "extents": extents}
+            ops.append(kv.put(key, json.dumps(new_row)))
+            if not self._commit(compare, ops):
+                return None
+            snap.lost -= {e.extent_id for e in removed}
+            return ((self._region(new_row, snap), removed),)
+        (result,) = self._retry(attempt, f"changing slot {change.index} of region {name}")
+        if result is not None:
+            log.info("region %s %s", name, change.describe())
+        return result
 
     # -- owner leases (as :class:`.state.ControllerState`'s) --------------------------------
     def lease_region(self, name: str, owner: str, seconds: float, now: float | None = None) -> None:
@@ -647,12 +711,22 @@ class EtcdState:
     @staticmethod
     def _region(row: dict[str, Any], snap: _Snapshot) -> RegionRecord:
         extents = []
-        for eid, idx, sid, length in row["extents"]:
+        for eid, idx, sid, length, copy, role, view in (_extent_row(e) for e in row["extents"]):
             server = snap.servers.get(sid, ({}, 0))[0]
             extents.append(ExtentRecord(eid, idx, sid, length, server.get("grpc_address", ""),
                                         server.get("host_id", ""), tuple(server.get("endpoints", ())),
-                                        server.get("state", ""), eid in snap.lost))
+                                        server.get("state", ""), eid in snap.lost, copy, role, view))
+        extents.sort(key=lambda e: (e.index, e.copy))
+        replicas = int(row.get("replicas", 1))
         return RegionRecord(row["name"], row["uid"], row["size"], row["placement"], row["stripe_unit"],
                             tuple(row["segment_sizes"]), tuple(row["segment_extents"]),
                             bool(row["persistent"]), row["created_at"],
-                            region_state(row["state"], extents), tuple(extents))
+                            region_state(row["state"], extents, replicas), tuple(extents), replicas)
+
+
+def _extent_row(e: Sequence[Any]) -> tuple[int, int, str, int, int, str, int]:
+    """One stored extent as (id, slot, server, length, copy, role, view); rows written
+    before replication hold the first four."""
+    eid, idx, sid, length, *rest = e
+    copy, role, view = (list(rest) + [0, "", 0][len(rest):])[:3]
+    return int(eid), int(idx), str(sid), int(length), int(copy), str(role), int(view)

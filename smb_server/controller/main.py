@@ -26,6 +26,7 @@ from ..rpc_metrics import RpcMetrics
 from .etcd_kv import is_etcd_url
 from .etcd_state import EtcdState, Fence
 from .leader import Election, LeaderGate, LeaderLoop
+from .repair import REPAIR_INTERVAL, RepairManager, RepairMetrics
 from .service import METHOD_ROLES, ControllerServicer
 from .state import SERVER_STATES
 from .store import StateStore, open_state
@@ -61,6 +62,9 @@ class Controller(Daemon):
         self._health: Health | None = None
         self._stop_leases = threading.Event()
         self._lease_thread: threading.Thread | None = None
+        self.repairer: RepairManager | None = None
+        self._repair_wake = threading.Event()
+        self._repair_thread: threading.Thread | None = None
 
     # -- lifecycle -----------------------------------------------------------------------
     @property
@@ -129,6 +133,11 @@ class Controller(Daemon):
         self._server.start()
         if isinstance(self.state, EtcdState):
             self._start_election(self.state)
+        self.repairer = RepairManager(self.state, self.servicer.memservers,
+                                      metrics=RepairMetrics(self.registry))
+        self._repair_thread = threading.Thread(target=self._repair_loop, name="controller-repair",
+                                               daemon=True)
+        self._repair_thread.start()
         self._lease_thread = threading.Thread(target=self._lease_loop, name="controller-leases",
                                               daemon=True)
         self._lease_thread.start()
@@ -168,12 +177,39 @@ class Controller(Daemon):
             if not self.leading():
                 continue
             try:
-                self.state.expire_leases()
+                if self.state.expire_leases():
+                    self._repair_wake.set()              # replica sets to fence now
                 self.servicer.creator.delete_expired()   # regions whose owner stopped renewing
             except errors.ControllerUnavailable as exc:
                 log.info("expiring leases: %s", exc)
             except Exception:
                 log.exception("expiring leases")
+
+    def _repair_loop(self) -> None:
+        """Repair passes (:mod:`.repair`) every ``REPAIR_INTERVAL`` seconds, at once when
+        the lease loop marks a server down, while this controller leads. A thread of its
+        own: a pass waits for quick configure calls, never for a sync (those run on the
+        repair manager's pool), and never holds up lease expiry."""
+        repairer = self.repairer
+        assert repairer is not None
+        led = False
+        while not self._stop_leases.is_set():
+            self._repair_wake.wait(REPAIR_INTERVAL)
+            self._repair_wake.clear()
+            if self._stop_leases.is_set():
+                break
+            leading = self.leading()
+            if leading != led:
+                repairer.reset()     # a new leader pushes every slot's settings again
+                led = leading
+            if not leading:
+                continue
+            try:
+                repairer.run_pass()
+            except errors.ControllerUnavailable as exc:
+                log.info("repairing replica sets: %s", exc)
+            except Exception:
+                log.exception("repairing replica sets")
 
     @property
     def metrics_port(self) -> int:
@@ -202,6 +238,10 @@ class Controller(Daemon):
                   "without them, per server", ["server_id"],
                   fn=lambda: _count_by((e.server_id for r in state.list_regions()
                                                for e in r.extents if e.lost), ()))
+        reg.gauge("smb_controller_replica_copies", "Copies of replicated regions' slots by role "
+                  "(primary, backup, syncing, stale)", ["role"],
+                  fn=lambda: _count_by((e.role for r in state.list_regions() if r.replicas > 1
+                                        for e in r.extents), ("primary", "backup", "syncing", "stale")))
         reg.gauge("smb_controller_region_bytes", "Bytes of all regions together",
                   fn=lambda: [((), sum(r.size for r in state.list_regions()))])
 
@@ -217,12 +257,17 @@ class Controller(Daemon):
         if self._health is not None:
             self._health.shutting_down()
         self._stop_leases.set()
+        self._repair_wake.set()
         if self.servicer is not None:
             self.servicer.barriers.close()
         if self._server is not None:
             self._server.stop(self._grace if was is Status.RUNNING else 0).wait()
         if self._lease_thread is not None:
             self._lease_thread.join()
+        if self._repair_thread is not None:
+            self._repair_thread.join()
+        if self.repairer is not None:
+            self.repairer.close(wait=False)   # closing the channels below ends its syncs
         if self._leader_loop is not None:
             self._leader_loop.stop()
         if self._metrics is not None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import grpc
@@ -20,7 +22,17 @@ log = logging.getLogger(__name__)
 
 RESERVE_TIMEOUT = 10.0   # seconds for one ReserveExtent call
 RELEASE_TIMEOUT = 5.0    # seconds for one ReleaseExtent call
+CONFIGURE_TIMEOUT = 10.0  # seconds for one ConfigureReplicas call that syncs nothing
+SYNC_TIMEOUT = 600.0      # seconds for one that copies whole extents to backups
 ADMIN_TICKET_TTL = 60.0  # seconds an admin ticket for one reserve/release lives
+
+
+@dataclass(frozen=True)
+class Backup:
+    """One backup a primary forwards to; ``sync``: not in step yet, copy it all first."""
+
+    extent: ExtentRecord
+    sync: bool = False
 
 
 class MemoryServers(Protocol):
@@ -38,6 +50,13 @@ class MemoryServers(Protocol):
     def release(self, address: str, region_uid: str, extent: ExtentRecord) -> bool:
         """Free the extent; True if the server held it."""
 
+    def configure_replicas(self, address: str, region_uid: str, extent: ExtentRecord, view: int,
+                           role: str, backups: Sequence[Backup] = ()) -> tuple[int, int]:
+        """Set the extent's place in its replica set at ``view`` (role ``primary`` with
+        ``backups``, or ``backup``); returns (the view in force, bytes synced to backups
+        marked ``sync``, which the call copies before it returns). An older view than
+        the extent's is refused (InvalidArgument); the same view is idempotent."""
+
 
 class GrpcMemoryServers:
     """:class:`MemoryServers` over gRPC, with short-lived ``admin`` tickets signed with
@@ -52,6 +71,8 @@ class GrpcMemoryServers:
         self.token = token
         self.reserve_timeout = reserve_timeout
         self.release_timeout = release_timeout
+        self.configure_timeout = CONFIGURE_TIMEOUT
+        self.sync_timeout = SYNC_TIMEOUT
         self._stubs: dict[str, tuple[grpc.Channel, memory_server_pb2_grpc.MemoryServerStub]] = {}
         self._lock = threading.Lock()
         self.tls: TLSConfig | None = None
@@ -66,8 +87,8 @@ class GrpcMemoryServers:
                 self._stubs[address] = entry
             return entry[1]
 
-    def _admin_ticket(self, region_uid: str, extent_id: int) -> str:
-        return tickets.sign(self.secret, region_uid, [extent_id], "admin", ttl=ADMIN_TICKET_TTL,
+    def _admin_ticket(self, region_uid: str, extent_id: int, ttl: float = ADMIN_TICKET_TTL) -> str:
+        return tickets.sign(self.secret, region_uid, [extent_id], "admin", ttl=ttl,
                             epoch=self.epoch)[0]
 
     def reserve(self, address: str, region_uid: str, extent: ExtentRecord,
@@ -86,6 +107,19 @@ class GrpcMemoryServers:
         reply = rpc.call(self._stub(address).ReleaseExtent, request, self.token,
                          self.release_timeout, errors.ServerUnavailable)
         return bool(reply.released)
+
+    def configure_replicas(self, address: str, region_uid: str, extent: ExtentRecord, view: int,
+                           role: str, backups: Sequence[Backup] = ()) -> tuple[int, int]:
+        request = memory_server_pb2.ConfigureReplicasRequest(
+            ticket=self._admin_ticket(region_uid, extent.extent_id, self.sync_timeout),
+            extent_id=extent.extent_id, view=view, role=role,
+            backups=[memory_server_pb2.ReplicaTarget(
+                extent_id=b.extent.extent_id, server_id=b.extent.server_id,
+                endpoints=list(b.extent.endpoints), sync=b.sync) for b in backups])
+        timeout = self.sync_timeout if any(b.sync for b in backups) else self.configure_timeout
+        reply = rpc.call(self._stub(address).ConfigureReplicas, request, self.token, timeout,
+                         errors.ServerUnavailable)
+        return int(reply.view), int(reply.synced_bytes)
 
     def close(self) -> None:
         """Close every channel; later calls open new ones."""

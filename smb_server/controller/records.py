@@ -9,9 +9,14 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from smb_client.errors import InvalidArgument
-from smb_client.placement import Layout
+from smb_client.placement import MAX_REPLICAS, Layout
 
 log = logging.getLogger(__name__)
+
+# roles of a copy of a replicated region's slot ("" in an unreplicated region)
+PRIMARY, BACKUP, SYNCING, STALE = "primary", "backup", "syncing", "stale"
+ROLES = ("", PRIMARY, BACKUP, SYNCING, STALE)
+IN_SYNC = (PRIMARY, BACKUP)   # copies that hold every acknowledged byte
 
 
 # -- records ------------------------------------------------------------------------------
@@ -59,6 +64,19 @@ class ExtentRecord:
     endpoints: tuple[str, ...] = ()
     server_state: str = ""  # up | down | draining
     lost: bool = False      # its server registered again without it
+    copy: int = 0           # which copy of its slot (replicated regions; stable while it exists)
+    role: str = ""          # primary | backup | syncing | stale ("" unreplicated)
+    view: int = 0           # its slot's replica-set version (0 unreplicated; grows with every change)
+
+    @property
+    def dead(self) -> bool:
+        """Its server is down or came back without it: it serves nothing now."""
+        return self.lost or self.server_state == "down"
+
+    @property
+    def in_sync(self) -> bool:
+        """A live copy holding every acknowledged byte (primary or backup, not dead)."""
+        return self.role in IN_SYNC and not self.dead
 
 
 @dataclass(frozen=True)
@@ -73,7 +91,8 @@ class RegionRecord:
     persistent: bool
     created_at: float                  # unix seconds
     state: str                         # creating | ready | degraded | lost
-    extents: tuple[ExtentRecord, ...] = field(default=())  # in layout order
+    extents: tuple[ExtentRecord, ...] = field(default=())  # every copy, by (slot, copy)
+    replicas: int = 1                  # copies of every byte asked for (1: unreplicated)
 
     @property
     def lost_servers(self) -> list[str]:
@@ -82,13 +101,101 @@ class RegionRecord:
 
     @property
     def extent_ids(self) -> list[int]:
+        """Every copy's extent id (what a region ticket names, what a delete releases)."""
         return [e.extent_id for e in self.extents]
 
+    @property
+    def slots(self) -> int:
+        """Layout slots (extents of the layout)."""
+        return len({e.index for e in self.extents})
+
+    def copies_of(self, index: int) -> list[ExtentRecord]:
+        """Every copy of layout slot ``index`` (stale ones included), by copy number."""
+        return sorted((e for e in self.extents if e.index == index), key=lambda e: e.copy)
+
+    def primary_of(self, index: int) -> ExtentRecord:
+        """Slot ``index``'s primary (in an unreplicated region its one extent; a slot
+        without a primary row, which no change leaves, gives its lowest copy)."""
+        copies = self.copies_of(index)
+        return next((e for e in copies if e.role == PRIMARY), copies[0])
+
+    def primaries(self) -> list[ExtentRecord]:
+        """One extent per slot, in layout order: the primaries (what unreplicated
+        clients and the layout math see)."""
+        return [self.primary_of(i) for i in sorted({e.index for e in self.extents})]
+
+    def others(self) -> list[ExtentRecord]:
+        """The copies clients may see besides the primaries: backups and syncing copies
+        (stale copies are the controller's own business)."""
+        primaries = {e.extent_id for e in self.primaries()}
+        return [e for e in self.extents if e.extent_id not in primaries and e.role in (BACKUP, SYNCING)]
+
+    def view_of(self, index: int) -> int:
+        """Slot ``index``'s replica-set version (0 unreplicated)."""
+        return max((e.view for e in self.copies_of(index)), default=0)
+
     def layout(self) -> Layout:
-        """The pure offset -> (extent, offset) mapping of this region."""
-        return Layout(self.placement, self.size, tuple(e.length for e in self.extents),
+        """The pure offset -> (extent, offset) mapping of this region (from its slots)."""
+        return Layout(self.placement, self.size, tuple(e.length for e in self.primaries()),
                       stripe_unit=self.stripe_unit, segment_sizes=self.segment_sizes,
                       segment_extents=self.segment_extents)
+
+
+@dataclass(frozen=True)
+class NewCopy:
+    """A copy a slot change adds; the store draws its extent id (fresh, never reused)."""
+
+    copy: int
+    server_id: str
+    role: str = SYNCING
+
+
+@dataclass(frozen=True)
+class SlotChange:
+    """One atomic change of one slot of a replicated region, decided on the slot at
+    ``view``: the store applies it only if the slot is still at ``view``, and the slot's
+    view becomes ``view + 1`` (on every copy it keeps)."""
+
+    index: int
+    view: int
+    roles: Mapping[int, str] = field(default_factory=dict)  # copy -> new role
+    remove: frozenset[int] = frozenset()                    # copies to forget
+    add: NewCopy | None = None
+
+    def describe(self) -> str:
+        parts = [f"copy {c} -> {r}" for c, r in sorted(self.roles.items())]
+        parts += [f"drop copy {c}" for c in sorted(self.remove)]
+        if self.add is not None:
+            parts.append(f"add copy {self.add.copy} on {self.add.server_id} ({self.add.role})")
+        return f"slot {self.index} view {self.view} -> {self.view + 1}: {', '.join(parts) or 'bump'}"
+
+
+def check_slot_change(region: RegionRecord, change: SlotChange, servers: Iterable[str] = ()) -> None:
+    """Raise InvalidArgument unless ``change`` fits ``region`` (a replicated region
+    with that slot; known copies; known roles; one primary at most after it; a new copy
+    with an unused copy number on a known server holding no copy of the slot)."""
+    if region.replicas <= 1:
+        raise InvalidArgument(f"region {region.name!r} is not replicated")
+    copies = {e.copy: e for e in region.copies_of(change.index)}
+    if not copies:
+        raise InvalidArgument(f"region {region.name!r} has no slot {change.index}")
+    unknown = (set(change.roles) | set(change.remove)) - set(copies)
+    if unknown:
+        raise InvalidArgument(f"slot {change.index} of {region.name!r} has no copy {sorted(unknown)}")
+    if any(r not in ROLES[1:] for r in change.roles.values()):
+        raise InvalidArgument(f"a copy's role is one of {', '.join(ROLES[1:])}")
+    after = {c: change.roles.get(c, e.role) for c, e in copies.items() if c not in change.remove}
+    if change.add is not None:
+        if change.add.copy in copies or change.add.copy < 0:
+            raise InvalidArgument(f"copy {change.add.copy} of slot {change.index} exists")
+        if change.add.server_id in {e.server_id for e in copies.values()}:
+            raise InvalidArgument(f"server {change.add.server_id} holds a copy of slot {change.index}")
+        known = set(servers)
+        if known and change.add.server_id not in known:
+            raise InvalidArgument(f"no memory server {change.add.server_id!r}")
+        after[change.add.copy] = change.add.role
+    if sum(r == PRIMARY for r in after.values()) > 1:
+        raise InvalidArgument(f"slot {change.index} of {region.name!r} would have two primaries")
 
 
 # -- rules both state backends share --------------------------------------------------------
@@ -127,12 +234,38 @@ def check_uid(uid: str) -> str:
     return uid
 
 
-def region_state(stored: str, extents: Sequence[ExtentRecord]) -> str:
-    """The state a client sees: ``lost`` once an extent is lost, ``degraded`` while a
-    server holding one is down, else the stored ``creating``/``ready``."""
-    if stored == "ready" and any(e.lost for e in extents):
+def check_replicas(replicas: int) -> int:
+    """A region's copy count: 0 (one) or 1 to :data:`MAX_REPLICAS`. Raises InvalidArgument."""
+    if not isinstance(replicas, int) or isinstance(replicas, bool) or not 0 <= replicas <= MAX_REPLICAS:
+        raise InvalidArgument(f"replicas must be 1 to {MAX_REPLICAS} (0: one copy), not {replicas!r}")
+    return max(1, replicas)
+
+
+def region_state(stored: str, extents: Sequence[ExtentRecord], replicas: int = 1) -> str:
+    """The state a client sees (``creating`` stays ``creating``).
+
+    Unreplicated: ``lost`` once an extent is lost, ``degraded`` while a server holding
+    one is down, else ``ready``. Replicated: ``lost`` when some slot has no un-lost copy
+    in role primary or backup (a copy on a down server may come back); ``degraded``
+    when any copy is dead (down or lost), syncing or stale, or a slot has fewer than
+    ``replicas`` in-sync copies; else ``ready``.
+    """
+    if stored != "ready":
+        return stored
+    if replicas <= 1:
+        if any(e.lost for e in extents):
+            return "lost"
+        if any(e.server_state == "down" for e in extents):
+            return "degraded"
+        return stored
+    slots: dict[int, list[ExtentRecord]] = {}
+    for e in extents:
+        slots.setdefault(e.index, []).append(e)
+    if any(not any(e.role in IN_SYNC and not e.lost for e in copies) for copies in slots.values()):
         return "lost"
-    if stored == "ready" and any(e.server_state == "down" for e in extents):
+    if any(e.dead or e.role in (SYNCING, STALE) for e in extents):
+        return "degraded"
+    if any(sum(e.in_sync for e in copies) < replicas for copies in slots.values()):
         return "degraded"
     return stored
 
@@ -152,3 +285,11 @@ def find_orphans(server_id: str, known: Mapping[int, tuple[str, str]], held: Ite
         log.info("server %s holds %d orphan extent(s): %s", server_id, len(orphans),
                  ", ".join(map(str, orphans[:10])))
     return orphans
+
+
+def initial_role(replicas: int, copy: int) -> tuple[str, int]:
+    """(role, view) of copy ``copy`` of a new region's slot: copy 0 is the primary, the
+    others backups, all at view 1; ("", 0) in an unreplicated region."""
+    if replicas <= 1:
+        return "", 0
+    return (PRIMARY if copy == 0 else BACKUP), 1

@@ -21,7 +21,7 @@ from ..grpc_util import current_principal, typed_errors
 from .barriers import MAX_WAITERS, Barriers
 from .creation import RegionCreator, RegionSpec
 from .memservers import RELEASE_TIMEOUT, RESERVE_TIMEOUT, GrpcMemoryServers
-from .records import HeldExtent, RegionRecord, ServerRecord
+from .records import ExtentRecord, HeldExtent, RegionRecord, ServerRecord
 from .store import StateStore
 
 log = logging.getLogger(__name__)
@@ -62,15 +62,22 @@ def server_info(s: ServerRecord) -> common_pb2.ServerInfo:
         last_heartbeat=s.last_heartbeat, extents=s.extents)
 
 
+def extent_ref(e: ExtentRecord) -> common_pb2.ExtentRef:
+    return common_pb2.ExtentRef(
+        extent_id=e.extent_id, server_id=e.server_id, length=e.length,
+        grpc_address=e.grpc_address, host_id=e.host_id, endpoints=list(e.endpoints),
+        server_state=e.server_state, index=e.index, copy=e.copy, role=e.role, view=e.view)
+
+
 def region_info(r: RegionRecord) -> common_pb2.RegionInfo:
+    """``extents``: each slot's primary in layout order; ``copies``: backups and
+    syncing copies (replicated regions; stale copies are not shown)."""
     return common_pb2.RegionInfo(
         name=r.name, uid=r.uid, size=r.size, placement=r.placement, stripe_unit=r.stripe_unit,
         segment_sizes=list(r.segment_sizes), segment_servers=list(r.segment_extents),
-        extents=[common_pb2.ExtentRef(
-            extent_id=e.extent_id, server_id=e.server_id, length=e.length,
-            grpc_address=e.grpc_address, host_id=e.host_id, endpoints=list(e.endpoints),
-            server_state=e.server_state) for e in r.extents],
-        persistent=r.persistent, created_at=r.created_at, state=r.state)
+        extents=[extent_ref(e) for e in r.primaries()],
+        copies=[extent_ref(e) for e in r.others()],
+        persistent=r.persistent, created_at=r.created_at, state=r.state, replicas=r.replicas)
 
 
 def _held(items: Iterable[controller_pb2.HeldExtent]) -> list[HeldExtent]:
@@ -105,6 +112,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         self.memservers.close()
 
     def _response(self, region: RegionRecord, mode: str) -> controller_pb2.RegionResponse:
+        # the ticket names every copy: clients read from backups too
         token, expires_at = tickets.sign(self.secret, region.uid, region.extent_ids, mode,
                                          ttl=self.ticket_ttl)
         return controller_pb2.RegionResponse(
@@ -155,7 +163,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
                      context: grpc.ServicerContext) -> Any:
         spec = RegionSpec(request.name, request.size, request.placement, request.stripe_unit,
                           request.num_servers, tuple(request.segment_sizes), request.persistent,
-                          request.uid, request.owner, request.lease_seconds)
+                          request.uid, request.owner, request.lease_seconds, request.replicas)
         return self._response(self.creator.create(spec, exist_ok=request.exist_ok), "rw")
 
     @typed_errors

@@ -15,7 +15,10 @@ Tables (see ``_SCHEMA``):
   opened belong to a controller that died mid-create; they are removed, and the
   extents the servers did reserve become orphans that the servers free after the
   grace period.
-- ``extents``: one row per extent of a region, in layout order (``idx``).
+- ``regions.replicas``: copies of every byte (1: unreplicated).
+- ``extents``: one row per extent of a region: its layout slot (``idx``) and, in a
+  replicated region, its ``copy`` number, ``role`` (primary, backup, syncing, stale)
+  and its slot's ``view``; one row per (region, slot, copy).
 - ``issued_extent_ids``: every extent id ever handed out, so that an id is never reused
   (an orphan on some server must never be mistaken for a live extent).
 
@@ -24,9 +27,11 @@ Tables (see ``_SCHEMA``):
 - ``done_deletes``: the request ids of deletes done in the last hour, so that a delete
   repeated after its reply was lost (a failover, a timeout) is answered as done.
 
-Region state as reported to clients: ``ready``; ``degraded`` while any server holding
-one of its extents is down (it may come back with them); ``lost`` once some extent is
-in ``lost_extents`` (wins over ``degraded``).
+Region state as reported to clients: :func:`.records.region_state`.
+
+Schema versions: 1 had no replicas; a version-1 file is upgraded in place when opened
+(``replicas`` added to ``regions``; ``extents`` rebuilt with ``copy``, ``role``,
+``view`` and the per-copy unique key).
 
 Thread safety: one connection guarded by one lock; every method is atomic.
 
@@ -58,10 +63,14 @@ from .records import (
     HeldExtent,
     RegionRecord,
     ServerRecord,
+    SlotChange,
     check_lease,
+    check_replicas,
     check_request_id,
+    check_slot_change,
     check_uid,
     find_orphans,
+    initial_role,
     region_state,
 )
 
@@ -70,7 +79,7 @@ __all__ = ["SERVER_STATES", "ControllerState", "ExtentRecord", "HeldExtent", "Re
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 MAX_SERVERS = 1 << 16   # the most servers a region may be spread over
 SERVER_STATES = ("up", "down", "draining")
 _ID_ATTEMPTS = 16
@@ -97,7 +106,8 @@ CREATE TABLE IF NOT EXISTS regions (
     segment_extents TEXT NOT NULL DEFAULT '[]',
     persistent      INTEGER NOT NULL DEFAULT 0,
     created_at      REAL NOT NULL,
-    state           TEXT NOT NULL CHECK (state IN ('creating', 'ready'))
+    state           TEXT NOT NULL CHECK (state IN ('creating', 'ready')),
+    replicas        INTEGER NOT NULL DEFAULT 1
 );
 CREATE TABLE IF NOT EXISTS extents (
     extent_id   INTEGER PRIMARY KEY,
@@ -105,7 +115,10 @@ CREATE TABLE IF NOT EXISTS extents (
     idx         INTEGER NOT NULL,
     server_id   TEXT NOT NULL REFERENCES servers(server_id),
     length      INTEGER NOT NULL,
-    UNIQUE (region_name, idx)
+    copy        INTEGER NOT NULL DEFAULT 0,
+    role        TEXT NOT NULL DEFAULT '' CHECK (role IN ('', 'primary', 'backup', 'syncing', 'stale')),
+    view        INTEGER NOT NULL DEFAULT 0,
+    UNIQUE (region_name, idx, copy)
 );
 CREATE INDEX IF NOT EXISTS extents_by_server ON extents(server_id);
 CREATE TABLE IF NOT EXISTS lost_extents (
@@ -130,6 +143,30 @@ CREATE TABLE IF NOT EXISTS done_deletes (
     deleted_at REAL NOT NULL
 );
 """
+
+
+def _columns(db: sqlite3.Connection, table: str) -> set[str]:
+    return {r[1] for r in db.execute(f"PRAGMA table_info({table})")}
+
+
+def _upgrade(db: sqlite3.Connection, path: str) -> None:
+    """Bring tables of an older schema (version 1: no replicas) up to this one, in the
+    caller's transaction: add ``regions.replicas``; rebuild ``extents`` with ``copy``,
+    ``role``, ``view`` and UNIQUE (region, slot, copy) (SQLite cannot change a table's
+    constraints in place)."""
+    if "replicas" not in _columns(db, "regions"):
+        db.execute("ALTER TABLE regions ADD COLUMN replicas INTEGER NOT NULL DEFAULT 1")
+        log.info("%s: regions upgraded with replicas", path)
+    if "copy" not in _columns(db, "extents"):
+        create = _SCHEMA[_SCHEMA.index("CREATE TABLE IF NOT EXISTS extents"):]
+        create = create[:create.index(";")].replace("IF NOT EXISTS extents", "extents_new")
+        db.execute(create)
+        db.execute("INSERT INTO extents_new (extent_id, region_name, idx, server_id, length) "
+                   "SELECT extent_id, region_name, idx, server_id, length FROM extents")
+        db.execute("DROP TABLE extents")
+        db.execute("ALTER TABLE extents_new RENAME TO extents")
+        db.execute("CREATE INDEX IF NOT EXISTS extents_by_server ON extents(server_id)")
+        log.info("%s: extents upgraded with copy, role and view", path)
 
 
 # -- the state -----------------------------------------------------------------------------
@@ -177,6 +214,7 @@ class ControllerState:
             for statement in _SCHEMA.split(";"):
                 if statement.strip():
                     db.execute(statement)
+            _upgrade(db, path)
             db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
             stale = [r["name"] for r in db.execute("SELECT name FROM regions WHERE state='creating'")]
             if stale:
@@ -369,18 +407,22 @@ class ControllerState:
     def begin_create_region(self, name: str, size: int, placement: str = "striped",
                             stripe_unit: int = 0, num_servers: int = 0,
                             segment_sizes: Sequence[int] = (), persistent: bool = False,
-                            now: float | None = None, uid: str = "") -> RegionRecord:
+                            now: float | None = None, uid: str = "", replicas: int = 1
+                            ) -> RegionRecord:
         """Plan a region and record it as ``creating``; returns it with its extents.
 
         Placement uses the servers that are ``up`` (not draining, lease not expired),
         each offering ``capacity - used`` bytes. The caller reserves the extents on the
         servers, then calls :meth:`commit_region` or :meth:`abort_region`. ``uid``: the
         caller's uid for the region (see :func:`.records.check_uid`); "" draws one.
-        Raises InvalidArgument (also for a uid another region has), RegionExists, or
-        OutOfMemory (with the numbers).
+        ``replicas`` (1 to 3; 0 means 1): copies of every slot on distinct servers
+        (:func:`smb_client.placement.plan_replicated`); copy 0 is the slot's primary,
+        every copy starts at view 1. Raises InvalidArgument (also for a uid another
+        region has), RegionExists, or OutOfMemory (with the numbers).
         """
         now = self._now(now)
         uid = check_uid(uid)
+        replicas = check_replicas(replicas)
         check_region_name(name)
         if size <= 0:
             raise InvalidArgument(f"region size must be positive, got {size} bytes")
@@ -398,26 +440,31 @@ class ControllerState:
                 what = " (being created)" if row["state"] == "creating" else ""
                 raise RegionExists(f"region {name!r} already exists{what}; open it, delete it, "
                                    "or pass exist_ok")
-            free = {r["server_id"]: max(0, r["capacity"] - r["used"]) for r in db.execute(
-                "SELECT s.server_id, s.capacity, COALESCE(SUM(e.length), 0) AS used "
+            rows = db.execute(
+                "SELECT s.server_id, s.host_id, s.capacity, COALESCE(SUM(e.length), 0) AS used "
                 "FROM servers s LEFT JOIN extents e ON e.server_id = s.server_id "
                 "WHERE s.state='up' AND s.last_heartbeat >= ? GROUP BY s.server_id",
-                (now - self.lease_seconds,))}
-            layout, server_ids = placement_mod.plan(
-                int(size), placement, free, stripe_unit=int(stripe_unit),
-                num_servers=int(num_servers), segment_sizes=[int(s) for s in segment_sizes])
+                (now - self.lease_seconds,)).fetchall()
+            free = {r["server_id"]: max(0, r["capacity"] - r["used"]) for r in rows}
+            layout, copies = placement_mod.plan_replicated(
+                int(size), placement, free, replicas, {r["server_id"]: r["host_id"] for r in rows},
+                stripe_unit=int(stripe_unit), num_servers=int(num_servers),
+                segment_sizes=[int(s) for s in segment_sizes])
             if db.execute("SELECT 1 FROM regions WHERE uid=?", (uid,)).fetchone() is not None:
                 raise InvalidArgument(f"uid {uid} already names another region; draw a new one")
             db.execute(
                 "INSERT INTO regions (name, uid, size, placement, stripe_unit, segment_sizes, "
-                "segment_extents, persistent, created_at, state) VALUES (?,?,?,?,?,?,?,?,?,'creating')",
+                "segment_extents, persistent, created_at, state, replicas) "
+                "VALUES (?,?,?,?,?,?,?,?,?,'creating',?)",
                 (name, uid, layout.size, layout.kind, layout.stripe_unit,
                  json.dumps(list(layout.segment_sizes)), json.dumps(list(layout.segment_extents)),
-                 int(bool(persistent)), now))
-            for idx, (length, sid) in enumerate(zip(layout.extent_lengths, server_ids, strict=True)):
-                extent_id = self._new_extent_id(db)
-                db.execute("INSERT INTO extents (extent_id, region_name, idx, server_id, length) "
-                           "VALUES (?,?,?,?,?)", (extent_id, name, idx, sid, length))
+                 int(bool(persistent)), now, replicas))
+            for idx, (length, sids) in enumerate(zip(layout.extent_lengths, copies, strict=True)):
+                for copy, sid in enumerate(sids):
+                    role, view = initial_role(replicas, copy)
+                    db.execute("INSERT INTO extents (extent_id, region_name, idx, server_id, length, "
+                               "copy, role, view) VALUES (?,?,?,?,?,?,?,?)",
+                               (self._new_extent_id(db), name, idx, sid, length, copy, role, view))
             region = self._load_region(db, name)
         assert region is not None
         log.info("planned region %s (%s, %d bytes) on %d extent(s)", name, region.placement,
@@ -495,6 +542,47 @@ class ControllerState:
         log.info("region %s (uid %s) deleted", name, region.uid)
         return list(region.extents)
 
+    # -- replica sets ----------------------------------------------------------------------
+    def change_slot(self, name: str, uid: str, change: SlotChange
+                    ) -> tuple[RegionRecord, list[ExtentRecord]] | None:
+        """Apply one change of one slot of a replicated region, atomically; returns the
+        region after it and the copies it removed (the caller releases them), or None
+        when the slot is no longer at ``change.view`` (another change won: decide again).
+
+        A new copy gets a fresh extent id (never reused) on ``change.add.server_id``;
+        every copy the slot keeps gets view ``change.view + 1``. Raises RegionNotFound
+        when no ready region ``name`` of ``uid`` exists, InvalidArgument for a change
+        that does not fit the slot (:func:`.records.check_slot_change`).
+        """
+        with self._tx() as db:
+            region = self._load_region(db, name)
+            if region is None or region.uid != uid or region.state == "creating":
+                raise RegionNotFound(f"no region named {name!r} (uid {uid})")
+            if region.view_of(change.index) != change.view:
+                return None
+            servers = [r[0] for r in db.execute("SELECT server_id FROM servers")]
+            check_slot_change(region, change, servers)
+            removed = [e for e in region.copies_of(change.index) if e.copy in change.remove]
+            for e in removed:
+                db.execute("DELETE FROM extents WHERE extent_id=?", (e.extent_id,))
+                db.execute("DELETE FROM lost_extents WHERE extent_id=?", (e.extent_id,))
+            for copy, role in change.roles.items():
+                if copy not in change.remove:
+                    db.execute("UPDATE extents SET role=? WHERE region_name=? AND idx=? AND copy=?",
+                               (role, name, change.index, copy))
+            if change.add is not None:
+                length = region.copies_of(change.index)[0].length
+                db.execute("INSERT INTO extents (extent_id, region_name, idx, server_id, length, "
+                           "copy, role, view) VALUES (?,?,?,?,?,?,?,?)",
+                           (self._new_extent_id(db), name, change.index, change.add.server_id,
+                            length, change.add.copy, change.add.role, change.view + 1))
+            db.execute("UPDATE extents SET view=? WHERE region_name=? AND idx=?",
+                       (change.view + 1, name, change.index))
+            after = self._load_region(db, name)
+        assert after is not None
+        log.info("region %s %s", name, change.describe())
+        return after, removed
+
     # -- owner leases --------------------------------------------------------------------
     def lease_region(self, name: str, owner: str, seconds: float, now: float | None = None) -> None:
         """Tie region ``name`` to ``owner``'s lease of ``seconds``: once the owner renewed
@@ -558,13 +646,15 @@ class ControllerState:
         extents = tuple(
             ExtentRecord(e["extent_id"], e["idx"], e["server_id"], e["length"], e["grpc_address"],
                         e["host_id"], tuple(json.loads(e["endpoints"])), e["state"],
-                        e["extent_id"] in lost)
+                        e["extent_id"] in lost, e["copy"], e["role"], e["view"])
             for e in db.execute(
-                "SELECT e.extent_id, e.idx, e.server_id, e.length, s.grpc_address, s.host_id, "
-                "s.endpoints, s.state FROM extents e JOIN servers s ON s.server_id = e.server_id "
-                "WHERE e.region_name=? ORDER BY e.idx", (name,)))
-        state = region_state(row["state"], extents)
+                "SELECT e.extent_id, e.idx, e.server_id, e.length, e.copy, e.role, e.view, "
+                "s.grpc_address, s.host_id, s.endpoints, s.state FROM extents e "
+                "JOIN servers s ON s.server_id = e.server_id "
+                "WHERE e.region_name=? ORDER BY e.idx, e.copy", (name,)))
+        replicas = int(row["replicas"])
+        state = region_state(row["state"], extents, replicas)
         return RegionRecord(row["name"], row["uid"], row["size"], row["placement"], row["stripe_unit"],
                             tuple(json.loads(row["segment_sizes"])),
                             tuple(json.loads(row["segment_extents"])), bool(row["persistent"]),
-                            row["created_at"], state, extents)
+                            row["created_at"], state, extents, replicas)

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 from .etcd_kv import is_etcd_url
-from .records import ExtentRecord, HeldExtent, RegionRecord, ServerRecord
+from .records import ExtentRecord, HeldExtent, RegionRecord, ServerRecord, SlotChange
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,8 @@ class StateStore(Protocol):
     def begin_create_region(self, name: str, size: int, placement: str = "striped",
                             stripe_unit: int = 0, num_servers: int = 0,
                             segment_sizes: Sequence[int] = (), persistent: bool = False,
-                            now: float | None = None, uid: str = "") -> RegionRecord: ...
+                            now: float | None = None, uid: str = "", replicas: int = 1
+                            ) -> RegionRecord: ...
 
     def commit_region(self, name: str, uid: str | None = None) -> RegionRecord: ...
 
@@ -63,6 +64,9 @@ class StateStore(Protocol):
     def deleted_by(self, name: str, request_id: str) -> bool: ...
 
     def list_regions(self, prefix: str = "") -> list[RegionRecord]: ...
+
+    def change_slot(self, name: str, uid: str, change: SlotChange
+                    ) -> tuple[RegionRecord, list[ExtentRecord]] | None: ...
 
     def lease_region(self, name: str, owner: str, seconds: float, now: float | None = None) -> None: ...
 

@@ -35,6 +35,8 @@ class FakeMemoryServer(memory_server_pb2_grpc.MemoryServerServicer):
     def __init__(self) -> None:
         self.reserved: dict[int, tuple[str, int]] = {}
         self.released: list[int] = []
+        self.views: dict[int, int] = {}
+        self.configured: list[tuple[int, int, str, list[tuple[int, bool]]]] = []
         self.fail: errors.SMBError | None = None
         self.lock = threading.Lock()
         self.server = grpc.server(futures.ThreadPoolExecutor(4))
@@ -65,6 +67,21 @@ class FakeMemoryServer(memory_server_pb2_grpc.MemoryServerServicer):
             self.released.append(request.extent_id)
             held = self.reserved.pop(request.extent_id, None) is not None
         return memory_server_pb2.ReleaseExtentResponse(released=held)
+
+    @typed_errors
+    def ConfigureReplicas(self, request: Any, context: grpc.ServicerContext) -> Any:
+        self._check(request.ticket, request.extent_id)
+        with self.lock:
+            if request.extent_id not in self.reserved:
+                raise errors.ExtentNotFound(f"extent {request.extent_id} is not held")
+            view = self.views.get(request.extent_id, 0)
+            if request.view < view:
+                raise errors.InvalidArgument(f"view {request.view} is older than {view}")
+            self.views[request.extent_id] = request.view
+            self.configured.append((request.extent_id, request.view, request.role,
+                                    [(b.extent_id, b.sync) for b in request.backups]))
+            synced = sum(self.reserved[request.extent_id][1] for b in request.backups if b.sync)
+        return memory_server_pb2.ConfigureReplicasResponse(view=request.view, synced_bytes=synced)
 
     def stop(self) -> None:
         self.server.stop(0).wait()
@@ -312,3 +329,49 @@ def test_restart_keeps_regions(tmp_path: Path, memservers: list[FakeMemoryServer
         assert again.uid == first.uid and [e.extent_id for e in again.extents] == \
             [e.extent_id for e in first.extents]
         channel.close()
+
+
+def test_a_replicated_region_names_its_copies_and_is_repaired(tmp_path: Path) -> None:
+    servers = [FakeMemoryServer() for _ in range(3)]
+    try:
+        with start_controller(tmp_path, lease=0.5) as c:
+            channel = rpc.channel(c.address)
+            stub = controller_pb2_grpc.ControllerStub(channel)
+            register(stub, "a", servers[0].address)
+            register(stub, "b", servers[1].address)
+            reply = call(stub, "CreateRegion", pb.CreateRegionRequest(
+                name="job/r", size=2 * MiB, stripe_unit=MiB, replicas=2))
+            info = reply.region
+            assert info.replicas == 2 and info.state == "ready"
+            assert [(e.index, e.role, e.view) for e in info.extents] == [(0, "primary", 1), (1, "primary", 1)]
+            assert sorted((e.index, e.role) for e in info.copies) == [(0, "backup"), (1, "backup")]
+            for e in info.extents:   # each slot's copies on both servers
+                (other,) = [x for x in info.copies if x.index == e.index]
+                assert other.server_id != e.server_id and other.length == e.length
+            every = {e.extent_id for e in list(info.extents) + list(info.copies)}
+            assert tickets.verify(SECRET, reply.ticket.token).extent_ids == every
+            assert sum(len(s.configured) for s in servers) == 4
+            with pytest.raises(errors.InvalidArgument, match="replicas"):
+                call(stub, "CreateRegion", pb.CreateRegionRequest(name="job/x", size=MiB, replicas=4))
+            # "a" goes silent: the region is repaired onto "c" from the copies on "b"
+            register(stub, "c", servers[2].address)
+            deadline = time.monotonic() + 15
+            while True:
+                for sid in ("b", "c"):
+                    call(stub, "Heartbeat", pb.HeartbeatRequest(server_id=sid))
+                info = call(stub, "OpenRegion", pb.OpenRegionRequest(name="job/r")).region
+                placed = {e.server_id for e in list(info.extents) + list(info.copies)}
+                if info.state == "ready" and placed == {"b", "c"}:
+                    break
+                assert time.monotonic() < deadline, (info.state, placed)
+                time.sleep(0.05)
+            assert {e.server_id for e in info.extents} <= {"b", "c"} and len(info.copies) == 2
+            assert all(e.view >= 4 for e in info.extents)
+            synced = [b for s in servers for (_, _, role, bs) in s.configured for b in bs if b[1]]
+            assert len(synced) == 2     # each slot copied once to "c"
+            metrics = c.registry.render()
+            assert 'smb_controller_repairs_total{kind="spare"} 2.0' in metrics
+            channel.close()
+    finally:
+        for s in servers:
+            s.stop()

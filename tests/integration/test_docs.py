@@ -112,7 +112,7 @@ def test_region_ls_prints_readable_sizes(env, cluster):
                              cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
         header, row = out.stdout.splitlines()
-        assert header.split() == ["NAME", "SIZE", "PLACEMENT", "STATE", "SERVERS"]
+        assert header.split() == ["NAME", "SIZE", "PLACEMENT", "REPLICAS", "STATE", "SERVERS"]
         assert row.split()[:3] == ["cli/ls", "3.0", "MiB"]
     finally:
         with Client(cluster.address, cluster.token) as c:

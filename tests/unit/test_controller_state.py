@@ -364,3 +364,183 @@ def test_owner_leases_name_the_regions_of_an_owner_that_stopped_renewing(state: 
     with pytest.raises(errors.InvalidArgument, match="lease"):
         state.lease_region("keep/other", OWNER, 0.0, now=T0)
     assert state.expired_leases(now=T0 + 1e6) == []         # keep/other was never leased
+
+
+# -- replicated regions -------------------------------------------------------------------
+def add_on_host(state: StateStore, sid: str, host: str, capacity: int = 64 * MiB, now: float = T0) -> None:
+    state.register_server(sid, host, f"127.0.0.1:{1000 + ord(sid[-1])}",
+                          [f"tcp://127.0.0.1:{2000 + ord(sid[-1])}"], capacity, now=now)
+
+
+def test_a_replicated_region_puts_every_slot_on_distinct_servers(state: StateStore) -> None:
+    for sid in "abcd":
+        add(state, sid)
+    region = make(state, "job/r", 8 * MiB, stripe_unit=MiB, replicas=2)
+    assert region.replicas == 2 and region.state == "ready" and region.slots == 4
+    assert len(region.extents) == 8 and len(set(region.extent_ids)) == 8
+    for idx in range(4):
+        copies = region.copies_of(idx)
+        assert [c.copy for c in copies] == [0, 1]
+        assert [c.role for c in copies] == ["primary", "backup"]
+        assert {c.view for c in copies} == {1}
+        assert len({c.server_id for c in copies}) == 2
+    primaries = region.primaries()
+    assert [p.index for p in primaries] == [0, 1, 2, 3]
+    assert len({p.server_id for p in primaries}) == 4          # balanced: one primary each
+    assert region.layout().extent_lengths == (2 * MiB,) * 4
+    assert {e.extent_id for e in region.others()} == set(region.extent_ids) - {p.extent_id for p in primaries}
+    assert {s.server_id: s.used for s in state.list_servers()} == dict.fromkeys("abcd", 4 * MiB)
+    assert state.get_region("job/r") == region
+    plain = make(state, "job/plain", 2 * MiB)
+    assert plain.replicas == 1 and {e.role for e in plain.extents} == {""}
+    assert {e.view for e in plain.extents} == {0}
+
+
+def test_replicas_are_checked(state: StateStore) -> None:
+    add(state, "a")
+    add(state, "b")
+    for bad in (4, -1):
+        with pytest.raises(errors.InvalidArgument, match="replicas"):
+            state.begin_create_region("job/r", MiB, now=T0, replicas=bad)
+    with pytest.raises(errors.OutOfMemory, match="3 copies of every byte need 3 memory servers, only 2"):
+        state.begin_create_region("job/r", MiB, now=T0, replicas=3)
+    assert make(state, "job/r", MiB, replicas=0).replicas == 1
+
+
+def test_copies_prefer_other_hosts(state: StateStore) -> None:
+    add_on_host(state, "a", "h1", 64 * MiB)
+    add_on_host(state, "b", "h1", 63 * MiB)
+    add_on_host(state, "c", "h2", 10 * MiB)
+    region = make(state, "job/r", 2 * MiB, placement="single", replicas=2)
+    assert [c.host_id for c in region.copies_of(0)] == ["h1", "h2"]
+
+
+def test_replicated_region_states(state: StateStore) -> None:
+    for sid in "abc":
+        add(state, sid)
+    region = make(state, "job/r", 3 * MiB, stripe_unit=MiB, replicas=2)
+    slot0 = region.copies_of(0)
+    backup = slot0[1]
+    # the backup's server goes down: degraded, not lost
+    for sid in "abc":
+        if sid != backup.server_id:
+            state.heartbeat(sid, [], now=T0 + LEASE)
+    state.expire_leases(now=T0 + LEASE + 1)
+    assert state.get_region("job/r").state == "degraded"
+    # it comes back without its memory: the slot still has its primary, degraded
+    held = [HeldExtent(e.extent_id, region.uid, e.length, 1.0) for e in region.extents
+            if e.server_id == backup.server_id and e.extent_id != backup.extent_id]
+    state.register_server(backup.server_id, f"host-{backup.server_id}", "127.0.0.1:9", [], 64 * MiB,
+                          held=held, now=T0 + LEASE + 2)
+    again = state.get_region("job/r")
+    assert again.state == "degraded" and again.lost_servers == [backup.server_id]
+    # the primary's server loses it as well: no copy of slot 0 is left
+    primary = slot0[0]
+    held = [HeldExtent(e.extent_id, region.uid, e.length, 1.0) for e in region.extents
+            if e.server_id == primary.server_id and e.extent_id != primary.extent_id]
+    state.register_server(primary.server_id, f"host-{primary.server_id}", "127.0.0.1:8", [], 64 * MiB,
+                          held=held, now=T0 + LEASE + 3)
+    assert state.get_region("job/r").state == "lost"
+
+
+def test_slot_changes_are_atomic_and_views_grow(state: StateStore, db: str) -> None:
+    from smb_server.controller.records import NewCopy, SlotChange
+    for sid in "abc":
+        add(state, sid)
+    region = make(state, "job/r", MiB, placement="single", replicas=2)
+    p, b = region.copies_of(0)
+    spare = ({"a", "b", "c"} - {p.server_id, b.server_id}).pop()
+    # promote the backup, the old primary goes stale
+    after, removed = state.change_slot("job/r", region.uid, SlotChange(0, 1, {0: "stale", 1: "primary"}))
+    assert removed == [] and after.view_of(0) == 2
+    assert [(c.copy, c.role, c.view) for c in after.copies_of(0)] == [(0, "stale", 2), (1, "primary", 2)]
+    assert after.primaries()[0].extent_id == b.extent_id and after.others() == []
+    assert after.state == "degraded"
+    # a change decided on an older view is refused; nothing changes
+    assert state.change_slot("job/r", region.uid, SlotChange(0, 1, {0: "backup"})) is None
+    with pytest.raises(errors.RegionNotFound):
+        state.change_slot("job/r", "f" * 32, SlotChange(0, 2))
+    with pytest.raises(errors.InvalidArgument, match="two primaries"):
+        state.change_slot("job/r", region.uid, SlotChange(0, 2, {0: "primary"}))
+    with pytest.raises(errors.InvalidArgument, match="holds a copy"):
+        state.change_slot("job/r", region.uid, SlotChange(0, 2, add=NewCopy(2, p.server_id)))
+    with pytest.raises(errors.InvalidArgument, match="no copy"):
+        state.change_slot("job/r", region.uid, SlotChange(0, 2, {5: "backup"}))
+    # a syncing copy on the spare, with a fresh extent id
+    after, _ = state.change_slot("job/r", region.uid, SlotChange(0, 2, add=NewCopy(2, spare)))
+    new = after.copies_of(0)[2]
+    assert (new.role, new.view, new.server_id, new.length) == ("syncing", 3, spare, MiB)
+    assert new.extent_id not in region.extent_ids and new.extent_id > 0
+    assert [e.extent_id for e in after.others()] == [new.extent_id]
+    assert state.get_server(spare).used == MiB
+    # its server reports it: not an orphan
+    assert state.heartbeat(spare, [HeldExtent(new.extent_id, region.uid, MiB, GRACE + 1)], now=T0 + 1) == []
+    # in step: a backup; the stale copy goes
+    after, removed = state.change_slot("job/r", region.uid,
+                                       SlotChange(0, 3, {2: "backup"}, frozenset({0})))
+    assert [e.extent_id for e in removed] == [p.extent_id]
+    assert [(c.copy, c.role, c.view) for c in after.copies_of(0)] == [(1, "primary", 4), (2, "backup", 4)]
+    assert after.state == "ready"
+    # the dropped copy is an orphan on its server now
+    assert state.heartbeat(p.server_id, [HeldExtent(p.extent_id, region.uid, MiB, GRACE + 1)],
+                           now=T0 + 1) == [p.extent_id]
+    state.close()
+    with closing(open_state(db, LEASE, GRACE)) as again:
+        assert again.get_region("job/r") == after
+        assert {e.extent_id for e in again.delete_region("job/r")} == {b.extent_id, new.extent_id}
+
+
+def test_change_slot_forgets_a_removed_lost_copy(state: StateStore) -> None:
+    from smb_server.controller.records import SlotChange
+    add(state, "a")
+    add(state, "b")
+    region = make(state, "job/r", MiB, placement="single", replicas=2)
+    p, b = region.copies_of(0)
+    state.register_server(b.server_id, f"host-{b.server_id}", "127.0.0.1:7", [], 64 * MiB, now=T0 + 1)
+    assert state.get_region("job/r").copies_of(0)[1].lost
+    after, removed = state.change_slot("job/r", region.uid, SlotChange(0, 1, {1: "stale"}, frozenset({1})))
+    assert [e.extent_id for e in removed] == [b.extent_id] and removed[0].lost
+    assert after.lost_servers == [] and after.state == "degraded"   # one copy of two
+
+
+def test_an_older_sqlite_database_is_upgraded_in_place(tmp_path: Path) -> None:
+    path = tmp_path / "old.db"
+    conn = sqlite3.connect(path)
+    conn.executescript("""
+        CREATE TABLE servers (server_id TEXT PRIMARY KEY, host_id TEXT NOT NULL DEFAULT '',
+            grpc_address TEXT NOT NULL, endpoints TEXT NOT NULL DEFAULT '[]', capacity INTEGER NOT NULL,
+            state TEXT NOT NULL, drain INTEGER NOT NULL DEFAULT 0, last_heartbeat REAL NOT NULL,
+            registered_at REAL NOT NULL);
+        CREATE TABLE regions (name TEXT PRIMARY KEY, uid TEXT NOT NULL UNIQUE, size INTEGER NOT NULL,
+            placement TEXT NOT NULL, stripe_unit INTEGER NOT NULL DEFAULT 0,
+            segment_sizes TEXT NOT NULL DEFAULT '[]', segment_extents TEXT NOT NULL DEFAULT '[]',
+            persistent INTEGER NOT NULL DEFAULT 0, created_at REAL NOT NULL,
+            state TEXT NOT NULL CHECK (state IN ('creating', 'ready')));
+        CREATE TABLE extents (extent_id INTEGER PRIMARY KEY,
+            region_name TEXT NOT NULL REFERENCES regions(name) ON DELETE CASCADE,
+            idx INTEGER NOT NULL, server_id TEXT NOT NULL REFERENCES servers(server_id),
+            length INTEGER NOT NULL, UNIQUE (region_name, idx));
+        CREATE INDEX extents_by_server ON extents(server_id);
+        INSERT INTO servers VALUES ('a', 'h', '127.0.0.1:1', '[]', 67108864, 'up', 0, 1000000.0, 1000000.0);
+        INSERT INTO regions VALUES ('job/old', 'aa', 1048576, 'single', 0, '[]', '[]', 0, 1.0, 'ready');
+        INSERT INTO extents VALUES (42, 'job/old', 0, 'a', 1048576);
+        PRAGMA user_version=1;
+    """)
+    conn.close()
+    with closing(open_state(str(path), LEASE, GRACE)) as s:
+        old = s.get_region("job/old")
+        assert old.replicas == 1 and old.extent_ids == [42] and old.state == "ready"
+        assert (old.extents[0].copy, old.extents[0].role, old.extents[0].view) == (0, "", 0)
+        add(s, "b")
+        s.heartbeat("a", [], now=T0)
+        region = make(s, "job/new", MiB, placement="single", replicas=2)
+        assert len(region.extents) == 2
+    conn = sqlite3.connect(path)
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == 2
+    conn.close()
+
+
+def test_etcd_rows_written_before_replication_read_as_unreplicated() -> None:
+    from smb_server.controller.etcd_state import _extent_row
+    assert _extent_row([7, 0, "a", 4096]) == (7, 0, "a", 4096, 0, "", 0)
+    assert _extent_row([7, 2, "b", 10, 1, "backup", 5]) == (7, 2, "b", 10, 1, "backup", 5)

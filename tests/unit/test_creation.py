@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import pytest
 
 from smb_client import errors
 from smb_server.controller.barriers import Barriers
 from smb_server.controller.creation import RegionCreator, RegionSpec
-from smb_server.controller.memservers import MemoryServers
+from smb_server.controller.memservers import Backup, MemoryServers
 from smb_server.controller.state import ControllerState, ExtentRecord
 
 MiB = 1 << 20
@@ -31,6 +31,9 @@ class InMemoryServers:
         self.fail_once: dict[str, errors.SMBError] = {}
         self.release_fails: errors.SMBError | None = None
         self.released: list[int] = []
+        self.configured: list[tuple[str, int, int, str, list[tuple[int, bool]]]] = []
+        self.configure_fails: dict[str, errors.SMBError] = {}
+        self.synced_bytes = 0
         self.gate: threading.Event | None = None
         self.reserving = threading.Event()
         self.lock = threading.Lock()
@@ -55,6 +58,18 @@ class InMemoryServers:
         with self.lock:
             self.released.append(extent.extent_id)
             return self.held.get(address, {}).pop(extent.extent_id, None) is not None
+
+    def configure_replicas(self, address: str, region_uid: str, extent: ExtentRecord, view: int,
+                           role: str, backups: Sequence[Backup] = ()) -> tuple[int, int]:
+        if address in self.configure_fails:
+            raise self.configure_fails[address]
+        synced = sum(b.extent.length for b in backups if b.sync)
+        with self.lock:
+            assert extent.extent_id in self.held.get(address, {}), "configured before reserved"
+            self.configured.append((address, extent.extent_id, view, role,
+                                    [(b.extent.extent_id, b.sync) for b in backups]))
+            self.synced_bytes += synced
+        return view, synced
 
     def total(self) -> int:
         with self.lock:
@@ -296,3 +311,45 @@ def test_a_repeated_delete_of_one_request_is_answered_as_done(creator: RegionCre
         creator.delete("job/d", "b2" * 16)
     with pytest.raises(errors.RegionNotFound):
         creator.delete("job/d")
+
+
+# -- replicated regions -------------------------------------------------------------------
+def test_a_replicated_create_configures_backups_then_primaries(creator: RegionCreator,
+                                                                servers: InMemoryServers,
+                                                                state: ControllerState) -> None:
+    region = creator.create(RegionSpec("job/r", 3 * MiB, stripe_unit=MiB, replicas=2))
+    assert region.state == "ready" and region.replicas == 2 and len(region.extents) == 6
+    assert servers.total() == 6                       # every copy reserved
+    roles = [c[3] for c in servers.configured]
+    assert roles == ["backup"] * 3 + ["primary"] * 3  # backups first
+    for address, eid, view, role, backups in servers.configured:
+        extent = next(e for e in region.extents if e.extent_id == eid)
+        assert view == 1 and extent.grpc_address == address and role == extent.role
+        if role == "primary":
+            (other,) = [e for e in region.copies_of(extent.index) if e.role == "backup"]
+            assert backups == [(other.extent_id, False)]    # fresh extents: nothing to sync
+        else:
+            assert backups == []
+
+
+def test_an_unreplicated_create_configures_nothing(creator: RegionCreator, servers: InMemoryServers) -> None:
+    creator.create(RegionSpec("job/p", 3 * MiB, stripe_unit=MiB, replicas=1))
+    creator.create(RegionSpec("job/q", 3 * MiB, stripe_unit=MiB))
+    assert servers.configured == [] and servers.total() == 6
+
+
+def test_a_failed_configure_releases_every_copy(creator: RegionCreator, servers: InMemoryServers,
+                                                state: ControllerState) -> None:
+    servers.configure_fails["mem2:1"] = errors.ServerUnavailable("gone")
+    with pytest.raises(errors.ServerUnavailable, match="s2.*nothing was created"):
+        creator.create(RegionSpec("job/r", 3 * MiB, stripe_unit=MiB, replicas=2))
+    assert servers.total() == 0
+    with pytest.raises(errors.RegionNotFound):
+        state.get_region("job/r")
+
+
+def test_exist_ok_checks_the_copies_asked_for(creator: RegionCreator) -> None:
+    creator.create(RegionSpec("job/r", MiB, replicas=2))
+    assert creator.create(RegionSpec("job/r", MiB), exist_ok=True).replicas == 2
+    with pytest.raises(errors.RegionExists, match="2 copies of every byte, not 3"):
+        creator.create(RegionSpec("job/r", MiB, replicas=3), exist_ok=True)

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from smb_client import errors
-from smb_client.placement import Layout, Run, assign_segments, plan, split_runs
+from smb_client.placement import Layout, Run, assign_segments, plan, plan_replicated, split_runs
 
 settings.register_profile("smb", max_examples=150, deadline=None)
 settings.load_profile("smb")
@@ -194,3 +194,59 @@ def test_split_runs_keeps_alignment():
 def test_split_runs_bad_arguments(chunk, align):
     with pytest.raises(errors.InvalidArgument):
         split_runs([], chunk, align)
+
+
+# -- replicated placement ----------------------------------------------------------------
+@st.composite
+def clusters(draw: st.DrawFn) -> tuple[dict[str, int], dict[str, str]]:
+    n = draw(st.integers(1, 8))
+    hosts = draw(st.integers(1, n))
+    free = {f"s{i}": draw(st.integers(0, 1 << 16)) for i in range(n)}
+    return free, {f"s{i}": f"h{draw(st.integers(0, hosts - 1))}" for i in range(n)}
+
+
+@given(clusters(), st.integers(1, 3), st.integers(1, 1 << 16), st.sampled_from(["striped", "layered", "single"]),
+       st.integers(0, 4))
+def test_replicated_plans_keep_copies_apart_and_fit(cluster, replicas, size, placement, num_servers):
+    free, hosts = cluster
+    num_servers = min(num_servers, len(free))
+    kw = {"stripe_unit": 4096, "num_servers": num_servers}
+    try:
+        layout, copies = plan_replicated(size, placement, free, replicas, hosts, **kw)
+    except errors.OutOfMemory as exc:
+        assert "bytes" in str(exc) or replicas > len(free)     # says why, with the numbers
+        return
+    assert replicas <= len(free)
+    primaries_only, servers = plan(size, placement, free, **kw)
+    assert layout == primaries_only and [c[0] for c in copies] == servers   # primaries as plan's
+    distinct_hosts = len({hosts[s] for s in free})
+    used: dict[str, int] = {}
+    for length, sids in zip(layout.extent_lengths, copies, strict=True):
+        assert len(sids) == replicas and len(set(sids)) == replicas            # distinct servers
+        if all(free[s] >= size * replicas for s in free):                        # room everywhere:
+            assert len({hosts[s] for s in sids}) == min(replicas, distinct_hosts)  # hosts apart
+        for s in sids:
+            used[s] = used.get(s, 0) + length
+    assert all(used[s] <= free[s] for s in used)                               # fits
+
+
+def test_replicated_plan_prefers_other_hosts_and_balances_primaries():
+    free = {"a": 100, "b": 100, "c": 100, "d": 100}
+    hosts = {"a": "h1", "b": "h1", "c": "h2", "d": "h2"}
+    layout, copies = plan_replicated(200, "striped", free, 2, hosts, stripe_unit=50)
+    assert sorted(c[0] for c in copies) == ["a", "b", "c", "d"]             # one primary each
+    for sids in copies:
+        assert hosts[sids[0]] != hosts[sids[1]]                            # the other host
+    assert sorted(s for c in copies for s in c[1:]) == ["a", "b", "c", "d"]  # backups balanced too
+
+
+def test_replicated_plan_errors_have_numbers():
+    with pytest.raises(errors.InvalidArgument, match="replicas must be 1 to 3"):
+        plan_replicated(10, "single", {"a": 100}, 4)
+    with pytest.raises(errors.OutOfMemory, match="2 copies of every byte need 2 memory servers, only 1"):
+        plan_replicated(10, "single", {"a": 100}, 2)
+    with pytest.raises(errors.OutOfMemory, match="a copy of 60 bytes finds at most 50 bytes"):
+        plan_replicated(60, "single", {"a": 100, "b": 50}, 2)
+    # hosts unknown: distinct servers still
+    _, copies = plan_replicated(60, "single", {"a": 100, "b": 100, "c": 100}, 3)
+    assert sorted(copies[0]) == ["a", "b", "c"]

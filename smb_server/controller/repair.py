@@ -1,0 +1,531 @@
+"""Repairing replicated regions: the controller keeps every slot's replica set in step
+with its memory servers after a server dies, loses its memory or comes back.
+
+The store holds what each slot should be (its copies, their roles and the slot's
+``view``); a pass of :class:`RepairManager` compares that with the servers' states and
+changes one slot at a time, each change one store transaction
+(:meth:`.store.StateStore.change_slot`, view + 1) made durable *before* the
+``ConfigureReplicas`` calls that depend on it. A pass, for every slot of every ready
+replicated region:
+
+1. **fence** (on the pass's own thread, quick calls only):
+   - a primary on a down server, or one its server lost, with a live backup: that backup
+     becomes the primary, the old primary ``stale``, the other live backups and syncing
+     copies ``syncing`` (they may lag the new primary: each is copied whole again, step
+     2), dead ones ``stale``. Then every live backup and syncing copy is configured as a
+     backup at the new view (this fences the old primary: they refuse its older-view
+     forwards), then the new primary (no backups yet);
+   - with a live primary, a dead backup or syncing copy becomes ``stale``; then the
+     primary is configured without it (its forwarding waits for that) and then the
+     live backups;
+   - copies on a server that registered again since the last pass (a restart: its
+     replica settings are gone, its persistent data may be older) are treated as dead
+     while the slot has an in-sync copy elsewhere: a returning server is reconciled,
+     never trusted;
+   - ``stale`` copies are dropped once the slot has ``replicas`` in-sync copies;
+   - a slot whose view this controller has not pushed yet (after a failed call, or
+     after it started or took over) is configured again (same view: idempotent; a
+     slot with a syncing copy is left to its sync; view 1 was configured by the create
+     before its commit).
+2. **sync** (on a thread pool, ``SYNC_WORKERS`` slots at once; a slot at a time): with
+   a live primary and fewer than ``replicas`` in-sync copies, one copy is brought in:
+   a ``syncing`` copy left by an earlier pass (re-driven at view + 1, so a server never
+   takes a half-done sync for done), else a ``stale`` copy whose server is up and still
+   holds it (resync), else a new copy with a fresh extent id on a spare server (up, not
+   draining, no copy of the slot, enough free bytes; another host preferred, then the
+   most free). The copy is recorded ``syncing``, reserved (idempotent), configured as a
+   backup, then the primary is configured with it ``sync`` (the server copies the whole
+   extent while clients keep writing); then it is recorded ``backup``, the ``stale``
+   copies beyond ``replicas`` are dropped (their extents released, best effort: an
+   unreachable server's becomes an orphan it frees when it returns) and the slot is
+   configured at that view.
+
+A failure anywhere leaves a state the next pass drives on from: views only grow, each
+step is decided again from a fresh read, and a change decided on a view the slot has
+left is refused by the store. A slot that failed waits ``RETRY_SECONDS``; a server that
+could not take a copy is not picked for ``AVOID_SECONDS``. A slot without a live primary
+and without a live backup waits (``degraded`` while a copy may come back, ``lost``
+once none can).
+
+No gRPC here: memory servers are reached through :class:`.memservers.MemoryServers`.
+
+The module is longer than 400 lines on purpose: the decisions (pure functions at the
+top) and the sequences that carry them out are one state machine, and a reader checks
+the ordering rules (store before servers, backups before a new primary) in one place.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent import futures
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from smb_client import errors
+
+from .memservers import Backup, MemoryServers
+from .records import (
+    BACKUP,
+    IN_SYNC,
+    PRIMARY,
+    STALE,
+    SYNCING,
+    ExtentRecord,
+    NewCopy,
+    RegionRecord,
+    ServerRecord,
+    SlotChange,
+)
+from .store import StateStore
+
+if TYPE_CHECKING:
+    from ..metrics import Registry
+
+log = logging.getLogger(__name__)
+
+REPAIR_INTERVAL = 1.0   # seconds between passes when nothing wakes the manager
+SYNC_WORKERS = 4        # slots synced at once
+RETRY_SECONDS = 5.0     # a slot whose repair failed waits this long
+AVOID_SECONDS = 30.0    # a server that could not take a copy is not picked for this long
+
+Key = tuple[str, int]   # (region uid, slot)
+
+
+# -- decisions (pure) ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class Fence:
+    """A fencing change of one slot and whether it replaces the primary."""
+
+    change: SlotChange
+    kind: str   # promote | drop
+
+
+def plan_fence(region: RegionRecord, index: int, suspect: Iterable[str] = ()) -> Fence | None:
+    """The change that takes dead copies out of slot ``index``'s replica set (module
+    docstring, step 1), or None. ``suspect``: servers whose copies count as dead while
+    the slot has an in-sync copy on another server."""
+    copies = region.copies_of(index)
+    suspect = set(suspect)
+    trusted = [c for c in copies if c.in_sync and c.server_id not in suspect]
+    gone = {c.copy for c in copies if c.dead or (trusted and c.server_id in suspect)}
+    primary = next((c for c in copies if c.role == PRIMARY), None)
+    if primary is None:
+        return None
+    roles: dict[int, str] = {}
+    kind = "drop"
+    if primary.copy in gone:
+        candidates = [c for c in copies if c.role == BACKUP and c.copy not in gone]
+        if not candidates:
+            return None   # nothing to promote: wait for a copy to come back
+        new = min(candidates, key=lambda c: (c.server_state != "up", c.copy))
+        roles[primary.copy], roles[new.copy] = STALE, PRIMARY
+        for c in copies:
+            if c.copy not in (primary.copy, new.copy) and c.role in (BACKUP, SYNCING):
+                roles[c.copy] = STALE if c.copy in gone else SYNCING
+        kind = "promote"
+    else:
+        for c in copies:
+            if c.copy in gone and c.role in (BACKUP, SYNCING):
+                roles[c.copy] = STALE
+    after = {c.copy: roles.get(c.copy, c.role) for c in copies}
+    in_sync = sum(1 for c in copies if after[c.copy] in IN_SYNC and c.copy not in gone)
+    remove = frozenset(c.copy for c in copies if after[c.copy] == STALE and in_sync >= region.replicas)
+    if not roles and not remove:
+        return None
+    return Fence(SlotChange(index, region.view_of(index), roles, remove), kind)
+
+
+@dataclass(frozen=True)
+class SyncPlan:
+    """The copy a sync brings into slot ``index``: ``copy`` (redrive, resync) or a new
+    one on ``server_id`` (spare)."""
+
+    index: int
+    kind: str          # redrive | resync | spare
+    copy: int = -1
+    server_id: str = ""
+
+
+def pick_spare(region: RegionRecord, index: int, servers: Sequence[ServerRecord],
+               avoid: Iterable[str] = ()) -> ServerRecord | None:
+    """A server for a new copy of slot ``index``: up (not draining, not down), holding
+    no copy of the slot, with the slot's length free, not in ``avoid``; a host without
+    a live copy of the slot first, then the most free bytes."""
+    copies = region.copies_of(index)
+    length = copies[0].length
+    taken = {c.server_id for c in copies}
+    hosts = {c.host_id for c in copies if not c.dead}
+    avoid = set(avoid)
+    fits = [s for s in servers if s.state == "up" and s.server_id not in taken
+            and s.server_id not in avoid and s.free >= length]
+    if not fits:
+        return None
+    return min(fits, key=lambda s: (s.host_id in hosts, -s.free, s.server_id))
+
+
+def plan_sync(region: RegionRecord, index: int, servers: Sequence[ServerRecord],
+              avoid: Iterable[str] = ()) -> SyncPlan | None:
+    """The copy to bring into slot ``index`` now (module docstring, step 2), or None
+    (in step, no live primary, or nowhere to put one)."""
+    copies = region.copies_of(index)
+    avoid = set(avoid)
+    primary = next((c for c in copies if c.role == PRIMARY), None)
+    if primary is None or primary.dead:
+        return None
+    usable = [c for c in copies if not c.dead and c.server_id not in avoid]
+    syncing = [c for c in usable if c.role == SYNCING]
+    if syncing:
+        return SyncPlan(index, "redrive", syncing[0].copy)
+    if sum(c.in_sync for c in copies) >= region.replicas:
+        return None
+    stale = [c for c in usable if c.role == STALE]
+    if stale:
+        return SyncPlan(index, "resync", stale[0].copy)
+    spare = pick_spare(region, index, servers, avoid)
+    if spare is None:
+        return None
+    return SyncPlan(index, "spare", server_id=spare.server_id)
+
+
+def free_copy_number(region: RegionRecord, index: int) -> int:
+    """The lowest copy number slot ``index`` does not use (copy numbers are stable, so a
+    new copy may get one beyond ``replicas - 1`` while a stale copy keeps its own)."""
+    used = {c.copy for c in region.copies_of(index)}
+    return next(n for n in range(len(used) + 1) if n not in used)
+
+
+# -- metrics ---------------------------------------------------------------------------
+class RepairMetrics:
+    """What the repairs did: counts by kind, bytes copied, syncs running; exported to
+    Prometheus when a ``registry`` (the controller's) is given. Thread-safe."""
+
+    def __init__(self, registry: Registry | None = None) -> None:
+        self.by_kind: dict[str, int] = {}
+        self.synced_bytes = 0
+        self.running = 0
+        self._lock = threading.Lock()
+        self._prom = None
+        if registry is not None:
+            self._prom = (
+                registry.counter("smb_controller_repairs_total", "Replica-set changes the controller "
+                                 "made, by kind (promote, drop, redrive, resync, spare)", ["kind"]),
+                registry.counter("smb_controller_repair_bytes_total",
+                                 "Bytes memory servers copied to bring copies in step"),
+                registry.histogram("smb_controller_repair_seconds",
+                                   "Time to bring one copy in step, seconds",
+                                   buckets=(0.1, 0.5, 1, 5, 10, 30, 60, 300, 600)))
+            registry.gauge("smb_controller_repairs_running", "Copies being synced now",
+                           fn=lambda: [((), self.running)])
+
+    def started(self, delta: int) -> None:
+        with self._lock:
+            self.running += delta
+
+    def done(self, kind: str, synced_bytes: int = 0, seconds: float = -1.0) -> None:
+        with self._lock:
+            self.by_kind[kind] = self.by_kind.get(kind, 0) + 1
+            self.synced_bytes += synced_bytes
+        if self._prom is not None:
+            repairs, copied, timing = self._prom
+            repairs.inc(kind=kind)
+            if synced_bytes:
+                copied.inc(synced_bytes)
+            if seconds >= 0:
+                timing.observe(seconds)
+
+
+# -- the manager -------------------------------------------------------------------------
+class RepairManager:
+    """Drives replicated regions' slots back to full, in-step replica sets.
+
+    Borrows ``state`` and ``servers`` (the caller closes them); owns a pool of
+    ``sync_workers`` threads for syncs, shut down by :meth:`close`. :meth:`run_pass`
+    is called from one thread at a time (the controller's repair thread, or a test);
+    only a leader may call it (:meth:`reset` when leadership changes).
+    """
+
+    def __init__(self, state: StateStore, servers: MemoryServers, *,
+                 metrics: RepairMetrics | None = None, sync_workers: int = SYNC_WORKERS,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.state = state
+        self.servers = servers
+        self.metrics = metrics or RepairMetrics()
+        self.clock = clock
+        self._pool = futures.ThreadPoolExecutor(sync_workers, thread_name_prefix="replica-sync")
+        self._lock = threading.Lock()
+        self._applied: dict[Key, int] = {}      # the view last pushed to a slot's servers
+        self._promoting: set[Key] = set()       # slots whose promotion is not pushed yet
+        self._in_flight: dict[Key, futures.Future[None]] = {}
+        self._retry_at: dict[Key, float] = {}
+        self._avoid: dict[str, float] = {}      # server id -> monotonic time it may be picked again
+        self._registered: dict[str, float] = {}  # server id -> registered_at last seen
+        self._warned: set[Key] = set()          # slots reported as short of a spare server
+        self._unreachable: set[str] = set()     # servers that did not answer in this pass
+        self._closed = False
+
+    def close(self, wait: bool = True) -> None:
+        """Stop: later passes do nothing. ``wait``: for the syncs in flight (their calls
+        have deadlines, up to ``SYNC_TIMEOUT``); without it, a daemon that stops closes
+        its memory-server channels next, which ends them."""
+        self._closed = True
+        self._pool.shutdown(wait=wait, cancel_futures=True)
+
+    def reset(self) -> None:
+        """Forget what was pushed (a new leader pushes every slot's settings again)."""
+        with self._lock:
+            self._applied.clear()
+            self._promoting.clear()
+            self._registered.clear()
+            self._warned.clear()
+
+    def busy(self) -> bool:
+        """True while a sync runs."""
+        with self._lock:
+            return any(not f.done() for f in self._in_flight.values())
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait for the syncs in flight (tests)."""
+        with self._lock:
+            pending = list(self._in_flight.values())
+        futures.wait(pending, timeout)
+
+    # -- a pass ----------------------------------------------------------------------------
+    def run_pass(self) -> None:
+        """Fence every replicated slot that needs it, then start the syncs it needs."""
+        if self._closed:
+            return
+        servers = self.state.list_servers()
+        suspect = self._restarted(servers)
+        self._unreachable = set()
+        regions = [r for r in self.state.list_regions() if r.replicas > 1]
+        for region in regions:
+            for index in sorted({e.index for e in region.extents}):
+                try:
+                    region = self._fence(region, index, suspect)
+                except errors.RegionNotFound:
+                    break   # deleted meanwhile
+                except errors.ControllerUnavailable:
+                    raise
+                except errors.SMBError as exc:
+                    log.warning("region %s slot %d: %s", region.name, index, exc)
+        now = self.clock()
+        with self._lock:
+            avoid = {sid for sid, until in self._avoid.items() if until > now}
+            self._in_flight = {k: f for k, f in self._in_flight.items() if not f.done()}
+        for region in self.state.list_regions():
+            if region.replicas <= 1 or region.state == "lost":
+                continue
+            for index in sorted({e.index for e in region.extents}):
+                servers = self._start_sync(region, index, servers, avoid, now)
+
+    def _restarted(self, servers: Sequence[ServerRecord]) -> set[str]:
+        """Servers that registered again since the last pass (not on the first)."""
+        suspect = set()
+        with self._lock:
+            first = not self._registered
+            for s in servers:
+                before = self._registered.get(s.server_id)
+                if not first and before is not None and s.registered_at > before:
+                    log.warning("server %s registered again: its copies are re-synced, not trusted",
+                                s.server_id)
+                    suspect.add(s.server_id)
+                self._registered[s.server_id] = s.registered_at
+        return suspect
+
+    def _fence(self, region: RegionRecord, index: int, suspect: set[str]) -> RegionRecord:
+        key = (region.uid, index)
+        fence = plan_fence(region, index, suspect)
+        if fence is not None:
+            result = self.state.change_slot(region.name, region.uid, fence.change)
+            if result is None:
+                return region      # changed meanwhile: the next pass decides again
+            region, removed = result
+            self.metrics.done(fence.kind)
+            if fence.kind == "promote":
+                new = region.primary_of(index)
+                log.warning("region %s slot %d: copy %d on server %s is the primary now (view %d)",
+                            region.name, index, new.copy, new.server_id, new.view)
+            self._release(region.uid, removed)
+            self._push(region, index, promotion=fence.kind == "promote")
+            return region
+        view = region.view_of(index)
+        with self._lock:   # view 1: configured by the create, before its commit
+            pushed = view <= 1 or self._applied.get(key) == view
+            busy = key in self._in_flight and not self._in_flight[key].done()
+        # a slot with a syncing copy is configured by its sync, at a fresh view
+        syncing = any(c.role == SYNCING for c in region.copies_of(index))
+        if not pushed and not busy and not syncing:
+            self._push(region, index, promotion=key in self._promoting)
+        return region
+
+    def _push(self, region: RegionRecord, index: int, promotion: bool = False) -> bool:
+        """Configure slot ``index``'s live copies at its view: after a promotion backups
+        and syncing copies first, then the primary; else the primary first, then its
+        backups. Syncing copies are no primary's backups here (a sync brings them in).
+        True when every call succeeded."""
+        key = (region.uid, index)
+        copies = region.copies_of(index)
+        view = region.view_of(index)
+        primary = next((c for c in copies if c.role == PRIMARY), None)
+        if promotion:
+            with self._lock:
+                self._promoting.add(key)
+        if primary is None or primary.dead:
+            return False
+        backups = [c for c in copies if c.role == BACKUP and not c.dead]
+        head: tuple[ExtentRecord, str, list[Backup]] = (primary, PRIMARY, [Backup(b) for b in backups])
+        if promotion:
+            fenced = [c for c in copies if c.role in (BACKUP, SYNCING) and not c.dead]
+            calls: list[tuple[ExtentRecord, str, list[Backup]]] = [(c, BACKUP, []) for c in fenced] + [head]
+        else:
+            calls = [head] + [(c, BACKUP, []) for c in backups]
+        for extent, role, targets in calls:
+            if extent.server_id in self._unreachable:
+                return False
+            try:
+                self.servers.configure_replicas(extent.grpc_address, region.uid, extent, view, role, targets)
+            except errors.SMBError as exc:
+                if isinstance(exc, (errors.Unavailable, errors.Timeout)):
+                    self._unreachable.add(extent.server_id)   # not again in this pass
+                log.warning("region %s slot %d: configuring copy %d on server %s as %s (view %d): %s; "
+                            "the next pass tries again", region.name, index, extent.copy,
+                            extent.server_id, role, view, exc)
+                return False
+        with self._lock:
+            self._applied[key] = view
+            self._promoting.discard(key)
+        return True
+
+    def _release(self, region_uid: str, removed: Sequence[ExtentRecord]) -> None:
+        """Free dropped copies, best effort (down servers and lost copies skipped: an
+        unreachable server's extent is an orphan it frees when it returns)."""
+        for e in removed:
+            if e.dead:
+                continue
+            try:
+                self.servers.release(e.grpc_address, region_uid, e)
+            except errors.SMBError as exc:
+                log.info("could not release dropped copy %d on server %s: %s; it will be freed "
+                         "as an orphan", e.extent_id, e.server_id, exc)
+
+    # -- syncs -----------------------------------------------------------------------------
+    def _start_sync(self, region: RegionRecord, index: int, servers: list[ServerRecord],
+                    avoid: set[str], now: float) -> list[ServerRecord]:
+        """Start the sync slot ``index`` needs; returns ``servers`` with the bytes a new
+        copy takes counted (so the next slots of the pass see them used)."""
+        key = (region.uid, index)
+        with self._lock:
+            if key in self._in_flight or self._retry_at.get(key, 0.0) > now:
+                return servers
+        plan = plan_sync(region, index, servers, avoid)
+        if plan is None:
+            short = sum(c.in_sync for c in region.copies_of(index)) < region.replicas
+            primary = region.primary_of(index)
+            if short and not primary.dead and key not in self._warned:
+                self._warned.add(key)
+                log.warning("region %s slot %d has %d of %d copies and no spare server to copy to "
+                            "(up, not draining, %d bytes free, no copy of it); it stays degraded",
+                            region.name, index, sum(c.in_sync for c in region.copies_of(index)),
+                            region.replicas, primary.length)
+            return servers
+        self._warned.discard(key)
+        with self._lock:
+            self._in_flight[key] = self._pool.submit(self._sync, region, plan)
+        if plan.kind == "spare":
+            length = region.copies_of(index)[0].length
+            servers = [dataclasses.replace(s, used=s.used + length) if s.server_id == plan.server_id else s
+                       for s in servers]
+        return servers
+
+    def _sync(self, region: RegionRecord, plan: SyncPlan) -> None:
+        key = (region.uid, plan.index)
+        self.metrics.started(1)
+        try:
+            if not self._sync_steps(region, plan):
+                with self._lock:
+                    self._retry_at[key] = self.clock() + RETRY_SECONDS
+        except errors.RegionNotFound:
+            pass
+        except Exception:
+            log.exception("region %s slot %d: repair (%s)", region.name, plan.index, plan.kind)
+            with self._lock:
+                self._retry_at[key] = self.clock() + RETRY_SECONDS
+        finally:
+            self.metrics.started(-1)
+
+    def _avoid_server(self, server_id: str) -> None:
+        with self._lock:
+            self._avoid[server_id] = self.clock() + AVOID_SECONDS
+
+    def _sync_steps(self, region: RegionRecord, plan: SyncPlan) -> bool:
+        """Bring one copy into slot ``plan.index``; False when a step failed (the next
+        pass after ``RETRY_SECONDS`` drives on from what the store says)."""
+        index, view = plan.index, region.view_of(plan.index)
+        start = self.clock()
+        if plan.kind == "spare":
+            copy = free_copy_number(region, index)
+            change = SlotChange(index, view, add=NewCopy(copy, plan.server_id, SYNCING))
+        elif plan.kind == "resync":
+            copy = plan.copy
+            change = SlotChange(index, view, {copy: SYNCING})
+        else:
+            copy = plan.copy
+            change = SlotChange(index, view)   # a fresh view: the sync runs again in full
+        result = self.state.change_slot(region.name, region.uid, change)
+        if result is None:
+            return True        # changed meanwhile: the next pass decides again
+        region, _ = result
+        view = region.view_of(index)
+        target = next(c for c in region.copies_of(index) if c.copy == copy)
+        primary = region.primary_of(index)
+        log.info("region %s slot %d: bringing copy %d (extent %d) on server %s in step from the "
+                 "primary on %s (%s, view %d, %d bytes)", region.name, index, copy, target.extent_id,
+                 target.server_id, primary.server_id, plan.kind, view, target.length)
+        try:
+            self.servers.reserve(target.grpc_address, region.uid, target, region.persistent)
+        except errors.SMBError as exc:
+            log.warning("region %s slot %d: server %s cannot take copy %d: %s", region.name, index,
+                        target.server_id, copy, exc)
+            self._avoid_server(target.server_id)
+            undo = (SlotChange(index, view, remove=frozenset({copy})) if plan.kind == "spare"
+                    else SlotChange(index, view, {copy: STALE}))
+            self.state.change_slot(region.name, region.uid, undo)
+            return False
+        try:
+            self.servers.configure_replicas(target.grpc_address, region.uid, target, view, BACKUP, [])
+        except errors.SMBError as exc:
+            log.warning("region %s slot %d: configuring copy %d on server %s as a backup: %s",
+                        region.name, index, copy, target.server_id, exc)
+            self._avoid_server(target.server_id)
+            self.state.change_slot(region.name, region.uid, SlotChange(index, view, {copy: STALE}))
+            return False
+        backups = [Backup(c) for c in region.copies_of(index) if c.role == BACKUP and not c.dead]
+        try:
+            _, synced = self.servers.configure_replicas(
+                primary.grpc_address, region.uid, primary, view, PRIMARY, backups + [Backup(target, True)])
+        except errors.SMBError as exc:
+            log.warning("region %s slot %d: the primary on %s could not copy to server %s: %s",
+                        region.name, index, primary.server_id, target.server_id, exc)
+            return False
+        seconds = self.clock() - start
+        copies = region.copies_of(index)
+        in_sync = sum(c.in_sync for c in copies) + 1
+        remove = frozenset(c.copy for c in copies if c.role == STALE) if in_sync >= region.replicas \
+            else frozenset()
+        result = self.state.change_slot(region.name, region.uid,
+                                        SlotChange(index, view, {copy: BACKUP}, remove))
+        if result is None:
+            log.info("region %s slot %d changed during the sync; the next pass decides again",
+                     region.name, index)
+            return True
+        region, removed = result
+        self._release(region.uid, removed)
+        self.metrics.done(plan.kind, synced, seconds)
+        log.info("region %s slot %d: copy %d on server %s in step (%d bytes copied in %.3f s, "
+                 "%.0f MB/s); %d of %d copies", region.name, index, copy, target.server_id, synced,
+                 seconds, synced / max(seconds, 1e-9) / 1e6, in_sync, region.replicas)
+        self._push(region, index)
+        return True
