@@ -24,7 +24,7 @@ from .testbed import ROOT, cleanup
 
 log = logging.getLogger(__name__)
 
-EXPERIMENTS = ("bandwidth", "sharding", "allreduce", "failure")
+EXPERIMENTS = ("bandwidth", "sharding", "allreduce", "failure", "replication")
 
 
 def _exit_on_signal(signum: int, frame: Any) -> None:
@@ -41,8 +41,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="comma-separated subset of " + ", ".join(EXPERIMENTS))
     ap.add_argument("--clients", type=int, help="clients of the bandwidth experiment")
     ap.add_argument("--seconds", type=float, help="seconds per bandwidth point and direction")
+    ap.add_argument("--replicas", type=int,
+                    help="copies of the parameter store in the replication experiment (default "
+                         f"{experiments.Settings.repl_replicas}; 1 shows what a kill does without replicas)")
     ap.add_argument("--out", help="JSON results (default bench/results/cluster.json, "
-                                   "with --quick cluster-quick.json)")
+                                   "with --quick cluster-quick.json); when it exists and only some "
+                                   "experiments run, theirs replace the earlier ones and the rest is kept")
     ap.add_argument("--png-dir", help="where the cluster-*.png plots go (default docs/img; "
                                       "with --quick none unless given)")
     ap.add_argument("--log-level", default="WARNING", help="of this process and the daemons")
@@ -67,15 +71,42 @@ def settings_from(args: argparse.Namespace) -> experiments.Settings:
         changes["clients"] = args.clients
     if args.seconds:
         changes["seconds"] = args.seconds
+    if args.replicas:
+        changes["repl_replicas"] = args.replicas
     return replace(s, **changes)
 
 
-def write_report(results: dict[str, Any], out: str, png_dir: str | None) -> list[str]:
-    """The Markdown tables next to ``out`` (``.md``) and the plots; prints the tables."""
+def merge(results: dict[str, Any], out: str) -> dict[str, Any]:
+    """``results`` of some experiments merged into the earlier results file ``out``: the
+    experiments run now replace theirs, the others stay (with the settings and machine
+    of their run under ``runs``)."""
+    ran = [name for name in EXPERIMENTS if name in results]
+    try:
+        with open(out) as f:
+            old = json.load(f)
+    except (OSError, ValueError):
+        return results
+    if set(ran) >= {name for name in EXPERIMENTS if name in old}:
+        return results
+    meta = {k: results[k] for k in ("settings", "host", "kernel", "cpus", "python", "seconds") if k in results}
+    runs = old.setdefault("runs", {})
+    for name in ran:
+        old[name] = results[name]
+        runs[name] = meta
+    old.setdefault("settings", dict(results.get("settings", {})))["only"] = \
+        [name for name in EXPERIMENTS if name in old]
+    log.warning("merged %s into the earlier results in %s", ", ".join(ran), out)
+    return old
+
+
+def write_report(results: dict[str, Any], out: str, png_dir: str | None,
+                 only: tuple[str, ...] | None = None) -> list[str]:
+    """The Markdown tables next to ``out`` (``.md``) and the plots (of the experiments
+    in ``only``, default all); prints the tables."""
     table = report.markdown(results)
     with open(os.path.splitext(out)[0] + ".md", "w") as f:
         f.write(table)
-    pngs = report.plots(results, png_dir) if png_dir else []
+    pngs = report.plots(results, png_dir, only=only) if png_dir else []
     print(table)
     for line in report.targets(results):
         print(line)
@@ -119,9 +150,10 @@ def main(argv: list[str] | None = None) -> int:
     results.update(host=platform.node(), kernel=platform.release(), cpus=os.cpu_count(),
                    python=platform.python_version(), seconds=time.monotonic() - t0)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    results = merge(results, out)
     with open(out, "w") as f:
         json.dump(results, f, indent=2)
-    pngs = write_report(results, out, png_dir)
+    pngs = write_report(results, out, png_dir, only=s.only)
     print(f"results: {out}; plots: {', '.join(pngs) or 'none'}; {time.monotonic() - t0:.0f} s")
     return 0
 

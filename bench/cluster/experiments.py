@@ -1,4 +1,5 @@
-"""The cluster experiments: bandwidth scaling, sharding, aggregation and failure.
+"""The cluster experiments: bandwidth scaling, sharding, aggregation, failure and
+replication (:mod:`.replica_failure`).
 
 Each experiment runs workers (:mod:`.worker`) on a :class:`~.testbed.Testbed` and
 returns a JSON-able dict; :mod:`.report` turns the dicts into tables and plots.
@@ -18,6 +19,7 @@ from typing import Any
 
 from smb_server.local_cluster import wait_for_json
 
+from . import replica_failure
 from .cpuload import CpuSampler
 from .testbed import Testbed, TestbedError, live_pids
 
@@ -53,13 +55,26 @@ class Settings:
     sync_warmup: int = 1
     lease_seconds: float = 5.0                    # failure: controller lease (the default)
     io_timeout: float | None = None               # failure: the client's io_timeout (None: default)
+    # replication: SEASGD (digits) with its store replicated; a memory server killed mid-run
+    repl_workers: int = 4
+    repl_servers: int = 3
+    repl_replicas: int = 2
+    repl_epochs: int = 15                         # 11 steps per worker and epoch with 4 workers
+    repl_batch: int = 32
+    repl_hidden: int = 1024                       # 1.1 M parameters, 4.5 MB: the links carry the updates
+    repl_seed: int = 0
+    repl_interval: int = 4                        # SEASGD update interval (steps)
+    repl_eval_every: int = 4                      # rank 0 evaluates the global weights every so many steps
+    repl_kill_fraction: float = 0.35              # of the target iterations, when the server is killed
+    repl_timeout: float = 240.0                   # seconds a training run may take
     log_level: str = "WARNING"
-    only: tuple[str, ...] = ("bandwidth", "sharding", "allreduce", "failure")
+    only: tuple[str, ...] = ("bandwidth", "sharding", "allreduce", "failure", "replication")
 
 
 QUICK = Settings(cap_mbit=200.0, clients=2, server_counts=(1, 2), op_bytes=MiB, seconds=1.0,
                  shard_configs=((2, 2),), shard_steps=2, model_inputs=512, model_hidden=64,
-                 sync_sizes=(2_000_000,), sync_workers=2, syncs=2, sync_dedicated=((2, 2),))
+                 sync_sizes=(2_000_000,), sync_workers=2, syncs=2, sync_dedicated=((2, 2),),
+                 repl_workers=2, repl_epochs=6, repl_hidden=512, repl_timeout=150.0)
 
 
 # -- experiment 1: bandwidth scaling --------------------------------------------------
@@ -313,6 +328,7 @@ def points(s: Settings) -> int:
     n += len(s.shard_configs) if "sharding" in s.only else 0
     n += len(s.sync_sizes) * (1 + len(s.sync_dedicated)) if "allreduce" in s.only else 0
     n += 1 if "failure" in s.only else 0
+    n += 2 if "replication" in s.only else 0
     return n
 
 
@@ -332,6 +348,8 @@ def run_all(s: Settings, tick: Tick) -> dict[str, Any]:
             out["allreduce"] = allreduce(s, tick, cpu)
         if "failure" in s.only:
             out["failure"] = failure(s, tick)
+        if "replication" in s.only:
+            out["replication"] = replica_failure.run(s, tick)
     return out
 
 

@@ -12,6 +12,8 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 SCALING_TARGET = 0.85      # aggregate bandwidth / linear scaling, while links are the bottleneck
+EXPERIMENT_KEYS = ("bandwidth", "sharding", "allreduce", "failure", "replication")
+REPLICATION_ACCURACY_SLACK = 0.02   # test accuracy: run with the kill vs undisturbed (asynchronous SEASGD)
 
 
 def _f(value: float | None, fmt: str = "{:.2f}") -> str:
@@ -125,6 +127,65 @@ def failure_table(r: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _s(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f} s"
+
+
+def replication_table(r: dict[str, Any]) -> str:
+    """The replication experiment: both runs' accuracy, then the failure's measures."""
+    sm = r.get("summary") or {}
+    base, kill = sm.get("undisturbed") or {}, sm.get("kill") or {}
+    f = sm.get("failure") or {}
+    lines = ["| what | measured |", "| --- | --- |",
+             "| test accuracy of the global weights: undisturbed / server killed | "
+             f"{_f(base.get('accuracy'), '{:.3f}')} / {_f(kill.get('accuracy'), '{:.3f}')} |",
+             f"| training time (slowest worker): undisturbed / server killed | {_s(base.get('seconds'))} / "
+             f"{_s(kill.get('seconds'))} |"]
+    for name, label in (("undisturbed", "undisturbed run"), ("kill", "run with the kill")):
+        err = (r.get(name) or {}).get("error")
+        if err:
+            lines.append(f"| {label} | FAILED: {err.splitlines()[0].rstrip(':')}: "
+                         f"`{err.strip().splitlines()[-1].strip()}` |")
+    if not f:
+        return "\n".join(lines) + "\n"
+    v = f.get("victim") or {}
+    lines.append(f"| memory server killed (SIGKILL) | {f['killed_host']}, primary of the {v.get('region', '?')} "
+                 f"region{' and of a slot of the global weights' if v.get('region') == 'counters' else ''} |")
+    lines.append(f"| controller lists it `down` after | {_s(f.get('marked_down_after'))} |")
+    lines.append(f"| time to detect: regions reported `degraded` after | {_s(f.get('degraded_after'))} |")
+    lines.append(f"| first backup promoted to primary after (controller log) | {_s(f.get('promoted_after'))} "
+                 f"({f.get('promotions') or 0} slots promoted) |")
+    probe = f.get("first_op_at_new_primary_after")
+    lines.append("| first mutation completed at the promoted primary after | "
+                 + (_s(probe) if probe is not None else f"none ({f.get('probe_error') or 'no probe'})") + " |")
+    lines.append(f"| time degraded (`degraded` -> `ready`) | {_s(f.get('degraded_seconds'))} "
+                 f"(`ready` {_s(f.get('ready_after'))} after the kill) |")
+    rep = f.get("repair") or {}
+    moved = rep.get("bytes")
+    lines.append(f"| repair: bytes copied, time, bandwidth | "
+                 f"{'-' if not moved else f'{moved / 1e6:.2f} MB'}, {_s(rep.get('seconds'))}, "
+                 f"{_f(rep.get('MBps'), '{:.1f} MB/s')} ({rep.get('source', '')}) |")
+    stalls = [x for x in f.get("stalls", []) if x.get("longest_step") is not None]
+    if stalls:
+        lines.append("| longest step per worker during the failure (median step before) | "
+                     + ", ".join(f"rank {x['rank']}: {x['longest_step']:.2f} s ({_f(x['median_step'], '{:.3f}')} s)"
+                                 for x in stalls) + " |")
+    c = f.get("counters") or {}
+    lines.append(f"| copies identical after the repair | {'yes' if f.get('copies_identical') else 'NO'} "
+                 f"({_f((f.get('copies_bytes_compared') or 0) / 1e6, '{:.2f}')} MB compared, "
+                 f"{f.get('copies_differing_bytes')} bytes differ) |")
+    lines.append(f"| global weights vs initial + every pushed delta | largest difference "
+                 f"{_f(f.get('weights_max_abs_error'), '{:.1e}')}; one delta lost or applied twice would "
+                 f"differ by at least {_f(f.get('smallest_delta'), '{:.1e}')} |")
+    lines.append(f"| iteration counters | total word {c.get('total_word')}, sum of the workers' words "
+                 f"{c.get('sum_of_counts')}, steps the workers took {sum(c.get('worker_steps') or [])}, "
+                 f"finished {c.get('finished_word')}: "
+                 f"{'consistent' if f.get('counters_consistent') else 'NOT consistent'} |")
+    lost = f.get("bytes_lost")
+    lines.append(f"| bytes lost | {'0' if lost == 0 else 'not shown to be 0 (see the rows above)'} |")
+    return "\n".join(lines) + "\n"
+
+
 def markdown(results: dict[str, Any]) -> str:
     s = results["settings"]
     parts = [f"Links capped at {s['cap_mbit']:g} Mbit/s each direction "
@@ -152,6 +213,12 @@ def markdown(results: dict[str, Any]) -> str:
     if "failure" in results:
         parts.append("**Failure**: a memory server's link goes down mid-run\n")
         parts.append(failure_table(results["failure"]))
+    if "replication" in results:
+        r = results["replication"]
+        parts.append(f"**Replication**: SEASGD (digits), {r['workers']} workers, {r['servers']} memory servers, "
+                     f"store with replicas={r['replicas']}; a memory server killed (SIGKILL) at "
+                     f"{100 * r['kill_fraction']:.0f}% of the iterations\n")
+        parts.append(replication_table(r))
     return "\n".join(parts)
 
 
@@ -177,6 +244,18 @@ def targets(results: dict[str, Any]) -> list[str]:
         ok = err.get("after_down_seconds") is not None and err["after_down_seconds"] <= f["lease_seconds"]
         out.append(f"failure: typed error within the lease: {'met' if ok else 'NOT met'}; server back up: "
                    f"{'yes' if f.get('rejoined_after_seconds') is not None else 'NO'}")
+    r = results.get("replication")
+    if r:
+        sm = r.get("summary") or {}
+        fl = sm.get("failure") or {}
+        base, kill = (sm.get("undisturbed") or {}).get("accuracy"), (sm.get("kill") or {}).get("accuracy")
+        same = base is not None and kill is not None and abs(base - kill) <= REPLICATION_ACCURACY_SLACK
+        went_on = (sm.get("kill") or {}).get("ok")
+        out.append(f"replication: training went on after the kill: {'yes' if went_on else 'NO'}; "
+                   f"accuracy {_f(kill, '{:.3f}')} vs undisturbed {_f(base, '{:.3f}')}: "
+                   f"{'same' if same else 'NOT the same'} (within {REPLICATION_ACCURACY_SLACK}); back to ready: "
+                   f"{'yes' if fl.get('ready_after') is not None else 'NO'}; bytes lost 0: "
+                   f"{'yes' if fl.get('bytes_lost') == 0 else 'NOT shown'}")
     return out
 
 
@@ -259,10 +338,67 @@ def _save(fig: Any, path: str) -> None:
     log.info("wrote %s", path)
 
 
-def plots(results: dict[str, Any], png_dir: str, prefix: str = "cluster") -> list[str]:
-    """Write the plots of the experiments present; returns their paths."""
+def _curve(run: dict[str, Any]) -> tuple[list[float], list[float], float | None]:
+    """Rank 0's accuracy curve of a run: (seconds since the start, accuracy, start time)."""
+    master = [w for w in run.get("workers", []) if w.get("rank") == 0]
+    if not master:
+        return [], [], None
+    m = master[0]
+    return [c[0] for c in m["curve"]], [c[2] for c in m["curve"]], m.get("start_time")
+
+
+def plot_replication(r: dict[str, Any], path: str) -> None:
+    plt = _pyplot()
+    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(7.0, 6.0), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
+    for name, style in (("undisturbed", "-"), ("kill", "-")):
+        xs, ys, _ = _curve(r.get(name) or {})
+        if xs:
+            label = "undisturbed" if name == "undisturbed" else "memory server killed"
+            ax.plot(xs, ys, style, marker=".", ms=3, label=label)
+    kill = r.get("kill") or {}
+    killed = kill.get("killed")
+    _, _, start = _curve(kill)
+    f = (r.get("summary") or {}).get("failure") or {}
+    if killed and start is not None:
+        t = killed["time"] - start
+        marks = [(t, "kill -9", "red")]
+        if f.get("degraded_after") is not None:
+            marks.append((t + f["degraded_after"], "degraded", "orange"))
+        if f.get("ready_after") is not None:
+            marks.append((t + f["ready_after"], "ready", "green"))
+        for a in (ax, ax2):
+            for x, label, color in marks:
+                a.axvline(x, color=color, ls="--", lw=0.9, label=label if a is ax else None)
+        colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+        for i, w in enumerate(sorted(kill.get("workers", []), key=lambda w: w["rank"])):
+            steps = w.get("step_log") or []   # each step a segment from its start to its end
+            ax2.hlines([sec for _, sec, _ in steps], [e - sec - start for e, sec, _ in steps],
+                       [e - start for e, _, _ in steps], colors=colors[i % len(colors)], lw=1.5,
+                       label=f"rank {w['rank']}")
+    ax.set_ylabel("test accuracy of the global weights")
+    ax.set_title(f"SEASGD, {r['workers']} workers, {r['servers']} memory servers, replicas={r['replicas']}",
+                 fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    ax2.set_yscale("log")
+    ax2.set_ylabel("step time (s), run with the kill")
+    ax2.set_xlabel("seconds since the start of training")
+    ax2.grid(True, alpha=0.3)
+    ax2.legend(fontsize=7, ncol=4, loc="upper right")
+    _save(fig, path)
+
+
+def plots(results: dict[str, Any], png_dir: str, prefix: str = "cluster",
+          only: tuple[str, ...] | None = None) -> list[str]:
+    """Write the plots of the experiments present (and in ``only``, default all);
+    returns their paths."""
+    if only is not None:
+        results = {k: v for k, v in results.items() if k not in EXPERIMENT_KEYS or k in only}
     cap = results["settings"]["cap_mbit"]
     written = []
+    if "replication" in results:
+        written.append(os.path.join(png_dir, f"{prefix}-replication.png"))
+        plot_replication(results["replication"], written[-1])
     if "bandwidth" in results:
         written.append(os.path.join(png_dir, f"{prefix}-bandwidth.png"))
         plot_bandwidth(results["bandwidth"], cap, written[-1])

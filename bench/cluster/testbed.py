@@ -88,13 +88,16 @@ class Testbed:
     ``cap_mbit``: link rate in Mbit/s, each direction (0: no cap). ``lease_seconds``:
     the controller's server lease; ``heartbeat_seconds``: the servers' heartbeat period.
     ``capacity``: RAM each memory server offers (a size such as ``"1G"``).
+    ``metrics_port``: where the controller and every memory server serve Prometheus
+    ``/metrics`` on their own address (0: off; see :meth:`metrics_urls`).
     """
 
     __test__ = False
 
     def __init__(self, servers: int, workers: int, *, cap_mbit: float = 200.0, colocate: bool = False,
                  lease_seconds: float = 3.0, heartbeat_seconds: float = 0.5, capacity: str = "1G",
-                 log_level: str = "WARNING", workdir: str | None = None, keep_workdir: bool = False) -> None:
+                 log_level: str = "WARNING", workdir: str | None = None, keep_workdir: bool = False,
+                 metrics_port: int = 0) -> None:
         if servers < 1 or workers < 0:
             raise ValueError("need at least one memory server and no negative worker count")
         if colocate and workers > servers:
@@ -107,6 +110,7 @@ class Testbed:
         self.heartbeat_seconds = heartbeat_seconds
         self.capacity = capacity
         self.log_level = log_level
+        self.metrics_port = metrics_port
         self.tag = f"{netns.PREFIX}{os.getpid()}-{next(_counter)}"
         self._own_workdir = workdir is None
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix=f"{netns.PREFIX}{os.getpid()}-"))
@@ -286,7 +290,7 @@ class Testbed:
         self._daemon(self.controller, "controller", [
             "controller", "--listen", self.controller_address, "--db", str(self.workdir / "controller.db"),
             "--secret-file", str(secret), "--ready-file", str(ready),
-            "--lease", str(self.lease_seconds), "--orphan-grace", "60"])
+            "--lease", str(self.lease_seconds), "--orphan-grace", "60", *self._metrics_args()])
         self._wait_ready(ready, "controller")
         transports = "tcp,shm" if self.colocate else "tcp"
         for i, host in enumerate(self.servers):
@@ -297,9 +301,31 @@ class Testbed:
                 "--advertise-host", host.address, "--capacity", self.capacity,
                 "--state-dir", str(state), "--secret-file", str(secret),
                 "--ready-file", str(state / "ready"), "--transports", transports,
-                "--heartbeat", str(self.heartbeat_seconds)])
+                "--heartbeat", str(self.heartbeat_seconds), *self._metrics_args()])
         self.server_info = [self._wait_ready(self.workdir / f"srv{i}" / "ready", f"srv{i}")
                             for i in range(self.num_servers)]
+
+    def _metrics_args(self) -> list[str]:
+        return ["--metrics-port", str(self.metrics_port)] if self.metrics_port else []
+
+    def metrics_urls(self) -> dict[str, str]:
+        """``/metrics`` of the controller (``ctl``) and of every memory server
+        (``srv<i>``), reachable from any host of the testbed; empty without ``metrics_port``."""
+        if not self.metrics_port:
+            return {}
+        return {h.role: f"http://{h.address}:{self.metrics_port}/metrics"
+                for h in (self.controller, *self.servers)}
+
+    def kill_server(self, index: int, sig: int = signal.SIGKILL) -> float:
+        """Send ``sig`` (default SIGKILL, as ``kill -9``) to memory server ``index``;
+        returns the ``time.time()`` it was sent. The process is reaped; its host and
+        link stay."""
+        proc = self._procs[f"srv{index}"]
+        when = time.time()
+        _signal(proc, sig)
+        proc.wait(STOP_TIMEOUT)
+        log.info("memory server srv%d (pid %d) killed with signal %d", index, proc.pid, sig)
+        return when
 
     def server_host(self, server_id: str) -> Host:
         """The host of the memory server with id ``server_id``."""

@@ -13,7 +13,9 @@ the result is written to ``OUT.json``. Modes:
 * ``allreduce``: gradient synchronization through the memory box (accumulate, barrier,
   read) and with ``torch.distributed`` gloo all-reduce (experiment 3);
 * ``failure``: operations on two regions while the testbed takes one server's link
-  down and up again; coordinated through files in ``signal_dir``.
+  down and up again; coordinated through files in ``signal_dir``;
+* ``train``, ``monitor``, ``check``, ``cleanup_store``: the replication experiment's
+  (:mod:`.replica_worker`).
 
 Workers of one run meet at controller barriers; times are ``time.perf_counter``
 seconds, timestamps ``time.time`` (one clock for all namespaces of the machine).
@@ -35,6 +37,8 @@ import numpy as np
 from smb_client import Client, errors
 from smb_client.transports import tcp
 from smb_server.local_cluster import wait_for_json
+
+from . import replica_worker
 
 log = logging.getLogger(__name__)
 
@@ -408,7 +412,7 @@ def failure(spec: dict[str, Any]) -> dict[str, Any]:
 
 MODES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "probe": probe, "bandwidth": bandwidth, "sharding": sharding, "allreduce": allreduce,
-    "failure": failure,
+    "failure": failure, **replica_worker.MODES,
 }
 
 

@@ -99,6 +99,10 @@ def worker_argv(args: argparse.Namespace, data: str) -> list[str]:
            "--stop-rule", args.stop_rule, "--node-size", str(args.node_size)]
     if args.moving_rate is not None:
         out += ["--moving-rate", str(args.moving_rate)]
+    if args.replicas != 1:
+        out += ["--replicas", str(args.replicas)]
+    if args.eval_every:
+        out += ["--eval-every", str(args.eval_every)]
     if args.no_overlap:
         out.append("--no-overlap")
     if args.quiet:
@@ -184,6 +188,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="hybrid: workers per node (default LOCAL_WORLD_SIZE; half the workers on one host)")
     p.add_argument("--no-overlap", action="store_true", help="push gradients after backward, not from hooks")
     p.add_argument("--job", default="digits", help="region namespace")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="copies of every byte of the parameter store on distinct memory servers (1 to 3)")
+    p.add_argument("--eval-every", type=int, default=0,
+                   help="seasgd: rank 0 evaluates the global weights every this many of its steps "
+                        "(default 0: after every epoch)")
     p.add_argument("--max-restarts", type=int, default=0,
                    help="launcher: torchrun starts the workers again up to this many times after one "
                         "dies; seasgd resumes from the global weights in the memory box")
@@ -194,6 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, help="launcher: write the summary rows here")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--data", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--record-steps", action="store_true", help=argparse.SUPPRESS)   # bench.cluster
+    p.add_argument("--keep-store", action="store_true", help=argparse.SUPPRESS)     # bench.cluster
     p.add_argument("--result-dir", default=None, help=argparse.SUPPRESS)
     return p
 

@@ -111,7 +111,7 @@ def _sync(ctx: dict[str, Any]) -> dict[str, Any]:
     with smb_client.connect() as client:
         model = make_model(args.seed, args.hidden)
         store = open_store(client, env, prefix, model, placement=args.placement, grad_slots=3,
-                           workers=world)
+                           workers=world, **_replicas(args))
         opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
         steps_per_epoch = len(t["y_train"]) // (world * b)
         total_steps = steps_per_epoch * args.epochs
@@ -160,10 +160,12 @@ def _seasgd(ctx: dict[str, Any]) -> dict[str, Any]:
     rank, world, b = env.rank, env.world_size, args.batch
     prefix = f"{args.job}/seasgd"
     shard = torch.arange(rank, len(t["y_train"]), world)
+    record = bool(getattr(args, "record_steps", False))
+    eval_every = int(getattr(args, "eval_every", 0) or 0)
     with smb_client.connect() as client:
         model = make_model(args.seed, args.hidden)
         store = open_store(client, env, prefix, model, placement=args.placement, delta_slots=world,
-                           workers=world)
+                           workers=world, **_replicas(args))
         opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
         ea = SEASGD(store, rank, world, moving_rate=args.moving_rate, update_interval=args.interval)
         steps_per_epoch = len(shard) // b
@@ -172,30 +174,49 @@ def _seasgd(ctx: dict[str, Any]) -> dict[str, Any]:
         progress = Progress(rank == 0 and not args.quiet, target, f"seasgd x{world}")
         evaluator = make_model(args.seed, args.hidden)
         curve: list[tuple[float, int, float]] = []
+        # with record_steps: [time.time() at its end, seconds, loss] of every step, and the
+        # sum of the deltas this worker pushed into the global weights (float64)
+        step_log: list[tuple[float, float, float]] = []
+        pushed = torch.zeros(ea.delta.numel(), dtype=torch.float64) if record else None
+        smallest = float("inf")   # the smallest largest element of one pushed delta
+
+        def evaluate() -> None:
+            store.load_into(evaluator)   # the global weights
+            snap = counters.snapshot()
+            curve.append((time.perf_counter() - t0, snap["total"] * b,
+                          accuracy(evaluator, t["x_test"], t["y_test"])))
         client.barrier(f"{prefix}/start", world, timeout=120)
-        t0 = time.perf_counter()
+        t0, start_time = time.perf_counter(), time.time()
         epoch, stop, local_steps = 0, False, 0
         while not stop:
             for batch in _epoch_batches(torch, len(shard), b, args.seed + rank, epoch):
+                s0 = time.perf_counter()
                 idx = shard[batch]
                 opt.zero_grad()
                 loss = F.cross_entropy(model(t["x_train"][idx]), t["y_train"][idx])
                 loss.backward()
                 opt.step()
-                ea.after_step()
+                if ea.after_step() and pushed is not None:
+                    pushed += ea.delta.double()   # being pushed in the background, not changed
+                    smallest = min(smallest, float(ea.delta.abs().max()))
                 local_steps += 1
                 progress.update(loss=f"{loss.item():.3f}")
-                if counters.tick():
-                    stop = True
+                stop = counters.tick()
+                if record:
+                    step_log.append((time.time(), time.perf_counter() - s0, loss.item()))
+                if stop:
                     break
+                if rank == 0 and eval_every and local_steps % eval_every == 0:
+                    evaluate()
             epoch += 1
-            if rank == 0:
-                store.load_into(evaluator)   # the global weights
-                snap = counters.snapshot()
-                curve.append((time.perf_counter() - t0, snap["total"] * b,
-                              accuracy(evaluator, t["x_test"], t["y_test"])))
+            if rank == 0 and not eval_every:
+                evaluate()
         ea.close()
+        if rank == 0 and eval_every:
+            evaluate()
         elapsed = time.perf_counter() - t0
+        if pushed is not None and args.result_dir:
+            np.save(Path(args.result_dir) / f"seasgd-rank{rank}-pushed.npy", pushed.numpy())
         progress.close()
         counters.finish()
         client.barrier(f"{prefix}/end", world, timeout=120)
@@ -207,13 +228,22 @@ def _seasgd(ctx: dict[str, Any]) -> dict[str, Any]:
                   "samples": counters.count * b,
                   "traffic": store.traffic.as_dict(), "updates": ea.updates, "curve": curve,
                   "accuracy": accuracy(evaluator, t["x_test"], t["y_test"]),
-                  "local_accuracy": accuracy(model, t["x_test"], t["y_test"]), "counts": snap["counts"]}
+                  "local_accuracy": accuracy(model, t["x_test"], t["y_test"]), "counts": snap["counts"],
+                  "start_time": start_time}
+        if record:
+            result.update(step_log=step_log, smallest_delta=smallest if ea.updates else None)
         client.barrier(f"{prefix}/read", world, timeout=120)
-        if rank == 0:
+        if rank == 0 and not getattr(args, "keep_store", False):
             store.destroy()
         else:
             store.close()
     return result
+
+
+def _replicas(args: argparse.Namespace) -> dict[str, Any]:
+    """``ParameterStore.create``'s ``replicas`` option, only when asked for (> 1)."""
+    replicas = int(getattr(args, "replicas", 1) or 1)
+    return {"replicas": replicas} if replicas > 1 else {}
 
 
 def _init_dist(env: Any) -> None:
@@ -244,7 +274,7 @@ def _hybrid(ctx: dict[str, Any]) -> dict[str, Any]:
     if local_rank == 0:
         client = smb_client.connect()
         store = open_store(client, env, prefix, flat, members=nodes, creator=node == 0,
-                           placement=args.placement, delta_slots=nodes, workers=nodes)
+                           placement=args.placement, delta_slots=nodes, workers=nodes, **_replicas(args))
         seasgd = SEASGD(store, node, nodes, moving_rate=args.moving_rate, update_interval=args.interval)
     steps_per_epoch = len(shard) // (local * b)
     target = steps_per_epoch * args.epochs

@@ -125,21 +125,34 @@ def check_primary_killed(cluster: LocalCluster, client, name: str, size: int = 2
     ones = np.ones(n, dtype=np.int64)
     done: list[BaseException | None] = []
 
+    started, stop = threading.Event(), threading.Event()
+    rounds = 0
+
     def accumulate() -> None:
+        nonlocal rounds
         try:
-            for _ in range(3):
+            started.set()
+            while not stop.is_set():      # back to back: one is in flight when the kill lands
                 r.accumulate(0, ones)
+                rounds += 1
             done.append(None)
         except BaseException as exc:   # reported below
             done.append(exc)
     t = threading.Thread(target=accumulate)
     t.start()
-    time.sleep(0.05)
+    started.wait()
+    time.sleep(0.2)
+    killed_at = rounds
     cluster.kill_server(_index(cluster, victim))          # kill -9 while accumulates run
+    deadline = time.monotonic() + 60
+    while rounds < killed_at + 3 and t.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)                                  # more rounds at the new primary
+    stop.set()
     t.join(120)
     assert done == [None], done
+    assert rounds >= killed_at + 3, (killed_at, rounds)
     got = r.read(0, r.size, dtype=np.int64)
-    np.testing.assert_array_equal(got, np.arange(n, dtype=np.int64) + 3)   # each applied once
+    np.testing.assert_array_equal(got, np.arange(n, dtype=np.int64) + rounds)   # each applied once
     assert victim not in {p.server_id for p in r.extents}                # a backup took over
 
     _wait_state(client, name, "ready", timeout=120)                       # repaired on the spare
@@ -150,7 +163,8 @@ def check_primary_killed(cluster: LocalCluster, client, name: str, size: int = 2
     second = r.extents[0].server_id
     cluster.kill_server(_index(cluster, second))
     r.accumulate(0, ones)
-    np.testing.assert_array_equal(r.read(0, r.size, dtype=np.int64), np.arange(n, dtype=np.int64) + 4)
+    np.testing.assert_array_equal(r.read(0, r.size, dtype=np.int64),
+                                  np.arange(n, dtype=np.int64) + rounds + 1)
     _wait_state(client, name, "degraded")
 
 
