@@ -639,13 +639,13 @@ class _Connection:
                 with extent.lock:
                     cfg = self._primary(extent)
                     if entry is not None and entry.applied:
-                        body = entry.body     # applied by an earlier attempt: forwarded again only
+                        body = entry.body     # applied and forwarded by an earlier attempt
                     else:
                         body = self._atomic_locked(op, extent, offset, arg0, arg1)
                         if entry is not None:
                             entry.applied, entry.body = 8, body
-                    self.plane.replication.forward(extent, cfg, op, offset, 8, dtype, arg0, arg1, alpha,
-                                                   client, seq)
+                        self.plane.replication.forward(extent, cfg, op, offset, 8, dtype, arg0, arg1,
+                                                       alpha, client, seq)
         self.plane.replication.settle(extent.extent_id)
         if not extent.live:
             raise ExtentNotFound(f"extent {extent.extent_id} was released during the operation")
@@ -656,7 +656,10 @@ class _Connection:
         """WRITE, ACCUMULATE, AXPY, SCALE on a primary: received into scratch (writes too,
         so that they are ordered with the rest), applied and forwarded piece by piece
         under the extent's lock. Bytes an earlier attempt applied here (``entry.applied``)
-        are not applied again but forwarded again: a backup applies what it lacks."""
+        are neither applied nor forwarded again: every backup in the set got them when they
+        were applied (or was marked failed, and is dropped), and a copy that joined later
+        was filled from this one, which holds them, so forwarding them again would apply
+        them twice there (its exactly-once table never saw the request)."""
         arith = _ARITH.get(op)
         dt = kernels.check_arith(arith, dtype, offset, length) if arith is not None else None
         done = entry.applied if entry is not None else 0
@@ -682,8 +685,9 @@ class _Connection:
                                 kernels.apply(arith, dst, src, dt, alpha)
                         if entry is not None:
                             entry.applied = pos + n - offset
-                    self.plane.replication.forward(extent, cfg, op, pos, n, dtype, offset, length, alpha,
-                                                   client, seq, [chunk] if chunk is not None else [])
+                        self.plane.replication.forward(
+                            extent, cfg, op, first, pos + n - first, dtype, offset, length, alpha,
+                            client, seq, [chunk[first - pos:]] if chunk is not None else [])
                 pos += n
         if op is Op.WRITE:
             self.plane.stats.add(bytes_written=length)
@@ -697,11 +701,8 @@ class _Connection:
         extent's lock) it goes to the backups as a piece: arg0 the new word, arg1 the answer."""
         repl = self.plane.replication
         new = arg0 if op is Op.LOCK else 0
-        if entry is not None and entry.applied:   # taken by an earlier attempt: forwarded again only
-            with extent.lock:
-                cfg = self._primary(extent)
-                repl.forward(extent, cfg, op, offset, 8, dtype, new, _OLD.unpack(entry.body)[0], alpha,
-                             client, seq)
+        if entry is not None and entry.applied:   # taken and forwarded by an earlier attempt
+            self._primary(extent)
             return entry.body
 
         def applied(before: int) -> None:

@@ -36,6 +36,9 @@ from typing import Any
 from .workers import ALL_SCHEMES, SCHEMES, TARGET_ACCURACY, run_worker, save_data
 
 log = logging.getLogger(__name__)
+#: this module's import name, also when it runs as ``python -m`` (``__name__`` is then
+#: ``__main__``, which torchrun cannot import in its workers)
+MODULE = __spec__.name if __spec__ is not None else __name__
 
 
 def time_to_accuracy(curve: list[list[float]], target: float) -> float | None:
@@ -66,7 +69,7 @@ def run_scheme(scheme: str, workers: int, worker_args: list[str], env: dict[str,
     ``max_restarts`` times after one dies); returns its summary."""
     with tempfile.TemporaryDirectory(prefix="smb-train-") as out:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={workers}", f"--max-restarts={max_restarts}", "-m", __name__,
+               f"--nproc-per-node={workers}", f"--max-restarts={max_restarts}", "-m", MODULE,
                "--scheme", scheme, "--result-dir", out, *worker_args]
         proc = subprocess.run(cmd, env=env, timeout=timeout)
         if proc.returncode:

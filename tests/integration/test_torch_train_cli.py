@@ -34,6 +34,20 @@ def test_smb_train_runs_every_scheme_under_torchrun(cluster, tmp_path):
         assert c.list_regions(f"cli{os.getpid()}") == []
 
 
+def test_the_module_launcher_runs_its_workers(cluster, tmp_path):
+    """``python -m smb_server.train.digits --workers N``: torchrun gets the module's import
+    name, not ``__main__`` (which its workers cannot import)."""
+    out = tmp_path / "rows.json"
+    env = dict(os.environ, SMB_CONTROLLER=cluster.address, SMB_TOKEN=cluster.token)
+    proc = subprocess.run(
+        [sys.executable, "-m", "smb_server.train.digits", "--controller", cluster.address,
+         "--scheme", "seasgd", "--workers", "2", "--epochs", "1", "--quiet", "--json", str(out),
+         "--job", f"mod{os.getpid()}"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert [r["scheme"] for r in json.loads(out.read_text())] == ["seasgd"]
+
+
 def test_smb_train_needs_no_source_checkout(tmp_path):
     """The trainer is part of the package: the command finds it from any directory, with
     no examples/ beside it."""
