@@ -330,6 +330,15 @@ def plot(rows: dict, sizes: list[int], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def save(result: dict, table: str, out: str) -> None:
+    """Write ``result`` as JSON to ``out`` and ``table`` beside it (``.md``)."""
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(result, f, indent=2)
+    with open(os.path.splitext(out)[0] + ".md", "w") as f:
+        f.write(table)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer sizes, shorter points")
@@ -351,12 +360,8 @@ def main() -> int:
     result = {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
               "sizes": sizes, "seconds": seconds, "repeats": args.repeats, "MBps": rows,
               "at_16MiB": target, "targets": TARGETS}
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
     table = markdown(rows, sizes, target)
-    with open(os.path.splitext(args.out)[0] + ".md", "w") as f:
-        f.write(table)
+    save(result, table, args.out)
     plot(rows, sizes, args.png)
     print(table)
     print(f"results: {args.out}, plot: {args.png}")

@@ -23,12 +23,9 @@ Each point is the best of ``--repeats`` runs, each at least ``--seconds`` long (
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
-import time
-from collections.abc import Callable
 
 import numpy as np
 
@@ -37,6 +34,7 @@ sys.path.insert(0, ROOT)
 
 from tqdm import tqdm  # noqa: E402
 
+from bench.dataplane import save, timed  # noqa: E402
 from smb_client.units import format_bytes  # noqa: E402
 from smb_server.local_cluster import LocalCluster  # noqa: E402
 
@@ -46,22 +44,6 @@ QUICK_SIZES = [MiB, 16 * MiB]
 OPS = ("write", "accumulate", "read")
 TARGETS = {"write": 0.45, "accumulate": 0.45, "read": 0.9}   # replicated / unreplicated
 TARGET_SIZE = 16 * MiB
-
-
-def timed(fn: Callable[[], None], size: int, seconds: float, repeats: int) -> float:
-    """Best throughput (MB/s) of ``repeats`` runs of ``fn``, each at least ``seconds``."""
-    fn()   # warm up: connections, page faults
-    best = 0.0
-    for _ in range(repeats):
-        n, t0 = 0, time.perf_counter()
-        while True:
-            fn()
-            n += 1
-            elapsed = time.perf_counter() - t0
-            if elapsed >= seconds and n >= 2:
-                break
-        best = max(best, n * size / elapsed / 1e6)
-    return best
 
 
 def measure(sizes: list[int], seconds: float, repeats: int) -> dict[str, dict[str, dict[str, float]]]:
@@ -150,12 +132,8 @@ def main() -> int:
     result = {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
               "sizes": sizes, "seconds": seconds, "repeats": args.repeats, "MBps": rows,
               "ratio": ratio, "targets": TARGETS}
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
     table = markdown(rows, sizes, ratio)
-    with open(os.path.splitext(args.out)[0] + ".md", "w") as f:
-        f.write(table)
+    save(result, table, args.out)
     plot(ratio, sizes, args.png)
     print(table)
     print(f"results: {args.out}, plot: {args.png}")

@@ -5,11 +5,17 @@ the VM (``SMB_RDMA_VM=1``) a missing device is an error instead, never a silent 
 """
 from __future__ import annotations
 
+import contextlib
+import glob
 import os
+import shutil
+import tempfile
+from collections.abc import Iterator
 
 import pytest
 
 from smb_client import verbs
+from smb_server.local_cluster import LocalCluster
 
 NO_DEVICE = ("no RDMA device on this host: the rdma tier runs inside a Soft-RoCE VM "
              "(tests/rdma/run_vm.sh)")
@@ -25,3 +31,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if str(item.fspath).startswith(here):
             item.add_marker(skip)
+
+
+@contextlib.contextmanager
+def rdma_cluster(servers: int, capacity: str, log_prefix: str = "") -> Iterator[LocalCluster]:
+    """A local cluster of rdma memory servers that report another host id (so ``auto``
+    must not pick shm), in a work folder on local disk (SQLite's WAL needs mmap); the
+    daemon logs are kept in ``$SMB_TEST_LOGDIR`` (the VM runner's) as ``log_prefix`` + name."""
+    work = tempfile.mkdtemp(prefix="smb-rdma-cluster-")
+    try:
+        with LocalCluster(servers=servers, capacity=capacity, transports="tcp,shm,rdma", log_level="INFO",
+                          env={"SMB_HOST_ID": "memory-box-host"}, workdir=work) as c:
+            yield c
+    finally:
+        logs = os.environ.get("SMB_TEST_LOGDIR")
+        if logs:
+            for log in glob.glob(os.path.join(work, "**", "*.log"), recursive=True):
+                shutil.copy(log, os.path.join(logs, log_prefix + os.path.basename(log)))
+        shutil.rmtree(work, ignore_errors=True)

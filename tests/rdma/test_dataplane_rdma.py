@@ -2,16 +2,10 @@
 rdma, against a real local cluster (controller + two memory servers with rdma)."""
 from __future__ import annotations
 
-import glob
-import os
-import shutil
-import tempfile
-
 import numpy as np
 import pytest
 
 from smb_client import errors
-from smb_server.local_cluster import LocalCluster
 from tests.integration.test_dataplane import (  # noqa: F401  (collected here with transport=rdma)
     test_accumulate_bfloat16,
     test_accumulate_every_dtype,
@@ -24,6 +18,7 @@ from tests.integration.test_dataplane import (  # noqa: F401  (collected here wi
     test_transport_is_the_one_asked_for,
     test_write_read_roundtrip,
 )
+from tests.rdma.conftest import rdma_cluster
 
 pytestmark = pytest.mark.rdma
 MiB = 1 << 20
@@ -32,17 +27,8 @@ MiB = 1 << 20
 @pytest.fixture(scope="module")
 def cluster():
     """Servers that report another host id, so ``auto`` must not pick shm."""
-    work = tempfile.mkdtemp(prefix="smb-rdma-cluster-")  # local disk: SQLite WAL needs mmap
-    try:
-        with LocalCluster(servers=2, capacity="256M", transports="tcp,shm,rdma", log_level="INFO",
-                          env={"SMB_HOST_ID": "memory-box-host"}, workdir=work) as c:
-            yield c
-    finally:
-        logs = os.environ.get("SMB_TEST_LOGDIR")      # the VM runner keeps the daemon logs
-        if logs:
-            for log in glob.glob(os.path.join(work, "**", "*.log"), recursive=True):
-                shutil.copy(log, os.path.join(logs, os.path.basename(log)))
-        shutil.rmtree(work, ignore_errors=True)
+    with rdma_cluster(2, "256M") as c:
+        yield c
 
 
 @pytest.fixture
