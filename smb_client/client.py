@@ -11,7 +11,7 @@ import logging
 import os
 import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +22,7 @@ from .dataplane import TRANSPORT_POLICIES, DataPlane, choose_endpoint
 from .errors import ControllerUnavailable, InvalidArgument, RegionNotFound, SMBError, Timeout
 from .hostinfo import host_id
 from .names import check_region_name
-from .placement import MAX_REPLICAS, check_bytes
+from .placement import MAX_REPLICAS, check_bytes, weighted_placement
 from .region import Region
 from .retry import Backoff, Retry
 from .tickets import TicketMode
@@ -195,12 +195,14 @@ class Client:
                       stripe_unit: int = 0, num_servers: int = 0,
                       segment_sizes: Sequence[int] = (), persistent: bool = False,
                       exist_ok: bool = False, lease: float | None = None,
-                      replicas: int = 1) -> Region:
+                      replicas: int = 1, server_weights: Mapping[str, float] | None = None) -> Region:
         """Create a region of ``size`` bytes and return a read-write handle.
 
         ``placement``: ``striped`` (``stripe_unit`` bytes round-robin over
         ``num_servers``, 0 = all), ``layered`` (``segment_sizes``, each segment whole
-        on one server) or ``single``. Raises InvalidArgument for a size that is not a
+        on one server) or ``single``. ``server_weights`` (layered only; server id ->
+        weight): the segments go to those servers only, each server's bytes in
+        proportion to its weight (within one segment). Raises InvalidArgument for a size that is not a
         positive whole number of bytes below 2**63 (and the like), RegionExists unless
         ``exist_ok``, OutOfMemory when it does not fit.
 
@@ -227,6 +229,12 @@ class Client:
             raise InvalidArgument(f"replicas must be 1 to {MAX_REPLICAS}, not {replicas!r}")
         if lease is not None and not (isinstance(lease, (int, float)) and 0 < lease <= MAX_LEASE):
             raise InvalidArgument(f"lease must be more than 0 and at most {MAX_LEASE:g} seconds, not {lease!r}")
+        if server_weights is not None:
+            if placement != "layered":
+                raise InvalidArgument(f"server_weights are for layered placement, not {placement!r}")
+            if num_servers:
+                raise InvalidArgument("num_servers and server_weights exclude each other: the weights name the servers")
+            placement = weighted_placement(server_weights)   # rides in the placement string
         resp = self._call("CreateRegion", pb.CreateRegionRequest(
             name=name, size=size, placement=placement, stripe_unit=stripe_unit,
             num_servers=num_servers, segment_sizes=list(segment_sizes),

@@ -2,8 +2,9 @@
 
 A :class:`Collective` lays a buffer of ``nbytes`` out as chunks of at most
 :data:`~smb_client.wire.MAX_CHUNK` bytes, each a segment of a ``layered`` region, whole
-on one memory server (segments are dealt to the servers evenly), so the summation is
-spread over every server and each chunk's requests stay on one server::
+on one memory server (segments are dealt to the servers evenly, or in proportion to
+weights derived from where the workers run: :meth:`Collective.create`), so the
+summation is spread over the servers and each chunk's requests stay on one server::
 
     chunk i:  slot 0 (chunk bytes) | slot 1 (chunk bytes) | count 0 | count 1 | padding to 64 bytes
 
@@ -37,9 +38,10 @@ together.
 from __future__ import annotations
 
 import logging
+import math
 import struct
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -49,7 +51,7 @@ from .buffers import as_view
 from .dtypes import DType, itemsize, resolve
 from .errors import DtypeError, InvalidArgument, Misaligned
 from .futures import wait_all
-from .placement import ExtentPlace
+from .placement import ExtentPlace, check_weights, chunk_shares
 from .transports.tcp import TcpSession
 
 if TYPE_CHECKING:
@@ -66,6 +68,7 @@ CHUNKS_PER_SERVER = 4          # default chunks per server at least, for overlap
 TAIL = 64                      # bytes after a chunk's two slots: two count words, padding
 DEFAULT_TIMEOUT = 300.0        # seconds a push or pull waits for the other parties
 MAX_THREADS = 8                # pushes (and pulls) in flight per collective
+MAX_SHARE_SERVERS = 64         # weighted default chunks: as for at most this many even servers
 _WORDS = struct.Struct("<qq")
 
 
@@ -158,22 +161,63 @@ class Collective:
     @classmethod
     def create(cls, client: Client, name: str, nbytes: int, parties: int, *,
                chunk_bytes: int | None = None, num_servers: int = 0,
-               timeout: float = DEFAULT_TIMEOUT) -> Collective:
+               timeout: float = DEFAULT_TIMEOUT, worker_hosts: Sequence[str] | None = None,
+               servers: Sequence[str] | Mapping[str, float] | None = None) -> Collective:
         """Create the region ``name`` for collectives of up to ``nbytes`` bytes, chunks
         of ``chunk_bytes`` (default :meth:`default_chunk`) dealt over ``num_servers``
-        servers (0: all that are up)."""
+        servers (0: all that are up).
+
+        Placement by where the workers run: ``worker_hosts``, the host id of every
+        party (:func:`smb_client.hostinfo.host_id`), gives each server a share of the
+        chunks by :func:`smb_client.placement.chunk_shares` (servers on hosts of their
+        own first; one on a worker's host gets less, as its link also carries that
+        worker's traffic). ``servers``: the server ids to use (with ``worker_hosts``,
+        shared as above; without, evenly), or a mapping server id -> weight that
+        fixes the shares. Either excludes ``num_servers``."""
+        weights = cls.server_weights(client, worker_hosts, servers)
+        if weights is not None and num_servers:
+            raise InvalidArgument("num_servers excludes worker_hosts and servers: those choose the servers")
         if chunk_bytes is None:
-            servers = num_servers or sum(1 for s in client.list_servers() if s.state == "up")
-            chunk_bytes = cls.default_chunk(nbytes if isinstance(nbytes, int) else 0, servers)
+            if weights is not None:    # enough chunks that the smallest share gets CHUNKS_PER_SERVER
+                share = min(weights.values()) / sum(weights.values())
+                count = min(MAX_SHARE_SERVERS, math.ceil(1 / share - 1e-9))
+            else:
+                count = num_servers or sum(1 for s in client.list_servers() if s.state == "up")
+            chunk_bytes = cls.default_chunk(nbytes if isinstance(nbytes, int) else 0, count)
         sizes = cls.segment_sizes(nbytes, chunk_bytes)
         _check_parties(parties)
         region = client.create_region(name, sum(sizes), placement="layered", segment_sizes=sizes,
-                                      num_servers=num_servers)
+                                      num_servers=num_servers, server_weights=weights)
         try:
             return cls(region, parties, timeout=timeout, fresh=True)
         except BaseException:
             client.delete_region(name)
             raise
+
+    @staticmethod
+    def server_weights(client: Client, worker_hosts: Sequence[str] | None = None,
+                       servers: Sequence[str] | Mapping[str, float] | None = None
+                       ) -> dict[str, float] | None:
+        """The server weights :meth:`create` asks for (positive ones only), or None for
+        the default placement (neither argument given)."""
+        if isinstance(servers, Mapping):
+            weights = check_weights(servers)
+        elif worker_hosts is None and servers is None:
+            return None
+        else:
+            up = {s.server_id: s.host_id for s in client.list_servers() if s.state == "up"}
+            if servers is not None:
+                if isinstance(servers, str) or not servers:
+                    raise InvalidArgument(f"servers must be server ids, not {servers!r}")
+                missing = sorted(set(servers) - set(up))
+                if missing:
+                    raise InvalidArgument(f"server(s) {', '.join(missing)} are not up (up: {', '.join(sorted(up))})")
+                up = {sid: up[sid] for sid in servers}
+            if worker_hosts is None:
+                weights = {sid: 1.0 for sid in up}
+            else:
+                weights = chunk_shares(up, list(worker_hosts))
+        return {sid: w for sid, w in weights.items() if w > 0}
 
     @classmethod
     def open(cls, client: Client, name: str, parties: int, *, timeout: float = DEFAULT_TIMEOUT,

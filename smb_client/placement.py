@@ -10,10 +10,22 @@ Placements:
 - ``layered``: one segment per tensor/layer, each whole on one extent; an extent holds
   its segments back to back in region order.
 - ``single``: one extent holds everything.
+
+A ``layered`` region may name its servers with weights (:func:`weighted_placement`:
+``layered:`` and a JSON object ``{server id: weight}``): its segments then go to those
+servers only, each server's bytes in proportion to its weight (:func:`assign_weighted`).
+:func:`chunk_shares` derives such weights for a collective from where the workers
+run (docs/architecture.md, Collectives, placement).
+
+The module is longer than 400 lines on purpose: the layouts, the planner that picks
+their servers and the share math the planner's weights come from are one pure,
+I/O-free unit that the controller and the client share.
 """
 from __future__ import annotations
 
 import bisect
+import json
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -259,10 +271,13 @@ def plan(size: int, placement: str, free: Mapping[str, int], *,
     """Choose servers and a layout for a new region.
 
     ``free`` maps server id to free bytes, for servers that may take new extents.
-    Returns the layout and the server id of every extent. Raises :class:`OutOfMemory`
-    with the numbers when the region does not fit.
+    ``placement`` may carry server weights (:func:`weighted_placement`). Returns the
+    layout and the server id of every extent. Raises :class:`OutOfMemory` with the
+    numbers when the region does not fit.
     """
-    placement = placement or "striped"
+    placement, weights = parse_placement(placement or "striped")
+    if weights:
+        return _plan_weighted(size, weights, free, num_servers, segment_sizes)
     if placement not in PLACEMENTS:
         raise InvalidArgument(f"unknown placement {placement!r}: expected one of {', '.join(PLACEMENTS)}")
     if num_servers < 0:
@@ -296,6 +311,173 @@ def plan(size: int, placement: str, free: Mapping[str, int], *,
             f"region of {size} bytes does not fit ({placement} over {len(order)} servers): {detail}; "
             f"total free {sum(free.values())} bytes")
     return layout, servers
+
+
+def _plan_weighted(size: int, weights: Mapping[str, float], free: Mapping[str, int],
+                   num_servers: int, segment_sizes: Sequence[int]) -> tuple[Layout, list[str]]:
+    """:func:`plan` for a layered region whose segments go to the servers of
+    ``weights`` in proportion to their weights."""
+    if num_servers:
+        raise InvalidArgument("num_servers and server weights exclude each other: the weights name the servers")
+    missing = sorted(s for s in weights if s not in free)
+    if missing:
+        raise OutOfMemory(f"server(s) {', '.join(missing)} asked for by the placement are not up "
+                          f"(up: {', '.join(sorted(free)) or 'none'})")
+    if segment_sizes and sum(segment_sizes) != size:
+        raise InvalidArgument(
+            f"segment sizes add up to {sum(segment_sizes)} bytes, region size is {size}")
+    segs = list(segment_sizes) or [size]
+    _check_size(size)
+    ids = list(weights)
+    chosen = assign_weighted(segs, [weights[sid] for sid in ids])
+    used = sorted(set(chosen))
+    renumber = {j: e for e, j in enumerate(used)}
+    layout = Layout.layered(segs, [renumber[j] for j in chosen])
+    servers = [ids[j] for j in used]
+    short = [(sid, n, free[sid]) for sid, n in zip(servers, layout.extent_lengths, strict=True) if n > free[sid]]
+    if short:
+        detail = "; ".join(f"server {s} needs {need} bytes, has {have} free" for s, need, have in short)
+        raise OutOfMemory(f"region of {size} bytes does not fit (layered, weighted over {len(servers)} "
+                          f"servers): {detail}")
+    return layout, servers
+
+
+# -- weighted placement -------------------------------------------------------------
+WEIGHTED = "layered:"   # the prefix of a weighted layered placement string
+
+
+def check_weights(weights: object) -> dict[str, float]:
+    """``weights`` (server id -> weight) as a dict of floats if every weight is a finite
+    number >= 0 and one is > 0; InvalidArgument otherwise."""
+    if not isinstance(weights, Mapping) or not weights:
+        raise InvalidArgument(f"server weights must map server ids to numbers, not {weights!r}")
+    out: dict[str, float] = {}
+    for sid, w in weights.items():
+        if not isinstance(sid, str) or not sid:
+            raise InvalidArgument(f"server weights: {sid!r} is not a server id")
+        if isinstance(w, bool) or not isinstance(w, int | float) or not math.isfinite(w) or w < 0:
+            raise InvalidArgument(f"server weights: {sid} has weight {w!r}; weights are finite numbers >= 0")
+        out[sid] = float(w)
+    if not any(out.values()):
+        raise InvalidArgument("server weights: at least one weight must be positive")
+    return out
+
+
+def weighted_placement(weights: Mapping[str, float]) -> str:
+    """The placement string of a ``layered`` region whose segments go to the servers of
+    ``weights`` (server id -> weight), each server's bytes in proportion to its weight
+    (servers of weight 0 get none). What the controller parses with :func:`parse_placement`."""
+    return WEIGHTED + json.dumps(check_weights(weights), sort_keys=True, separators=(",", ":"))
+
+
+def parse_placement(placement: str) -> tuple[str, dict[str, float]]:
+    """``(kind, weights)`` of a placement string: ``striped``, ``layered``, ``single``
+    (no weights), or a :func:`weighted_placement` (kind ``layered``)."""
+    if not placement.startswith(WEIGHTED):
+        return placement, {}
+    try:
+        weights = json.loads(placement[len(WEIGHTED):])
+    except ValueError:
+        raise InvalidArgument(f"placement {placement!r}: the server weights after {WEIGHTED!r} "
+                              "are not a JSON object") from None
+    return "layered", check_weights(weights)
+
+
+def assign_weighted(segment_sizes: Sequence[int], weights: Sequence[float]) -> list[int]:
+    """For every segment, the index into ``weights`` of the server it goes to: largest
+    segment first, each to the server that would finish it first, ``(load + size) /
+    weight`` (ties to the lower index; weight 0 takes nothing). A server of weight ``w``
+    (of ``W`` in all, ``k`` servers weighing more than 0) ends with at most
+    ``w / W × (bytes + k × largest segment)``."""
+    live = [j for j, w in enumerate(weights) if w > 0]
+    if not live:
+        raise InvalidArgument("at least one weight must be positive")
+    load = [0] * len(weights)
+    out = [0] * len(segment_sizes)
+    for i in sorted(range(len(segment_sizes)), key=lambda i: -segment_sizes[i]):
+        j = min(live, key=lambda j: ((load[j] + segment_sizes[i]) / weights[j], j))
+        out[i] = j
+        load[j] += segment_sizes[i]
+    return out
+
+
+def chunk_shares(servers: Mapping[str, str], worker_hosts: Sequence[str],
+                 links: Mapping[str, float] | None = None) -> dict[str, float]:
+    """The share of a collective's bytes each memory server should sum, when the hosts'
+    links are the bottleneck: ``servers`` maps server id -> host id, ``worker_hosts``
+    holds the host id of every worker (repeats for several on one host), ``links`` the
+    link capacity of a host (any unit; default 1 each). Shares add up to 1.
+
+    Host ``h`` with ``m`` workers and servers summing a share ``x`` carries, each way
+    and in units of the gradient, ``m + (n - 2m) x`` (:func:`host_loads`). The shares
+    minimize the largest load / capacity: water-filling to a common time ``T``, a host
+    taking ``x = (T·B - m) / (n - 2m)`` (0 where ``T·B < m``); a host with ``n <= 2m``
+    (half the workers or more) gets cheaper with more and takes everything. Servers
+    on one host split its share evenly. Derivation: docs/architecture.md.
+    """
+    n = len(worker_hosts)
+    if not servers:
+        raise InvalidArgument("chunk_shares needs at least one server")
+    if n < 1:
+        raise InvalidArgument("chunk_shares needs the host of at least one worker")
+    links = links or {}
+    workers: dict[str, int] = {}
+    for h in worker_hosts:
+        workers[h] = workers.get(h, 0) + 1
+    capacity = {h: float(links.get(h, 1.0)) for h in {*servers.values(), *workers}}
+    if any(not b > 0 or not math.isfinite(b) for b in capacity.values()):
+        raise InvalidArgument(f"link capacities must be positive: {capacity}")
+    hosts = sorted(set(servers.values()))
+    host_share: dict[str, float] = {}
+    free_hosts = [h for h in hosts if n - 2 * workers.get(h, 0) <= 0]
+    if free_hosts:
+        total = sum(capacity[h] for h in free_hosts)
+        host_share = {h: capacity[h] / total for h in free_hosts}
+    else:
+        t = _water_level(hosts, workers, capacity, n)
+        t = max(t, max(m / capacity[h] for h, m in workers.items()))   # no host beats its own workers' traffic
+        raw = {h: max(0.0, (t * capacity[h] - workers.get(h, 0)) / (n - 2 * workers.get(h, 0))) for h in hosts}
+        total = sum(raw.values())
+        host_share = {h: x / total for h, x in raw.items()}
+    per_host: dict[str, int] = {}
+    for h in servers.values():
+        per_host[h] = per_host.get(h, 0) + 1
+    return {sid: host_share.get(h, 0.0) / per_host[h] for sid, h in servers.items()}
+
+
+def _water_level(hosts: Sequence[str], workers: Mapping[str, int], capacity: Mapping[str, float],
+                 n: int) -> float:
+    """The time ``T`` at which the hosts' shares ``max(0, (T·B - m) / (n - 2m))`` add up
+    to 1 (every host has ``n > 2m``)."""
+    order = sorted(hosts, key=lambda h: workers.get(h, 0) / capacity[h])
+    a = b = 0.0   # over the hosts taking a share: sum of B/c and of m/c; shares = T·a - b
+    t = 0.0
+    for i, h in enumerate(order):
+        m, c = workers.get(h, 0), n - 2 * workers.get(h, 0)
+        a += capacity[h] / c
+        b += m / c
+        t = (1 + b) / a
+        nxt = order[i + 1] if i + 1 < len(order) else None
+        if nxt is None or t <= workers.get(nxt, 0) / capacity[nxt]:
+            break
+    return t
+
+
+def host_loads(shares: Mapping[str, float], servers: Mapping[str, str],
+               worker_hosts: Sequence[str]) -> dict[str, float]:
+    """What each host's link carries each way, in units of the gradient, when server
+    ``s`` (on host ``servers[s]``) sums ``shares[s]`` of it and the workers run on
+    ``worker_hosts``: ``m + (n - 2m) x`` for ``m`` workers and a share ``x`` on the
+    host (pushes of the other hosts' workers in, its own workers' pulls of the rest)."""
+    n = len(worker_hosts)
+    workers: dict[str, int] = {}
+    for h in worker_hosts:
+        workers[h] = workers.get(h, 0) + 1
+    share: dict[str, float] = {}
+    for sid, x in shares.items():
+        share[servers[sid]] = share.get(servers[sid], 0.0) + x
+    return {h: workers.get(h, 0) + (n - 2 * workers.get(h, 0)) * share.get(h, 0.0)
+            for h in sorted({*share, *workers})}
 
 
 def plan_replicated(size: int, placement: str, free: Mapping[str, int], replicas: int,

@@ -1,5 +1,5 @@
-"""The cluster experiments: bandwidth scaling, sharding, aggregation, failure and
-replication (:mod:`.replica_failure`).
+"""The cluster experiments: bandwidth scaling, sharding, aggregation, failure,
+replication (:mod:`.replica_failure`) and training against DDP (:mod:`.training`).
 
 Each experiment runs workers (:mod:`.worker`) on a :class:`~.testbed.Testbed` and
 returns a JSON-able dict; :mod:`.report` turns the dicts into tables and plots.
@@ -19,7 +19,7 @@ from typing import Any
 
 from smb_server.local_cluster import wait_for_json
 
-from . import replica_failure
+from . import replica_failure, training
 from .cpuload import CpuSampler
 from .testbed import Testbed, TestbedError, live_pids
 
@@ -67,14 +67,23 @@ class Settings:
     repl_eval_every: int = 4                      # rank 0 evaluates the global weights every so many steps
     repl_kill_fraction: float = 0.35              # of the target iterations, when the server is killed
     repl_timeout: float = 240.0                   # seconds a training run may take
+    # training: SyncDataParallel against DDP, memory servers on hosts of their own (:mod:`.training`)
+    train_workers: int = 4
+    train_servers: int = 4
+    train_layers: tuple[int, ...] = (1024, 2048, 1024, 10)   # 4.2 M parameters, 16.8 MB of gradients
+    train_batch: int = 16
+    train_steps: int = 8
+    train_warmup: int = 2
+    train_timeout: float = 240.0                  # seconds the workers may take
     log_level: str = "WARNING"
-    only: tuple[str, ...] = ("bandwidth", "sharding", "allreduce", "failure", "replication")
+    only: tuple[str, ...] = ("bandwidth", "sharding", "allreduce", "failure", "replication", "training")
 
 
 QUICK = Settings(cap_mbit=200.0, clients=2, server_counts=(1, 2), op_bytes=MiB, seconds=1.0,
                  shard_configs=((2, 2),), shard_steps=2, model_inputs=512, model_hidden=64,
                  sync_sizes=(2_000_000,), sync_workers=2, syncs=2, sync_dedicated=((2, 2),),
-                 repl_workers=2, repl_epochs=6, repl_hidden=512, repl_timeout=150.0)
+                 repl_workers=2, repl_epochs=6, repl_hidden=512, repl_timeout=150.0,
+                 train_workers=2, train_servers=2, train_layers=(256, 256, 10), train_steps=3, train_warmup=1)
 
 
 # -- experiment 1: bandwidth scaling --------------------------------------------------
@@ -329,6 +338,7 @@ def points(s: Settings) -> int:
     n += len(s.sync_sizes) * (1 + len(s.sync_dedicated)) if "allreduce" in s.only else 0
     n += 1 if "failure" in s.only else 0
     n += 2 if "replication" in s.only else 0
+    n += 1 if "training" in s.only else 0
     return n
 
 
@@ -350,6 +360,8 @@ def run_all(s: Settings, tick: Tick) -> dict[str, Any]:
             out["failure"] = failure(s, tick)
         if "replication" in s.only:
             out["replication"] = replica_failure.run(s, tick)
+        if "training" in s.only:
+            out["training"] = training.run(s, tick, cpu)
     return out
 
 

@@ -9,10 +9,12 @@ import logging
 import os
 from typing import Any
 
+from . import training
+
 log = logging.getLogger(__name__)
 
 SCALING_TARGET = 0.85      # aggregate bandwidth / linear scaling, while links are the bottleneck
-EXPERIMENT_KEYS = ("bandwidth", "sharding", "allreduce", "failure", "replication")
+EXPERIMENT_KEYS = ("bandwidth", "sharding", "allreduce", "failure", "replication", "training")
 REPLICATION_ACCURACY_SLACK = 0.02   # test accuracy: run with the kill vs undisturbed (asynchronous SEASGD)
 
 
@@ -219,6 +221,9 @@ def markdown(results: dict[str, Any]) -> str:
                      f"store with replicas={r['replicas']}; a memory server killed (SIGKILL) at "
                      f"{100 * r['kill_fraction']:.0f}% of the iterations\n")
         parts.append(replication_table(r))
+    if "training" in results:
+        parts.append(training.summary(results["training"]))
+        parts.append(training.table(results["training"]))
     return "\n".join(parts)
 
 
@@ -256,6 +261,8 @@ def targets(results: dict[str, Any]) -> list[str]:
                    f"{'same' if same else 'NOT the same'} (within {REPLICATION_ACCURACY_SLACK}); back to ready: "
                    f"{'yes' if fl.get('ready_after') is not None else 'NO'}; bytes lost 0: "
                    f"{'yes' if fl.get('bytes_lost') == 0 else 'NOT shown'}")
+    if results.get("training"):
+        out += training.targets(results["training"])
     return out
 
 
@@ -408,4 +415,7 @@ def plots(results: dict[str, Any], png_dir: str, prefix: str = "cluster",
     if "allreduce" in results:
         written.append(os.path.join(png_dir, f"{prefix}-allreduce.png"))
         plot_allreduce(results["allreduce"], written[-1])
+    if "training" in results:
+        written.append(os.path.join(png_dir, f"{prefix}-training.png"))
+        training.plot(results["training"], written[-1])
     return written

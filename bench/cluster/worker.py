@@ -15,7 +15,8 @@ the result is written to ``OUT.json``. Modes:
 * ``failure``: operations on two regions while the testbed takes one server's link
   down and up again; coordinated through files in ``signal_dir``;
 * ``train``, ``monitor``, ``check``, ``cleanup_store``: the replication experiment's
-  (:mod:`.replica_worker`).
+  (:mod:`.replica_worker`);
+* ``training``: synchronous training, memory box against DDP (:mod:`.training_worker`).
 
 Workers of one run meet at controller barriers; times are ``time.perf_counter``
 seconds, timestamps ``time.time`` (one clock for all namespaces of the machine).
@@ -38,7 +39,7 @@ from smb_client import Client, errors
 from smb_client.transports import tcp
 from smb_server.local_cluster import wait_for_json
 
-from . import replica_worker
+from . import replica_worker, training_worker
 
 log = logging.getLogger(__name__)
 
@@ -412,7 +413,7 @@ def failure(spec: dict[str, Any]) -> dict[str, Any]:
 
 MODES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "probe": probe, "bandwidth": bandwidth, "sharding": sharding, "allreduce": allreduce,
-    "failure": failure, **replica_worker.MODES,
+    "failure": failure, **replica_worker.MODES, **training_worker.MODES,
 }
 
 

@@ -60,7 +60,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
 from typing import Any
@@ -71,6 +71,7 @@ from ..collective import AllReduce, Collective
 from ..coord import Barrier
 from ..errors import InvalidArgument, RegionNotFound
 from ..futures import wait_all
+from ..hostinfo import host_id
 from .counters import SYNC_BARRIER_WORD, SharedCounters
 from .flat import GradientHooks
 from .layout import ALIGN, Bucket
@@ -105,13 +106,18 @@ class SyncDataParallel:
     are kept equal across replicas, each step.
     The store stays the caller's; :meth:`close` publishes the final weights and removes
     the hooks.
+    ``worker_hosts`` (collective exchange): every worker's host id, so that the
+    collective's chunks go to memory servers by where the workers run
+    (:meth:`~smb_client.collective.Collective.create`); None: gathered once through
+    ``torch.distributed`` when it is initialized over ``world`` processes, else
+    unknown (chunks dealt evenly over all servers); ``[]``: do not gather.
     """
 
     def __init__(self, store: ParameterStore, rank: int, world: int, *, overlap: bool = True,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, counters: SharedCounters | None = None,
                  barrier_timeout: float = BARRIER_TIMEOUT,
                  publish_every: int = DEFAULT_PUBLISH_EVERY, buffers: str = "broadcast",
-                 exchange: str = "auto") -> None:
+                 exchange: str = "auto", worker_hosts: Sequence[str] | None = None) -> None:
         if store.grad_slots < SYNC_SLOTS:
             raise InvalidArgument(f"synchronous training needs a store with grad_slots >= {SYNC_SLOTS}, "
                                   f"{store.prefix!r} has {store.grad_slots}")
@@ -163,13 +169,28 @@ class SyncDataParallel:
         self._coll: Collective | None = None
         self._round: AllReduce | None = None
         if exchange == "collective":
-            self._coll = self._open_collective()
+            self._coll = self._open_collective(self._worker_hosts(worker_hosts))
             # held back until synchronize(): see the module's notes on aligned stopping
             self._hold = self._runs[-1][0] if self._runs else None
 
-    def _open_collective(self) -> Collective:
-        """Rank 0 makes ``<prefix>/allreduce`` afresh (its counts must start at zero);
-        the others open it after a controller barrier (once, not per step)."""
+    def _worker_hosts(self, given: Sequence[str] | None) -> list[str] | None:
+        """Every worker's host id: ``given``, or gathered through torch.distributed
+        (see the class); None when unknown."""
+        if given is not None:
+            if given and len(given) != self.world:
+                raise InvalidArgument(f"worker_hosts names {len(given)} hosts for {self.world} workers")
+            return list(given) or None
+        dist = torch.distributed
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() == self.world):
+            return None
+        hosts: list[Any] = [None] * self.world
+        dist.all_gather_object(hosts, host_id())
+        return [str(h) for h in hosts]
+
+    def _open_collective(self, worker_hosts: list[str] | None) -> Collective:
+        """Rank 0 makes ``<prefix>/allreduce`` afresh (its counts must start at zero),
+        its chunks placed by ``worker_hosts`` when known; the others open it after a
+        controller barrier (once, not per step)."""
         store = self.store
         name = store.region_name(store.prefix, "allreduce")
         coll = None
@@ -179,7 +200,8 @@ class SyncDataParallel:
             except RegionNotFound:
                 pass
             packed = max(8, sum(n for _, n in self._runs))   # only trainable bytes travel
-            coll = Collective.create(store.client, name, packed, self.world, timeout=self.barrier_timeout)
+            coll = Collective.create(store.client, name, packed, self.world, timeout=self.barrier_timeout,
+                                     worker_hosts=worker_hosts)
         store.client.barrier(f"{store.prefix}/allreduce", self.world, timeout=self.barrier_timeout)
         if coll is None:
             coll = Collective.open(store.client, name, self.world, timeout=self.barrier_timeout, fresh=True)

@@ -25,6 +25,7 @@ from concurrent import futures
 from dataclasses import dataclass
 
 from smb_client import errors
+from smb_client.placement import parse_placement
 
 from .memservers import Backup, MemoryServers
 from .records import BACKUP, PRIMARY, ExtentRecord, RegionRecord
@@ -234,7 +235,7 @@ def check_same(existing: RegionRecord, spec: RegionSpec) -> None:
     if spec.size and spec.size != existing.size:
         raise errors.RegionExists(f"region {existing.name!r} exists with {existing.size} bytes, "
                                   f"not {spec.size}; delete it or use another name")
-    if spec.placement and spec.placement != existing.placement:
+    if spec.placement and parse_placement(spec.placement)[0] != existing.placement:
         raise errors.RegionExists(f"region {existing.name!r} exists with {existing.placement} "
                                   f"placement, not {spec.placement}")
     if spec.replicas > 1 and spec.replicas != existing.replicas:

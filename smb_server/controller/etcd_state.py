@@ -481,8 +481,8 @@ class EtcdState:
         segment_sizes = [check_bytes("a segment size", s) for s in segment_sizes]
         if not 0 <= int(num_servers) <= MAX_SERVERS:
             raise errors.InvalidArgument(f"num_servers must be 0 (all) to {MAX_SERVERS}, got {num_servers}")
-        placement = placement or "striped"
-        if placement != "layered" and segment_sizes:
+        placement = placement or "striped"   # a layered one may carry server weights (plan parses them)
+        if placement_mod.parse_placement(placement)[0] != "layered" and segment_sizes:
             raise errors.InvalidArgument(f"segment sizes are only for layered placement, not {placement!r}")
 
         def attempt() -> RegionRecord | None:

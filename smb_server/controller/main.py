@@ -26,6 +26,7 @@ from ..rpc_metrics import RpcMetrics
 from .etcd_kv import is_etcd_url
 from .etcd_state import EtcdState, Fence
 from .leader import Election, LeaderGate, LeaderLoop
+from .records import FailedReplica
 from .repair import REPAIR_INTERVAL, RepairManager, RepairMetrics
 from .service import METHOD_ROLES, ControllerServicer
 from .state import SERVER_STATES
@@ -135,6 +136,7 @@ class Controller(Daemon):
             self._start_election(self.state)
         self.repairer = RepairManager(self.state, self.servicer.memservers,
                                       metrics=RepairMetrics(self.registry))
+        self.servicer.on_failed_replicas = self._failed_replicas
         self._repair_thread = threading.Thread(target=self._repair_loop, name="controller-repair",
                                                daemon=True)
         self._repair_thread.start()
@@ -184,6 +186,13 @@ class Controller(Daemon):
                 log.info("expiring leases: %s", exc)
             except Exception:
                 log.exception("expiring leases")
+
+    def _failed_replicas(self, reports: list[FailedReplica]) -> None:
+        """A heartbeat reported backups its server's primaries cannot reach: the repair
+        thread drops them at once (their mutations wait for it)."""
+        if self.repairer is not None and self.leading():
+            self.repairer.report(reports)
+            self._repair_wake.set()
 
     def _repair_loop(self) -> None:
         """Repair passes (:mod:`.repair`) every ``REPAIR_INTERVAL`` seconds, at once when

@@ -142,6 +142,19 @@ class RegionRecord:
 
 
 @dataclass(frozen=True)
+class FailedReplica:
+    """A memory server's report (with its heartbeat) that its primary copy
+    ``primary_extent_id`` cannot forward to the backup copy ``backup_extent_id`` at
+    ``view``; trusted only from the slot's current primary at that view."""
+
+    server_id: str          # the reporting server
+    primary_extent_id: int
+    backup_extent_id: int
+    view: int
+    reason: str = ""
+
+
+@dataclass(frozen=True)
 class NewCopy:
     """A copy a slot change adds; the store draws its extent id (fresh, never reused)."""
 

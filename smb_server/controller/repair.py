@@ -23,6 +23,12 @@ replicated region:
      while the slot has an in-sync copy elsewhere: a returning server is reconciled,
      never trusted;
    - ``stale`` copies are dropped once the slot has ``replicas`` in-sync copies;
+   - a backup or syncing copy its primary reported it cannot reach (with a heartbeat,
+     :meth:`RepairManager.report`; a partition between two memory servers that both
+     still heartbeat) becomes ``stale`` as a dead one does, and its server is avoided
+     for ``AVOID_SECONDS``; trusted only from the slot's current primary at the slot's
+     current view (a deposed primary's report changes nothing), handled before the
+     other fencing of the pass (:func:`plan_report`);
    - a slot whose view this controller has not pushed yet (after a failed call, or
      after it started or took over) is configured again (same view: idempotent; a
      slot with a syncing copy is left to its sync; view 1 was configured by the create
@@ -74,6 +80,7 @@ from .records import (
     STALE,
     SYNCING,
     ExtentRecord,
+    FailedReplica,
     NewCopy,
     RegionRecord,
     ServerRecord,
@@ -136,6 +143,24 @@ def plan_fence(region: RegionRecord, index: int, suspect: Iterable[str] = ()) ->
     if not roles and not remove:
         return None
     return Fence(SlotChange(index, region.view_of(index), roles, remove), kind)
+
+
+def plan_report(region: RegionRecord, report: FailedReplica) -> tuple[SlotChange, ExtentRecord] | None:
+    """The change that takes the backup a primary reported as unreachable out of its
+    slot (it becomes ``stale``), with that backup; None unless the reporting server holds
+    the slot's live primary, the slot is at the report's view and the backup is in the
+    replica set (backup or syncing) -- a deposed primary, an old view or a copy already
+    dropped change nothing."""
+    primary = next((e for e in region.extents if e.extent_id == report.primary_extent_id), None)
+    if (primary is None or primary.role != PRIMARY or primary.dead
+            or primary.server_id != report.server_id
+            or region.view_of(primary.index) != report.view):
+        return None
+    backup = next((c for c in region.copies_of(primary.index)
+                   if c.extent_id == report.backup_extent_id), None)
+    if backup is None or backup.role not in (BACKUP, SYNCING):
+        return None
+    return SlotChange(primary.index, report.view, {backup.copy: STALE}), backup
 
 
 @dataclass(frozen=True)
@@ -211,7 +236,8 @@ class RepairMetrics:
         if registry is not None:
             self._prom = (
                 registry.counter("smb_controller_repairs_total", "Replica-set changes the controller "
-                                 "made, by kind (promote, drop, redrive, resync, spare)", ["kind"]),
+                                 "made, by kind (promote, drop, unreachable, redrive, resync, spare)",
+                                 ["kind"]),
                 registry.counter("smb_controller_repair_bytes_total",
                                  "Bytes memory servers copied to bring copies in step"),
                 registry.histogram("smb_controller_repair_seconds",
@@ -264,6 +290,7 @@ class RepairManager:
         self._registered: dict[str, float] = {}  # server id -> registered_at last seen
         self._warned: set[Key] = set()          # slots reported as short of a spare server
         self._unreachable: set[str] = set()     # servers that did not answer in this pass
+        self._reports: dict[tuple[int, int], FailedReplica] = {}   # (primary, backup extent) -> report
         self._closed = False
 
     def close(self, wait: bool = True) -> None:
@@ -273,9 +300,19 @@ class RepairManager:
         self._closed = True
         self._pool.shutdown(wait=wait, cancel_futures=True)
 
+    def report(self, reports: Iterable[FailedReplica]) -> None:
+        """Backups that primaries reported they cannot reach (from heartbeats; the
+        controller wakes the repair thread); the next pass checks and acts on them.
+        Thread-safe. Servers repeat a report with every heartbeat while it lasts, so a
+        pass that ignores one loses nothing."""
+        with self._lock:
+            for r in reports:
+                self._reports[(r.primary_extent_id, r.backup_extent_id)] = r
+
     def reset(self) -> None:
         """Forget what was pushed (a new leader pushes every slot's settings again)."""
         with self._lock:
+            self._reports.clear()
             self._applied.clear()
             self._promoting.clear()
             self._registered.clear()
@@ -300,6 +337,10 @@ class RepairManager:
         servers = self.state.list_servers()
         suspect = self._restarted(servers)
         self._unreachable = set()
+        with self._lock:
+            reports, self._reports = list(self._reports.values()), {}
+        if reports:
+            self._drop_unreachable(reports)
         regions = [r for r in self.state.list_regions() if r.replicas > 1]
         for region in regions:
             for index in sorted({e.index for e in region.extents}):
@@ -320,6 +361,46 @@ class RepairManager:
                 continue
             for index in sorted({e.index for e in region.extents}):
                 servers = self._start_sync(region, index, servers, avoid, now)
+
+    def _drop_unreachable(self, reports: Sequence[FailedReplica]) -> None:
+        """Act on the reports that :func:`plan_report` trusts: the backup becomes
+        ``stale`` (view + 1), its server is avoided for ``AVOID_SECONDS`` (no resync, no
+        new copy there meanwhile: no hot loop against a partition), and the primary is
+        configured without it, which answers the mutations that waited for it."""
+        by_extent = {e.extent_id: r for r in self.state.list_regions() if r.replicas > 1 for e in r.extents}
+        for report in reports:
+            region = by_extent.get(report.primary_extent_id)
+            planned = plan_report(region, report) if region is not None else None
+            if region is None or planned is None:
+                log.debug("ignored a report from server %s that primary extent %d cannot reach backup "
+                          "extent %d at view %d: not the slot's primary at its view, or dropped already",
+                          report.server_id, report.primary_extent_id, report.backup_extent_id, report.view)
+                continue
+            change, backup = planned
+            try:
+                result = self.state.change_slot(region.name, region.uid, change)
+            except errors.RegionNotFound:
+                continue
+            except errors.ControllerUnavailable:
+                raise
+            except errors.SMBError as exc:
+                log.warning("region %s slot %d: dropping an unreachable backup: %s", region.name,
+                            change.index, exc)
+                continue
+            if result is None:
+                continue   # changed meanwhile: the server reports again if it still matters
+            region, removed = result
+            for e in region.extents:
+                by_extent[e.extent_id] = region
+            self.metrics.done("unreachable")
+            self._avoid_server(backup.server_id)
+            log.warning("region %s slot %d: the primary on server %s cannot reach copy %d on server %s "
+                        "(%s); the copy is dropped from the replica set (view %d) and repaired "
+                        "elsewhere, or resynced once its server can be reached (not before %.0f s)",
+                        region.name, change.index, report.server_id, backup.copy, backup.server_id,
+                        report.reason or "no reason given", change.view + 1, AVOID_SECONDS)
+            self._release(region.uid, removed)
+            self._push(region, change.index)
 
     def _restarted(self, servers: Sequence[ServerRecord]) -> set[str]:
         """Servers that registered again since the last pass (not on the first)."""

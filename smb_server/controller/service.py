@@ -8,7 +8,7 @@ the result into a reply; typed errors become gRPC status codes (``typed_errors``
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import grpc
@@ -21,7 +21,7 @@ from ..grpc_util import current_principal, typed_errors
 from .barriers import MAX_WAITERS, Barriers
 from .creation import RegionCreator, RegionSpec
 from .memservers import RELEASE_TIMEOUT, RESERVE_TIMEOUT, GrpcMemoryServers
-from .records import ExtentRecord, HeldExtent, RegionRecord, ServerRecord
+from .records import ExtentRecord, FailedReplica, HeldExtent, RegionRecord, ServerRecord
 from .store import StateStore
 
 log = logging.getLogger(__name__)
@@ -91,6 +91,8 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
 
     ``secret`` signs tickets (shared with the memory servers); ``token`` is the bearer
     token sent to memory servers; ``ticket_ttl`` (seconds) is the life of region tickets.
+    :attr:`on_failed_replicas` gets the backups a heartbeat reports as failed (the
+    controller hands them to its repair manager).
     """
 
     def __init__(self, state: StateStore, secret: bytes, token: str = "",
@@ -104,6 +106,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         self.memservers = GrpcMemoryServers(secret, token, reserve_timeout, release_timeout)
         self.creator = RegionCreator(state, self.memservers)
         self.barriers = Barriers(max_barrier_waits)
+        self.on_failed_replicas: Callable[[list[FailedReplica]], None] | None = None
 
     def close(self) -> None:
         """Wake barrier waiters, finish memory-server calls, close channels."""
@@ -135,6 +138,10 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
                   context: grpc.ServicerContext) -> Any:
         _check_acts_for(request.server_id)
         orphans = self.state.heartbeat(request.server_id, _held(request.extents))
+        if request.failed_replicas and self.on_failed_replicas is not None:
+            self.on_failed_replicas([
+                FailedReplica(request.server_id, f.primary_extent_id, f.backup_extent_id, f.view, f.reason)
+                for f in request.failed_replicas])
         return controller_pb2.HeartbeatResponse(lease_seconds=self.state.lease_seconds,
                                                 orphan_extent_ids=orphans)
 

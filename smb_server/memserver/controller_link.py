@@ -5,6 +5,9 @@ until the controller accepts, then heartbeat every interval; on errors wait the 
 :class:`smb_client.retry.Backoff` delay (the controller may be restarting); when the
 controller has forgotten this server (``NotFound`` on a heartbeat), register again at
 once. The calls themselves are passed in, so the sequencing is tested without gRPC.
+:meth:`ControllerLink.run` steps until stopped; :meth:`ControllerLink.wake` makes the
+next call at once (a heartbeat with news: a backup this server's primary marked failed,
+which the controller must drop before the mutations waiting on it can be answered).
 
 :class:`Controllers` holds the controllers a server may talk to (``--controller`` takes
 a comma-separated list: a leader and its standbys); when the one it talks to is
@@ -13,6 +16,7 @@ unavailable (a standby refuses, or it does not answer), the link moves on to the
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -40,6 +44,36 @@ class ControllerLink:
         self.where = where
         self.need_register = True
         self.failures = 0  # failed calls in a row
+        self._wake = threading.Event()
+        self._stopped = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def wake(self) -> None:
+        """Make the next call now instead of after the interval (thread-safe). While
+        the controller is failing, the backoff stands."""
+        self._wake.set()
+
+    def start(self) -> None:
+        """Run :meth:`run` on a daemon thread of its own (``heartbeat``)."""
+        self._thread = threading.Thread(target=self.run, name="heartbeat", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """End :meth:`run` and wait up to ``timeout`` seconds for the thread of
+        :meth:`start` (thread-safe)."""
+        self._stopped.set()
+        self._wake.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
+    def run(self) -> None:
+        """Step until :meth:`stop`: wait the delay each step returns, cut short by
+        :meth:`wake` unless the last call failed."""
+        while not self._stopped.is_set():
+            self._wake.clear()
+            delay = self.step()
+            (self._stopped if self.failures else self._wake).wait(delay)
 
     def step(self) -> float:
         """Make the next call; returns the seconds to wait before the next step."""

@@ -2,7 +2,8 @@
 
 :class:`MemoryServer` builds the arena, the gRPC service and the data planes, then
 registers with the controller from a background thread (retrying with backoff while
-the controller is unreachable) and heartbeats every ``heartbeat_seconds``. Extents the
+the controller is unreachable) and heartbeats every ``heartbeat_seconds`` (and at once
+when a primary here marks a backup failed: the heartbeat reports it). Extents the
 controller reports as orphans (held here, unknown there, past its grace period) are
 released. Data keeps being served while the controller is away.
 
@@ -95,8 +96,7 @@ class MemoryServer(Daemon):
         self._health: Health | None = None
         self._grpc: Any = None
         self._controllers: Controllers | None = None  # the controller list (leader and standbys)
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._link: ControllerLink | None = None
         self._tmp_dirs: list[str] = []
         self._state_dir = ""
         self._announced = False
@@ -183,8 +183,12 @@ class MemoryServer(Daemon):
 
         self._controllers = Controllers(cfg.controller, lambda address: rpc.channel(address, tls),
                                         controller_pb2_grpc.ControllerStub)
-        self._thread = threading.Thread(target=self._control_loop, name="heartbeat", daemon=True)
-        self._thread.start()
+        # register, heartbeat; one at once when a backup is newly marked failed (controller_link)
+        self._link = ControllerLink(self.register, self.heartbeat, self._interval,
+                                    Backoff(first=BACKOFF_FIRST, cap=BACKOFF_MAX, jitter=BACKOFF_JITTER),
+                                    where=f"at {cfg.controller}", controllers=self._controllers)
+        self.replication.on_failure = self._link.wake
+        self._link.start()
 
     def _start_rdma(self, host: str) -> RdmaPlane | None:
         """The rdma plane, or None (logged) when this host has no usable RDMA device.
@@ -219,9 +223,8 @@ class MemoryServer(Daemon):
         reason = self.stop_reason or "stopped"
         if self._health is not None:
             self._health.shutting_down()
-        self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(RPC_TIMEOUT + 1)
+        if self._link is not None:
+            self._link.stop(RPC_TIMEOUT + 1)
         if was_running and self.registered.is_set():
             self._unregister(reason)
         for plane in (self.tcp, self.shm, self.rdma, self.replication):
@@ -346,7 +349,11 @@ class MemoryServer(Daemon):
     def heartbeat(self) -> None:
         """One Heartbeat call; releases the orphans it names. Raises typed errors."""
         assert self._stub is not None
-        request = controller_pb2.HeartbeatRequest(server_id=self.server_id, extents=self._held())
+        failed = [controller_pb2.FailedReplica(primary_extent_id=f.primary_extent_id, view=f.view,
+                                               backup_extent_id=f.backup_extent_id, reason=f.reason[:200])
+                  for f in (self.replication.failed_backups() if self.replication is not None else [])]
+        request = controller_pb2.HeartbeatRequest(server_id=self.server_id, extents=self._held(),
+                                                  failed_replicas=failed)
         reply = rpc.call(self._stub.Heartbeat, request, self._credential(), RPC_TIMEOUT,
                          errors.ControllerUnavailable)
         self.lease_seconds = reply.lease_seconds
@@ -363,14 +370,6 @@ class MemoryServer(Daemon):
         if self.lease_seconds > 0:
             interval = min(interval, self.lease_seconds / 3)
         return max(0.05, interval)
-
-    def _control_loop(self) -> None:
-        """Register (with backoff), then heartbeat; re-register when forgotten."""
-        link = ControllerLink(self.register, self.heartbeat, self._interval,
-                              Backoff(first=BACKOFF_FIRST, cap=BACKOFF_MAX, jitter=BACKOFF_JITTER),
-                              where=f"at {self.config.controller}", controllers=self._controllers)
-        while not self._stop.is_set():
-            self._stop.wait(link.step())
 
 
 def read_server_id(state_dir: str) -> str:

@@ -20,7 +20,10 @@ every lock the controller's next ``ConfigureReplicas`` needs, until a new view d
 it (or copies it again) or :data:`REPLICA_TIMEOUT` passes (:class:`ReplicaTimeout`,
 the dedup entry keeps what was applied so that a retry resumes). A backup answering
 NotPrimary has a newer view than this primary: this one was deposed, and its client is
-told NotPrimary.
+told NotPrimary. The controller learns of failed backups from this server's heartbeats
+(:meth:`Replication.failed_backups`; :attr:`Replication.on_failure` asks for a heartbeat
+at once), so that a backup this primary cannot reach while its own server still
+heartbeats (a partition between two memory servers) is dropped too.
 
 A backup marked ``sync`` is added to the forwarding set first, then copied chunk by
 chunk (:data:`SYNC_CHUNK`), each chunk under the extent's lock as the forwarding is: a
@@ -31,6 +34,11 @@ One :class:`Replication` per arena (:func:`for_arena`), shared by the servicer a
 planes. Connections to a backup server are pooled per endpoint (:class:`Forwarder`),
 :class:`smb_client.transports.tcp.TcpConnection` underneath (TLS to ``tcp+tls://``
 endpoints with the server's own certificate, key and CA).
+
+The module is longer than 400 lines on purpose: a replica set's configuration, the
+forwarding under the extent's lock, the sync and the wait for a failed backup to be
+dropped share one condition and one set of states, and their ordering is checked here
+in one place.
 """
 from __future__ import annotations
 
@@ -40,7 +48,7 @@ import struct
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from smb_client.addressing import parse_endpoint
@@ -99,6 +107,16 @@ class Backup:
     reason: str = ""
 
 
+@dataclass(frozen=True)
+class FailedBackup:
+    """A backup a primary marked failed and still has in its replica set (what the
+    heartbeat reports to the controller)."""
+    primary_extent_id: int
+    backup_extent_id: int
+    view: int
+    reason: str
+
+
 @dataclass(eq=False)
 class ReplicaConfig:
     role: str = ""
@@ -137,9 +155,11 @@ class Forwarder:
 class Replication:
     """The replica configuration of every extent of one arena, and the forwarders.
 
-    Thread-safe. The configuration lives under its own condition (never under an
-    extent's lock), so that requests waiting for a failed backup to be dropped hold
-    nothing that :meth:`configure` needs.
+    Thread-safe. The configuration lives under its own condition, so that requests
+    waiting for a failed backup to be dropped hold nothing that :meth:`configure`
+    needs; :meth:`configure` also takes the extent's lock for the moment it changes the
+    view, which a piece holds while it is forwarded (lock order: configuring lock,
+    extent lock, condition).
     """
 
     def __init__(self, secret: bytes = b"", tls: ssl.SSLContext | None = None,
@@ -152,6 +172,9 @@ class Replication:
         self._forwarders: dict[str, Forwarder] = {}
         self._configuring: dict[int, threading.Lock] = {}
         self.counts = dict.fromkeys(("pieces", "bytes", "sync_bytes", "failures"), 0)
+        #: called (no lock held) when a backup is newly marked failed: the server sends
+        #: a heartbeat at once, so that the controller drops it within about a second
+        self.on_failure: Callable[[], None] | None = None
 
     # -- lookups (no lock: one dict read) --------------------------------------------
     def config(self, extent_id: int) -> ReplicaConfig | None:
@@ -160,6 +183,14 @@ class Replication:
     def role(self, extent_id: int) -> str:
         cfg = self._configs.get(extent_id)
         return cfg.role if cfg is not None else ""
+
+    def failed_backups(self) -> list[FailedBackup]:
+        """Every backup of a primary extent here that is marked failed (waiting for the
+        controller to drop it or copy it again), with the primary's view."""
+        with self._cond:
+            return [FailedBackup(extent_id, b.extent_id, cfg.view, b.reason)
+                    for extent_id, cfg in self._configs.items() if cfg.role == "primary"
+                    for b in cfg.backups if b.state == "failed"]
 
     def count(self, **counts: int) -> None:
         with self._cond:
@@ -183,7 +214,11 @@ class Replication:
         with self._cond:
             lock = self._configuring.setdefault(extent.extent_id, threading.Lock())
         with lock:
-            with self._cond:
+            # under the extent's lock too: a piece being forwarded under the old view is
+            # answered before the new one is in force (the controller configures the
+            # backups next, and they would refuse it as a deposed primary's: the piece,
+            # applied here, would then be missing there)
+            with extent.lock, self._cond:
                 old = self._configs.get(extent.extent_id) or ReplicaConfig()
                 if view < old.view:
                     raise InvalidArgument(f"extent {extent.extent_id}: view {view} is older than "
@@ -309,7 +344,14 @@ class Replication:
             self.counts["failures"] += 1
             self._cond.notify_all()
         log.warning("extent %d: backup %d on %s failed (%s); mutations wait until the controller "
-                    "drops it", extent.extent_id, backup.extent_id, backup.endpoint, exc)
+                    "drops it (reported with the next heartbeat, sent now)", extent.extent_id,
+                    backup.extent_id, backup.endpoint, exc)
+        tell = self.on_failure
+        if tell is not None:
+            try:
+                tell()
+            except Exception:   # never fail the request path for a heartbeat's sake
+                log.exception("asking for a heartbeat after a failed backup")
 
     def settle(self, extent_id: int) -> None:
         """Block until no backup of the extent is marked failed (the controller dropped
@@ -384,5 +426,5 @@ def word(value: int) -> bytes:
     return _WORD.pack(value)
 
 
-__all__ = ["Backup", "Forwarder", "REPLICA_TIMEOUT", "ReplicaConfig", "ReplicaTimeout",
+__all__ = ["Backup", "FailedBackup", "Forwarder", "REPLICA_TIMEOUT", "ReplicaConfig", "ReplicaTimeout",
            "Replication", "for_arena", "piece_what", "role_of", "word"]

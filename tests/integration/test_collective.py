@@ -18,12 +18,13 @@ from smb_client.collective import TAIL, Collective
 KiB = 1 << 10
 
 
-def _parties(cluster, name: str, parties: int, nbytes: int, chunk_bytes: int, transport: str, body,
-             num_servers: int = 0):
-    """Run ``body(coll, rank)`` in ``parties`` threads; the first creates the collective."""
+def _parties(cluster, name: str, parties: int, nbytes: int, chunk_bytes: int | None, transport: str, body,
+             num_servers: int = 0, **options):
+    """Run ``body(coll, rank)`` in ``parties`` threads; the first creates the collective
+    (with ``options`` for :meth:`Collective.create`)."""
     clients = [cluster.client(transport=transport) for _ in range(parties)]
     created = Collective.create(clients[0], name, nbytes, parties, chunk_bytes=chunk_bytes,
-                                num_servers=num_servers, timeout=60)
+                                num_servers=num_servers, timeout=60, **options)
     colls = [created] + [Collective.open(c, name, parties, timeout=60) for c in clients[1:]]
     errors_: list[BaseException] = []
 
@@ -149,3 +150,64 @@ def test_a_party_opening_after_a_faster_one_pushed_takes_fresh_counts(cluster, n
         np.testing.assert_array_equal(y, np.full(1024, 12, np.int64))
         second.close()
         first.destroy()
+
+
+def _chunks_per_server(coll: Collective) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for chunk in coll.chunks:
+        out[chunk.place.server_id] = out.get(chunk.place.server_id, 0) + 1
+    return out
+
+
+def _summing_body(parties: int, n: int, seen: list[dict[str, int]]):
+    def body(coll: Collective, rank: int) -> None:
+        if rank == 0:
+            seen.append(_chunks_per_server(coll))
+        for k in range(3):
+            x = np.arange(n, dtype=np.int64) * (rank + 1) + k
+            coll.all_reduce(x)
+            np.testing.assert_array_equal(
+                x, np.arange(n, dtype=np.int64) * (parties * (parties + 1) // 2) + k * parties)
+    return body
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_weighted_servers_get_their_share_of_chunks_and_sums_stay_exact(cluster, name, transport):
+    with cluster.client() as c:
+        a, b = sorted(s.server_id for s in c.list_servers() if s.state == "up")[:2]
+    seen: list[dict[str, int]] = []
+    n = 40 * 512                                  # 40 chunks of 4 KiB
+    _parties(cluster, name, 3, n * 8, 4096, transport, _summing_body(3, n, seen), servers={a: 3, b: 1})
+    assert seen == [{a: 30, b: 10}]
+
+
+def test_worker_hosts_and_explicit_servers_choose_where_the_chunks_go(cluster, name):
+    from smb_client.hostinfo import host_id
+    with cluster.client() as c:
+        ids = sorted(s.server_id for s in c.list_servers() if s.state == "up")
+    seen: list[dict[str, int]] = []
+    n = 20 * 512
+    # one server named: every chunk on it, whatever the hosts
+    _parties(cluster, name, 2, n * 8, 4096, "tcp", _summing_body(2, n, seen),
+             servers=[ids[1]], worker_hosts=[host_id(), "elsewhere"])
+    assert seen == [{ids[1]: 20}]
+    # both servers share this host, which runs one of the three workers: an even split
+    # of the host's share (the default chunk size gives both several chunks)
+    seen.clear()
+    _parties(cluster, name, 3, n * 8, None, "tcp", _summing_body(3, n, seen),
+             worker_hosts=[host_id(), "elsewhere-1", "elsewhere-2"])
+    assert set(seen[0]) == set(ids) and max(seen[0].values()) - min(seen[0].values()) <= 1
+
+
+def test_placement_arguments_are_checked(cluster, name):
+    with cluster.client() as c:
+        with pytest.raises(errors.InvalidArgument, match="exclude"):
+            Collective.create(c, name, 4096, 2, num_servers=1, servers=[c.list_servers()[0].server_id])
+        with pytest.raises(errors.InvalidArgument, match="not up"):
+            Collective.create(c, name, 4096, 2, servers=["no-such-server"])
+        with pytest.raises(errors.InvalidArgument, match="weight"):
+            Collective.create(c, name, 4096, 2, servers={"x": -1})
+        with pytest.raises(errors.OutOfMemory, match="not up"):
+            c.create_region(name, 4096, placement="layered", server_weights={"no-such-server": 1})
+        with pytest.raises(errors.InvalidArgument, match="layered"):
+            c.create_region(name, 4096, server_weights={"x": 1})

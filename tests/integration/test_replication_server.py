@@ -316,6 +316,64 @@ def test_failed_backup_holds_acknowledgement_until_it_is_dropped(nodes):
     c.close()
 
 
+def test_a_failed_backup_is_reported_at_once_until_it_is_dropped(nodes):
+    """What the heartbeat carries: the primary asks for one at once when a backup is
+    newly marked failed, and lists it (with its view) until a new view drops it."""
+    primary, backup = replica_set(nodes)
+    asked: list[float] = []
+    primary.repl.on_failure = lambda: asked.append(time.monotonic())
+    assert primary.repl.failed_backups() == []
+    backup.tcp.close()                                    # the backup's data plane goes
+    c = Client(primary)
+    done = threading.Event()
+    threading.Thread(target=lambda: (c.accumulate(0, np.ones(1000, np.int64)), done.set())).start()
+    deadline = time.monotonic() + 10
+    while not asked and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(asked) == 1 and not done.is_set()
+    (failed,) = primary.repl.failed_backups()
+    assert (failed.primary_extent_id, failed.backup_extent_id, failed.view) == (primary.eid, backup.eid, 1)
+    assert failed.reason
+    primary.configure(2, "primary", [])                  # what the controller does with it
+    assert done.wait(10)
+    assert primary.repl.failed_backups() == [] and len(asked) == 1
+    c.close()
+
+
+def test_view_changes_of_a_staying_primary_lose_no_piece(nodes):
+    """The controller configures a primary that stays at a new view, then its backups:
+    a piece forwarded under the old view must not reach a backup already at the new one
+    (it would refuse it as a deposed primary's, and the copies would differ)."""
+    primary, backup = replica_set(nodes)
+    c = Client(primary)
+    stop = threading.Event()
+    rounds: list[int] = []
+    failures: list[BaseException] = []
+
+    def accumulate() -> None:
+        try:
+            while not stop.is_set():
+                c.accumulate(0, np.ones(SIZE // 8, np.int64))
+                rounds.append(1)
+        except BaseException as exc:   # reported below
+            failures.append(exc)
+    t = threading.Thread(target=accumulate)
+    t.start()
+    try:
+        for view in range(2, 60):
+            primary.configure(view, "primary", [backup])
+            backup.configure(view, "backup")
+            if failures:
+                break
+    finally:
+        stop.set()
+        t.join(60)
+        c.close()
+    assert not failures, failures
+    assert rounds and primary.data() == backup.data()
+    np.testing.assert_array_equal(primary.array(np.int64), len(rounds))
+
+
 def test_backups_refuse_clients_and_deposed_primaries(nodes):
     primary, backup = replica_set(nodes)
     Client(primary).write(0, b"hello")

@@ -90,6 +90,17 @@ def test_aggregation_short_against_gloo():
     assert all(dedicated[system]["verified"] for system in ("smb", "collective", "gloo"))
 
 
+def test_training_short_against_ddp():
+    from bench.cluster import training
+    result = training.run(experiments.quick(), lambda message: None)
+    assert set(result["systems"]) == {"smb", "smb+hooks", "ddp"}
+    for system in result["systems"].values():
+        assert system["same_weights"] and system["steps_per_second"] > 0
+    # the collective's chunks on both dedicated servers
+    assert len(result["systems"]["smb"]["chunk_bytes_per_server"]) == 2
+    assert "| smb+hooks |" in training.table(result)
+
+
 def test_failed_start_leaves_nothing_behind():
     tb = Testbed(1, 0, capacity="no-such-size")
     with pytest.raises(TestbedError, match="srv0 exited"):

@@ -147,3 +147,23 @@ def test_a_single_controller_backs_off_as_before() -> None:
 def test_an_empty_controller_list_is_refused() -> None:
     with pytest.raises(errors.InvalidArgument, match="no controller address"):
         Controllers(" , ", lambda address: None, lambda ch: None)
+
+
+def test_wake_sends_the_next_heartbeat_at_once_and_stop_ends_the_loop() -> None:
+    import threading
+    import time
+    beats = threading.Semaphore(0)
+    link = ControllerLink(lambda: None, beats.release, lambda: 30.0, Backoff(first=0.1, cap=0.4))
+    link.start()
+    try:
+        time.sleep(0.2)                      # registered, now waiting out the 30 s interval
+        assert not beats.acquire(timeout=0.2)
+        started = time.monotonic()
+        link.wake()                          # a backup was marked failed: report it now
+        assert beats.acquire(timeout=5.0)
+        assert time.monotonic() - started < 2.0
+    finally:
+        started = time.monotonic()
+        link.stop(5.0)
+    assert time.monotonic() - started < 2.0  # stop cuts the interval short
+    assert link._thread is not None and not link._thread.is_alive()

@@ -250,3 +250,123 @@ def test_replicated_plan_errors_have_numbers():
     # hosts unknown: distinct servers still
     _, copies = plan_replicated(60, "single", {"a": 100, "b": 100, "c": 100}, 3)
     assert sorted(copies[0]) == ["a", "b", "c"]
+
+
+# -- weighted layered placement and the share math ---------------------------------
+from smb_client.placement import (  # noqa: E402  (grouped with the tests that use them)
+    assign_weighted,
+    chunk_shares,
+    host_loads,
+    parse_placement,
+    weighted_placement,
+)
+
+
+@given(st.lists(st.integers(1, 5000), min_size=1, max_size=40),
+       st.lists(st.floats(0, 10, allow_nan=False), min_size=1, max_size=8).filter(lambda w: any(w)))
+def test_assign_weighted_gives_each_server_about_its_share(sizes, weights):
+    chosen = assign_weighted(sizes, weights)
+    load = [0] * len(weights)
+    for s, j in zip(sizes, chosen, strict=True):
+        load[j] += s
+    total, w_total, live = sum(sizes), sum(weights), sum(1 for w in weights if w > 0)
+    for j, w in enumerate(weights):
+        if w == 0:
+            assert load[j] == 0
+        assert load[j] <= w / w_total * (total + live * max(sizes)) + 1e-6
+
+
+@given(st.dictionaries(st.text(min_size=1, max_size=12), st.floats(0, 1e6, allow_nan=False),
+                       min_size=1, max_size=6).filter(lambda w: any(w.values())))
+def test_weighted_placement_round_trips(weights):
+    assert parse_placement(weighted_placement(weights)) == ("layered", {k: float(v) for k, v in weights.items()})
+    assert parse_placement("layered") == ("layered", {})
+
+
+@pytest.mark.parametrize("bad", [{}, {"a": -1}, {"a": 0}, {"a": float("inf")}, {"a": True}, {"": 1}])
+def test_weighted_placement_refuses_bad_weights(bad):
+    with pytest.raises(errors.InvalidArgument):
+        weighted_placement(bad)
+    with pytest.raises(errors.InvalidArgument):
+        parse_placement("layered:{nope")
+
+
+def test_plan_weighted_puts_segments_on_the_named_servers_in_proportion():
+    free = {"a": 1 << 30, "b": 1 << 30, "c": 1 << 30, "d": 1 << 30}
+    layout, servers = plan(25 * 100, weighted_placement({"a": 2, "b": 2, "c": 1, "d": 0}), free,
+                           segment_sizes=[100] * 25)
+    got = dict(zip(servers, layout.extent_lengths, strict=True))
+    assert got == {"a": 1000, "b": 1000, "c": 500}
+    with pytest.raises(errors.OutOfMemory, match="not up"):
+        plan(100, weighted_placement({"x": 1}), free, segment_sizes=[100])
+    with pytest.raises(errors.InvalidArgument, match="exclude"):
+        plan(100, weighted_placement({"a": 1}), free, segment_sizes=[100], num_servers=1)
+    with pytest.raises(errors.OutOfMemory, match="needs 200 bytes"):
+        plan(200, weighted_placement({"a": 1}), {"a": 100}, segment_sizes=[200])
+    layout, copies = plan_replicated(400, weighted_placement({"a": 1, "b": 1}), free, 2,
+                                     segment_sizes=[100] * 4)
+    assert [c[0] for c in copies] == ["a", "b"] and all(len(set(c)) == 2 for c in copies)
+
+
+def _max_time(shares, servers, workers, links=None):
+    links = links or {}
+    return max(load / links.get(h, 1.0) for h, load in host_loads(shares, servers, workers).items())
+
+
+def test_chunk_shares_dedicated_servers_split_evenly():
+    servers = {f"s{j}": f"srv{j}" for j in range(4)}
+    shares = chunk_shares(servers, [f"w{i}" for i in range(4)])
+    assert shares == pytest.approx({s: 0.25 for s in servers})
+    assert _max_time(shares, servers, [f"w{i}" for i in range(4)]) == pytest.approx(1.0)
+
+
+def test_chunk_shares_mixed_gives_colocated_servers_less():
+    # 4 workers; two servers on workers' hosts, two on hosts of their own
+    servers = {"c0": "h0", "c1": "h1", "d0": "x0", "d1": "x1"}
+    workers = ["h0", "h1", "h2", "h3"]
+    shares = chunk_shares(servers, workers)
+    assert shares == pytest.approx({"c0": 1 / 6, "c1": 1 / 6, "d0": 1 / 3, "d1": 1 / 3})
+    assert _max_time(shares, servers, workers) == pytest.approx(4 / 3)   # even shares: 1.5 (the ring's)
+    assert _max_time({s: 0.25 for s in servers}, servers, workers) == pytest.approx(1.5)
+
+
+@pytest.mark.parametrize("n,k", [(4, 4), (8, 4), (8, 8), (3, 1), (16, 2)])
+def test_chunk_shares_reproduce_the_byteps_speedup(n, k):
+    """A server beside every worker plus k on hosts of their own: the busiest link
+    carries 2(n-1)/n / ((n^2+kn-2k)/n^2) of the gradient (BytePS's speedup over the ring)."""
+    servers = {f"c{i}": f"h{i}" for i in range(n)} | {f"d{j}": f"x{j}" for j in range(k)}
+    workers = [f"h{i}" for i in range(n)]
+    t = _max_time(chunk_shares(servers, workers), servers, workers)
+    assert (2 * (n - 1) / n) / t == pytest.approx((n * n + k * n - 2 * k) / (n * n))
+
+
+@given(st.integers(1, 9), st.integers(0, 6), st.integers(0, 6), st.integers(0, 4), st.data())
+def test_chunk_shares_are_optimal(n, colocated, dedicated, extra_on_one, data):
+    """Shares add up to 1, and no other split loads the busiest link less (random
+    splits and every single-server one)."""
+    colocated = min(colocated, n)
+    if colocated + dedicated + extra_on_one == 0:
+        dedicated = 1
+    servers = {f"c{i}": f"h{i}" for i in range(colocated)} | {f"d{j}": f"x{j}" for j in range(dedicated)}
+    servers |= {f"e{j}": "h0" if colocated else "x0" for j in range(extra_on_one)}
+    workers = [f"h{i}" for i in range(n)]
+    links = {h: data.draw(st.sampled_from([0.5, 1.0, 2.0])) for h in {*servers.values(), *workers}}
+    shares = chunk_shares(servers, workers, links)
+    assert sum(shares.values()) == pytest.approx(1.0)
+    assert all(x >= 0 for x in shares.values())
+    best = _max_time(shares, servers, workers, links)
+    ids = sorted(servers)
+    for sid in ids:
+        assert best <= _max_time({s: float(s == sid) for s in ids}, servers, workers, links) + 1e-9
+    raw = data.draw(st.lists(st.floats(0, 1), min_size=len(ids), max_size=len(ids)).filter(lambda r: sum(r) > 0))
+    other = {s: r / sum(raw) for s, r in zip(ids, raw, strict=True)}
+    assert best <= _max_time(other, servers, workers, links) + 1e-9
+
+
+def test_chunk_shares_refuses_nonsense():
+    with pytest.raises(errors.InvalidArgument):
+        chunk_shares({}, ["h"])
+    with pytest.raises(errors.InvalidArgument):
+        chunk_shares({"s": "h"}, [])
+    with pytest.raises(errors.InvalidArgument):
+        chunk_shares({"s": "h"}, ["h"], {"h": 0})

@@ -10,8 +10,8 @@ import pytest
 from smb_client import errors
 from smb_server.controller.creation import RegionCreator, RegionSpec
 from smb_server.controller.memservers import Backup
-from smb_server.controller.records import NewCopy, RegionRecord, SlotChange
-from smb_server.controller.repair import RETRY_SECONDS, RepairManager, plan_fence
+from smb_server.controller.records import FailedReplica, NewCopy, RegionRecord, SlotChange
+from smb_server.controller.repair import AVOID_SECONDS, RETRY_SECONDS, RepairManager, plan_fence
 from smb_server.controller.state import ControllerState, ExtentRecord, HeldExtent
 from tests.unit.test_creation import InMemoryServers
 
@@ -354,3 +354,114 @@ def test_spares_of_one_pass_count_what_earlier_slots_took(state, servers, manage
     assert placed == ["s1", "s1", "s2", "s3"]       # one new copy on each spare, not both on s2
     assert len(region.extents) == len(after.extents) == 4
     assert all(s.used <= s.capacity for s in state.list_servers())
+
+
+# -- backups a primary reports it cannot reach (its server and theirs both heartbeat) ----
+def report(copy_of_primary: ExtentRecord, backup: ExtentRecord, view: int = 1,
+           server_id: str | None = None) -> FailedReplica:
+    return FailedReplica(server_id or copy_of_primary.server_id, copy_of_primary.extent_id,
+                         backup.extent_id, view, "silent for 3 s")
+
+
+def test_a_reported_backup_is_dropped_and_repaired_onto_a_spare(state, servers, manager) -> None:
+    add_servers(state, 3)
+    region = create(state, servers)
+    primary, backup = region.copies_of(0)
+    spare = ({"s0", "s1", "s2"} - {primary.server_id, backup.server_id}).pop()
+    settle(manager)
+    servers.configured.clear()
+    manager.report([report(primary, backup)])
+    settle(manager)
+    after = state.get_region("job/r")
+    assert after.state == "ready"
+    assert roles(after) == [(primary.server_id, "primary"), (spare, "backup")]
+    # the primary is configured without the backup first (that answers the waiting
+    # mutations), then the spare is synced; the stale copy is released on its server
+    seq = [(eid, view, role, bs) for _, eid, view, role, bs in servers.configured]
+    assert seq[0] == (primary.extent_id, 2, "primary", [])
+    (new,) = after.others()
+    assert (primary.extent_id, 3, "primary", [(new.extent_id, True)]) in seq
+    assert backup.extent_id not in servers.held[backup.grpc_address]
+    assert manager.metrics.by_kind == {"unreachable": 1, "spare": 1}
+
+
+def test_a_reported_backup_without_a_spare_is_resynced_after_the_avoid_time(
+        state, servers, manager, clock) -> None:
+    add_servers(state, 2)
+    region = create(state, servers)
+    primary, backup = region.copies_of(0)
+    settle(manager)
+    manager.report([report(primary, backup)])
+    settle(manager, 3)
+    after = state.get_region("job/r")
+    assert after.state == "degraded"
+    assert roles(after) == [(primary.server_id, "primary"), (backup.server_id, "stale")]
+    clock.now += RETRY_SECONDS + 1
+    settle(manager, 2)                                  # still avoided: no resync hot loop
+    assert roles(state.get_region("job/r"))[1] == (backup.server_id, "stale")
+    clock.now += AVOID_SECONDS
+    settle(manager)
+    after = state.get_region("job/r")
+    assert after.state == "ready" and roles(after) == roles(region)
+    assert manager.metrics.by_kind == {"unreachable": 1, "resync": 1}
+    # the partition is still there: the primary reports the copy again at the slot's
+    # view, and it is stale again
+    view = after.view_of(0)
+    manager.report([report(primary, backup, view)])
+    settle(manager)
+    assert roles(state.get_region("job/r"))[1] == (backup.server_id, "stale")
+    assert state.get_region("job/r").view_of(0) == view + 1
+
+
+@pytest.mark.parametrize("case", ["from a backup", "an old view", "a future view", "unknown extent"])
+def test_a_report_not_from_the_primary_at_its_view_is_ignored(state, servers, manager, case) -> None:
+    add_servers(state, 3)
+    region = create(state, servers, replicas=3)
+    primary, b1, b2 = region.copies_of(0)
+    settle(manager)
+    state.change_slot("job/r", region.uid, SlotChange(0, 1))     # the slot is at view 2 now
+    settle(manager)
+    servers.configured.clear()
+    bad = {"from a backup": FailedReplica(b1.server_id, b1.extent_id, b2.extent_id, 2),
+           "an old view": report(primary, b1, view=1),
+           "a future view": report(primary, b1, view=3),
+           "unknown extent": FailedReplica(primary.server_id, 999, b1.extent_id, 2)}[case]
+    manager.report([bad])
+    settle(manager, 2)
+    after = state.get_region("job/r")
+    assert after.state == "ready" and after.view_of(0) == 2 and roles(after) == roles(region)
+    assert servers.configured == [] and manager.metrics.by_kind == {}
+
+
+def test_a_deposed_primary_cannot_drop_a_healthy_backup(state, servers, manager) -> None:
+    add_servers(state, 4)
+    region = create(state, servers, replicas=3)
+    primary, b1, b2 = region.copies_of(0)
+    settle(manager)
+    kill(state, servers, primary.server_id)
+    settle(manager, 3)                                   # b1 leads, b2 resynced, a new copy
+    before = state.get_region("job/r")
+    assert before.state == "ready"
+    # the old primary, back from a pause, still thinks it leads at view 1
+    servers.dead.clear()
+    state.heartbeat(primary.server_id, [])
+    manager.report([report(primary, b2, view=1)])
+    settle(manager)
+    after = state.get_region("job/r")
+    assert roles(after) == roles(before) and after.view_of(0) == before.view_of(0)
+
+
+def test_a_report_for_a_copy_already_stale_is_a_no_op(state, servers, manager) -> None:
+    add_servers(state, 2)
+    region = create(state, servers)
+    primary, backup = region.copies_of(0)
+    settle(manager)
+    kill(state, servers, backup.server_id)
+    settle(manager)
+    after = state.get_region("job/r")
+    assert roles(after)[1] == (backup.server_id, "stale") and after.view_of(0) == 2
+    servers.configured.clear()
+    manager.report([report(primary, backup, view=2)])
+    settle(manager)
+    assert state.get_region("job/r").view_of(0) == 2
+    assert servers.configured == [] and manager.metrics.by_kind == {"drop": 1}

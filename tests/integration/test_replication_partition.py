@@ -1,0 +1,195 @@
+"""A primary cut off from its backup while both memory servers keep heartbeating: the
+controller learns of it from the primary's heartbeat (not from a lease, which never
+runs out here), drops the backup, and repairs the slot on a spare server.
+
+The partition is real: the whole cluster (controller, three memory servers, the
+client) runs in a network namespace of its own (``unshare --net``, so the host's
+loopback and other tests are untouched), where a policy-routing rule blackholes TCP to
+the backup server's data-plane port. Its gRPC port stays reachable, so it heartbeats
+and the controller keeps calling it ``up``; the primary's pooled connections to its
+tcp plane go silent (the kernel drops every segment) and new ones are refused. Nothing
+of ours is mocked.
+
+The spare server is drained while the partition starts, so the region is seen
+``degraded`` for certain (no copy can be made yet), then undrained: the repair puts
+the copy there and the region is ``ready`` again.
+
+Needs root, util-linux ``unshare`` and iproute2 ``ip rule ... dport``; elsewhere the
+test is skipped with the reason.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+MiB = 1 << 20
+SIZE = 8 * MiB
+STALL_LIMIT = 12.0   # seconds a mutation may wait for the drop (REPLICA_TIMEOUT is 30)
+
+
+def _sh(*cmd: str) -> None:
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+
+
+def _block_rules(port: int) -> list[list[str]]:
+    """``ip rule`` commands that blackhole TCP to ``port`` on this namespace's loopback:
+    the rule must come before the ``local`` table (priority 0), so that table moves to
+    priority 100."""
+    return [["ip", "rule", "add", "pref", "10", "ipproto", "tcp", "dport", str(port), "blackhole"],
+            ["ip", "rule", "add", "pref", "100", "lookup", "local"],
+            ["ip", "rule", "del", "pref", "0"]]
+
+
+def _unblock_rules() -> list[list[str]]:
+    return [["ip", "rule", "add", "pref", "0", "lookup", "local"],
+            ["ip", "rule", "del", "pref", "100"],
+            ["ip", "rule", "del", "pref", "10"]]
+
+
+def unavailable() -> str | None:
+    """Why a private network namespace with a port blackhole cannot be made here, or None."""
+    if os.geteuid() != 0:
+        return "needs root (a network namespace and policy routing)"
+    for tool in ("unshare", "ip"):
+        if shutil.which(tool) is None:
+            return f"no {tool} command"
+    script = " && ".join(["ip link set lo up"] + [" ".join(c) for c in _block_rules(9)])
+    probe = subprocess.run(["unshare", "--net", "sh", "-c", script], capture_output=True, text=True)
+    if probe.returncode != 0:
+        return f"cannot blackhole a port in a network namespace: {probe.stderr.strip()}"
+    return None
+
+
+# -- what runs inside the namespace ----------------------------------------------------
+def _wait_state(client, name: str, state: str, timeout: float) -> float:
+    deadline = time.monotonic() + timeout
+    while True:
+        got = {r.name: r.state for r in client.list_regions()}.get(name)
+        if got == state:
+            return time.monotonic()
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{name} is {got!r} after {timeout:g} s, waited for {state!r}")
+        time.sleep(0.05)
+
+
+def scenario(workdir: str) -> dict[str, object]:
+    """Run the partition and return what was seen (the test asserts on it)."""
+    from smb_client.addressing import parse_endpoint
+    from smb_server.local_cluster import LocalCluster
+    from tests.integration.test_replication import _copies, _read_copy
+
+    _sh("ip", "link", "set", "lo", "up")
+    facts: dict[str, object] = {}
+    with LocalCluster(servers=3, capacity="64M", workdir=workdir, log_level="INFO") as cluster:
+        ids = [cluster.server_id(i) for i in range(3)]
+        with cluster.client(transport="tcp") as c, cluster.admin_client() as admin:
+            r = c.create_region("job/part", SIZE, placement="single", replicas=2)
+            n = SIZE // 8
+            r.write(0, np.arange(n, dtype=np.int64))
+            primary = r.extents[0]
+            (backup,) = [p for p in r.copies if p.role == "backup"]
+            (spare,) = set(ids) - {primary.server_id, backup.server_id}
+            facts.update(primary=primary.server_id, backup=backup.server_id, spare=spare)
+            admin.drain_server(spare)     # no copy can be made until it is undrained
+            tcp = [parse_endpoint(e) for e in backup.endpoints if e.startswith("tcp")][0]
+
+            ones = np.ones(n, dtype=np.int64)
+            latencies: list[tuple[float, float]] = []   # (start, seconds) of each accumulate
+            failures: list[str] = []
+            stop = threading.Event()
+
+            def accumulate() -> None:
+                while not stop.is_set():
+                    t0 = time.monotonic()
+                    try:
+                        r.accumulate(0, ones)
+                    except Exception as exc:   # reported in the facts
+                        failures.append(f"{type(exc).__name__}: {exc}")
+                        return
+                    latencies.append((t0, time.monotonic() - t0))
+            worker = threading.Thread(target=accumulate)
+            worker.start()
+            time.sleep(0.5)
+            for cmd in _block_rules(tcp.port):
+                _sh(*cmd)
+            blocked_at = time.monotonic()
+            try:
+                degraded_at = _wait_state(c, "job/part", "degraded", 20.0)
+                time.sleep(1.0)           # mutations go on, on one copy, while no spare exists
+                facts["servers_while_partitioned"] = {s.server_id: s.state for s in c.list_servers()}
+                r.refresh()
+                facts["copies_while_degraded"] = [(p.server_id, p.role) for p in r.copies]
+                admin.drain_server(spare, undrain=True)
+                ready_at = _wait_state(c, "job/part", "ready", 60.0)
+                time.sleep(0.5)           # mutations forwarded to the new copy too
+            finally:
+                stop.set()
+                worker.join(60)
+                for cmd in _unblock_rules():
+                    _sh(*cmd)
+            facts.update(
+                failures=failures, rounds=len(latencies),
+                rounds_after_block=sum(1 for t0, _ in latencies if t0 >= blocked_at),
+                rounds_while_degraded=sum(1 for t0, _ in latencies if degraded_at <= t0 < ready_at),
+                max_stall=max(s for _, s in latencies), degraded_after=degraded_at - blocked_at,
+                slow=[(round(t0 - blocked_at, 2), round(s, 2)) for t0, s in latencies if s > 0.5],
+                ready_after=ready_at - blocked_at)
+            got = r.read(0, r.size, dtype=np.int64)
+            facts["values_exact"] = bool(np.array_equal(got, np.arange(n, dtype=np.int64) + len(latencies)))
+            r.refresh()
+            places = _copies(r)[0]
+            facts["copies_after"] = [(p.server_id, p.role) for p in places]
+            first = _read_copy(r, places[0])
+            facts["copies_identical"] = all(_read_copy(r, p) == first for p in places[1:])
+            facts["servers_after"] = {s.server_id: s.state for s in c.list_servers()}
+            r.close()
+        facts["controller_log"] = [line for line in cluster.log_path("controller").read_text().splitlines()
+                                   if "cannot reach" in line]
+    return facts
+
+
+# -- the test ----------------------------------------------------------------------------
+@pytest.mark.timeout(240)
+def test_a_backup_cut_off_from_its_primary_is_dropped_and_repaired(tmp_path):
+    reason = unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    out = tmp_path / "facts.json"
+    workdir = tmp_path / "cluster"
+    proc = subprocess.run(["unshare", "--net", "--", sys.executable, "-m",
+                           "tests.integration.test_replication_partition", str(workdir), str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=220)
+    logs = "".join(f"\n--- {p.name}\n" + "\n".join(p.read_text(errors="replace").splitlines()[-25:])
+                   for p in sorted(workdir.rglob("*.log")))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + logs
+    facts = json.loads(out.read_text())
+    where = json.dumps(facts, indent=1) + logs
+    assert facts["failures"] == [], where
+    # the backup's server never stopped heartbeating: no lease ran out
+    assert set(facts["servers_while_partitioned"].values()) <= {"up", "draining"}, where
+    assert facts["servers_while_partitioned"][facts["backup"]] == "up", where
+    # mutations waited for the drop (dead-peer time + a heartbeat), far below REPLICA_TIMEOUT
+    assert facts["max_stall"] < STALL_LIMIT, where
+    assert facts["rounds_after_block"] >= 10 and facts["rounds_while_degraded"] >= 3, where
+    assert facts["degraded_after"] < STALL_LIMIT, where
+    assert facts["copies_while_degraded"] == [], where          # only the primary is in sync
+    # repaired on the spare: the primary kept its place, the cut-off copy is gone
+    assert facts["copies_after"] == [[facts["primary"], "primary"], [facts["spare"], "backup"]], where
+    assert facts["copies_identical"] and facts["values_exact"], where
+    assert set(facts["servers_after"].values()) == {"up"}, where
+    assert any(facts["backup"] in line for line in facts["controller_log"]), where
+
+
+if __name__ == "__main__":   # inside the namespace (see the test)
+    result = scenario(sys.argv[1])
+    Path(sys.argv[2]).write_text(json.dumps(result))
