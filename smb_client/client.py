@@ -22,7 +22,7 @@ from .dataplane import TRANSPORT_POLICIES, DataPlane, choose_endpoint
 from .errors import ControllerUnavailable, InvalidArgument, RegionNotFound, SMBError, Timeout
 from .hostinfo import host_id
 from .names import check_region_name
-from .placement import MAX_REPLICAS, check_bytes, weighted_placement
+from .placement import MAX_REPLICAS, check_bytes, check_weights
 from .region import Region
 from .retry import Backoff, Retry
 from .tickets import TicketMode
@@ -234,14 +234,15 @@ class Client:
                 raise InvalidArgument(f"server_weights are for layered placement, not {placement!r}")
             if num_servers:
                 raise InvalidArgument("num_servers and server_weights exclude each other: the weights name the servers")
-            placement = weighted_placement(server_weights)   # rides in the placement string
+            server_weights = check_weights(server_weights)
         resp = self._call("CreateRegion", pb.CreateRegionRequest(
             name=name, size=size, placement=placement, stripe_unit=stripe_unit,
             num_servers=num_servers, segment_sizes=list(segment_sizes),
             persistent=persistent, exist_ok=exist_ok,
             # one uid for every attempt: a retry after a lost reply gets the region it made
             uid=uuid.uuid4().hex,
-            owner=self.owner if lease else "", lease_seconds=float(lease or 0.0), replicas=replicas))
+            owner=self.owner if lease else "", lease_seconds=float(lease or 0.0), replicas=replicas,
+            server_weights=dict(server_weights or {})))
         if lease:
             self._keep_leases(float(lease))
         return Region(self, resp.region, resp.ticket, TicketMode.RW)

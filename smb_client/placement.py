@@ -11,9 +11,10 @@ Placements:
   its segments back to back in region order.
 - ``single``: one extent holds everything.
 
-A ``layered`` region may name its servers with weights (:func:`weighted_placement`:
-``layered:`` and a JSON object ``{server id: weight}``): its segments then go to those
-servers only, each server's bytes in proportion to its weight (:func:`assign_weighted`).
+A ``layered`` region may name its servers with weights (``weights`` of :func:`plan`,
+server id -> weight; ``server_weights`` of a create request): its segments then go to
+those servers only, each server's bytes in proportion to its weight
+(:func:`assign_weighted`).
 :func:`chunk_shares` derives such weights for a collective from where the workers
 run (docs/architecture.md, Collectives, placement).
 
@@ -24,7 +25,6 @@ I/O-free unit that the controller and the client share.
 from __future__ import annotations
 
 import bisect
-import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -267,17 +267,21 @@ def assign_segments(segment_sizes: Sequence[int], num_extents: int) -> list[int]
 
 def plan(size: int, placement: str, free: Mapping[str, int], *,
          stripe_unit: int = 0, num_servers: int = 0,
-         segment_sizes: Sequence[int] = ()) -> tuple[Layout, list[str]]:
+         segment_sizes: Sequence[int] = (),
+         weights: Mapping[str, float] | None = None) -> tuple[Layout, list[str]]:
     """Choose servers and a layout for a new region.
 
     ``free`` maps server id to free bytes, for servers that may take new extents.
-    ``placement`` may carry server weights (:func:`weighted_placement`). Returns the
-    layout and the server id of every extent. Raises :class:`OutOfMemory` with the
-    numbers when the region does not fit.
+    ``weights`` (layered only; server id -> weight, :func:`check_weights`): the
+    segments go to those servers, each server's bytes in proportion to its weight.
+    Returns the layout and the server id of every extent. Raises :class:`OutOfMemory`
+    with the numbers when the region does not fit.
     """
-    placement, weights = parse_placement(placement or "striped")
+    placement = placement or "striped"
     if weights:
-        return _plan_weighted(size, weights, free, num_servers, segment_sizes)
+        if placement != "layered":
+            raise InvalidArgument(f"server weights are for layered placement, not {placement!r}")
+        return _plan_weighted(size, check_weights(weights), free, num_servers, segment_sizes)
     if placement not in PLACEMENTS:
         raise InvalidArgument(f"unknown placement {placement!r}: expected one of {', '.join(PLACEMENTS)}")
     if num_servers < 0:
@@ -343,7 +347,6 @@ def _plan_weighted(size: int, weights: Mapping[str, float], free: Mapping[str, i
 
 
 # -- weighted placement -------------------------------------------------------------
-WEIGHTED = "layered:"   # the prefix of a weighted layered placement string
 
 
 def check_weights(weights: object) -> dict[str, float]:
@@ -361,26 +364,6 @@ def check_weights(weights: object) -> dict[str, float]:
     if not any(out.values()):
         raise InvalidArgument("server weights: at least one weight must be positive")
     return out
-
-
-def weighted_placement(weights: Mapping[str, float]) -> str:
-    """The placement string of a ``layered`` region whose segments go to the servers of
-    ``weights`` (server id -> weight), each server's bytes in proportion to its weight
-    (servers of weight 0 get none). What the controller parses with :func:`parse_placement`."""
-    return WEIGHTED + json.dumps(check_weights(weights), sort_keys=True, separators=(",", ":"))
-
-
-def parse_placement(placement: str) -> tuple[str, dict[str, float]]:
-    """``(kind, weights)`` of a placement string: ``striped``, ``layered``, ``single``
-    (no weights), or a :func:`weighted_placement` (kind ``layered``)."""
-    if not placement.startswith(WEIGHTED):
-        return placement, {}
-    try:
-        weights = json.loads(placement[len(WEIGHTED):])
-    except ValueError:
-        raise InvalidArgument(f"placement {placement!r}: the server weights after {WEIGHTED!r} "
-                              "are not a JSON object") from None
-    return "layered", check_weights(weights)
 
 
 def assign_weighted(segment_sizes: Sequence[int], weights: Sequence[float]) -> list[int]:
@@ -482,8 +465,8 @@ def host_loads(shares: Mapping[str, float], servers: Mapping[str, str],
 
 def plan_replicated(size: int, placement: str, free: Mapping[str, int], replicas: int,
                     hosts: Mapping[str, str] | None = None, *, stripe_unit: int = 0,
-                    num_servers: int = 0, segment_sizes: Sequence[int] = ()
-                    ) -> tuple[Layout, list[list[str]]]:
+                    num_servers: int = 0, segment_sizes: Sequence[int] = (),
+                    weights: Mapping[str, float] | None = None) -> tuple[Layout, list[list[str]]]:
     """Choose servers and a layout for a region with ``replicas`` copies of every slot.
 
     Returns the layout and, per slot in layout order, the server of each copy (copy 0,
@@ -501,7 +484,7 @@ def plan_replicated(size: int, placement: str, free: Mapping[str, int], replicas
         raise OutOfMemory(f"{replicas} copies of every byte need {replicas} memory servers, "
                           f"only {len(free)} available")
     layout, primaries = plan(size, placement, free, stripe_unit=stripe_unit,
-                             num_servers=num_servers, segment_sizes=segment_sizes)
+                             num_servers=num_servers, segment_sizes=segment_sizes, weights=weights)
     hosts = hosts or {}
     left = dict(free)
     for e, sid in enumerate(primaries):

@@ -25,7 +25,6 @@ from concurrent import futures
 from dataclasses import dataclass
 
 from smb_client import errors
-from smb_client.placement import parse_placement
 
 from .memservers import Backup, MemoryServers
 from .records import BACKUP, PRIMARY, ExtentRecord, RegionRecord
@@ -52,6 +51,7 @@ class RegionSpec:
     owner: str = ""               # with lease_seconds: whose lease keeps the region
     lease_seconds: float = 0.0    # > 0: deleted once the owner renewed nothing for this long
     replicas: int = 0             # copies of every byte on distinct servers (0 or 1: one)
+    server_weights: tuple[tuple[str, float], ...] = ()   # layered: (server id, weight) pairs
 
 
 class RegionCreator:
@@ -90,7 +90,7 @@ class RegionCreator:
                     region = self.state.begin_create_region(
                         spec.name, spec.size, spec.placement, spec.stripe_unit, spec.num_servers,
                         list(spec.segment_sizes), spec.persistent, uid=spec.uid,
-                        replicas=spec.replicas)
+                        replicas=spec.replicas, server_weights=dict(spec.server_weights) or None)
                 except errors.RegionExists:
                     if not exist_ok and not spec.uid:
                         raise
@@ -235,7 +235,7 @@ def check_same(existing: RegionRecord, spec: RegionSpec) -> None:
     if spec.size and spec.size != existing.size:
         raise errors.RegionExists(f"region {existing.name!r} exists with {existing.size} bytes, "
                                   f"not {spec.size}; delete it or use another name")
-    if spec.placement and parse_placement(spec.placement)[0] != existing.placement:
+    if spec.placement and spec.placement != existing.placement:
         raise errors.RegionExists(f"region {existing.name!r} exists with {existing.placement} "
                                   f"placement, not {spec.placement}")
     if spec.replicas > 1 and spec.replicas != existing.replicas:

@@ -45,7 +45,7 @@ import secrets
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -466,7 +466,8 @@ class EtcdState:
     def begin_create_region(self, name: str, size: int, placement: str = "striped",
                             stripe_unit: int = 0, num_servers: int = 0,
                             segment_sizes: Sequence[int] = (), persistent: bool = False,
-                            now: float | None = None, uid: str = "", replicas: int = 1
+                            now: float | None = None, uid: str = "", replicas: int = 1,
+                            server_weights: Mapping[str, float] | None = None
                             ) -> RegionRecord:
         """Plan a region and record it as ``creating`` (as
         :meth:`.state.ControllerState.begin_create_region`)."""
@@ -481,8 +482,8 @@ class EtcdState:
         segment_sizes = [check_bytes("a segment size", s) for s in segment_sizes]
         if not 0 <= int(num_servers) <= MAX_SERVERS:
             raise errors.InvalidArgument(f"num_servers must be 0 (all) to {MAX_SERVERS}, got {num_servers}")
-        placement = placement or "striped"   # a layered one may carry server weights (plan parses them)
-        if placement_mod.parse_placement(placement)[0] != "layered" and segment_sizes:
+        placement = placement or "striped"
+        if placement != "layered" and segment_sizes:
             raise errors.InvalidArgument(f"segment sizes are only for layered placement, not {placement!r}")
 
         def attempt() -> RegionRecord | None:
@@ -499,7 +500,7 @@ class EtcdState:
             layout, copies = placement_mod.plan_replicated(
                 int(size), placement, {s.server_id: s.free for s in up}, replicas,
                 {s.server_id: s.host_id for s in up}, stripe_unit=int(stripe_unit),
-                num_servers=int(num_servers), segment_sizes=[int(s) for s in segment_sizes])
+                num_servers=int(num_servers), segment_sizes=[int(s) for s in segment_sizes], weights=server_weights)
             counter = snap.extra[self.next_id_key]
             first = int(counter.value) if counter is not None else FIRST_ID_BASE + secrets.randbits(61)
             extents: list[list[Any]] = []

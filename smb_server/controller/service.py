@@ -170,7 +170,8 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
                      context: grpc.ServicerContext) -> Any:
         spec = RegionSpec(request.name, request.size, request.placement, request.stripe_unit,
                           request.num_servers, tuple(request.segment_sizes), request.persistent,
-                          request.uid, request.owner, request.lease_seconds, request.replicas)
+                          request.uid, request.owner, request.lease_seconds, request.replicas,
+                          tuple(sorted(request.server_weights.items())))
         return self._response(self.creator.create(spec, exist_ok=request.exist_ok), "rw")
 
     @typed_errors

@@ -49,7 +49,7 @@ import sqlite3
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
 from smb_client import placement as placement_mod
@@ -407,7 +407,8 @@ class ControllerState:
     def begin_create_region(self, name: str, size: int, placement: str = "striped",
                             stripe_unit: int = 0, num_servers: int = 0,
                             segment_sizes: Sequence[int] = (), persistent: bool = False,
-                            now: float | None = None, uid: str = "", replicas: int = 1
+                            now: float | None = None, uid: str = "", replicas: int = 1,
+                            server_weights: Mapping[str, float] | None = None
                             ) -> RegionRecord:
         """Plan a region and record it as ``creating``; returns it with its extents.
 
@@ -417,7 +418,9 @@ class ControllerState:
         caller's uid for the region (see :func:`.records.check_uid`); "" draws one.
         ``replicas`` (1 to 3; 0 means 1): copies of every slot on distinct servers
         (:func:`smb_client.placement.plan_replicated`); copy 0 is the slot's primary,
-        every copy starts at view 1. Raises InvalidArgument (also for a uid another
+        every copy starts at view 1. ``server_weights`` (layered only; server id ->
+        weight): the segments go to those servers in proportion to their weights
+        (:func:`smb_client.placement.plan`). Raises InvalidArgument (also for a uid another
         region has), RegionExists, or OutOfMemory (with the numbers).
         """
         now = self._now(now)
@@ -431,8 +434,8 @@ class ControllerState:
         segment_sizes = [check_bytes("a segment size", s) for s in segment_sizes]
         if not 0 <= int(num_servers) <= MAX_SERVERS:
             raise InvalidArgument(f"num_servers must be 0 (all) to {MAX_SERVERS}, got {num_servers}")
-        placement = placement or "striped"   # a layered one may carry server weights (plan parses them)
-        if placement_mod.parse_placement(placement)[0] != "layered" and segment_sizes:
+        placement = placement or "striped"
+        if placement != "layered" and segment_sizes:
             raise InvalidArgument(f"segment sizes are only for layered placement, not {placement!r}")
         with self._tx() as db:
             row = db.execute("SELECT state FROM regions WHERE name=?", (name,)).fetchone()
@@ -449,7 +452,7 @@ class ControllerState:
             layout, copies = placement_mod.plan_replicated(
                 int(size), placement, free, replicas, {r["server_id"]: r["host_id"] for r in rows},
                 stripe_unit=int(stripe_unit), num_servers=int(num_servers),
-                segment_sizes=[int(s) for s in segment_sizes])
+                segment_sizes=[int(s) for s in segment_sizes], weights=server_weights)
             if db.execute("SELECT 1 FROM regions WHERE uid=?", (uid,)).fetchone() is not None:
                 raise InvalidArgument(f"uid {uid} already names another region; draw a new one")
             db.execute(

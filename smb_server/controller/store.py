@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol
 
 from .etcd_kv import is_etcd_url
@@ -49,8 +49,8 @@ class StateStore(Protocol):
     def begin_create_region(self, name: str, size: int, placement: str = "striped",
                             stripe_unit: int = 0, num_servers: int = 0,
                             segment_sizes: Sequence[int] = (), persistent: bool = False,
-                            now: float | None = None, uid: str = "", replicas: int = 1
-                            ) -> RegionRecord: ...
+                            now: float | None = None, uid: str = "", replicas: int = 1,
+                            server_weights: Mapping[str, float] | None = None) -> RegionRecord: ...
 
     def commit_region(self, name: str, uid: str | None = None) -> RegionRecord: ...
 

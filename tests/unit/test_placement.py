@@ -255,10 +255,9 @@ def test_replicated_plan_errors_have_numbers():
 # -- weighted layered placement and the share math ---------------------------------
 from smb_client.placement import (  # noqa: E402  (grouped with the tests that use them)
     assign_weighted,
+    check_weights,
     chunk_shares,
     host_loads,
-    parse_placement,
-    weighted_placement,
 )
 
 
@@ -278,33 +277,32 @@ def test_assign_weighted_gives_each_server_about_its_share(sizes, weights):
 
 @given(st.dictionaries(st.text(min_size=1, max_size=12), st.floats(0, 1e6, allow_nan=False),
                        min_size=1, max_size=6).filter(lambda w: any(w.values())))
-def test_weighted_placement_round_trips(weights):
-    assert parse_placement(weighted_placement(weights)) == ("layered", {k: float(v) for k, v in weights.items()})
-    assert parse_placement("layered") == ("layered", {})
+def test_check_weights_keeps_good_weights(weights):
+    assert check_weights(weights) == {k: float(v) for k, v in weights.items()}
 
 
-@pytest.mark.parametrize("bad", [{}, {"a": -1}, {"a": 0}, {"a": float("inf")}, {"a": True}, {"": 1}])
-def test_weighted_placement_refuses_bad_weights(bad):
+@pytest.mark.parametrize("bad", [{}, {"a": -1}, {"a": 0}, {"a": float("inf")}, {"a": True}, {"": 1}, [("a", 1)]])
+def test_check_weights_refuses_bad_weights(bad):
     with pytest.raises(errors.InvalidArgument):
-        weighted_placement(bad)
-    with pytest.raises(errors.InvalidArgument):
-        parse_placement("layered:{nope")
+        check_weights(bad)
 
 
 def test_plan_weighted_puts_segments_on_the_named_servers_in_proportion():
     free = {"a": 1 << 30, "b": 1 << 30, "c": 1 << 30, "d": 1 << 30}
-    layout, servers = plan(25 * 100, weighted_placement({"a": 2, "b": 2, "c": 1, "d": 0}), free,
-                           segment_sizes=[100] * 25)
+    layout, servers = plan(25 * 100, "layered", free, segment_sizes=[100] * 25,
+                           weights={"a": 2, "b": 2, "c": 1, "d": 0})
     got = dict(zip(servers, layout.extent_lengths, strict=True))
     assert got == {"a": 1000, "b": 1000, "c": 500}
     with pytest.raises(errors.OutOfMemory, match="not up"):
-        plan(100, weighted_placement({"x": 1}), free, segment_sizes=[100])
+        plan(100, "layered", free, segment_sizes=[100], weights={"x": 1})
     with pytest.raises(errors.InvalidArgument, match="exclude"):
-        plan(100, weighted_placement({"a": 1}), free, segment_sizes=[100], num_servers=1)
+        plan(100, "layered", free, segment_sizes=[100], num_servers=1, weights={"a": 1})
     with pytest.raises(errors.OutOfMemory, match="needs 200 bytes"):
-        plan(200, weighted_placement({"a": 1}), {"a": 100}, segment_sizes=[200])
-    layout, copies = plan_replicated(400, weighted_placement({"a": 1, "b": 1}), free, 2,
-                                     segment_sizes=[100] * 4)
+        plan(200, "layered", {"a": 100}, segment_sizes=[200], weights={"a": 1})
+    with pytest.raises(errors.InvalidArgument, match="layered"):
+        plan(200, "striped", free, weights={"a": 1})
+    layout, copies = plan_replicated(400, "layered", free, 2, segment_sizes=[100] * 4,
+                                     weights={"a": 1, "b": 1})
     assert [c[0] for c in copies] == ["a", "b"] and all(len(set(c)) == 2 for c in copies)
 
 
