@@ -100,16 +100,23 @@ def _train(spec: dict[str, Any], system: str, client: Any) -> dict[str, Any]:
             "comm_wait": comm, "window": window, "same_weights": same, "chunk_bytes_per_server": placement}
 
 
-def training(spec: dict[str, Any]) -> dict[str, Any]:
-    """Every system of ``spec["systems"]`` in turn (default :data:`SYSTEMS`)."""
+def init_gloo(spec: dict[str, Any]) -> None:
+    """One torch thread, and this worker's gloo process group (``spec``: master,
+    master_port, rank, world), as every worker of the testbed that runs gloo needs."""
     import torch
     import torch.distributed as dist
-
-    from smb_client import Client
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://{spec['master']}:{spec['master_port']}",
                             rank=spec["rank"], world_size=spec["world"],
                             timeout=datetime.timedelta(seconds=BARRIER_TIMEOUT))
+
+
+def training(spec: dict[str, Any]) -> dict[str, Any]:
+    """Every system of ``spec["systems"]`` in turn (default :data:`SYSTEMS`)."""
+    import torch.distributed as dist
+
+    from smb_client import Client
+    init_gloo(spec)
     out: dict[str, Any] = {}
     try:
         with Client(spec["controller"], os.environ.get("SMB_TOKEN", "")) as client:

@@ -274,14 +274,8 @@ def _gloo_allreduce(spec: dict[str, Any], size: int) -> dict[str, Any]:
 
 def allreduce(spec: dict[str, Any]) -> dict[str, Any]:
     """For each size: the memory box, then gloo, on the same hosts."""
-    import datetime
-
-    import torch
     import torch.distributed as dist
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://{spec['master']}:{spec['master_port']}",
-                            rank=spec["rank"], world_size=spec["world"],
-                            timeout=datetime.timedelta(seconds=BARRIER_TIMEOUT))
+    training_worker.init_gloo(spec)
     result: dict[str, Any] = {}
     try:
         with _client(spec) as c:

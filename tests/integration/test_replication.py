@@ -13,6 +13,8 @@ import pytest
 from smb_client import errors
 from smb_server.local_cluster import LocalCluster
 
+from .test_region_lost import _wait_state
+
 MiB = 1 << 20
 
 
@@ -26,16 +28,6 @@ def three(tmp_path):
 
 def _index(cluster: LocalCluster, server_id: str) -> int:
     return [i for i in range(cluster.num_servers) if cluster.server_id(i) == server_id][0]
-
-
-def _wait_state(c, name: str, state: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        states = {r.name: r.state for r in c.list_regions()}
-        if states.get(name) == state:
-            return
-        assert time.monotonic() < deadline, f"{name} is {states.get(name)!r}, waited for {state!r}"
-        time.sleep(0.1)
 
 
 def _copies(region) -> dict[int, list]:
@@ -165,7 +157,7 @@ def check_primary_killed(cluster: LocalCluster, client, name: str, size: int = 2
     r.accumulate(0, ones)
     np.testing.assert_array_equal(r.read(0, r.size, dtype=np.int64),
                                   np.arange(n, dtype=np.int64) + rounds + 1)
-    _wait_state(client, name, "degraded")
+    _wait_state(client, name, "degraded", timeout=60)
 
 
 def test_primary_killed_mid_operation_applies_once_then_repairs(three):
@@ -181,5 +173,5 @@ def test_backup_killed_writes_go_on(three):
         data = np.full(r.size // 4, 7, dtype=np.int32)
         r.accumulate(0, data)                 # waits until the controller drops the dead backup
         np.testing.assert_array_equal(r.read(0, r.size, dtype=np.int32), data)
-        _wait_state(c, "job/backup", "ready")
+        _wait_state(c, "job/backup", "ready", timeout=60)
         assert_copies_identical(r)
