@@ -12,6 +12,7 @@ starts it, tells systemd ``READY=1``, serves until SIGTERM or SIGINT, then stops
 from __future__ import annotations
 
 import enum
+import faulthandler
 import logging
 import os
 import signal
@@ -125,6 +126,9 @@ class Daemon:
         previous = {}
         if threading.current_thread() is threading.main_thread():
             previous = {sig: signal.signal(sig, on_signal) for sig in SIGNALS}
+            # `kill -USR1 PID` writes every thread's stack to stderr (the daemon's log under
+            # systemd and `smb up`): what an operator needs to see where a daemon hangs
+            faulthandler.register(signal.SIGUSR1, all_threads=True)
         try:
             if self.status is Status.STARTING and not self._started:
                 self.start()
@@ -136,6 +140,8 @@ class Daemon:
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+            if previous:
+                faulthandler.unregister(signal.SIGUSR1)
             self.stop(reason[0] if reason else "stopped")
 
     def __enter__(self: D) -> D:

@@ -153,26 +153,13 @@ class TcpConnection:
         (:class:`ConnectionBroken` when the connection failed, not the peer) and leave
         the connection unusable.
         """
-        req_id = self.send(op, extent_id, offset, length, dtype, arg0, arg1, alpha, payload, seq)
-        return self.answer(req_id, into)
-
-    def send(self, op: int, extent_id: int = 0, offset: int = 0, length: int = 0,
-             dtype: int = 0, arg0: int = 0, arg1: int = 0, alpha: float = 0.0,
-             payload: Sequence[memoryview] = (), seq: int = 0) -> int:
-        """The first half of :meth:`request`: send it whole; returns its id, for
-        :meth:`answer` (answers come in order: one request in flight per connection)."""
         req_id = next(self._ids) & 0xFFFFFFFF or 1   # 0 marks a refusal or a parting answer
         header = wire.pack_request(op, req_id, extent_id, offset, length, dtype, arg0, arg1, alpha,
                                    client=self.client_id if seq else 0, seq=seq)
+        sent = False
         try:
             wire.sendmsg_all(self.sock, [header, *payload])
-        except Exception as exc:
-            raise self._failure(exc, sent=False) from None
-        return req_id
-
-    def answer(self, req_id: int, into: Sequence[memoryview] = ()) -> bytes:
-        """The second half of :meth:`request`: the answer to request ``req_id``."""
-        try:
+            sent = True
             status, got_id, n = wire.unpack_response(wire.recv_exact(self.sock, wire.RESPONSE.size))
             if got_id == 0 and status != 0:     # the server refused the connection, then closed it
                 refusal = bytes(wire.recv_exact(self.sock, n)) if n else b""
@@ -186,36 +173,32 @@ class TcpConnection:
                 wire.recv_into_all(self.sock, into)
                 return b""
             body = bytes(wire.recv_exact(self.sock, n)) if n else b""
-        except Exception as exc:
-            raise self._failure(exc, sent=True) from None
+        except TimeoutError as exc:   # socket.timeout is TimeoutError, and so is ETIMEDOUT
+            self.close()
+            if exc.errno == errno.ETIMEDOUT:    # the kernel gave up: no acknowledgement at all
+                raise ServerUnavailable(f"{self.where}: the server acknowledged nothing for "
+                                        f"{self.dead_peer_timeout:g} s (host or link down)") from None
+            raise Timeout(f"{self.where}: no answer within {self.sock.gettimeout()} s") from None
+        except OSError as exc:
+            if isinstance(exc, ssl.SSLError) and (is_trust_failure(str(exc)) or "ALERT" in str(exc)):
+                self.close()   # the server refused our certificate (or its absence)
+                raise untrusted(self.where, str(exc)) from None
+            said = None if sent else self._parting_answer()
+            self.close()
+            if said is not None:
+                raise said from None
+            raise ConnectionBroken(f"{self.where}: {exc}") from None
+        except ServerBusy:                    # a refusal (answered, then closed): not a break
+            raise
+        except ServerUnavailable as exc:      # the server closed the connection mid-answer
+            self.close()
+            raise ConnectionBroken(f"{self.where}: {exc}") from None
+        except ProtocolError:
+            self.close()
+            raise
         if status != 0:
             raise status_error(status, f"{self.where}: {body.decode(errors='replace')}")
         return body
-
-    def _failure(self, exc: Exception, sent: bool) -> Exception:
-        """What a failure of sending (``sent`` False) or of reading an answer raises;
-        closes the connection unless it was only a refusal."""
-        if isinstance(exc, TimeoutError):   # socket.timeout is TimeoutError, and so is ETIMEDOUT
-            self.close()
-            if exc.errno == errno.ETIMEDOUT:    # the kernel gave up: no acknowledgement at all
-                return ServerUnavailable(f"{self.where}: the server acknowledged nothing for "
-                                         f"{self.dead_peer_timeout:g} s (host or link down)")
-            return Timeout(f"{self.where}: no answer within {self.sock.gettimeout()} s")
-        if isinstance(exc, OSError):
-            if isinstance(exc, ssl.SSLError) and (is_trust_failure(str(exc)) or "ALERT" in str(exc)):
-                self.close()   # the server refused our certificate (or its absence)
-                return untrusted(self.where, str(exc))
-            said = None if sent else self._parting_answer()
-            self.close()
-            return said if said is not None else ConnectionBroken(f"{self.where}: {exc}")
-        if isinstance(exc, ServerBusy):     # a refusal (answered, then closed): not a break
-            return exc
-        if isinstance(exc, ServerUnavailable):   # the server closed the connection mid-answer
-            self.close()
-            return ConnectionBroken(f"{self.where}: {exc}")
-        if isinstance(exc, ProtocolError):
-            self.close()
-        return exc
 
     def _parting_answer(self) -> SMBError | None:
         """The error a server answered (``req_id`` 0) before it closed this connection,

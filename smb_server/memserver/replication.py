@@ -139,36 +139,17 @@ class Forwarder:
             lambda: TcpConnection(ep.host, ep.port, FORWARD_TIMEOUT, dead_peer_timeout, 0, context),
             CONNECTIONS, name=f"replica {endpoint}")
 
-    def start(self, ticket: str, op: int, extent_id: int, offset: int, length: int, dtype: int,
-              arg0: int, arg1: int, alpha: float, client: int, seq: int,
-              payload: Sequence[memoryview] = ()) -> tuple[TcpConnection, int]:
-        """Send one piece on a connection of the pool, which stays the caller's until
-        :meth:`finish` reads the answer."""
-        conn = self.pool.acquire()
-        try:
+    def send(self, ticket: str, op: int, extent_id: int, offset: int, length: int, dtype: int,
+             arg0: int, arg1: int, alpha: float, client: int, seq: int,
+             payload: Sequence[memoryview] = ()) -> bytes:
+        with self.pool.borrow() as conn:
             conn.present(ticket)
             conn.client_id = client   # the original client's number travels with the piece
-            return conn, conn.send(op, extent_id, offset, length, dtype, arg0, arg1, alpha,
-                                   payload=payload, seq=seq)
-        except BaseException:
-            self.pool.release(conn)
-            raise
-
-    def finish(self, sent: tuple[TcpConnection, int]) -> bytes:
-        """The answer to a piece :meth:`start` sent; gives the connection back."""
-        conn, req_id = sent
-        try:
-            return conn.answer(req_id)
-        finally:
-            self.pool.release(conn)
+            return conn.request(op, extent_id, offset, length, dtype, arg0, arg1, alpha,
+                                payload=payload, seq=seq)
 
     def close(self) -> None:
         self.pool.close()
-
-
-#: a piece sent to a backup: the backup, its forwarder and (connection, request id), or
-#: the error that kept it from being sent (forwarder None)
-Pending = tuple["Backup", Forwarder | None, tuple[TcpConnection, int] | SMBError]
 
 
 class Replication:
@@ -325,48 +306,26 @@ class Replication:
         answers; the caller holds the extent's lock. A failing backup is marked failed
         (:meth:`settle` waits for it to be dropped); NotPrimary from a backup (this
         primary was deposed) is raised."""
-        self.finish(extent, self.start(extent, cfg, op, offset, length, dtype, arg0, arg1, alpha,
-                                       client, seq, payload))
-
-    def start(self, extent: Extent, cfg: ReplicaConfig, op: int, offset: int, length: int,
-              dtype: int, arg0: int, arg1: int, alpha: float, client: int, seq: int,
-              payload: Sequence[memoryview] = ()) -> list[Pending]:
-        """The first half of :meth:`forward`: send the piece to every backup not marked
-        failed, without waiting, so that the caller applies it here meanwhile; hand the
-        result to :meth:`finish` (under the same hold of the extent's lock)."""
-        pending: list[Pending] = []
+        sent = 0
         for backup in cfg.backups:
             if backup.state == "failed":
                 continue
+            sent += 1
             try:
-                pending.append((backup, *self._send(extent, cfg, backup, op, offset, length, dtype,
-                                                    arg0, arg1, alpha, client, seq, payload)))
-            except SMBError as exc:
-                pending.append((backup, None, exc))
-        self.count(pieces=len(pending), bytes=sum(len(p) for p in payload) * len(pending))
-        return pending
-
-    def finish(self, extent: Extent, pending: list[Pending]) -> None:
-        """The second half of :meth:`forward`: every backup's answer."""
-        deposed: NotPrimary | None = None
-        for backup, fwd, sent in pending:
-            try:
-                if isinstance(sent, SMBError):
-                    raise sent
-                assert fwd is not None
-                fwd.finish(sent)
+                self._send(extent, cfg, backup, op, offset, length, dtype, arg0, arg1, alpha,
+                           client, seq, payload)
             except NotPrimary:
-                deposed = NotPrimary(f"extent {extent.extent_id}: backup {backup.extent_id} on "
-                                     f"{backup.endpoint} has a newer view: this copy is no longer "
-                                     "the primary; open the region again")
+                raise NotPrimary(f"extent {extent.extent_id}: backup {backup.extent_id} on "
+                                 f"{backup.endpoint} has a newer view: this copy is no longer "
+                                 "the primary; open the region again") from None
             except SMBError as exc:
                 self._fail(extent, backup, exc)
-        if deposed is not None:
-            raise deposed
+        n = sum(len(p) for p in payload)
+        self.count(pieces=sent, bytes=n * sent)
 
     def _send(self, extent: Extent, cfg: ReplicaConfig, backup: Backup, op: int, offset: int,
               length: int, dtype: int, arg0: int, arg1: int, alpha: float, client: int, seq: int,
-              payload: Sequence[memoryview]) -> tuple[Forwarder, tuple[TcpConnection, int]]:
+              payload: Sequence[memoryview]) -> None:
         with self._cond:
             fwd = self._forwarder(backup.endpoint)
             token, renew = cfg.tickets.get(backup.extent_id, ("", 0.0))
@@ -374,8 +333,8 @@ class Replication:
                 token = sign(self.secret, extent.region_uid, [backup.extent_id], TicketMode.REPLICA,
                              ttl=TICKET_TTL, view=cfg.view)[0]
                 cfg.tickets[backup.extent_id] = (token, time.monotonic() + TICKET_TTL / 2)
-        return fwd, fwd.start(token, op, backup.extent_id, offset, length, dtype, arg0, arg1, alpha,
-                              client, seq, payload)
+        fwd.send(token, op, backup.extent_id, offset, length, dtype, arg0, arg1, alpha, client, seq,
+                 payload)
 
     def _fail(self, extent: Extent, backup: Backup, exc: BaseException) -> None:
         with self._cond:

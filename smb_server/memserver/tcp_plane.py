@@ -676,12 +676,8 @@ class _Connection:
                     cfg = self._primary(extent)
                     first = max(pos, offset + done)
                     if first < pos + n:
-                        src = chunk[first - pos:] if chunk is not None else None
-                        # sent to the backups first, applied here while they receive and apply
-                        sent = self.plane.replication.start(
-                            extent, cfg, op, first, pos + n - first, dtype, offset, length, alpha,
-                            client, seq, [src] if src is not None else [])
                         with extent.data[first:pos + n] as dst:
+                            src = chunk[first - pos:] if chunk is not None else None
                             if arith is None:
                                 dst[:] = src
                             else:
@@ -689,7 +685,9 @@ class _Connection:
                                 kernels.apply(arith, dst, src, dt, alpha)
                         if entry is not None:
                             entry.applied = pos + n - offset
-                        self.plane.replication.finish(extent, sent)
+                        self.plane.replication.forward(
+                            extent, cfg, op, first, pos + n - first, dtype, offset, length, alpha,
+                            client, seq, [chunk[first - pos:]] if chunk is not None else [])
                 pos += n
         if op is Op.WRITE:
             self.plane.stats.add(bytes_written=length)
@@ -780,12 +778,6 @@ class _Connection:
             if skip < length:
                 with extent.lock, extent.data[offset + skip:offset + length] as dst:
                     kernels.apply(Arith.SCALE, dst, None, dt, alpha)
-            return b""
-        if arith is None and not skip:
-            # a whole write piece goes straight into the mapping, as an unreplicated write
-            # does: the primary sends one piece of an extent at a time (under its lock)
-            with extent.lock, extent.data[offset:offset + length] as dst:
-                self._recv(dst)
             return b""
         with self._scratch(length) as scratch:
             pos = 0
