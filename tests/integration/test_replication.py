@@ -48,6 +48,10 @@ def _read_copy(region, place) -> bytes:
 
 
 def assert_copies_identical(region) -> None:
+    """Every in-sync copy of every slot holds the same bytes, once the region is ``ready``
+    (on a starved machine, the emulated VM's, a backup may be dropped for a missed
+    dead-peer time and filled again meanwhile: a copy being filled is not in step yet)."""
+    _wait_state(region._client, region.name, "ready", timeout=120)
     region.refresh()
     for slot, places in _copies(region).items():
         assert len(places) == region.replicas, f"slot {slot}: {places}"
