@@ -123,7 +123,7 @@ class Region:
             return primary
         backups = [c for c in self.copies if c.index == slot and c.role == "backup"]
         here = self._dataplane.here
-        avoid = getattr(self, "_avoid", {})
+        avoid = self._avoid
         now = time.monotonic()
 
         def rank(p: ExtentPlace) -> tuple[int, int, int]:
