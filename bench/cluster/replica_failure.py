@@ -213,6 +213,7 @@ SYNC_START = re.compile(r"slot (\d+): bringing copy (\d+) .* in step from the pr
 SYNC_DONE = re.compile(r"slot (\d+): copy (\d+) on server \S+ in step \((\d+) bytes copied in "
                        r"([\d.]+) s, ([\d.]+) MB/s\)")
 PROMOTED = re.compile(r"is the primary now")
+DROPPED = re.compile(r"cannot reach copy \d+|dropped from the replica set")
 
 
 def _log_time(line: str) -> float | None:
@@ -226,19 +227,22 @@ def _log_time(line: str) -> float | None:
 def log_events(lines: list[str], after: float) -> dict[str, Any]:
     """Promotions and repairs the controller logged after ``after``: when the first
     backup was promoted, when the copies' syncs began and ended, bytes copied."""
-    promoted, starts, done = [], [], []
+    promoted, dropped, starts, done = [], [], [], []
     for line in lines:
         t = _log_time(line)
         if t is None or t < after - 1.0:   # log times have ms; the kill's clock is the same
             continue
         if PROMOTED.search(line):
             promoted.append(t)
+        elif DROPPED.search(line):
+            dropped.append(t)
         elif SYNC_START.search(line):
             starts.append(t)
         elif m := SYNC_DONE.search(line):
             done.append((t, int(m.group(3)), float(m.group(5))))
     out: dict[str, Any] = {"promotions": len(promoted), "first_promotion": min(promoted, default=None),
-                           "last_promotion": max(promoted, default=None), "copies": len(done)}
+                           "last_promotion": max(promoted, default=None), "copies": len(done),
+                           "drops": len(dropped), "first_change": min(promoted + dropped, default=None)}
     if starts and done:
         out.update(first_sync_start=min(starts), last_sync_done=max(t for t, _, _ in done),
                    bytes=sum(b for _, b, _ in done), copy_MBps=[r for _, _, r in done])
@@ -275,13 +279,18 @@ def summarize(r: dict[str, Any]) -> dict[str, Any]:
         return out
     t = killed["time"]
     states = mon.get("states", [])
-    degraded = _first(states, t, lambda v: any(st != "ready" for st in v.values()))
-    ready = _first(states, degraded, lambda v: all(st == "ready" for st in v.values())) if degraded else None
+    events = log_events(r.get("controller_log", []), t)
+    # degraded from the first replica-set change the controller made (or the first look
+    # that saw a region not ready, if earlier) to the first look that saw every region
+    # ready with no copy left on the killed server: a quick repair can fall between two
+    # looks at the states
+    seen = _first(states, t, lambda v: any(st != "ready" for st in v.values()))
+    degraded = min((x for x in (seen, events.get("first_change")) if x is not None), default=None)
+    ready = mon.get("repaired_at")
     down = _first(mon.get("servers", []), t, lambda v: v.get(killed["server"]) == "down")
     probe = mon.get("probe") or {}
     syncing = _first(mon.get("roles", []), t,
                      lambda v: any(role == "syncing" for copies in v.values() for _, _, role in copies))
-    events = log_events(r.get("controller_log", []), t)
     repair: dict[str, Any] = {"log": events, "metrics_bytes": _metric_delta(
         mon, "smb_controller_repair_bytes_total"), "server_sync_bytes": _sync_bytes(mon.get("metrics_after"))
         - _sync_bytes(mon.get("metrics_at_kill"))}

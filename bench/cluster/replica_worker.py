@@ -203,13 +203,19 @@ def monitor(spec: dict[str, Any]) -> dict[str, Any]:
                     result["metrics_at_kill"] = scrape({k: u for k, u in urls.items() if k != killed["role"]})
                     probe = _Probe(probe_region, probe_offset)
                     probe.start()
-            if killed is not None and any(st != "ready" for st in states.values()):
-                try:   # the copies' roles while the region is not ready: promotion, syncing
+            if killed is not None and "repaired_at" not in result:
+                try:   # the copies' roles until the repair is over: promotion, syncing
                     roles = {k: [(p["slot"], p["server"], p["role"]) for p in v["copies"]]
                              + [(i, s, "primary") for i, s in enumerate(v["primaries"])]
                              for k, v in placement(c, prefix).items()}
                     if not result["roles"] or result["roles"][-1][1] != roles:
                         result["roles"].append([now, roles])
+                    # repaired: every region ready and no copy left on the killed server
+                    # (a repair can be over between two looks at the states: polling
+                    # them alone may never see ``degraded``)
+                    if all(st == "ready" for st in states.values()) and not any(
+                            server == killed["server"] for copies in roles.values() for _, server, _ in copies):
+                        result["repaired_at"] = now
                 except errors.SMBError as exc:
                     log.debug("monitor: %s", exc)
             if urls and now - last_metrics >= 1.0 and killed is not None:
@@ -219,7 +225,8 @@ def monitor(spec: dict[str, Any]) -> dict[str, Any]:
             if (sig / "stop.json").exists():   # the run failed: report what was seen
                 result["stopped"] = True
                 break
-            settled = all(st == "ready" for st in states.values()) and (probe is None or not probe.is_alive())
+            settled = all(st == "ready" for st in states.values()) and (probe is None or not probe.is_alive()) \
+                and (killed is None or "repaired_at" in result)
             if finished >= world and settled and (kill_at_total is None or killed is not None):
                 break
             time.sleep(poll)

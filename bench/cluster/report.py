@@ -154,14 +154,15 @@ def replication_table(r: dict[str, Any]) -> str:
     lines.append(f"| memory server killed (SIGKILL) | {f['killed_host']}, primary of the {v.get('region', '?')} "
                  f"region{' and of a slot of the global weights' if v.get('region') == 'counters' else ''} |")
     lines.append(f"| controller lists it `down` after | {_s(f.get('marked_down_after'))} |")
-    lines.append(f"| time to detect: regions reported `degraded` after | {_s(f.get('degraded_after'))} |")
+    lines.append("| time to detect: first replica-set change (controller log) or `degraded` seen, after | "
+                 f"{_s(f.get('degraded_after'))} |")
     lines.append(f"| first backup promoted to primary after (controller log) | {_s(f.get('promoted_after'))} "
                  f"({f.get('promotions') or 0} slots promoted) |")
     probe = f.get("first_op_at_new_primary_after")
     lines.append("| first mutation completed at the promoted primary after | "
                  + (_s(probe) if probe is not None else f"none ({f.get('probe_error') or 'no probe'})") + " |")
-    lines.append(f"| time degraded (`degraded` -> `ready`) | {_s(f.get('degraded_seconds'))} "
-                 f"(`ready` {_s(f.get('ready_after'))} after the kill) |")
+    lines.append(f"| time degraded (until every region `ready`, no copy on the killed server) | "
+                 f"{_s(f.get('degraded_seconds'))} (`ready` {_s(f.get('ready_after'))} after the kill) |")
     rep = f.get("repair") or {}
     moved = rep.get("bytes")
     lines.append(f"| repair: bytes copied, time, bandwidth | "

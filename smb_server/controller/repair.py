@@ -429,6 +429,9 @@ class RepairManager:
                 new = region.primary_of(index)
                 log.warning("region %s slot %d: copy %d on server %s is the primary now (view %d)",
                             region.name, index, new.copy, new.server_id, new.view)
+            elif fence.change.roles:
+                log.warning("region %s slot %d: dead copies dropped from the replica set: %s (view %d)",
+                            region.name, index, fence.change.describe(), region.view_of(index))
             self._release(region.uid, removed)
             self._push(region, index, promotion=fence.kind == "promote")
             return region
