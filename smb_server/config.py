@@ -123,6 +123,10 @@ class ServerConfig:
     rdma_device: str = _f("", "RDMA device to use (default: the first active one)")
     heartbeat_seconds: float = _f(1.0, "seconds between heartbeats to the controller", positive=True,
                                    aliases=("--heartbeat",))
+    replica_dead_peer_seconds: float = _f(3.0, "seconds a backup server may acknowledge nothing "
+                                          "(no TCP ack of data or probes) before this server, its "
+                                          "primary, marks it failed and reports it; raise it on "
+                                          "starved or emulated hosts", positive=True)
     tcp_connections_max: int = _f(1024, "most concurrent TCP data-plane connections", minimum=1)
     tcp_connections_per_peer: int = _f(128, "most concurrent TCP data-plane connections from one "
                                         "client address", minimum=1)

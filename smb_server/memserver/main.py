@@ -128,7 +128,8 @@ class MemoryServer(Daemon):
             host = socket.gethostname()
 
         tls = tls_settings(cfg)   # backups are reached with the server's own certificate and CA:
-        self.replication = replication.for_arena(self.arena, cfg.secret, tls.client_context() if tls.enabled else None)
+        self.replication = replication.for_arena(self.arena, cfg.secret, tls.client_context() if tls.enabled else None,
+                                                 dead_peer_timeout=cfg.replica_dead_peer_seconds)
         servicer = MemoryServerServicer(self.arena, cfg.secret, self.stats,
                                         server_id=lambda: self.server_id,
                                         endpoints=lambda: self.endpoints,

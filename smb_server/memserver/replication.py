@@ -163,10 +163,11 @@ class Replication:
     """
 
     def __init__(self, secret: bytes = b"", tls: ssl.SSLContext | None = None,
-                 timeout: float = REPLICA_TIMEOUT) -> None:
+                 timeout: float = REPLICA_TIMEOUT, dead_peer_timeout: float = DEAD_PEER_TIMEOUT) -> None:
         self.secret = secret
         self.tls = tls
         self.timeout = timeout
+        self.dead_peer_timeout = dead_peer_timeout   # for forwarders made from now on
         self._configs: dict[int, ReplicaConfig] = {}
         self._cond = threading.Condition()
         self._forwarders: dict[str, Forwarder] = {}
@@ -253,7 +254,7 @@ class Replication:
         """Under ``_cond``."""
         fwd = self._forwarders.get(endpoint)
         if fwd is None:
-            fwd = self._forwarders[endpoint] = Forwarder(endpoint, self.tls)
+            fwd = self._forwarders[endpoint] = Forwarder(endpoint, self.tls, self.dead_peer_timeout)
         return fwd
 
     def _sync(self, extent: Extent, cfg: ReplicaConfig, backup: Backup) -> int:
@@ -398,10 +399,12 @@ _tables: weakref.WeakKeyDictionary[object, Replication] = weakref.WeakKeyDiction
 _tables_lock = threading.Lock()
 
 
-def for_arena(arena: object, secret: bytes = b"", tls: ssl.SSLContext | None = None) -> Replication:
+def for_arena(arena: object, secret: bytes = b"", tls: ssl.SSLContext | None = None,
+              dead_peer_timeout: float | None = None) -> Replication:
     """The one :class:`Replication` of ``arena`` (made on first use and registered as
     the arena's listener; shared by its servicer and planes). ``secret`` and ``tls``
-    fill in what the first caller did not know."""
+    fill in what the first caller did not know; ``dead_peer_timeout`` (the server's
+    ``replica_dead_peer_seconds``) replaces the forwarders' dead-peer time."""
     with _tables_lock:
         repl = _tables.get(arena)
         if repl is None:
@@ -413,6 +416,8 @@ def for_arena(arena: object, secret: bytes = b"", tls: ssl.SSLContext | None = N
             repl.secret = secret
         if tls is not None and repl.tls is None:
             repl.tls = tls
+        if dead_peer_timeout is not None:
+            repl.dead_peer_timeout = dead_peer_timeout
         return repl
 
 

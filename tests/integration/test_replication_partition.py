@@ -34,7 +34,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 MiB = 1 << 20
 SIZE = 8 * MiB
-STALL_LIMIT = 12.0   # seconds a mutation may wait for the drop (REPLICA_TIMEOUT is 30)
+DEAD_PEER = 5.0      # the memory servers' replica_dead_peer_seconds (default 3)
+# seconds a mutation may wait for the drop (REPLICA_TIMEOUT is 30): the kernel gives a
+# silent peer up at its first retransmission or keepalive probe after the dead-peer
+# time, seen from 1.1 to 2.4 times it on loopback
+STALL_LIMIT = 3 * DEAD_PEER + 2
 
 
 def _sh(*cmd: str) -> None:
@@ -90,7 +94,8 @@ def scenario(workdir: str) -> dict[str, object]:
 
     _sh("ip", "link", "set", "lo", "up")
     facts: dict[str, object] = {}
-    with LocalCluster(servers=3, capacity="64M", workdir=workdir, log_level="INFO") as cluster:
+    with LocalCluster(servers=3, capacity="64M", workdir=workdir, log_level="INFO",
+                      env={"SMB_REPLICA_DEAD_PEER_SECONDS": str(DEAD_PEER)}) as cluster:
         ids = [cluster.server_id(i) for i in range(3)]
         with cluster.client(transport="tcp") as c, cluster.admin_client() as admin:
             r = c.create_region("job/part", SIZE, placement="single", replicas=2)
@@ -123,6 +128,7 @@ def scenario(workdir: str) -> dict[str, object]:
             for cmd in _block_rules(tcp.port):
                 _sh(*cmd)
             blocked_at = time.monotonic()
+            facts["blocked_at_wall"] = time.time()   # to read the daemons' logs against
             try:
                 degraded_at = _wait_state(c, "job/part", "degraded", 20.0)
                 time.sleep(1.0)           # mutations go on, on one copy, while no spare exists
@@ -155,6 +161,8 @@ def scenario(workdir: str) -> dict[str, object]:
             r.close()
         facts["controller_log"] = [line for line in cluster.log_path("controller").read_text().splitlines()
                                    if "cannot reach" in line]
+        facts["server_log"] = [line for i in range(3) for line in
+                               cluster.log_path(f"server-{i}").read_text().splitlines() if "failed (" in line]
     return facts
 
 
@@ -178,8 +186,11 @@ def test_a_backup_cut_off_from_its_primary_is_dropped_and_repaired(tmp_path):
     # the backup's server never stopped heartbeating: no lease ran out
     assert set(facts["servers_while_partitioned"].values()) <= {"up", "draining"}, where
     assert facts["servers_while_partitioned"][facts["backup"]] == "up", where
-    # mutations waited for the drop (dead-peer time + a heartbeat), far below REPLICA_TIMEOUT
+    # mutations waited for the drop (dead-peer time + a heartbeat), far below REPLICA_TIMEOUT;
+    # the primary gave the silent backup the dead-peer time it was configured with
     assert facts["max_stall"] < STALL_LIMIT, where
+    assert facts["degraded_after"] >= DEAD_PEER - 0.2, where
+    assert any(f"acknowledged nothing for {DEAD_PEER:g} s" in line for line in facts["server_log"]), where
     assert facts["rounds_after_block"] >= 10 and facts["rounds_while_degraded"] >= 3, where
     assert facts["degraded_after"] < STALL_LIMIT, where
     assert facts["copies_while_degraded"] == [], where          # only the primary is in sync
