@@ -129,6 +129,9 @@ class Daemon:
             # `kill -USR1 PID` writes every thread's stack to stderr (the daemon's log under
             # systemd and `smb up`): what an operator needs to see where a daemon hangs
             faulthandler.register(signal.SIGUSR1, all_threads=True)
+            # and a crash in native code (SIGSEGV, SIGBUS, SIGABRT...) writes them before
+            # the process dies, instead of a log that just stops
+            faulthandler.enable(all_threads=True)
         try:
             if self.status is Status.STARTING and not self._started:
                 self.start()
@@ -142,6 +145,7 @@ class Daemon:
                 signal.signal(sig, handler)
             if previous:
                 faulthandler.unregister(signal.SIGUSR1)
+                faulthandler.disable()
             self.stop(reason[0] if reason else "stopped")
 
     def __enter__(self: D) -> D:

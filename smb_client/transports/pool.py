@@ -2,7 +2,9 @@
 
 A :class:`ConnectionPool` makes up to ``size`` connections on demand with a factory and
 hands them out one caller at a time. A caller that finds every connection busy waits on
-a condition variable until one is released (no polling). A connection whose ``closed``
+a condition variable until one is released (no polling). Waiters are served in the
+order they came: a caller that gives a connection back and asks again at once queues
+behind them, so no thread starves while others keep the pool busy. A connection whose ``closed``
 property is true when it comes back is dropped, and its slot is refilled by the next
 caller that needs one. :meth:`ConnectionPool.close` closes the idle connections, closes
 busy ones as they come back, and makes later acquires raise :class:`ServerUnavailable`.
@@ -12,9 +14,11 @@ finds a connection broken closes it and releases it; the pool then forgets it).
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Generic, Protocol, TypeVar
@@ -55,6 +59,8 @@ class ConnectionPool(Generic[C]):
         self._idle: list[C] = []
         self._busy: set[int] = set()   # id() of connections handed out
         self._opening = 0              # slots taken by factories still running
+        self._queue: deque[int] = deque()   # turns of the callers waiting, oldest first
+        self._turns = itertools.count()
         self._closed = False
 
     @property
@@ -73,36 +79,42 @@ class ConnectionPool(Generic[C]):
         what the factory raised), :class:`Timeout` after ``timeout`` seconds of waiting."""
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         with self._cond:
-            while True:
-                if self._closed:
-                    raise ServerUnavailable(f"{self.name}: connection pool is closed")
-                while self._idle:
-                    conn = self._idle.pop()
-                    if conn.closed:       # broke while idle (peer went away)
-                        conn.close()      # still frees what it holds (sockets, verbs resources)
-                        self._cond.notify()
-                        continue
-                    self._busy.add(id(conn))
-                    return conn
-                if len(self._busy) + self._opening < self.size:
-                    self._opening += 1
-                    break
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    raise Timeout(f"{self.name}: all {self.size} connections stayed busy for "
-                                  f"{self.timeout:g} s")
-                self._cond.wait(remaining)
+            turn = next(self._turns)
+            self._queue.append(turn)
+            try:
+                while True:
+                    if self._closed:
+                        raise ServerUnavailable(f"{self.name}: connection pool is closed")
+                    if self._queue[0] == turn:   # no earlier caller still waiting
+                        while self._idle:
+                            conn = self._idle.pop()
+                            if conn.closed:       # broke while idle (peer went away)
+                                conn.close()      # still frees what it holds (sockets, verbs resources)
+                                continue
+                            self._busy.add(id(conn))
+                            return conn
+                        if len(self._busy) + self._opening < self.size:
+                            self._opening += 1
+                            break
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        raise Timeout(f"{self.name}: all {self.size} connections stayed busy for "
+                                      f"{self.timeout:g} s")
+                    self._cond.wait(remaining)
+            finally:
+                self._queue.remove(turn)
+                self._cond.notify_all()   # the next turn looks again
         try:
             conn = self._factory()
         except BaseException:
             with self._cond:
                 self._opening -= 1
-                self._cond.notify()
+                self._cond.notify_all()
             raise
         with self._cond:
             self._opening -= 1
             if self._closed:
-                self._cond.notify()
+                self._cond.notify_all()
                 closed_meanwhile = True
             else:
                 self._busy.add(id(conn))
@@ -121,7 +133,7 @@ class ConnectionPool(Generic[C]):
             drop = self._closed or conn.closed
             if not drop:
                 self._idle.append(conn)
-            self._cond.notify()
+            self._cond.notify_all()   # the waiter whose turn it is may be any of them
         if drop:
             conn.close()
 

@@ -17,6 +17,7 @@ import pytest
 from smb_client import verbs
 from smb_server.local_cluster import LocalCluster
 
+VM_DEAD_PEER_SECONDS = 20.0
 NO_DEVICE = ("no RDMA device on this host: the rdma tier runs inside a Soft-RoCE VM "
              "(tests/rdma/run_vm.sh)")
 
@@ -37,11 +38,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def rdma_cluster(servers: int, capacity: str, log_prefix: str = "") -> Iterator[LocalCluster]:
     """A local cluster of rdma memory servers that report another host id (so ``auto``
     must not pick shm), in a work folder on local disk (SQLite's WAL needs mmap); the
-    daemon logs are kept in ``$SMB_TEST_LOGDIR`` (the VM runner's) as ``log_prefix`` + name."""
+    daemon logs are kept in ``$SMB_TEST_LOGDIR`` (the VM runner's) as ``log_prefix`` + name.
+
+    The memory servers give a silent backup ``VM_DEAD_PEER_SECONDS`` (not 3 s): the
+    emulated VM's kernel can leave a busy server's TCP unacknowledged for seconds, and a
+    primary would drop its backups as unreachable for that alone."""
     work = tempfile.mkdtemp(prefix="smb-rdma-cluster-")
     try:
         with LocalCluster(servers=servers, capacity=capacity, transports="tcp,shm,rdma", log_level="INFO",
-                          env={"SMB_HOST_ID": "memory-box-host"}, workdir=work) as c:
+                          env={"SMB_HOST_ID": "memory-box-host",
+                               "SMB_REPLICA_DEAD_PEER_SECONDS": str(VM_DEAD_PEER_SECONDS)},
+                          workdir=work) as c:
             yield c
     finally:
         logs = os.environ.get("SMB_TEST_LOGDIR")

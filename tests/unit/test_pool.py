@@ -216,3 +216,38 @@ def test_connection_broken_while_idle_is_closed_when_dropped():
         assert fresh is not conn
     assert conn.close_calls == 1 and conn.peer.fileno() < 0
     pool.close()
+
+
+def test_waiters_are_served_in_turn_not_overtaken_by_a_busy_caller():
+    """A caller that gives its connection back and asks again at once must not win it
+    over a caller already waiting: with more threads than connections, each gets its
+    turn (seen as a client thread stalled for the whole run while two others kept the
+    pool's two connections)."""
+    pool = ConnectionPool(Factory(), 1, timeout=5.0)   # starved: Timeout, not a hang
+    stop = threading.Event()
+    busy_rounds = 0
+
+    def busy() -> None:
+        nonlocal busy_rounds
+        while not stop.is_set():
+            with pool.borrow() as conn:
+                conn.echo(b"x")
+                time.sleep(0.001)
+            busy_rounds += 1
+    hog = threading.Thread(target=busy)
+    hog.start()
+    try:
+        time.sleep(0.1)
+        waits = []
+        for _ in range(20):
+            t0 = time.monotonic()
+            with pool.borrow() as conn:
+                waits.append(time.monotonic() - t0)
+                conn.echo(b"y")
+    finally:
+        stop.set()
+        hog.join()
+    assert busy_rounds > 0
+    # each turn waits for at most the one use in progress (about a millisecond)
+    assert max(waits) < 0.5, waits
+    pool.close()
