@@ -239,13 +239,13 @@ def log_events(lines: list[str], after: float) -> dict[str, Any]:
         elif SYNC_START.search(line):
             starts.append(t)
         elif m := SYNC_DONE.search(line):
-            done.append((t, int(m.group(3)), float(m.group(5))))
+            done.append((t, int(m.group(3)), float(m.group(4))))
     out: dict[str, Any] = {"promotions": len(promoted), "first_promotion": min(promoted, default=None),
                            "last_promotion": max(promoted, default=None), "copies": len(done),
                            "drops": len(dropped), "first_change": min(promoted + dropped, default=None)}
     if starts and done:
         out.update(first_sync_start=min(starts), last_sync_done=max(t for t, _, _ in done),
-                   bytes=sum(b for _, b, _ in done), copy_MBps=[r for _, _, r in done])
+                   bytes=sum(b for _, b, _ in done), copy_seconds=sum(sec for _, _, sec in done))
         out["seconds"] = out["last_sync_done"] - out["first_sync_start"]
     return out
 
@@ -295,15 +295,17 @@ def summarize(r: dict[str, Any]) -> dict[str, Any]:
         mon, "smb_controller_repair_bytes_total"), "server_sync_bytes": _sync_bytes(mon.get("metrics_after"))
         - _sync_bytes(mon.get("metrics_at_kill"))}
     if events.get("bytes"):
-        repair.update(bytes=events["bytes"], seconds=events["seconds"],
+        repair.update(bytes=events["bytes"], seconds=events["seconds"], copy_seconds=events["copy_seconds"],
+                      copies=events["copies"],
                       source="controller log: first sync started to last copy in step")
     else:   # from the metrics and the roles the monitor saw
         start = syncing or degraded
         repair.update(bytes=repair["metrics_bytes"] or repair["server_sync_bytes"] or None,
                       seconds=(ready - start) if ready and start else None,
                       source="metrics; from the first copy seen syncing (or degraded) to ready")
-    if repair.get("bytes") and repair.get("seconds"):
-        repair["MBps"] = repair["bytes"] / repair["seconds"] / 1e6
+    busy = repair.get("copy_seconds") or repair.get("seconds")   # while copies were being made
+    if repair.get("bytes") and busy:
+        repair["MBps"] = repair["bytes"] / busy / 1e6
     stalls = []
     for w in sorted(k.get("workers", []), key=lambda w: w["rank"]):
         log_ = w.get("step_log") or []

@@ -165,9 +165,12 @@ def replication_table(r: dict[str, Any]) -> str:
                  f"{_s(f.get('degraded_seconds'))} (`ready` {_s(f.get('ready_after'))} after the kill) |")
     rep = f.get("repair") or {}
     moved = rep.get("bytes")
-    lines.append(f"| repair: bytes copied, time, bandwidth | "
-                 f"{'-' if not moved else f'{moved / 1e6:.2f} MB'}, {_s(rep.get('seconds'))}, "
-                 f"{_f(rep.get('MBps'), '{:.1f} MB/s')} ({rep.get('source', '')}) |")
+    busy = (f"{_s(rep['copy_seconds'])} copying (summed over {rep.get('copies')} copies, up to 4 at once), "
+            if rep.get("copy_seconds") is not None else "")
+    lines.append(f"| repair: bytes copied, time spent copying, bandwidth while copying; span | "
+                 f"{'-' if not moved else f'{moved / 1e6:.2f} MB'}, {busy}"
+                 f"{_f(rep.get('MBps'), '{:.1f} MB/s')}; {_s(rep.get('seconds'))} "
+                 f"({rep.get('source', '')}) |")
     stalls = [x for x in f.get("stalls", []) if x.get("longest_step") is not None]
     if stalls:
         lines.append("| longest step per worker during the failure (median step before) | "

@@ -33,13 +33,26 @@ def test_a_repair_between_two_looks_at_the_states_is_measured():
                "repaired_at": KILL + 5.3}
     log = [_line(KILL + 0.03, "region job/params slot 1: the primary on server s2 cannot reach copy 1 "
                  "on server s1 (reset); the copy is dropped from the replica set (view 3)"),
-           _line(KILL + 5.1, "region job/counters slot 0: copy 1 on server s3 is the primary now (view 4)")]
+           _line(KILL + 0.05, "region job/params slot 1: bringing copy 2 (extent 7) on server s3 in step "
+                 "from the primary on s2 (spare, view 4, 2000000 bytes)"),
+           _line(KILL + 0.25, "region job/params slot 1: copy 2 on server s3 in step (2000000 bytes copied "
+                 "in 0.200 s, 10 MB/s); 2 of 2 copies"),
+           _line(KILL + 5.1, "region job/counters slot 0: copy 1 on server s3 is the primary now (view 4)"),
+           _line(KILL + 5.15, "region job/counters slot 0: bringing copy 2 (extent 9) on server s2 in step "
+                 "from the primary on s3 (spare, view 5, 1000000 bytes)"),
+           _line(KILL + 5.25, "region job/counters slot 0: copy 2 on server s2 in step (1000000 bytes copied "
+                 "in 0.050 s, 20 MB/s); 2 of 2 copies")]
     failure = replica_failure.summarize(_run(monitor, log))["failure"]
     assert abs(failure["degraded_after"] - 0.03) < 0.01
     assert abs(failure["promoted_after"] - 5.1) < 0.01 and failure["promotions"] == 1
     assert abs(failure["ready_after"] - 5.3) < 1e-6
     assert abs(failure["degraded_seconds"] - 5.27) < 0.01
     assert abs(failure["marked_down_after"] - 5.2) < 1e-6
+    repair = failure["repair"]
+    assert repair["bytes"] == 3_000_000 and repair["copies"] == 2
+    assert abs(repair["copy_seconds"] - 0.25) < 1e-9           # the copies' own times
+    assert abs(repair["MBps"] - 12.0) < 1e-6                   # 3 MB in 0.25 s of copying
+    assert abs(repair["seconds"] - 5.2) < 0.01                 # first sync start to last in step
 
 
 def test_no_repair_seen_is_reported_as_none():
