@@ -93,6 +93,7 @@ class Op(enum.IntEnum):
     UNLOCK = 12        # free a lock word this holder holds
     PUSH = 13          # a collective's push: store or add a chunk, count the arrival
     PULL = 14          # a collective's pull: wait for the count, read the chunk, count the read
+    SEED = 15          # memory servers only: a primary's exactly-once entries for a copy it filled
 
 
 class WaitCond(enum.IntEnum):
@@ -108,7 +109,7 @@ class WaitCond(enum.IntEnum):
 
 
 #: operations whose request carries ``length`` payload bytes
-PAYLOAD_OPS = frozenset({Op.HELLO, Op.WRITE, Op.ACCUMULATE, Op.AXPY, Op.PUSH})
+PAYLOAD_OPS = frozenset({Op.HELLO, Op.WRITE, Op.ACCUMULATE, Op.AXPY, Op.PUSH, Op.SEED})
 #: operations that change extent memory (refused on read-only tickets)
 WRITE_OPS = frozenset({Op.WRITE, Op.ACCUMULATE, Op.SCALE, Op.AXPY, Op.FETCH_ADD, Op.COMPARE_SWAP,
                        Op.LOCK, Op.UNLOCK, Op.PUSH, Op.PULL})

@@ -16,9 +16,10 @@ server. Thread-safe; pure (no sockets, no extents).
 """
 from __future__ import annotations
 
+import struct
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from smb_client.errors import InvalidArgument, SMBError, Status, Timeout, error_status
@@ -26,7 +27,37 @@ from smb_client.errors import InvalidArgument, SMBError, Status, Timeout, error_
 WINDOW = 4096      # finished requests remembered per client
 MAX_CLIENTS = 4096  # clients remembered; the least recently seen is forgotten first
 
-__all__ = ["DedupTable", "Entry", "WINDOW"]
+__all__ = ["DedupTable", "Entry", "Record", "WINDOW", "pack_records", "unpack_records"]
+
+#: one handed-over entry: client, seq, what (op, extent, offset, length, dtype), applied,
+#: done, status, then ``body`` bytes of body
+_RECORD = struct.Struct("<QQBQQQBQ?IH")
+Record = tuple[int, int, tuple[int, ...], int, bool, int, bytes]   # client, seq, what, applied, done, status, body
+
+
+def pack_records(records: Iterable[Record]) -> bytes:
+    """Records as bytes (:meth:`DedupTable.export` -> :func:`unpack_records`)."""
+    out = bytearray()
+    for client, seq, what, applied, done, status, body in records:
+        op, extent, offset, length, dtype = what
+        body = body[:0xFFFF]   # answers are a word or an error message
+        out += _RECORD.pack(client, seq, op, extent, offset, length, dtype, applied, done, status, len(body))
+        out += body
+    return bytes(out)
+
+
+def unpack_records(data: bytes | bytearray | memoryview) -> Iterator[Record]:
+    """The records of :func:`pack_records`; InvalidArgument for bytes that are not."""
+    view, pos = memoryview(data), 0
+    while pos < len(view):
+        if pos + _RECORD.size > len(view):
+            raise InvalidArgument(f"exactly-once records: {len(view) - pos} trailing bytes")
+        client, seq, op, extent, offset, length, dtype, applied, done, status, n = _RECORD.unpack_from(view, pos)
+        pos += _RECORD.size
+        if pos + n > len(view):
+            raise InvalidArgument("exactly-once records: a body runs past the end")
+        yield client, seq, (op, extent, offset, length, dtype), applied, done, status, bytes(view[pos:pos + n])
+        pos += n
 
 
 @dataclass
@@ -140,6 +171,37 @@ class DedupTable:
             return
         for seq in [s for s, e in seen.items() if e.done][:extra]:
             del seen[seq]
+
+    def export(self, extent_id: int) -> list[Record]:
+        """The entries of requests on ``extent_id`` that took effect (finished, or
+        interrupted after some bytes), to hand to a copy of the extent filled from this
+        server's bytes (:meth:`seed`)."""
+        with self._cond:
+            return [(client, seq, e.what, e.applied, e.done, e.status, e.body)
+                    for client, seen in self._clients.items() for seq, e in seen.items()
+                    if len(e.what) == 5 and e.what[1] == extent_id and (e.done or e.applied)
+                    and (e.done or not e.owned)]
+
+    def seed(self, records: Iterable[Record]) -> int:
+        """Take entries handed over by a primary: each one this table does not have yet
+        (an entry it has came from a forwarded piece of the same request and is as new),
+        finished or interrupted as it was there. Returns how many were taken."""
+        taken = 0
+        with self._cond:
+            for client, seq, what, applied, done, status, body in records:
+                seen = self._clients.get(client)
+                if seen is None:
+                    seen = self._clients[client] = OrderedDict()
+                    while len(self._clients) > self.max_clients:
+                        self._clients.popitem(last=False)
+                if seq in seen:
+                    continue
+                seen[seq] = Entry(owned=False, done=done, what=tuple(what), applied=applied,
+                                  status=status, body=body, _table=self)
+                self._trim(seen)
+                taken += 1
+            self._cond.notify_all()
+        return taken
 
     def __len__(self) -> int:
         with self._cond:

@@ -28,7 +28,10 @@ heartbeats (a partition between two memory servers) is dropped too.
 A backup marked ``sync`` is added to the forwarding set first, then copied chunk by
 chunk (:data:`SYNC_CHUNK`), each chunk under the extent's lock as the forwarding is: a
 piece forwarded into a range not copied yet is overwritten by the copy that already
-holds it, a piece after a chunk's copy lands after it on both copies.
+holds it, a piece after a chunk's copy lands after it on both copies. Last, under the
+lock, the primary hands the copy its exactly-once entries for the extent (``SEED``): the
+requests it applied before the copy joined reached the copy as bytes, not as pieces, and
+a retry of one that reaches the copy after a promotion must be answered, not applied.
 
 One :class:`Replication` per arena (:func:`for_arena`), shared by the servicer and the
 planes. Connections to a backup server are pooled per endpoint (:class:`Forwarder`),
@@ -65,12 +68,14 @@ from smb_client.transports.tcp import DEAD_PEER_TIMEOUT, TcpConnection
 from smb_client.wire import Op
 
 from .arena import Extent
+from .dedup import DedupTable, pack_records
 
 log = logging.getLogger(__name__)
 
 ROLES = ("", "primary", "backup")
 REPLICA_TIMEOUT = 30.0    # seconds a mutation waits for a failed backup to be dropped
 SYNC_CHUNK = 4 << 20      # bytes copied to a syncing backup per hold of the extent's lock
+SEED_BYTES = 1 << 20      # bytes of exactly-once entries per SEED message
 FORWARD_TIMEOUT = 60.0    # seconds a forwarded piece may wait for its answer from a live backup
 CONNECTIONS = 4           # pooled connections per backup server
 TICKET_TTL = 3600.0       # seconds a replica ticket is valid; signed again at half of it
@@ -168,6 +173,7 @@ class Replication:
         self.tls = tls
         self.timeout = timeout
         self.dead_peer_timeout = dead_peer_timeout   # for forwarders made from now on
+        self.dedup: DedupTable | None = None         # the server's exactly-once table (its planes set it)
         self._configs: dict[int, ReplicaConfig] = {}
         self._cond = threading.Condition()
         self._forwarders: dict[str, Forwarder] = {}
@@ -275,6 +281,9 @@ class Replication:
                         raise ServerUnavailable(f"extent {extent.extent_id}: copying it to backup "
                                                 f"{backup.extent_id} on {backup.endpoint} failed: {exc}") from None
                 copied += n
+            with extent.lock:
+                if backup.state == "syncing":
+                    self._seed(extent, cfg, backup)
         with self._cond:
             if backup.state == "syncing":
                 backup.state = "live"
@@ -283,6 +292,34 @@ class Replication:
         log.info("extent %d: %d bytes copied to backup %d on %s", extent.extent_id, copied,
                  backup.extent_id, backup.endpoint)
         return copied
+
+    def _seed(self, extent: Extent, cfg: ReplicaConfig, backup: Backup) -> None:
+        """Hand a backup just filled the exactly-once entries of requests on the extent
+        (the caller holds its lock, so none applies meanwhile; later ones reach the
+        backup as pieces)."""
+        if self.dedup is None:
+            return
+        records = self.dedup.export(extent.extent_id)
+        batches: list[bytes] = []
+        start = 0
+        while start < len(records):   # whole records per message, at most SEED_BYTES each
+            end, size = start, 0
+            while end < len(records) and (end == start or size + len(records[end][6]) + 64 <= SEED_BYTES):
+                size += len(records[end][6]) + 64
+                end += 1
+            batches.append(pack_records(records[start:end]))
+            start = end
+        for payload in batches:
+            try:
+                self._send(extent, cfg, backup, Op.SEED, 0, len(payload), 0, 0, 0, 0.0, 0, 0,
+                           [memoryview(payload)])
+            except SMBError as exc:
+                self._fail(extent, backup, exc)
+                raise ServerUnavailable(f"extent {extent.extent_id}: handing its exactly-once entries to "
+                                        f"backup {backup.extent_id} on {backup.endpoint} failed: {exc}") from None
+        if records:
+            log.info("extent %d: %d exactly-once entries handed to backup %d", extent.extent_id,
+                     len(records), backup.extent_id)
 
     def admit_piece(self, ticket: Ticket, extent_id: int) -> None:
         """Check a replica ticket's view for a piece on ``extent_id``: a newer view than

@@ -80,7 +80,7 @@ from smb_client.wire import Op
 from . import coord_ops, kernels, replication, waiters
 from .access import TicketBook
 from .arena import Arena, Extent
-from .dedup import DedupTable, Entry
+from .dedup import DedupTable, Entry, unpack_records
 from .kernels import Arith
 from .listener import BACKLOG, Listener
 from .stats import PlaneStats
@@ -357,7 +357,9 @@ class _Connection:
         if not self.tickets:
             raise _Drop(f"{op.name} before HELLO")
         try:
-            if op is Op.PULL:
+            if op is Op.SEED:
+                body = self._seed(extent_id, length)
+            elif op is Op.PULL:
                 body = self._pull(client, seq, extent_id, offset, length, arg0, arg1, alpha, req_id)
             elif op in wire.WRITE_OPS and self._forwarded(extent_id):
                 body = self._piece(client, seq, op, dtype, extent_id, offset, length, arg0, arg1, alpha)
@@ -761,6 +763,25 @@ class _Connection:
                 self.plane.dedup.interrupt(entry)   # the next piece continues it
         return body
 
+    def _seed(self, extent_id: int, length: int) -> bytes:
+        """The exactly-once entries a primary hands this copy after filling it (over its
+        replica ticket, at the current view): taken where this table has none."""
+        if not self._forwarded(extent_id):
+            raise InvalidArgument("exactly-once entries are taken from a primary only (replica ticket)")
+        ticket = self.tickets.get(extent_id)
+        assert ticket is not None
+        self.tickets.check(self.plane.arena, extent_id, write=True)
+        self.plane.replication.admit_piece(ticket, extent_id)
+        payload = bytearray(length)
+        self._recv(memoryview(payload))
+        # filed under this copy's extent id, which a retry at this copy names
+        records = [(client, seq, (what[0], extent_id, *what[2:]), applied, done, status, body)
+                   for client, seq, what, applied, done, status, body in unpack_records(payload)]
+        taken = self.plane.dedup.seed(records)
+        log.debug("extent %d: %d of %d exactly-once entries taken from the primary", extent_id, taken,
+                  len(records))
+        return b""
+
     def _apply_piece(self, op: Op, extent: Extent, offset: int, length: int, dtype: int, arg0: int,
                      arg1: int, alpha: float, skip: int) -> bytes:
         """Apply a forwarded piece, after its first ``skip`` bytes (received and dropped)."""
@@ -835,6 +856,8 @@ class TcpPlane:
         self.dedup = dedup if dedup is not None else DedupTable()
         self.tls = tls
         self.replication = replication.for_arena(arena, secret)
+        if self.replication.dedup is None:   # a sync hands a new copy this server's entries
+            self.replication.dedup = self.dedup
         self._listener = Listener(
             (host, port), self._serve, name="tcp", stats=self.stats,
             max_connections=max_connections, max_per_peer=max_per_peer, refusal=_refusal,

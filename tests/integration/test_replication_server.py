@@ -28,7 +28,7 @@ from smb_client.errors import InvalidArgument, NotPrimary, ServerUnavailable, St
 from smb_client.transports.tcp import TcpConnection, TcpSession
 from smb_client.wire import Op
 from smb_server.grpc_util import make_server
-from smb_server.memserver import replication
+from smb_server.memserver import dedup, replication
 from smb_server.memserver.arena import HEADER_BYTES, Arena
 from smb_server.memserver.dedup import DedupTable
 from smb_server.memserver.service import MemoryServerServicer
@@ -281,6 +281,49 @@ def test_sync_of_a_new_backup_while_writers_run(nodes):
     assert answer.view == 2 and answer.synced_bytes == 32 * MiB
     assert primary.data() == newcomer.data()
     assert primary.repl.counts["sync_bytes"] == 32 * MiB
+
+
+def test_a_copy_filled_by_sync_knows_what_the_primary_applied(nodes):
+    """Requests the primary finished before a new copy joined reached that copy through
+    the sync's bytes, not as forwarded pieces; the sync also hands over the primary's
+    exactly-once entries for the extent, so a retry that reaches the copy after it was
+    promoted (the primary died, the answer was lost) is answered, not applied again."""
+    primary, newcomer = nodes(2)
+    primary.configure(1, "primary")
+    c = Client(primary)
+    ones = np.ones(SIZE // 8, np.int64)
+    seq = c.accumulate(0, ones)                       # its answer is "lost"
+    fa_seq = next(c.seqs)
+    assert c.session.fetch_add(c.ticket, primary.eid, 8, 5, seq=fa_seq) == 1
+    answer = primary.configure(2, "primary", [newcomer], sync=[newcomer])
+    newcomer.configure(2, "backup")
+    assert answer.synced_bytes == SIZE
+    primary.tcp.close()                               # the primary dies; the copy is promoted
+    newcomer.configure(3, "primary")
+    c.close()
+    c.session = c.open(newcomer)
+    c.accumulate(0, ones, seq=seq)                    # the same numbered requests again
+    assert c.session.fetch_add(c.ticket, newcomer.eid, 8, 5, seq=fa_seq) == 1   # the first answer
+    got = newcomer.array(np.int64)
+    assert got[1] == 1 + 5 and got[0] == 1 and np.all(got[2:] == 1), got[:4]
+    c.close()
+
+
+def test_exactly_once_entries_are_taken_from_a_primary_only(nodes):
+    """A client cannot plant answers in a server's exactly-once table: SEED over a
+    client's ticket is refused with a typed error, and the connection and server go on."""
+    primary, backup = replica_set(nodes)
+    c = Client(primary)
+    forged = dedup.pack_records([(c.id, 1, (int(Op.ACCUMULATE), primary.eid, 0, 8, 3), 8, True, 0, b"")])
+    conn = TcpConnection("127.0.0.1", primary.tcp.port, client_id=c.id)
+    conn.present(c.ticket)
+    with pytest.raises(InvalidArgument, match="from a primary only"):
+        conn.request(Op.SEED, primary.eid, 0, len(forged), payload=[memoryview(forged)])
+    assert conn.request(Op.PING) == b""                      # same connection, still served
+    conn.close()
+    c.accumulate(0, np.ones(1, np.int64), seq=1)              # the forged answer was not taken
+    assert primary.array(np.int64)[0] == 1 and backup.array(np.int64)[0] == 1
+    c.close()
 
 
 def test_failed_backup_holds_acknowledgement_until_it_is_dropped(nodes):

@@ -3,7 +3,8 @@ import time
 
 import pytest
 
-from smb_server.memserver.dedup import DedupTable
+from smb_client.errors import InvalidArgument
+from smb_server.memserver.dedup import DedupTable, pack_records, unpack_records
 
 
 def test_duplicate_gets_the_first_answer():
@@ -81,3 +82,37 @@ def test_a_number_reused_for_another_request_is_refused():
         t.begin(3, 9, what=(4, 1, 64, 64))
     again, _ = t.begin(3, 9, what=(4, 1, 0, 64))
     assert not again
+
+
+def test_entries_of_an_extent_are_handed_over_and_taken_where_absent():
+    src = DedupTable()
+    what = (4, 100, 0, 64, 3)
+    _, done = src.begin(1, 10, what=what)
+    done.applied = 64
+    done.finish(0, b"")
+    _, word = src.begin(1, 11, what=(7, 100, 8, 8, 0))
+    word.applied = 8
+    word.finish(0, b"\x01" + b"\x00" * 7)
+    _, cut = src.begin(2, 5, what=(4, 100, 0, 4096, 3))
+    cut.applied = 1024
+    src.interrupt(cut)                        # interrupted after 1 KiB
+    _, running = src.begin(2, 6, what=(4, 100, 0, 64, 3))   # still running: its pieces follow
+    src.begin(3, 1, what=(4, 200, 0, 64, 3))  # another extent
+    records = src.export(100)
+    assert sorted((r[0], r[1]) for r in records) == [(1, 10), (1, 11), (2, 5)]
+    dst = DedupTable()
+    _, own = dst.begin(1, 11, what=(7, 100, 8, 8, 0))   # came as a forwarded piece: kept
+    assert dst.seed(unpack_records(pack_records(records))) == 2
+    fresh, entry = dst.begin(1, 10, what=what)
+    assert not fresh and entry.status == 0                    # answered, not run again
+    fresh, entry = dst.begin(2, 5, what=(4, 100, 0, 4096, 3))
+    assert fresh and entry.applied == 1024                    # resumed after what took effect
+    assert not own.done                                       # the table's own entry untouched
+
+
+def test_handed_over_bytes_that_are_not_records_are_refused():
+    data = pack_records([(1, 2, (4, 100, 0, 64, 3), 64, True, 0, b"answer")])
+    assert len(list(unpack_records(data))) == 1
+    for bad in (data[:-1], data + b"\x00"):
+        with pytest.raises(InvalidArgument):
+            list(unpack_records(bad))
