@@ -51,6 +51,9 @@ class Settings:
     sync_workers: int = 4
     # experiment 3 with memory servers on hosts of their own: (workers, servers)
     sync_dedicated: tuple[tuple[int, int], ...] = ((4, 4), (8, 4))
+    # experiment 3, some memory servers on workers' hosts and some on hosts of their own:
+    # (workers, servers, servers co-located with the first workers)
+    sync_mixed: tuple[tuple[int, int, int], ...] = ((4, 4, 2),)
     syncs: int = 3
     sync_warmup: int = 1
     lease_seconds: float = 5.0                    # failure: controller lease (the default)
@@ -76,12 +79,13 @@ class Settings:
     train_warmup: int = 2
     train_timeout: float = 240.0                  # seconds the workers may take
     log_level: str = "WARNING"
-    only: tuple[str, ...] = ("bandwidth", "sharding", "allreduce", "failure", "replication", "training")
+    only: tuple[str, ...] = ("bandwidth", "sharding", "allreduce", "mixed", "failure", "replication", "training")
 
 
 QUICK = Settings(cap_mbit=200.0, clients=2, server_counts=(1, 2), op_bytes=MiB, seconds=1.0,
                  shard_configs=((2, 2),), shard_steps=2, model_inputs=512, model_hidden=64,
                  sync_sizes=(2_000_000,), sync_workers=2, syncs=2, sync_dedicated=((2, 2),),
+                 sync_mixed=((3, 3, 1),),
                  repl_workers=2, repl_epochs=6, repl_hidden=512, repl_timeout=150.0,
                  train_workers=2, train_servers=2, train_layers=(256, 256, 10), train_steps=3, train_warmup=1)
 
@@ -226,20 +230,35 @@ def allreduce(s: Settings, tick: Tick, cpu: CpuSampler | None = None) -> dict[st
             "link_MBps": s.cap_mbit / 8, "points": points, "dedicated": dedicated}
 
 
-def _allreduce_points(s: Settings, tick: Tick, cpu: CpuSampler | None, n: int, k: int,
-                      colocate: bool) -> list[dict[str, Any]]:
+def mixed(s: Settings, tick: Tick, cpu: CpuSampler | None = None) -> dict[str, Any]:
+    """Experiment 3 with some memory servers on the first workers' hosts and the others
+    on hosts of their own: the pipelined push-pull with chunks dealt evenly over the
+    servers, and shared by spare link capacity (:func:`smb_client.placement.chunk_shares`,
+    from every worker's host), beside gloo on the same hosts."""
     points = []
-    where = "co-located" if colocate else "dedicated"
+    for workers, servers, shared in s.sync_mixed:
+        points += _allreduce_points(s, tick, cpu, workers, servers, colocate=shared, weighted=True)
+    return {"syncs": s.syncs, "warmup": s.sync_warmup, "link_MBps": s.cap_mbit / 8, "points": points}
+
+
+def _allreduce_points(s: Settings, tick: Tick, cpu: CpuSampler | None, n: int, k: int,
+                      colocate: bool | int, weighted: bool = False) -> list[dict[str, Any]]:
+    points = []
+    shared = n if colocate is True else int(colocate)
+    where = "co-located" if colocate is True else f"({shared} co-located)" if shared else "dedicated"
     with Testbed(k, n, colocate=colocate, cap_mbit=s.cap_mbit, log_level=s.log_level,
                  capacity=f"{max(256, 4 * max(s.sync_sizes) * max(1, n // k) // k // MiB + 64)}M") as tb:
         for size in s.sync_sizes:
             specs = [{"mode": "allreduce", "rank": r, "world": n, "sizes": [size], "syncs": s.syncs,
                       "warmup": s.sync_warmup, "servers": k, "stripe_unit": MiB,
                       "master": tb.workers[0].address, "master_port": MASTER_PORT, "tag": f"ar{size}",
-                      "log_level": s.log_level} for r in range(n)]
+                      "log_level": s.log_level,
+                      "worker_hosts": [h.ns for h in tb.workers] if weighted else None} for r in range(n)]
             runs = tb.run_workers(specs, name=f"ar-{size}-")
-            point: dict[str, Any] = {"bytes": size, "workers": n, "servers": k, "colocated": colocate}
-            for system in ("smb", "collective", "gloo"):
+            point: dict[str, Any] = {"bytes": size, "workers": n, "servers": k, "colocated": colocate,
+                                     "shared_hosts": shared}
+            systems = ("smb", "collective", "gloo", "weighted") if weighted else ("smb", "collective", "gloo")
+            for system in systems:
                 per_sync = [max(r[str(size)][system]["times"][i] for r in runs)
                             for i in range(s.syncs)]
                 point[system] = {"seconds": statistics.median(per_sync), "syncs": per_sync,
@@ -252,10 +271,17 @@ def _allreduce_points(s: Settings, tick: Tick, cpu: CpuSampler | None, n: int, k
             point["transports"] = runs[0][str(size)]["smb"]["transports"]
             point["smb_vs_gloo"] = point["gloo"]["seconds"] / point["smb"]["seconds"]
             point["collective_vs_gloo"] = point["gloo"]["seconds"] / point["collective"]["seconds"]
+            if weighted:
+                point["weighted_vs_gloo"] = point["gloo"]["seconds"] / point["weighted"]["seconds"]
+                point["weighted_bytes_per_server"] = runs[0][str(size)]["weighted"]["bytes_per_server"]
+                point["even_bytes_per_server"] = runs[0][str(size)]["collective"]["bytes_per_server"]
+                point["server_hosts"] = {info["server_id"]: tb.servers[i].ns for i, info in enumerate(tb.server_info)}
+                point["worker_hosts"] = [h.ns for h in tb.workers]
             points.append(point)
             tick(f"aggregation, {n} workers, {k} {where} servers, {size / 1e6:.0f} MB: smb "
                  f"{point['smb']['seconds']:.2f} s, collective {point['collective']['seconds']:.2f} s, "
-                 f"gloo {point['gloo']['seconds']:.2f} s")
+                 f"gloo {point['gloo']['seconds']:.2f} s"
+                 + (f", weighted push-pull {point['weighted']['seconds']:.2f} s" if weighted else ""))
     return points
 
 
@@ -336,6 +362,7 @@ def points(s: Settings) -> int:
     n += len(s.server_counts) if "bandwidth" in s.only else 0
     n += len(s.shard_configs) if "sharding" in s.only else 0
     n += len(s.sync_sizes) * (1 + len(s.sync_dedicated)) if "allreduce" in s.only else 0
+    n += len(s.sync_sizes) * len(s.sync_mixed) if "mixed" in s.only else 0
     n += 1 if "failure" in s.only else 0
     n += 2 if "replication" in s.only else 0
     n += 1 if "training" in s.only else 0
@@ -356,6 +383,8 @@ def run_all(s: Settings, tick: Tick) -> dict[str, Any]:
                     out["sharding"] = sharding(tb, s, tick, cpu)
         if "allreduce" in s.only:
             out["allreduce"] = allreduce(s, tick, cpu)
+        if "mixed" in s.only:
+            out["mixed"] = mixed(s, tick, cpu)
         if "failure" in s.only:
             out["failure"] = failure(s, tick)
         if "replication" in s.only:

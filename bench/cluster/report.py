@@ -108,6 +108,48 @@ def dedicated_table(r: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def mixed_bounds(r: dict[str, Any], p: dict[str, Any], key: str) -> float | None:
+    """Seconds the busiest link needs for point ``p`` of the mixed experiment with the
+    chunks dealt as measured (``key``: even_bytes_per_server or
+    weighted_bytes_per_server): :func:`smb_client.placement.host_loads` of the shares."""
+    from smb_client.placement import host_loads
+    rate, per_server = r.get("link_MBps"), p.get(key) or {}
+    total = sum(per_server.values())
+    if not rate or not total:
+        return None
+    loads = host_loads({sid: b / total for sid, b in per_server.items()}, p["server_hosts"], p["worker_hosts"])
+    return max(loads.values()) * p["bytes"] / (rate * 1e6)
+
+
+def _share_on(p: dict[str, Any], key: str, servers: set[str]) -> str:
+    """The fraction of point ``p``'s bytes (``key``) that ``servers`` sum."""
+    per = p.get(key) or {}
+    total = sum(per.values())
+    return f"{sum(b for sid, b in per.items() if sid in servers) / total:.2f}" if total else "-"
+
+
+def mixed_table(r: dict[str, Any]) -> str:
+    lines = ["| workers | memory servers (on workers' hosts) | gradient size | push-pull, even shares (s) "
+             "| push-pull, shares by spare link capacity (s) | gloo all-reduce (s) "
+             "| gloo time / memory-box time (even, by capacity) | link bound: even, by capacity, ring (s) "
+             "| share of the bytes on the co-located servers (even, by capacity) |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for p in r.get("points", []):
+        rate = r.get("link_MBps")
+        n = p["workers"]
+        ring = 2 * (n - 1) / n * p["bytes"] / (rate * 1e6) if rate else None
+        shared = {sid for sid, h in p["server_hosts"].items() if h in set(p["worker_hosts"])}
+        lines.append(
+            f"| {n} | {p['servers']} ({p['shared_hosts']}) | {p['bytes'] / 1e6:.0f} MB "
+            f"| {p['collective']['seconds']:.2f} | {p['weighted']['seconds']:.2f} | {p['gloo']['seconds']:.2f} "
+            f"| {p['collective_vs_gloo']:.2f}, {p['weighted_vs_gloo']:.2f} "
+            f"| {_f(mixed_bounds(r, p, 'even_bytes_per_server'))}, "
+            f"{_f(mixed_bounds(r, p, 'weighted_bytes_per_server'))}, {_f(ring)} "
+            f"| {_share_on(p, 'even_bytes_per_server', shared)}, "
+            f"{_share_on(p, 'weighted_bytes_per_server', shared)} |")
+    return "\n".join(lines) + "\n"
+
+
 def failure_table(r: dict[str, Any]) -> str:
     err = r.get("error") or {}
     retry = r.get("retry_error") or {}
@@ -216,6 +258,10 @@ def markdown(results: dict[str, Any]) -> str:
             parts.append(f"**Aggregation, memory servers on hosts of their own**: median of {a['syncs']} "
                          "synchronizations\n")
             parts.append(dedicated_table(a))
+    if results.get("mixed", {}).get("points"):
+        parts.append(f"**Aggregation, some memory servers on workers' hosts**: median of "
+                     f"{results['mixed']['syncs']} synchronizations\n")
+        parts.append(mixed_table(results["mixed"]))
     if "failure" in results:
         parts.append("**Failure**: a memory server's link goes down mid-run\n")
         parts.append(failure_table(results["failure"]))
@@ -242,11 +288,17 @@ def targets(results: dict[str, Any]) -> list[str]:
                 ok = v is not None and v >= SCALING_TARGET
                 out.append(f"{kind} scaling at {p['servers']} servers: {_f(v)} of linear "
                            f"(target {SCALING_TARGET}): {'met' if ok else 'NOT met'}")
-    for name in ("sharding", "allreduce"):
+    for name in ("sharding", "allreduce", "mixed"):
         for p in (results.get(name) or {}).get("points", []):
-            checks = [p[x]["verified"] for x in ("striped", "layered", "smb", "gloo") if x in p]
+            checks = [p[x]["verified"] for x in ("striped", "layered", "smb", "collective", "weighted", "gloo")
+                      if x in p]
             if not all(checks):
                 out.append(f"{name}: data check FAILED at {p}")
+    for p in (results.get("mixed") or {}).get("points", []):
+        out.append(f"mixed ({p['workers']} workers, {p['servers']} servers, {p['shared_hosts']} on workers' "
+                   f"hosts, {p['bytes'] / 1e6:.0f} MB): push-pull by spare capacity "
+                   f"{p['collective']['seconds'] / p['weighted']['seconds']:.2f}x even shares, "
+                   f"{p['weighted_vs_gloo']:.2f}x gloo")
     f = results.get("failure")
     if f:
         err = f.get("error") or {}

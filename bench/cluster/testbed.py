@@ -7,7 +7,9 @@
 * ``servers`` memory-server hosts (``...-srv<i>``, 198.18.0.11, .12, ...);
 * ``workers`` worker hosts (``...-wrk<j>``, 198.18.0.101, .102, ...), or, with
   ``colocate``, the workers on the memory-server hosts (a worker and a memory server
-  per host, as in a cluster whose training nodes also lend their memory);
+  per host, as in a cluster whose training nodes also lend their memory); ``colocate``
+  a number ``c``: the first ``c`` workers on the first ``c`` memory-server hosts, the
+  others on hosts of their own (some servers co-located, some dedicated);
 
 every host joined to the bridge by its own veth link, capped at ``cap_mbit`` Mbit/s in
 each direction. The addresses come from the RFC 2544 benchmarking range and exist only
@@ -94,18 +96,23 @@ class Testbed:
 
     __test__ = False
 
-    def __init__(self, servers: int, workers: int, *, cap_mbit: float = 200.0, colocate: bool = False,
+    def __init__(self, servers: int, workers: int, *, cap_mbit: float = 200.0, colocate: bool | int = False,
                  lease_seconds: float = 3.0, heartbeat_seconds: float = 0.5, capacity: str = "1G",
                  log_level: str = "WARNING", workdir: str | None = None, keep_workdir: bool = False,
                  metrics_port: int = 0) -> None:
         if servers < 1 or workers < 0:
             raise ValueError("need at least one memory server and no negative worker count")
-        if colocate and workers > servers:
+        shared = workers if colocate is True else int(colocate)
+        if colocate is True and workers > servers:
             raise ValueError(f"colocate puts one worker per server host: {workers} workers > {servers} servers")
+        if not 0 <= shared <= min(workers, servers):
+            raise ValueError(f"colocate={colocate}: at most {min(workers, servers)} workers can share a "
+                             "memory server's host")
         self.num_servers = servers
         self.num_workers = workers
         self.cap_mbit = cap_mbit
-        self.colocate = colocate
+        self.colocate = shared > 0
+        self.shared = shared     # workers on memory-server hosts (the first ones)
         self.lease_seconds = lease_seconds
         self.heartbeat_seconds = heartbeat_seconds
         self.capacity = capacity
@@ -120,11 +127,9 @@ class Testbed:
         self.controller = Host("ctl", f"{self.tag}-ctl", f"{SUBNET}.1", "ctl")
         self.servers = [Host(f"srv{i}", f"{self.tag}-srv{i}", f"{SUBNET}.{11 + i}", f"srv{i}")
                         for i in range(servers)]
-        if colocate:
-            self.workers = self.servers[:workers]
-        else:
-            self.workers = [Host(f"wrk{j}", f"{self.tag}-wrk{j}", f"{SUBNET}.{101 + j}", f"wrk{j}")
-                            for j in range(workers)]
+        self.workers = self.servers[:shared] + [
+            Host(f"wrk{j}", f"{self.tag}-wrk{j}", f"{SUBNET}.{101 + j}", f"wrk{j}")
+            for j in range(shared, workers)]
         self.controller_address = f"{self.controller.address}:{CONTROLLER_PORT}"
         self.server_info: list[dict[str, Any]] = []   # ready files: server_id, endpoints
         self._namespaces: list[str] = []
@@ -134,8 +139,7 @@ class Testbed:
     # -- lifecycle ----------------------------------------------------------------
     @property
     def hosts(self) -> list[Host]:
-        extra = [] if self.colocate else self.workers
-        return [self.controller, *self.servers, *extra]
+        return [self.controller, *self.servers, *self.workers[self.shared:]]
 
     def __enter__(self) -> Testbed:
         return self.start()

@@ -216,15 +216,19 @@ def _smb_allreduce(c: Client, spec: dict[str, Any], size: int) -> dict[str, Any]
     return {"times": times, "phases": phases, "verified": ok, "transports": transports, "window": window}
 
 
-def _smb_collective(c: Client, spec: dict[str, Any], size: int) -> dict[str, Any]:
+def _smb_collective(c: Client, spec: dict[str, Any], size: int, weighted: bool = False) -> dict[str, Any]:
     """Sum ``size`` bytes of float32 over the workers with :class:`Collective`'s
-    pipelined push-pull (chunks dealt over the servers; no barrier, no controller call)."""
+    pipelined push-pull (chunks dealt over the servers; no barrier, no controller call).
+    ``weighted``: chunks shared by spare link capacity, from every worker's host
+    (``spec["worker_hosts"]``), not evenly."""
     from smb_client.collective import Collective
     rank, world = spec["rank"], spec["world"]
     n = size // 4
     grads = np.empty(n, dtype=np.float32)
-    name = f"{spec['tag']}/coll{size}"
-    if rank == 0:
+    name = f"{spec['tag']}/coll{'w' if weighted else ''}{size}"
+    if rank == 0 and weighted:
+        coll = Collective.create(c, name, size, world, worker_hosts=spec["worker_hosts"], timeout=BARRIER_TIMEOUT)
+    elif rank == 0:
         coll = Collective.create(c, name, size, world, num_servers=spec["servers"], timeout=BARRIER_TIMEOUT)
     c.barrier(f"{name}/created", world, timeout=BARRIER_TIMEOUT)
     if rank != 0:
@@ -244,11 +248,14 @@ def _smb_collective(c: Client, spec: dict[str, Any], size: int) -> dict[str, Any
     window[1] = time.time()
     c.barrier(f"{name}/done", world, timeout=BARRIER_TIMEOUT)
     servers = sorted({chunk.place.server_id for chunk in coll.chunks})
+    per_server = {sid: sum(chunk.length for chunk in coll.chunks if chunk.place.server_id == sid)
+                  for sid in servers}
     if rank == 0:
         coll.destroy()
     else:
         coll.close()
-    return {"times": times, "verified": ok, "window": window, "servers": len(servers)}
+    return {"times": times, "verified": ok, "window": window, "servers": len(servers),
+            "bytes_per_server": per_server}
 
 
 def _gloo_allreduce(spec: dict[str, Any], size: int) -> dict[str, Any]:
@@ -283,6 +290,8 @@ def allreduce(spec: dict[str, Any]) -> dict[str, Any]:
                 result[str(size)] = {"smb": _smb_allreduce(c, spec, size),
                                      "collective": _smb_collective(c, spec, size),
                                      "gloo": _gloo_allreduce(spec, size)}
+                if spec.get("worker_hosts"):
+                    result[str(size)]["weighted"] = _smb_collective(c, spec, size, weighted=True)
     finally:
         dist.destroy_process_group()
     return result

@@ -90,6 +90,25 @@ def test_aggregation_short_against_gloo():
     assert all(dedicated[system]["verified"] for system in ("smb", "collective", "gloo"))
 
 
+def test_aggregation_with_some_servers_on_workers_hosts():
+    """3 workers, 3 memory servers, one of them on worker 0's host: every sum exact; with
+    the chunks shared by spare link capacity the co-located server sums 1/5 of the bytes
+    (its link also carries its worker's traffic: 1 + x against 3x, equal at x = 1/5),
+    dealt evenly 1/3."""
+    result = experiments.mixed(experiments.quick(), lambda message: None)
+    (point,) = result["points"]
+    assert (point["workers"], point["servers"], point["shared_hosts"]) == (3, 3, 1)
+    assert all(point[system]["verified"] for system in ("smb", "collective", "weighted", "gloo"))
+    shared = {sid for sid, host in point["server_hosts"].items() if host in point["worker_hosts"]}
+    assert len(shared) == 1
+
+    def share(key: str) -> float:
+        per = point[key]
+        return sum(b for sid, b in per.items() if sid in shared) / sum(per.values())
+    assert abs(share("even_bytes_per_server") - 1 / 3) < 0.05
+    assert abs(share("weighted_bytes_per_server") - 1 / 5) < 0.05
+
+
 def test_training_short_against_ddp():
     from bench.cluster import training
     result = training.run(experiments.quick(), lambda message: None)
