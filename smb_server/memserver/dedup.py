@@ -35,15 +35,21 @@ _RECORD = struct.Struct("<QQBQQQBQ?IH")
 Record = tuple[int, int, tuple[int, ...], int, bool, int, bytes]   # client, seq, what, applied, done, status, body
 
 
-def pack_records(records: Iterable[Record]) -> bytes:
-    """Records as bytes (:meth:`DedupTable.export` -> :func:`unpack_records`)."""
-    out = bytearray()
+def pack_records(records: Iterable[Record], limit: int = 1 << 20) -> list[bytes]:
+    """Records as messages of whole records, each at most ``limit`` bytes unless one
+    record alone is larger (:meth:`DedupTable.export` -> :func:`unpack_records`)."""
+    messages, out = [], bytearray()
     for client, seq, what, applied, done, status, body in records:
         op, extent, offset, length, dtype = what
         body = body[:0xFFFF]   # answers are a word or an error message
+        if out and len(out) + _RECORD.size + len(body) > limit:
+            messages.append(bytes(out))
+            out = bytearray()
         out += _RECORD.pack(client, seq, op, extent, offset, length, dtype, applied, done, status, len(body))
         out += body
-    return bytes(out)
+    if out:
+        messages.append(bytes(out))
+    return messages
 
 
 def unpack_records(data: bytes | bytearray | memoryview) -> Iterator[Record]:
@@ -97,11 +103,7 @@ class DedupTable:
         ValueError instead of answering for the wrong one."""
         with self._cond:
             while True:
-                seen = self._clients.get(client)
-                if seen is None:
-                    seen = self._clients[client] = OrderedDict()
-                    while len(self._clients) > self.max_clients:
-                        self._clients.popitem(last=False)
+                seen = self._entries(client)
                 self._clients.move_to_end(client)
                 entry = seen.get(seq)
                 if entry is None:
@@ -164,6 +166,16 @@ class DedupTable:
             entry.status, entry.body, entry.done, entry.owned = status, body, True, False
             self._cond.notify_all()
 
+    def _entries(self, client: int) -> OrderedDict[int, Entry]:
+        """The entries of ``client``, made empty for a new one (forgetting the least
+        recently seen client beyond ``max_clients``). Under ``_cond``."""
+        seen = self._clients.get(client)
+        if seen is None:
+            seen = self._clients[client] = OrderedDict()
+            while len(self._clients) > self.max_clients:
+                self._clients.popitem(last=False)
+        return seen
+
     def _trim(self, seen: OrderedDict[int, Entry]) -> None:
         """Forget the oldest finished entries beyond the window (running ones are kept)."""
         extra = len(seen) - self.window
@@ -179,8 +191,8 @@ class DedupTable:
         with self._cond:
             return [(client, seq, e.what, e.applied, e.done, e.status, e.body)
                     for client, seen in self._clients.items() for seq, e in seen.items()
-                    if len(e.what) == 5 and e.what[1] == extent_id and (e.done or e.applied)
-                    and (e.done or not e.owned)]
+                    if len(e.what) == 5 and e.what[1] == extent_id
+                    and (e.done or (e.applied and not e.owned))]
 
     def seed(self, records: Iterable[Record]) -> int:
         """Take entries handed over by a primary: each one this table does not have yet
@@ -189,11 +201,7 @@ class DedupTable:
         taken = 0
         with self._cond:
             for client, seq, what, applied, done, status, body in records:
-                seen = self._clients.get(client)
-                if seen is None:
-                    seen = self._clients[client] = OrderedDict()
-                    while len(self._clients) > self.max_clients:
-                        self._clients.popitem(last=False)
+                seen = self._entries(client)
                 if seq in seen:
                     continue
                 seen[seq] = Entry(owned=False, done=done, what=tuple(what), applied=applied,

@@ -300,16 +300,7 @@ class Replication:
         if self.dedup is None:
             return
         records = self.dedup.export(extent.extent_id)
-        batches: list[bytes] = []
-        start = 0
-        while start < len(records):   # whole records per message, at most SEED_BYTES each
-            end, size = start, 0
-            while end < len(records) and (end == start or size + len(records[end][6]) + 64 <= SEED_BYTES):
-                size += len(records[end][6]) + 64
-                end += 1
-            batches.append(pack_records(records[start:end]))
-            start = end
-        for payload in batches:
+        for payload in pack_records(records, SEED_BYTES):
             try:
                 self._send(extent, cfg, backup, Op.SEED, 0, len(payload), 0, 0, 0, 0.0, 0, 0,
                            [memoryview(payload)])

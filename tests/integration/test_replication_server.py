@@ -314,7 +314,7 @@ def test_exactly_once_entries_are_taken_from_a_primary_only(nodes):
     client's ticket is refused with a typed error, and the connection and server go on."""
     primary, backup = replica_set(nodes)
     c = Client(primary)
-    forged = dedup.pack_records([(c.id, 1, (int(Op.ACCUMULATE), primary.eid, 0, 8, 3), 8, True, 0, b"")])
+    (forged,) = dedup.pack_records([(c.id, 1, (int(Op.ACCUMULATE), primary.eid, 0, 8, 3), 8, True, 0, b"")])
     conn = TcpConnection("127.0.0.1", primary.tcp.port, client_id=c.id)
     conn.present(c.ticket)
     with pytest.raises(InvalidArgument, match="from a primary only"):

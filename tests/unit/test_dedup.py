@@ -102,7 +102,8 @@ def test_entries_of_an_extent_are_handed_over_and_taken_where_absent():
     assert sorted((r[0], r[1]) for r in records) == [(1, 10), (1, 11), (2, 5)]
     dst = DedupTable()
     _, own = dst.begin(1, 11, what=(7, 100, 8, 8, 0))   # came as a forwarded piece: kept
-    assert dst.seed(unpack_records(pack_records(records))) == 2
+    (message,) = pack_records(records)
+    assert dst.seed(unpack_records(message)) == 2
     fresh, entry = dst.begin(1, 10, what=what)
     assert not fresh and entry.status == 0                    # answered, not run again
     fresh, entry = dst.begin(2, 5, what=(4, 100, 0, 4096, 3))
@@ -111,8 +112,15 @@ def test_entries_of_an_extent_are_handed_over_and_taken_where_absent():
 
 
 def test_handed_over_bytes_that_are_not_records_are_refused():
-    data = pack_records([(1, 2, (4, 100, 0, 64, 3), 64, True, 0, b"answer")])
+    (data,) = pack_records([(1, 2, (4, 100, 0, 64, 3), 64, True, 0, b"answer")])
     assert len(list(unpack_records(data))) == 1
     for bad in (data[:-1], data + b"\x00"):
         with pytest.raises(InvalidArgument):
             list(unpack_records(bad))
+
+
+def test_records_are_packed_into_messages_of_whole_records_under_the_limit():
+    records = [(7, seq, (7, 100, 8 * seq, 8, 0), 8, True, 0, bytes(8)) for seq in range(1, 201)]
+    messages = pack_records(records, limit=1000)
+    assert len(messages) > 1 and all(len(m) <= 1000 for m in messages)
+    assert [r for m in messages for r in unpack_records(m)] == records
