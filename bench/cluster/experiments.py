@@ -244,10 +244,9 @@ def mixed(s: Settings, tick: Tick, cpu: CpuSampler | None = None) -> dict[str, A
 def _allreduce_points(s: Settings, tick: Tick, cpu: CpuSampler | None, n: int, k: int,
                       colocate: bool | int, weighted: bool = False) -> list[dict[str, Any]]:
     points = []
-    shared = n if colocate is True else int(colocate)
-    where = "co-located" if colocate is True else f"({shared} co-located)" if shared else "dedicated"
     with Testbed(k, n, colocate=colocate, cap_mbit=s.cap_mbit, log_level=s.log_level,
                  capacity=f"{max(256, 4 * max(s.sync_sizes) * max(1, n // k) // k // MiB + 64)}M") as tb:
+        where = "co-located" if colocate is True else f"({tb.shared} co-located)" if tb.shared else "dedicated"
         for size in s.sync_sizes:
             specs = [{"mode": "allreduce", "rank": r, "world": n, "sizes": [size], "syncs": s.syncs,
                       "warmup": s.sync_warmup, "servers": k, "stripe_unit": MiB,
@@ -256,7 +255,7 @@ def _allreduce_points(s: Settings, tick: Tick, cpu: CpuSampler | None, n: int, k
                       "worker_hosts": [h.ns for h in tb.workers] if weighted else None} for r in range(n)]
             runs = tb.run_workers(specs, name=f"ar-{size}-")
             point: dict[str, Any] = {"bytes": size, "workers": n, "servers": k, "colocated": colocate,
-                                     "shared_hosts": shared}
+                                     "shared_hosts": tb.shared}
             systems = ("smb", "collective", "gloo", "weighted") if weighted else ("smb", "collective", "gloo")
             for system in systems:
                 per_sync = [max(r[str(size)][system]["times"][i] for r in runs)
