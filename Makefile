@@ -7,7 +7,7 @@ PY       := $(VENV)/bin/python
 PIP      := $(VENV)/bin/pip
 STAMP    := $(VENV)/.installed
 PROTO_SRC := $(wildcard proto/smb/v1/*.proto)
-PROTO_OUT := smb_client/_proto/smb/v1
+PROTO_OUT := smb_protocol/_proto/smb/v1
 # base tools; rdma-core, the rxe provider and pyverbs (RDMA data plane, `smb doctor`);
 # perftest (reference for the rdma benchmark); qemu, a Debian kernel with rdma_rxe and
 # busybox (the Soft-RoCE VM that runs the rdma tier); systemd (unit verification);
@@ -40,9 +40,9 @@ venv: $(STAMP)
 
 $(PROTO_OUT)/.stamp: $(PROTO_SRC) $(STAMP)
 	@mkdir -p $(PROTO_OUT)
-	$(PY) -m grpc_tools.protoc -Iproto --python_out=smb_client/_proto --pyi_out=smb_client/_proto \
-	    --grpc_python_out=smb_client/_proto $(PROTO_SRC)
-	$(PY) tools/fix_proto_imports.py smb_client/_proto
+	$(PY) -m grpc_tools.protoc -Iproto --python_out=smb_protocol/_proto --pyi_out=smb_protocol/_proto \
+	    --grpc_python_out=smb_protocol/_proto $(PROTO_SRC)
+	$(PY) tools/fix_proto_imports.py smb_protocol/_proto
 	@touch $@
 
 proto: $(PROTO_OUT)/.stamp
@@ -88,4 +88,4 @@ bench-cluster: deps
 	$(PY) -m bench.cluster
 
 clean:
-	rm -rf $(VENV) smb_client/_proto *.egg-info .pytest_cache
+	rm -rf $(VENV) smb_protocol/_proto *.egg-info .pytest_cache

@@ -41,7 +41,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from smb_client import Client  # noqa: E402
-from smb_server import health  # noqa: E402
+from smb_server.runtime import health  # noqa: E402
 from tests.etcd_server import EtcdServer  # noqa: E402
 from tests.integration.controller_group import ControllerGroup  # noqa: E402
 

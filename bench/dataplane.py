@@ -47,9 +47,9 @@ sys.path.insert(0, ROOT)
 import grpc  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from smb_client.units import format_bytes  # noqa: E402
-from smb_server.certs import ClusterCerts, make_cluster_certs  # noqa: E402
-from smb_server.local_cluster import LocalCluster  # noqa: E402
+from smb_protocol.units import format_bytes  # noqa: E402
+from smb_server.commands.local_cluster import LocalCluster  # noqa: E402
+from smb_server.runtime.certs import ClusterCerts, make_cluster_certs  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = [4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, MiB, 4 * MiB, 16 * MiB, 64 * MiB]

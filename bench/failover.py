@@ -38,7 +38,7 @@ from typing import Any
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from smb_client import errors  # noqa: E402
+from smb_protocol import errors  # noqa: E402
 from tests.etcd_server import EtcdServer  # noqa: E402
 from tests.integration.controller_group import ControllerGroup  # noqa: E402
 

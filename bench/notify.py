@@ -36,7 +36,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from smb_server.local_cluster import LocalCluster  # noqa: E402
+from smb_server.commands.local_cluster import LocalCluster  # noqa: E402
 
 WORD = 0
 SETTLE = 0.005          # seconds between the waiter saying it starts and the change

@@ -37,8 +37,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from smb_client import verbs  # noqa: E402
-from smb_server.local_cluster import LocalCluster  # noqa: E402
+from smb_protocol.rdma import verbs  # noqa: E402
+from smb_server.commands.local_cluster import LocalCluster  # noqa: E402
 
 log = logging.getLogger(__name__)
 

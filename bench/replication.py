@@ -35,8 +35,8 @@ sys.path.insert(0, ROOT)
 from tqdm import tqdm  # noqa: E402
 
 from bench.dataplane import save, timed  # noqa: E402
-from smb_client.units import format_bytes  # noqa: E402
-from smb_server.local_cluster import LocalCluster  # noqa: E402
+from smb_protocol.units import format_bytes  # noqa: E402
+from smb_server.commands.local_cluster import LocalCluster  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = [64 * KiB, MiB, 4 * MiB, 16 * MiB, 64 * MiB]

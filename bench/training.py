@@ -6,7 +6,7 @@
         --name training-wide                           # a wider model: overlap with and without
 
 One local cluster (controller + two memory servers on loopback), the digits MLP of
-:mod:`smb_server.train.digits` (64-256-256-10, 85k parameters), the same workers,
+:mod:`smb_train.digits` (64-256-256-10, 85k parameters), the same workers,
 batches, optimizer and data in every configuration, each launched with torchrun:
 
 * ``smb sync + hooks``: :class:`SyncDataParallel`, gradients pushed from backward hooks;
@@ -38,9 +38,9 @@ sys.path.insert(0, str(ROOT))
 
 from tqdm import tqdm  # noqa: E402
 
-from smb_client.units import format_bytes  # noqa: E402
-from smb_server.local_cluster import LocalCluster  # noqa: E402
-from smb_server.train import digits as td  # noqa: E402
+from smb_protocol.units import format_bytes  # noqa: E402
+from smb_server.commands.local_cluster import LocalCluster  # noqa: E402
+from smb_train import digits as td  # noqa: E402
 
 CONFIGS = [  # label, scheme, extra worker options
     ("smb sync + hooks", "sync", []),

@@ -16,8 +16,8 @@ import time
 import numpy as np
 
 import smb_client
-from smb_client.units import format_bytes
-from smb_server.local_cluster import LocalCluster
+from smb_protocol.units import format_bytes
+from smb_server.commands.local_cluster import LocalCluster
 
 MiB = 1 << 20
 

@@ -1,6 +1,6 @@
 """Train a small network on scikit-learn's bundled digits through the memory box.
 
-A thin wrapper of :mod:`smb_server.train.digits` (``smb train`` runs the same);
+A thin wrapper of :mod:`smb_train.digits` (``smb train`` runs the same);
 ``--help`` lists the options. For example::
 
     .venv/bin/python examples/train_digits.py --workers 4 --scheme all
@@ -11,14 +11,7 @@ from __future__ import annotations
 
 import sys
 
-from smb_server.train.digits import (
-    TARGET_ACCURACY,
-    build_parser,
-    main,
-    run_scheme,
-    save_data,
-    worker_argv,
-)
+from smb_train.digits import TARGET_ACCURACY, build_parser, main, run_scheme, save_data, worker_argv
 
 __all__ = ["TARGET_ACCURACY", "build_parser", "main", "run_scheme", "save_data", "worker_argv"]
 

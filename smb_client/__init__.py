@@ -8,11 +8,14 @@ TCP or shared memory.
         params.accumulate(0, grads)          # server-side +=
         params.read_into(0, array)
 """
+from smb_protocol.errors import *  # noqa: F401,F403
+from smb_protocol.errors import SMBError
+
+from . import errors
 from .client import Client, RegionStatus, ServerStatus, connect
 from .collective import Collective
 from .coord import Barrier, Lock
-from .errors import *  # noqa: F401,F403
-from .errors import SMBError
 from .region import Region
 
-__all__ = ["Barrier", "Client", "Collective", "Lock", "Region", "RegionStatus", "ServerStatus", "SMBError", "connect"]
+__all__ = ["Barrier", "Client", "Collective", "Lock", "Region", "RegionStatus", "ServerStatus", "SMBError", "connect",
+           "errors"]

@@ -5,8 +5,8 @@ from typing import Any
 
 import numpy as np
 
-from .dtypes import DType, lookup, resolve
-from .errors import InvalidArgument
+from smb_protocol.dtypes import DType, lookup, resolve
+from smb_protocol.errors import InvalidArgument
 
 
 def _torch_view(t: Any, writable: bool) -> tuple[memoryview, DType]:

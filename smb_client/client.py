@@ -15,18 +15,19 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from . import rpc
-from ._proto.smb.v1 import controller_pb2 as pb
-from ._proto.smb.v1 import controller_pb2_grpc as pb_grpc
+from smb_protocol import rpc
+from smb_protocol._proto.smb.v1 import controller_pb2 as pb
+from smb_protocol._proto.smb.v1 import controller_pb2_grpc as pb_grpc
+from smb_protocol.errors import ControllerUnavailable, InvalidArgument, RegionNotFound, SMBError, Timeout
+from smb_protocol.hostinfo import host_id
+from smb_protocol.names import check_region_name
+from smb_protocol.placement import MAX_REPLICAS, check_bytes, check_weights
+from smb_protocol.retry import Backoff, Retry
+from smb_protocol.tickets import TicketMode
+from smb_protocol.tls import TLSConfig, diagnose
+
 from .dataplane import TRANSPORT_POLICIES, DataPlane, choose_endpoint
-from .errors import ControllerUnavailable, InvalidArgument, RegionNotFound, SMBError, Timeout
-from .hostinfo import host_id
-from .names import check_region_name
-from .placement import MAX_REPLICAS, check_bytes, check_weights
 from .region import Region
-from .retry import Backoff, Retry
-from .tickets import TicketMode
-from .tls import TLSConfig, diagnose
 
 MAX_LEASE = 7 * 24 * 3600.0   # seconds: the longest owner lease a controller takes
 log = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """Collectives over a region: ``all_reduce`` and ``broadcast`` by pipelined push-pull.
 
 A :class:`Collective` lays a buffer of ``nbytes`` out as chunks of at most
-:data:`~smb_client.wire.MAX_CHUNK` bytes, each a segment of a ``layered`` region, whole
+:data:`~smb_protocol.wire.MAX_CHUNK` bytes, each a segment of a ``layered`` region, whole
 on one memory server (segments are dealt to the servers evenly, or in proportion to
 weights derived from where the workers run: :meth:`Collective.create`), so the
 summation is spread over the servers and each chunk's requests stay on one server::
@@ -46,12 +46,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from . import wire
+from smb_protocol import wire
+from smb_protocol.dtypes import DType, itemsize, resolve
+from smb_protocol.errors import DtypeError, InvalidArgument, Misaligned
+from smb_protocol.placement import ExtentPlace, check_weights, chunk_shares
+
 from .buffers import as_view
-from .dtypes import DType, itemsize, resolve
-from .errors import DtypeError, InvalidArgument, Misaligned
 from .futures import wait_all
-from .placement import ExtentPlace, check_weights, chunk_shares
 from .transports.tcp import TcpSession
 
 if TYPE_CHECKING:
@@ -98,7 +99,7 @@ class Collective:
     :meth:`close` stops its threads, :meth:`destroy` also deletes the region.
 
     ``timeout``: seconds a chunk waits for the other parties (then
-    :class:`~smb_client.errors.Timeout`).
+    :class:`~smb_protocol.errors.Timeout`).
     """
 
     def __init__(self, region: Region, parties: int, *, timeout: float = DEFAULT_TIMEOUT,
@@ -168,8 +169,8 @@ class Collective:
         servers (0: all that are up).
 
         Placement by where the workers run: ``worker_hosts``, the host id of every
-        party (:func:`smb_client.hostinfo.host_id`), gives each server a share of the
-        chunks by :func:`smb_client.placement.chunk_shares` (servers on hosts of their
+        party (:func:`smb_protocol.hostinfo.host_id`), gives each server a share of the
+        chunks by :func:`smb_protocol.placement.chunk_shares` (servers on hosts of their
         own first; one on a worker's host gets less, as its link also carries that
         worker's traffic). ``servers``: the server ids to use (with ``worker_hosts``,
         shared as above; without, evenly), or a mapping server id -> weight that

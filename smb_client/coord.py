@@ -32,11 +32,12 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from . import wire
-from .errors import BarrierTimeout, InvalidArgument, LockNotHeld, Timeout
-from .placement import ExtentPlace
+from smb_protocol import wire
+from smb_protocol.errors import BarrierTimeout, InvalidArgument, LockNotHeld, Timeout
+from smb_protocol.placement import ExtentPlace
+from smb_protocol.wire import WaitCond
+
 from .transports.tcp import TcpSession
-from .wire import WaitCond
 
 if TYPE_CHECKING:
     from .region import Region
@@ -101,7 +102,7 @@ def wait(region: Region, offset: int, *, value: int | None = None, equals: int |
     """Block until the int64 at byte ``offset`` of ``region`` is ``>= value``, ``==
     equals`` or ``!= changed_from`` (exactly one of them); returns the word then.
 
-    ``timeout`` (seconds; None: for ever) raises :class:`~smb_client.errors.Timeout`.
+    ``timeout`` (seconds; None: for ever) raises :class:`~smb_protocol.errors.Timeout`.
     """
     given = [(c, v) for c, v in ((WaitCond.AT_LEAST, value), (WaitCond.EQUAL, equals),
                                  (WaitCond.CHANGED, changed_from)) if v is not None]
@@ -135,7 +136,7 @@ class Barrier:
 
     def wait(self, timeout: float | None = None) -> int:
         """Arrive and wait for the other parties; returns the generation (0, 1, ...).
-        :class:`~smb_client.errors.BarrierTimeout` after ``timeout`` seconds."""
+        :class:`~smb_protocol.errors.BarrierTimeout` after ``timeout`` seconds."""
         deadline = _deadline(timeout)
         seq = self.region._dataplane.next_seq()      # a retry is answered, not added again
 
@@ -158,10 +159,10 @@ class Lock:
     holder's id), with a lease of ``lease`` seconds kept by the server.
 
     ``with Lock(region, 0):`` takes it (waiting for ever, or ``timeout`` seconds, then
-    :class:`~smb_client.errors.Timeout`) and frees it. While held, a background thread
+    :class:`~smb_protocol.errors.Timeout`) and frees it. While held, a background thread
     renews the lease every third of it (``keepalive=False``: call :meth:`renew`); if a
     renewal finds the lock taken by another (this process stalled past its lease),
-    :meth:`release` raises :class:`~smb_client.errors.LockNotHeld`. A holder that dies
+    :meth:`release` raises :class:`~smb_protocol.errors.LockNotHeld`. A holder that dies
     frees the lock once its lease ran out. Use the word only through locks.
     """
 
@@ -194,7 +195,7 @@ class Lock:
 
     def acquire(self, timeout: float | None = None) -> None:
         """Take the lock, waiting up to ``timeout`` seconds (None: for ever, or this
-        lock's ``timeout``); :class:`~smb_client.errors.Timeout` when it stays held."""
+        lock's ``timeout``); :class:`~smb_protocol.errors.Timeout` when it stays held."""
         if self._held:
             raise InvalidArgument("this lock is already held by this Lock object")
         deadline = _deadline(self.timeout if timeout is None else timeout)

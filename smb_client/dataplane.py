@@ -23,11 +23,13 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from . import transports, verbs
-from .addressing import parse_endpoint
-from .errors import InvalidArgument, ServerUnavailable
+from smb_client import transports
+from smb_protocol.addressing import parse_endpoint
+from smb_protocol.errors import InvalidArgument, ServerUnavailable
+from smb_protocol.placement import ExtentPlace
+from smb_protocol.rdma import verbs
+
 from .futures import wait_all
-from .placement import ExtentPlace
 from .transports import Session
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """Region handles: typed reads, writes and server-side arithmetic on a named buffer.
 
 A :class:`Region` turns a region-relative operation into requests against extents
-(via the pure layout in :mod:`smb_client.placement`), sends the requests for different
+(via the pure layout in :mod:`smb_protocol.placement`), sends the requests for different
 servers in parallel, and waits for all of them. Every operation has an ``*_async``
 form returning a :class:`concurrent.futures.Future`.
 
@@ -44,13 +44,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import coord, errors
+from smb_client import coord
+from smb_protocol import errors
+from smb_protocol.dtypes import STORAGE, DType, itemsize, resolve
+from smb_protocol.errors import DtypeError, InvalidArgument, Misaligned, ReadOnly, TicketExpired
+from smb_protocol.placement import ExtentPlace, Layout, Run, split_runs
+from smb_protocol.retry import Backoff, Retry
+from smb_protocol.tickets import TicketMode
+
 from .buffers import as_view
-from .dtypes import STORAGE, DType, itemsize, resolve
-from .errors import DtypeError, InvalidArgument, Misaligned, ReadOnly, TicketExpired
-from .placement import ExtentPlace, Layout, Run, split_runs
-from .retry import Backoff, Retry
-from .tickets import TicketMode
 from .transports import Session
 
 if TYPE_CHECKING:

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from smb_server.local_cluster import LocalCluster
+from smb_server.commands.local_cluster import LocalCluster
 
 _names = itertools.count()
 

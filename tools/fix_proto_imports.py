@@ -1,7 +1,7 @@
-"""Rewrite the imports of generated gRPC stubs so they live under smb_client._proto.
+"""Rewrite the imports of generated gRPC stubs so they live under smb_protocol._proto.
 
 protoc emits ``from smb.v1 import x_pb2``; the stubs are installed as
-``smb_client._proto.smb.v1`` so that they never clash with another ``smb`` package.
+``smb_protocol._proto.smb.v1`` so that they never clash with another ``smb`` package.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ def main(root: str) -> None:
         (pkg / "__init__.py").touch()
     for path in (base / "smb" / "v1").glob("*.py*"):
         text = path.read_text()
-        fixed = PATTERN.sub("from smb_client._proto.smb.v1 import", text)
+        fixed = PATTERN.sub("from smb_protocol._proto.smb.v1 import", text)
         if fixed != text:
             path.write_text(fixed)
 

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from smb_server.local_cluster import wait_for_json
+from smb_server.commands.local_cluster import wait_for_json
 
 from . import replica_failure, training
 from .cpuload import CpuSampler
@@ -233,7 +233,7 @@ def allreduce(s: Settings, tick: Tick, cpu: CpuSampler | None = None) -> dict[st
 def mixed(s: Settings, tick: Tick, cpu: CpuSampler | None = None) -> dict[str, Any]:
     """Experiment 3 with some memory servers on the first workers' hosts and the others
     on hosts of their own: the pipelined push-pull with chunks dealt evenly over the
-    servers, and shared by spare link capacity (:func:`smb_client.placement.chunk_shares`,
+    servers, and shared by spare link capacity (:func:`smb_protocol.placement.chunk_shares`,
     from every worker's host), beside gloo on the same hosts."""
     points = []
     for workers, servers, shared in s.sync_mixed:

@@ -2,7 +2,7 @@
 
 On one testbed (``s.repl_servers`` memory servers and ``s.repl_workers`` worker hosts,
 each in its own namespace), the digits trainer's SEASGD workers (the code ``smb train``
-runs, :mod:`smb_server.train.workers`) train twice with the same seeds, their parameter
+runs, :mod:`smb_train.workers`) train twice with the same seeds, their parameter
 store created with ``replicas=s.repl_replicas``:
 
 1. ``undisturbed``: nothing happens;
@@ -148,7 +148,7 @@ def replica_log(text: str) -> list[str]:
 
 def run(s: Any, tick: Any) -> dict[str, Any]:
     """Both runs on one testbed (undisturbed first: the kill leaves one server fewer)."""
-    from smb_server.train.workers import load_data, save_data
+    from smb_train.workers import load_data, save_data
     out: dict[str, Any] = {"workers": s.repl_workers, "servers": s.repl_servers, "replicas": s.repl_replicas,
                            "epochs": s.repl_epochs, "batch": s.repl_batch, "hidden": s.repl_hidden,
                            "seed": s.repl_seed, "interval": s.repl_interval, "kill_fraction": s.repl_kill_fraction,

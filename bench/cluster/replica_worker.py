@@ -1,7 +1,7 @@
 """The worker modes of the replication experiment (see :mod:`.replication`), run by
 :mod:`.worker` inside a host's namespace:
 
-* ``train``: one SEASGD worker of the digits trainer (:mod:`smb_server.train.workers`,
+* ``train``: one SEASGD worker of the digits trainer (:mod:`smb_train.workers`,
   the code ``smb train`` runs), its rank and world given as torchrun would;
 * ``monitor``: on the controller's host, watches the training's parameter store: where
   its copies are (``placement.json``), the regions' and servers' states, the shared
@@ -28,8 +28,9 @@ from typing import Any
 
 import numpy as np
 
-from smb_client import Client, errors
-from smb_client.placement import ExtentPlace
+from smb_client import Client
+from smb_protocol import errors
+from smb_protocol.placement import ExtentPlace
 
 log = logging.getLogger(__name__)
 
@@ -60,12 +61,12 @@ def _read_file(path: Path) -> dict[str, Any] | None:
 
 # -- train ------------------------------------------------------------------------------
 def train(spec: dict[str, Any]) -> dict[str, Any]:
-    """One worker of ``python -m smb_server.train.digits`` (``spec["argv"]``), as rank
+    """One worker of ``python -m smb_train.digits`` (``spec["argv"]``), as rank
     ``spec["rank"]`` of ``spec["world"]``, one worker per host."""
     rank, world = spec["rank"], spec["world"]
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                       GROUP_RANK=str(rank), SMB_CONTROLLER=spec["controller"])
-    from smb_server.train import digits, workers
+    from smb_train import digits, workers
     args = digits.build_parser().parse_args(spec["argv"])
     result: dict[str, Any] = workers.run_worker(args)
     return result
@@ -299,7 +300,7 @@ def check(spec: dict[str, Any]) -> dict[str, Any]:
 
 def _weights_and_counters(c: Client, spec: dict[str, Any]) -> dict[str, Any]:
     from smb_client.torch import FlatModel
-    from smb_server.train.workers import make_model
+    from smb_train.workers import make_model
     prefix, world = spec["prefix"], spec["world"]
     result: dict[str, Any] = {}
     # global weights = initial weights + every delta pushed (float64 sums on the workers)

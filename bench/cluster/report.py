@@ -111,8 +111,8 @@ def dedicated_table(r: dict[str, Any]) -> str:
 def mixed_bounds(r: dict[str, Any], p: dict[str, Any], key: str) -> float | None:
     """Seconds the busiest link needs for point ``p`` of the mixed experiment with the
     chunks dealt as measured (``key``: even_bytes_per_server or
-    weighted_bytes_per_server): :func:`smb_client.placement.host_loads` of the shares."""
-    from smb_client.placement import host_loads
+    weighted_bytes_per_server): :func:`smb_protocol.placement.host_loads` of the shares."""
+    from smb_protocol.placement import host_loads
     rate, per_server = r.get("link_MBps"), p.get(key) or {}
     total = sum(per_server.values())
     if not rate or not total:

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from smb_server.local_cluster import wait_for_json
+from smb_server.commands.local_cluster import wait_for_json
 
 from . import netns
 
@@ -284,7 +284,7 @@ class Testbed:
             raise TestbedError(f"{name} not ready after {timeout:.0f} s:\n{self.log_tail(name)}") from None
 
     def _daemon(self, host: Host, name: str, args: list[str]) -> None:
-        self.spawn(host, name, ["-m", "smb_server.cli", "--log-level", self.log_level, *args])
+        self.spawn(host, name, ["-m", "smb_server.commands.cli", "--log-level", self.log_level, *args])
 
     def _start_daemons(self) -> None:
         secret = self.workdir / "secret"

@@ -7,7 +7,7 @@ process). Per system: steps/s over the timed steps of the slowest worker, its ti
 waiting for the exchange, CPU cores the testbed used, whether all workers ended with
 the same weights, and where the collective's chunks were (bytes per server). Link
 bounds per step: the ring moves ``2(n-1)/n`` of the gradient over every link, the
-memory box ``max(1, n/k)`` over the busiest (:func:`smb_client.placement.host_loads`).
+memory box ``max(1, n/k)`` over the busiest (:func:`smb_protocol.placement.host_loads`).
 """
 from __future__ import annotations
 

@@ -35,9 +35,10 @@ from typing import Any
 
 import numpy as np
 
-from smb_client import Client, errors
+from smb_client import Client
 from smb_client.transports import tcp
-from smb_server.local_cluster import wait_for_json
+from smb_protocol import errors
+from smb_server.commands.local_cluster import wait_for_json
 
 from . import replica_worker, training_worker
 

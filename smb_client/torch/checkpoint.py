@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..errors import DtypeError, InvalidArgument
+from smb_protocol.errors import DtypeError, InvalidArgument
+
 from .flat import torch_dtype
 from .layout import FlatLayout, TensorSlot, dtype_name
 

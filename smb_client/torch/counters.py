@@ -32,7 +32,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..errors import InvalidArgument
+from smb_protocol.errors import InvalidArgument
+
 from .store import COUNTER_WORDS
 
 log = logging.getLogger(__name__)

@@ -14,8 +14,8 @@ import struct
 import time
 from typing import Any
 
-from .. import errors
-from ..errors import RegionNotFound, SMBError
+from smb_protocol import errors
+from smb_protocol.errors import RegionNotFound, SMBError
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,8 @@ from typing import Any, cast
 
 import torch
 
-from ..errors import InvalidArgument
+from smb_protocol.errors import InvalidArgument
+
 from .layout import Bucket, FlatLayout
 
 log = logging.getLogger(__name__)

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import InvalidArgument
+from smb_protocol.errors import InvalidArgument
+
 from .flat import FlatModel, GradientHooks
 from .layout import Bucket
 from .seasgd import SEASGD

@@ -20,7 +20,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import BarrierTimeout, InvalidArgument
+from smb_protocol.errors import BarrierTimeout, InvalidArgument
+
 from . import failure
 from .store import ParameterStore
 

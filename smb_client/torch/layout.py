@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import DtypeError, InvalidArgument
+from smb_protocol.errors import DtypeError, InvalidArgument
 
 log = logging.getLogger(__name__)
 

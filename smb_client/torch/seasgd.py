@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from ..errors import InvalidArgument
+from smb_protocol.errors import InvalidArgument
+
 from .store import ParameterStore
 
 log = logging.getLogger(__name__)

@@ -24,7 +24,7 @@ checkpoint (de)serialization) lives in :mod:`.failure` and :mod:`.checkpoint`.
 The master creates them (:meth:`ParameterStore.create`, ``meta`` last, so that its
 presence means "ready"); the others attach by name (:meth:`ParameterStore.attach`),
 which checks their model against the stored layout. Creating over an existing store
-raises :class:`~smb_client.errors.RegionExists` unless ``replace=True``.
+raises :class:`~smb_protocol.errors.RegionExists` unless ``replace=True``.
 """
 from __future__ import annotations
 
@@ -39,8 +39,9 @@ from typing import Any
 
 import torch
 
-from ..errors import InvalidArgument, RegionExists, RegionNotFound
-from ..placement import PLACEMENTS
+from smb_protocol.errors import InvalidArgument, RegionExists, RegionNotFound
+from smb_protocol.placement import PLACEMENTS
+
 from . import checkpoint, failure
 from .flat import FlatModel
 from .layout import ALIGN, FlatLayout, align_up

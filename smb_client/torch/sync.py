@@ -67,11 +67,12 @@ from typing import Any
 
 import torch
 
+from smb_protocol.errors import InvalidArgument, RegionNotFound
+from smb_protocol.hostinfo import host_id
+
 from ..collective import AllReduce, Collective
 from ..coord import Barrier
-from ..errors import InvalidArgument, RegionNotFound
 from ..futures import wait_all
-from ..hostinfo import host_id
 from .counters import SYNC_BARRIER_WORD, SharedCounters
 from .flat import GradientHooks
 from .layout import ALIGN, Bucket

@@ -13,8 +13,8 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..addressing import Endpoint
-from ..dtypes import DType
+from smb_protocol.addressing import Endpoint
+from smb_protocol.dtypes import DType
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Generic, Protocol, TypeVar
 
-from ..errors import InvalidArgument, ServerUnavailable, Timeout
+from smb_protocol.errors import InvalidArgument, ServerUnavailable, Timeout
 
 log = logging.getLogger(__name__)
 

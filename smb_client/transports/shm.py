@@ -38,9 +38,9 @@ from typing import Any
 
 import numpy as np
 
-from ..addressing import Endpoint
-from ..dtypes import DType
-from ..errors import (
+from smb_protocol.addressing import Endpoint
+from smb_protocol.dtypes import DType
+from smb_protocol.errors import (
     ExtentNotFound,
     OutOfRange,
     PermissionDenied,
@@ -49,6 +49,7 @@ from ..errors import (
     ServerUnavailable,
     status_error,
 )
+
 from . import Session, register
 
 log = logging.getLogger(__name__)

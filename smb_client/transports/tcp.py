@@ -1,9 +1,9 @@
-"""The TCP data plane: framed requests (see :mod:`smb_client.wire`) over a small pool
+"""The TCP data plane: framed requests (see :mod:`smb_protocol.wire`) over a small pool
 of connections per memory server, shared by every region of a client. Each connection
 presents a region's ticket (``HELLO``) before its first request for that region.
 Payloads move between caller buffers and the socket with ``sendmsg``/``recvmsg_into``
 on memoryviews, without intermediate copies. A ``tcp+tls://`` endpoint gets the same
-session over TLS (:mod:`smb_client.tls`): a handshake when each connection opens (the
+session over TLS (:mod:`smb_protocol.tls`): a handshake when each connection opens (the
 server checked against the client's CA, the client's certificate presented when it has
 one), then OpenSSL encrypts from and decrypts into the same buffers. A refused
 handshake raises :class:`AuthenticationError` naming the setting to fix.
@@ -34,10 +34,10 @@ import struct
 from collections.abc import Sequence
 from typing import Any
 
-from .. import wire
-from ..addressing import Endpoint, format_hostport
-from ..dtypes import DType
-from ..errors import (
+from smb_protocol import wire
+from smb_protocol.addressing import Endpoint, format_hostport
+from smb_protocol.dtypes import DType
+from smb_protocol.errors import (
     InvalidArgument,
     ProtocolError,
     ServerBusy,
@@ -46,7 +46,8 @@ from ..errors import (
     Timeout,
     status_error,
 )
-from ..tls import TLS_SCHEME, TLSConfig, is_trust_failure, untrusted
+from smb_protocol.tls import TLS_SCHEME, TLSConfig, is_trust_failure, untrusted
+
 from . import Session, register
 from .pool import ConnectionPool
 
@@ -232,7 +233,7 @@ class TcpSession(Session):
     wait without progress on a live server, default :data:`IO_TIMEOUT`),
     ``dead_peer_timeout`` (seconds without any TCP acknowledgement before the server is
     given up, default :data:`DEAD_PEER_TIMEOUT`: keep it below the controller's lease),
-    ``tls`` (a :class:`~smb_client.tls.TLSConfig`, used for ``tcp+tls://`` endpoints;
+    ``tls`` (a :class:`~smb_protocol.tls.TLSConfig`, used for ``tcp+tls://`` endpoints;
     default ``SMB_TLS_*``). Registered for ``tcp`` and ``tcp+tls``.
     """
 
@@ -318,14 +319,14 @@ class TcpSession(Session):
 
     def push(self, ticket: str, extent_id: int, offset: int, buffers: Sequence[memoryview], dtype: DType,
              word: int, base: int, timeout: float, seq: int = 0) -> int:
-        """A collective's ``PUSH`` (see :data:`smb_client.wire.COLLECTIVE_OPS`); the count before."""
+        """A collective's ``PUSH`` (see :data:`smb_protocol.wire.COLLECTIVE_OPS`); the count before."""
         body = self._do(ticket, wire.Op.PUSH, extent_id, offset, sum(len(b) for b in buffers), dtype=dtype,
                         arg0=word, arg1=base, alpha=timeout, payload=buffers, seq=seq, waits=timeout)
         return int(_WORD.unpack(body)[0])
 
     def pull(self, ticket: str, extent_id: int, offset: int, buffers: Sequence[memoryview], word: int,
              target: int, timeout: float, seq: int = 0) -> None:
-        """A collective's ``PULL`` into ``buffers`` (see :data:`smb_client.wire.COLLECTIVE_OPS`)."""
+        """A collective's ``PULL`` into ``buffers`` (see :data:`smb_protocol.wire.COLLECTIVE_OPS`)."""
         self._do(ticket, wire.Op.PULL, extent_id, offset, sum(len(b) for b in buffers), arg0=word,
                  arg1=target, alpha=timeout, into=buffers, seq=seq, waits=timeout)
 

@@ -11,8 +11,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from smb_client import errors
-from smb_client.names import check_barrier_name
+from smb_protocol import errors
+from smb_protocol.names import check_barrier_name
 
 BARRIER_POLL = 0.5  # seconds between checks that a barrier caller is still there
 MAX_WAITERS = 64    # callers that may wait in barriers at once, all barriers together

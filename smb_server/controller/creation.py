@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from concurrent import futures
 from dataclasses import dataclass
 
-from smb_client import errors
+from smb_protocol import errors
 
 from .memservers import Backup, MemoryServers
 from .records import BACKUP, PRIMARY, ExtentRecord, RegionRecord

@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 from etcd3gw.client import Etcd3Client
 from etcd3gw.exceptions import ConnectionFailedError, ConnectionTimeoutError, Etcd3Exception, InternalServerError
 
-from smb_client import errors
+from smb_protocol import errors
 
 log = logging.getLogger(__name__)
 

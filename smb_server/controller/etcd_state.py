@@ -49,10 +49,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from smb_client import errors
-from smb_client import placement as placement_mod
-from smb_client.names import check_region_name
-from smb_client.placement import check_bytes
+from smb_protocol import errors
+from smb_protocol import placement as placement_mod
+from smb_protocol.names import check_region_name
+from smb_protocol.placement import check_bytes
 
 from . import etcd_kv as kv
 from .records import (

@@ -27,9 +27,9 @@ from typing import Any
 
 import grpc
 
-from smb_client import errors
+from smb_protocol import errors
+from smb_server.runtime.grpc_util import abort
 
-from ..grpc_util import abort
 from . import etcd_kv as kv
 from .etcd_state import Fence
 

@@ -13,16 +13,16 @@ import socket
 import threading
 from typing import Any
 
-from smb_client import errors
-from smb_client._proto.smb.v1 import controller_pb2_grpc
+from smb_protocol import errors
+from smb_protocol._proto.smb.v1 import controller_pb2_grpc
+from smb_server.runtime.config import ConfigError, ControllerConfig
+from smb_server.runtime.credentials import Credentials
+from smb_server.runtime.daemon import Daemon, Status, write_atomic
+from smb_server.runtime.grpc_util import RoleAuth, add_port, make_server, tls_settings
+from smb_server.runtime.health import HEALTH_METHODS, Health
+from smb_server.runtime.metrics import MetricsServer, Registry
+from smb_server.runtime.rpc_metrics import RpcMetrics
 
-from ..config import ConfigError, ControllerConfig
-from ..credentials import Credentials
-from ..daemon import Daemon, Status, write_atomic
-from ..grpc_util import RoleAuth, add_port, make_server, tls_settings
-from ..health import HEALTH_METHODS, Health
-from ..metrics import MetricsServer, Registry
-from ..rpc_metrics import RpcMetrics
 from .etcd_kv import is_etcd_url
 from .etcd_state import EtcdState, Fence
 from .leader import Election, LeaderGate, LeaderLoop

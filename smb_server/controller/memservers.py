@@ -12,9 +12,9 @@ from typing import Protocol
 
 import grpc
 
-from smb_client import errors, rpc, tickets
-from smb_client._proto.smb.v1 import memory_server_pb2, memory_server_pb2_grpc
-from smb_client.tls import TLSConfig
+from smb_protocol import errors, rpc, tickets
+from smb_protocol._proto.smb.v1 import memory_server_pb2, memory_server_pb2_grpc
+from smb_protocol.tls import TLSConfig
 
 from .records import ExtentRecord
 
@@ -38,7 +38,7 @@ class Backup:
 class MemoryServers(Protocol):
     """Reserve and release extents on memory servers; implementations are thread-safe.
 
-    Both raise typed errors (:mod:`smb_client.errors`): ``OutOfMemory`` when the server
+    Both raise typed errors (:mod:`smb_protocol.errors`): ``OutOfMemory`` when the server
     has no room, ``ServerUnavailable`` when it cannot be reached.
     """
 

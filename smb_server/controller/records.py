@@ -8,8 +8,8 @@ import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from smb_client.errors import InvalidArgument
-from smb_client.placement import MAX_REPLICAS, Layout
+from smb_protocol.errors import InvalidArgument
+from smb_protocol.placement import MAX_REPLICAS, Layout
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class ServerRecord:
 class ExtentRecord:
     """One extent of a region as the controller keeps it: its place in the layout,
     its server and whether that server lost it. (Clients see
-    :class:`smb_client.placement.ExtentPlace`.)"""
+    :class:`smb_protocol.placement.ExtentPlace`.)"""
 
     extent_id: int
     index: int             # position in the region's layout

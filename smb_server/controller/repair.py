@@ -70,7 +70,7 @@ from concurrent import futures
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from smb_client import errors
+from smb_protocol import errors
 
 from .memservers import Backup, MemoryServers
 from .records import (
@@ -89,7 +89,7 @@ from .records import (
 from .store import StateStore
 
 if TYPE_CHECKING:
-    from ..metrics import Registry
+    from smb_server.runtime.metrics import Registry
 
 log = logging.getLogger(__name__)
 

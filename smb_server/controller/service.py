@@ -13,11 +13,11 @@ from typing import Any
 
 import grpc
 
-from smb_client import errors, tickets
-from smb_client._proto.smb.v1 import common_pb2, controller_pb2, controller_pb2_grpc
+from smb_protocol import errors, tickets
+from smb_protocol._proto.smb.v1 import common_pb2, controller_pb2, controller_pb2_grpc
+from smb_server.runtime.credentials import ADMIN, CLIENT, SERVER
+from smb_server.runtime.grpc_util import current_principal, typed_errors
 
-from ..credentials import ADMIN, CLIENT, SERVER
-from ..grpc_util import current_principal, typed_errors
 from .barriers import MAX_WAITERS, Barriers
 from .creation import RegionCreator, RegionSpec
 from .memservers import RELEASE_TIMEOUT, RESERVE_TIMEOUT, GrpcMemoryServers

@@ -52,10 +52,10 @@ import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
-from smb_client import placement as placement_mod
-from smb_client.errors import InvalidArgument, RegionExists, RegionNotFound, ServerNotFound
-from smb_client.names import check_region_name
-from smb_client.placement import check_bytes
+from smb_protocol import placement as placement_mod
+from smb_protocol.errors import InvalidArgument, RegionExists, RegionNotFound, ServerNotFound
+from smb_protocol.names import check_region_name
+from smb_protocol.placement import check_bytes
 
 from .records import (
     DELETE_MEMORY_SECONDS,
@@ -417,10 +417,10 @@ class ControllerState:
         servers, then calls :meth:`commit_region` or :meth:`abort_region`. ``uid``: the
         caller's uid for the region (see :func:`.records.check_uid`); "" draws one.
         ``replicas`` (1 to 3; 0 means 1): copies of every slot on distinct servers
-        (:func:`smb_client.placement.plan_replicated`); copy 0 is the slot's primary,
+        (:func:`smb_protocol.placement.plan_replicated`); copy 0 is the slot's primary,
         every copy starts at view 1. ``server_weights`` (layered only; server id ->
         weight): the segments go to those servers in proportion to their weights
-        (:func:`smb_client.placement.plan`). Raises InvalidArgument (also for a uid another
+        (:func:`smb_protocol.placement.plan`). Raises InvalidArgument (also for a uid another
         region has), RegionExists, or OutOfMemory (with the numbers).
         """
         now = self._now(now)

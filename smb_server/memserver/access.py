@@ -10,8 +10,8 @@ import logging
 import threading
 import time
 
-from smb_client.errors import ExtentNotFound, InvalidTicket, ReadOnly, TicketExpired
-from smb_client.tickets import Ticket
+from smb_protocol.errors import ExtentNotFound, InvalidTicket, ReadOnly, TicketExpired
+from smb_protocol.tickets import Ticket
 
 from .arena import Arena, Extent
 

@@ -75,7 +75,7 @@ from typing import Protocol
 
 import numpy as np
 
-from smb_client.errors import ExtentNotFound, InvalidArgument, OutOfMemory, OutOfRange
+from smb_protocol.errors import ExtentNotFound, InvalidArgument, OutOfMemory, OutOfRange
 
 from .memmap import Mapping, data_ranges, open_fds, punch_hole
 

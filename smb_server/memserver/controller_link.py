@@ -2,7 +2,7 @@
 
 :class:`ControllerLink` is the pure sequencing of the register/heartbeat loop: register
 until the controller accepts, then heartbeat every interval; on errors wait the next
-:class:`smb_client.retry.Backoff` delay (the controller may be restarting); when the
+:class:`smb_protocol.retry.Backoff` delay (the controller may be restarting); when the
 controller has forgotten this server (``NotFound`` on a heartbeat), register again at
 once. The calls themselves are passed in, so the sequencing is tested without gRPC.
 :meth:`ControllerLink.run` steps until stopped; :meth:`ControllerLink.wake` makes the
@@ -20,8 +20,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from smb_client import errors
-from smb_client.retry import Backoff
+from smb_protocol import errors
+from smb_protocol.retry import Backoff
 
 log = logging.getLogger(__name__)
 

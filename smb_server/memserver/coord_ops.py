@@ -1,5 +1,5 @@
 """Serving the coordination requests of the data planes: ``WAIT``, ``LOCK``, ``UNLOCK``
-(formats in :mod:`smb_client.wire`), on the arena's :class:`.waiters.Waiters` table.
+(formats in :mod:`smb_protocol.wire`), on the arena's :class:`.waiters.Waiters` table.
 
 A waiting request holds the thread serving its connection (answers go in order), so
 clients send waits on connections of their own (see ``smb_client/coord.py``). The wait
@@ -13,8 +13,8 @@ import select
 import socket
 import struct
 
-from smb_client.errors import InvalidArgument, Misaligned
-from smb_client.wire import Op, WaitCond
+from smb_protocol.errors import InvalidArgument, Misaligned
+from smb_protocol.wire import Op, WaitCond
 
 from .arena import Extent
 from .waiters import Applied, Cancelled, Waiters

@@ -22,7 +22,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
-from smb_client.errors import InvalidArgument, SMBError, Status, Timeout, error_status
+from smb_protocol.errors import InvalidArgument, SMBError, Status, Timeout, error_status
 
 WINDOW = 4096      # finished requests remembered per client
 MAX_CLIENTS = 4096  # clients remembered; the least recently seen is forgotten first

@@ -1,7 +1,7 @@
 """In-place vector operations on extent memory (numpy).
 
 Every function works on byte buffers (memoryviews of extent memory, bytes-like
-sources) and an element type from :class:`smb_client.dtypes.DType`. Lengths are in
+sources) and an element type from :class:`smb_protocol.dtypes.DType`. Lengths are in
 bytes and must be a multiple of the element size (:class:`Misaligned` otherwise).
 Callers hold the extent's lock: these functions do no locking of their own.
 
@@ -19,8 +19,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from smb_client.dtypes import FLOATING, STORAGE, DType
-from smb_client.errors import DtypeError, InvalidArgument, Misaligned
+from smb_protocol.dtypes import FLOATING, STORAGE, DType
+from smb_protocol.errors import DtypeError, InvalidArgument, Misaligned
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +133,7 @@ def _bf16_apply(d: np.ndarray, s: np.ndarray | None,
     """``d = bf16(fn(f32(d), f32(s)))`` block by block, in place, without allocations.
 
     ``fn(acc, x)`` updates ``acc`` (float32) in place; ``x`` is float32 or None.
-    Rounding matches :func:`smb_client.dtypes.f32_to_bf16` (nearest-even, NaN -> 0x7FC0).
+    Rounding matches :func:`smb_protocol.dtypes.f32_to_bf16` (nearest-even, NaN -> 0x7FC0).
     """
     sc = _scratch
     for start in range(0, len(d), BF16_BLOCK):

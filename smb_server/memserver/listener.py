@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from smb_client.errors import ServerBusy, SMBError
+from smb_protocol.errors import ServerBusy, SMBError
 
 from .stats import PlaneStats
 

@@ -27,21 +27,22 @@ import threading
 import uuid
 from typing import Any
 
-from smb_client import errors, rpc, verbs
-from smb_client._proto.smb.v1 import controller_pb2, controller_pb2_grpc, memory_server_pb2_grpc
-from smb_client.addressing import format_hostport
-from smb_client.hostinfo import host_id
-from smb_client.retry import Backoff
-from smb_client.tls import TLS_SCHEME
+from smb_protocol import errors, rpc
+from smb_protocol._proto.smb.v1 import controller_pb2, controller_pb2_grpc, memory_server_pb2_grpc
+from smb_protocol.addressing import format_hostport
+from smb_protocol.hostinfo import host_id
+from smb_protocol.rdma import verbs
+from smb_protocol.retry import Backoff
+from smb_protocol.tls import TLS_SCHEME
+from smb_server.runtime import sdnotify
+from smb_server.runtime.config import ServerConfig
+from smb_server.runtime.credentials import server_credential
+from smb_server.runtime.daemon import Daemon, Status, write_atomic
+from smb_server.runtime.grpc_util import BearerAuth, add_port, make_server, tls_settings
+from smb_server.runtime.health import HEALTH_METHODS, Health
+from smb_server.runtime.metrics import MetricsServer, Registry
+from smb_server.runtime.rpc_metrics import RpcMetrics
 
-from .. import sdnotify
-from ..config import ServerConfig
-from ..credentials import server_credential
-from ..daemon import Daemon, Status, write_atomic
-from ..grpc_util import BearerAuth, add_port, make_server, tls_settings
-from ..health import HEALTH_METHODS, Health
-from ..metrics import MetricsServer, Registry
-from ..rpc_metrics import RpcMetrics
 from . import replication
 from .arena import Arena
 from .controller_link import ControllerLink, Controllers
@@ -393,7 +394,7 @@ def read_server_id(state_dir: str) -> str:
 
 def serve(config: ServerConfig) -> None:
     """Run a memory server until SIGTERM/SIGINT (the ``smb server`` command)."""
-    from .. import logs
+    from smb_server.runtime import logs
     server = MemoryServer(config)
     server.start()
     logs.set_context(server_id=server.server_id)

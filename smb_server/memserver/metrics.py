@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from ..metrics import Registry
+from smb_server.runtime.metrics import Registry
+
 from .arena import Arena
 from .replication import Replication
 from .service import rss_bytes

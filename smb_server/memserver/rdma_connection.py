@@ -6,8 +6,8 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from smb_client import rdma_wire, verbs
-from smb_client.errors import (
+from smb_protocol import rdma_wire
+from smb_protocol.errors import (
     ExtentNotFound,
     InvalidArgument,
     NotPrimary,
@@ -18,9 +18,10 @@ from smb_client.errors import (
     error_status,
     status_error,
 )
-from smb_client.rdma_endpoint import RcEndpoint, RegisteredBuffer
-from smb_client.rdma_wire import MSG_BYTES, MsgOp
-from smb_client.tickets import Ticket
+from smb_protocol.rdma import verbs
+from smb_protocol.rdma.endpoint import RcEndpoint, RegisteredBuffer
+from smb_protocol.rdma_wire import MSG_BYTES, MsgOp
+from smb_protocol.tickets import Ticket
 
 from . import kernels, replication, waiters
 from .access import TicketBook

@@ -9,7 +9,7 @@ old rkeys stop working and can never reach memory handed to someone else later.
 
 Connections (:class:`~.rdma_connection.ServerConnection`): :meth:`RdmaPlane.connect`
 serves the ``Connect`` gRPC call, which presents one verified ticket for the client's
-queue pair named by its :class:`~smb_client.verbs.QPInfo`. The first ``Connect`` of a
+queue pair named by its :class:`~smb_protocol.rdma.verbs.QPInfo`. The first ``Connect`` of a
 queue pair (QPN, PSN, GID) creates the server's side; a later one adds its ticket to
 that connection. The answer holds the server QP's QPN/PSN/GID, the negotiated MTU and,
 for each extent of the ticket's region held here, the address and the rkey of the
@@ -20,7 +20,7 @@ A ``Connect`` naming a queue pair this plane already dropped is refused
 (``ServerUnavailable``): the client must connect a new one.
 
 One-sided READ/WRITE and atomics never involve this process's CPU. Server-side
-arithmetic is two-sided (:mod:`smb_client.rdma_wire`): the progress thread checks each
+arithmetic is two-sided (:mod:`smb_protocol.rdma_wire`): the progress thread checks each
 request against the ticket presented for its extent and computes with :mod:`.kernels`
 under the extent's lock.
 
@@ -41,9 +41,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from smb_client import verbs
-from smb_client.errors import ExtentNotFound, InvalidArgument, OutOfMemory, ServerUnavailable, TicketExpired
-from smb_client.tickets import Ticket, TicketMode
+from smb_protocol.errors import ExtentNotFound, InvalidArgument, OutOfMemory, ServerUnavailable, TicketExpired
+from smb_protocol.rdma import verbs
+from smb_protocol.tickets import Ticket, TicketMode
 
 from . import replication
 from .arena import Arena, Extent

@@ -54,18 +54,13 @@ import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from smb_client.addressing import parse_endpoint
-from smb_client.errors import (
-    InvalidArgument,
-    NotPrimary,
-    ServerUnavailable,
-    SMBError,
-)
-from smb_client.tickets import Ticket, TicketMode, sign
-from smb_client.tls import TLS_SCHEME
 from smb_client.transports.pool import ConnectionPool
 from smb_client.transports.tcp import DEAD_PEER_TIMEOUT, TcpConnection
-from smb_client.wire import Op
+from smb_protocol.addressing import parse_endpoint
+from smb_protocol.errors import InvalidArgument, NotPrimary, ServerUnavailable, SMBError
+from smb_protocol.tickets import Ticket, TicketMode, sign
+from smb_protocol.tls import TLS_SCHEME
+from smb_protocol.wire import Op
 
 from .arena import Extent
 from .dedup import DedupTable, pack_records

@@ -18,14 +18,14 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from smb_client._proto.smb.v1 import memory_server_pb2 as pb
-from smb_client._proto.smb.v1 import memory_server_pb2_grpc as pb_grpc
-from smb_client.addressing import parse_endpoint
-from smb_client.errors import InvalidArgument, InvalidTicket, PermissionDenied
-from smb_client.tickets import Ticket, TicketMode, verify
-from smb_client.verbs import QPInfo
+from smb_protocol._proto.smb.v1 import memory_server_pb2 as pb
+from smb_protocol._proto.smb.v1 import memory_server_pb2_grpc as pb_grpc
+from smb_protocol.addressing import parse_endpoint
+from smb_protocol.errors import InvalidArgument, InvalidTicket, PermissionDenied
+from smb_protocol.rdma.verbs import QPInfo
+from smb_protocol.tickets import Ticket, TicketMode, verify
+from smb_server.runtime.grpc_util import typed_errors
 
-from ..grpc_util import typed_errors
 from . import replication
 from .arena import Arena
 from .stats import PlaneStats

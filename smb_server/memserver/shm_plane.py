@@ -43,9 +43,9 @@ import socket
 import struct
 import time
 
-from smb_client import wire
-from smb_client.errors import SMBError, Status, error_status
-from smb_client.tickets import verify
+from smb_protocol import wire
+from smb_protocol.errors import SMBError, Status, error_status
+from smb_protocol.tickets import verify
 
 from . import replication
 from .access import check_access

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from ..metrics import Histogram
+from smb_server.runtime.metrics import Histogram
 
 log = logging.getLogger(__name__)
 

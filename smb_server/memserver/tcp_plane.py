@@ -1,4 +1,4 @@
-"""The TCP data plane of a memory server (protocol: :mod:`smb_client.wire`).
+"""The TCP data plane of a memory server (protocol: :mod:`smb_protocol.wire`).
 
 One accept thread and one thread per connection. A connection presents tickets with
 ``HELLO`` frames, one per region its client uses here, at any time; each request is
@@ -27,7 +27,7 @@ connection is TLS: the handshake runs on the connection's own thread, within
 socket's descriptor so that :meth:`TcpPlane.close` still reaches it. Refusals for
 limits are sent in clear before any handshake (the client reports them as
 :class:`ServerBusy`). TLS sockets have no ``sendmsg``/``recvmsg_into``:
-:mod:`smb_client.wire` hands them to the loops of :mod:`smb_client.tls`.
+:mod:`smb_protocol.wire` hands them to the loops of :mod:`smb_protocol.tls`.
 
 A request that fails a check is answered with a status code and a UTF-8 message after
 its payload was read and discarded, so the connection stays usable. A frame that
@@ -44,7 +44,7 @@ configuration and the forwarding connections live in :mod:`.replication`.
 
 Replicated extents: a mutation on a connection that presented a ``replica`` ticket for
 its extent is a piece forwarded by a primary (:meth:`_Connection._piece`, format in
-:mod:`smb_client.wire`); a client's mutation of a primary is received into scratch
+:mod:`smb_protocol.wire`); a client's mutation of a primary is received into scratch
 (writes too) and applied and forwarded piece by piece under the extent's lock
 (:meth:`_Connection._replicated`), then answered once no backup is marked failed; a
 client's mutation of a backup, and PUSH/PULL on any replicated extent, are refused.
@@ -60,9 +60,9 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 
-from smb_client import wire
-from smb_client.dtypes import DType
-from smb_client.errors import (
+from smb_protocol import wire
+from smb_protocol.dtypes import DType
+from smb_protocol.errors import (
     ExtentNotFound,
     InvalidArgument,
     InvalidTicket,
@@ -74,8 +74,8 @@ from smb_client.errors import (
     Timeout,
     error_status,
 )
-from smb_client.tickets import TicketMode, verify
-from smb_client.wire import Op
+from smb_protocol.tickets import TicketMode, verify
+from smb_protocol.wire import Op
 
 from . import coord_ops, kernels, replication, waiters
 from .access import TicketBook

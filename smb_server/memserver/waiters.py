@@ -33,8 +33,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from smb_client.errors import ExtentNotFound, InvalidArgument, LockNotHeld, ServerUnavailable, Timeout
-from smb_client.wire import WaitCond
+from smb_protocol.errors import ExtentNotFound, InvalidArgument, LockNotHeld, ServerUnavailable, Timeout
+from smb_protocol.wire import WaitCond
 
 if TYPE_CHECKING:
     from .arena import Extent

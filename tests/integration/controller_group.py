@@ -9,10 +9,11 @@ import sys
 import time
 from pathlib import Path
 
-from smb_client import Client, errors
-from smb_server.config import new_secret, new_token
+from smb_client import Client
+from smb_protocol import errors
+from smb_server.commands.local_cluster import wait_for_json
 from smb_server.controller.etcd_kv import EtcdKV, is_etcd_url, parse_url
-from smb_server.local_cluster import wait_for_json
+from smb_server.runtime.config import new_secret, new_token
 
 START_TIMEOUT = 30.0  # seconds
 
@@ -42,7 +43,7 @@ class ControllerGroup:
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
         with open(self.workdir / f"{name}.log", "ab") as logf:
-            return subprocess.Popen([sys.executable, "-m", "smb_server.cli", "--log-level", "INFO", *args],
+            return subprocess.Popen([sys.executable, "-m", "smb_server.commands.cli", "--log-level", "INFO", *args],
                                     stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env=dict(os.environ, SMB_TOKEN=self.token), start_new_session=True)
 

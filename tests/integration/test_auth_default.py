@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import smb_client
-from smb_client import errors
+from smb_protocol import errors
 
 WAIT = 30.0
 
@@ -23,7 +23,7 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def _controller(tmp_path: Path, *args: str, env: dict[str, str]) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "smb_server.cli", "controller", "--listen",
+    return subprocess.Popen([sys.executable, "-m", "smb_server.commands.cli", "controller", "--listen",
                              "127.0.0.1:0", "--db", str(tmp_path / "c.db"),
                              "--ready-file", str(tmp_path / "ready"), *args],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
@@ -69,7 +69,7 @@ def test_no_credential_on_any_command_line(cluster):
 
 def test_smb_train_passes_the_token_in_the_environment(tmp_path):
     probe = ("import sys, os\n"
-             "from smb_server.train import digits\n"
+             "from smb_train import digits\n"
              "digits.main = lambda argv: print('ARGV', argv, 'ENV', os.environ.get('SMB_TOKEN')) or 0\n"
              "from smb_server import cli\n"
              "sys.exit(cli.main(['train', '--controller', '127.0.0.1:1', '--scheme', 'sync']))\n")
@@ -78,6 +78,6 @@ def test_smb_train_passes_the_token_in_the_environment(tmp_path):
     assert out.returncode == 0, out.stderr
     argv_part, _, env_part = out.stdout.partition("ENV")
     assert "s3cret-token" not in argv_part and "s3cret-token" in env_part
-    refused = subprocess.run([sys.executable, "-m", "smb_server.cli", "train", "--token", "x"],
+    refused = subprocess.run([sys.executable, "-m", "smb_server.commands.cli", "train", "--token", "x"],
                              capture_output=True, text=True, timeout=WAIT, env=_env())
     assert refused.returncode == 2

@@ -8,9 +8,9 @@ import time
 
 import grpc
 
-from smb_client import errors, rpc
-from smb_client._proto.smb.v1 import controller_pb2 as pb
-from smb_client._proto.smb.v1 import controller_pb2_grpc as pb_grpc
+from smb_protocol import errors, rpc
+from smb_protocol._proto.smb.v1 import controller_pb2 as pb
+from smb_protocol._proto.smb.v1 import controller_pb2_grpc as pb_grpc
 from smb_server.controller.barriers import MAX_WAITERS, MAX_WAITERS_PER_CALLER
 
 FLOOD = 70            # more than the controller's barrier waits and handler threads of old

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import smb_client
-from smb_client import errors
+from smb_protocol import errors
 
 MiB = 1 << 20
 
@@ -141,7 +141,7 @@ def test_memory_server_kill_gives_clear_error(fresh_cluster):
 
 def _smb(cluster, *args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, SMB_CONTROLLER=cluster.address, SMB_TOKEN=cluster.token)
-    return subprocess.run([sys.executable, "-m", "smb_server.cli", *args], env=env,
+    return subprocess.run([sys.executable, "-m", "smb_server.commands.cli", *args], env=env,
                           capture_output=True, text=True, timeout=60)
 
 
@@ -182,7 +182,7 @@ def test_cli_region_rm_prefix_removes_a_jobs_regions(cluster):
 def test_orphan_extent_freed_after_grace(tmp_path):
     """A server that misses a release (stopped while its region is deleted) frees the
     extent itself once it is back and the controller reports the extent as an orphan."""
-    from smb_server.local_cluster import LocalCluster
+    from smb_server.commands.local_cluster import LocalCluster
     with LocalCluster(servers=2, capacity="256M", workdir=str(tmp_path / "c"),
                       orphan_grace_seconds=1.0, log_level="INFO") as cl, \
             cl.client(transport="tcp", reconnect_timeout=1.0) as c:
@@ -228,7 +228,7 @@ def test_up_on_a_busy_port_says_so_in_one_line(tmp_path):
         busy.listen()
         port = busy.getsockname()[1]
         result = subprocess.run(
-            [sys.executable, "-m", "smb_server.cli", "up", "--port", str(port), "--servers", "1",
+            [sys.executable, "-m", "smb_server.commands.cli", "up", "--port", str(port), "--servers", "1",
              "--capacity", "64M"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 1
     assert "Traceback" not in result.stderr
@@ -241,8 +241,8 @@ def test_up_on_a_busy_port_says_so_in_one_line(tmp_path):
 def test_cluster_start_failure_is_typed_and_closes_everything(tmp_path):
     import socket
 
-    from smb_server.daemon import Status
-    from smb_server.local_cluster import ClusterError, LocalCluster
+    from smb_server.commands.local_cluster import ClusterError, LocalCluster
+    from smb_server.runtime.daemon import Status
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()

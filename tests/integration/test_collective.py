@@ -12,8 +12,8 @@ import time
 import numpy as np
 import pytest
 
-from smb_client import errors
 from smb_client.collective import TAIL, Collective
+from smb_protocol import errors
 
 KiB = 1 << 10
 
@@ -182,7 +182,7 @@ def test_weighted_servers_get_their_share_of_chunks_and_sums_stay_exact(cluster,
 
 
 def test_worker_hosts_and_explicit_servers_choose_where_the_chunks_go(cluster, name):
-    from smb_client.hostinfo import host_id
+    from smb_protocol.hostinfo import host_id
     with cluster.client() as c:
         ids = sorted(s.server_id for s in c.list_servers() if s.state == "up")
     seen: list[dict[str, int]] = []

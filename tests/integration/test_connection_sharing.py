@@ -9,9 +9,9 @@ import time
 import numpy as np
 import pytest
 
-from smb_client import errors, rpc, tickets
-from smb_client._proto.smb.v1 import memory_server_pb2, memory_server_pb2_grpc
-from smb_server.local_cluster import LocalCluster
+from smb_protocol import errors, rpc, tickets
+from smb_protocol._proto.smb.v1 import memory_server_pb2, memory_server_pb2_grpc
+from smb_server.commands.local_cluster import LocalCluster
 
 MiB = 1 << 20
 SERVERS = 4

@@ -15,8 +15,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from smb_client import Client, errors, rpc, tickets
-from smb_client._proto.smb.v1 import memory_server_pb2, memory_server_pb2_grpc
+from smb_client import Client
+from smb_protocol import errors, rpc, tickets
+from smb_protocol._proto.smb.v1 import memory_server_pb2, memory_server_pb2_grpc
 from tests.etcd_server import EtcdServer, etcd_server  # noqa: F401 (fixture)
 from tests.integration.controller_group import ControllerGroup
 
@@ -46,7 +47,7 @@ def test_one_leads_and_the_standby_names_it(group: ControllerGroup) -> None:
     with group.client(leader) as c:
         assert c.list_regions() == []
     # smb status, given both, says which leads
-    out = subprocess.run([sys.executable, "-m", "smb_server.cli", "status", "--controller",
+    out = subprocess.run([sys.executable, "-m", "smb_server.commands.cli", "status", "--controller",
                           ",".join(group.addresses)], env=dict(os.environ, SMB_TOKEN=group.token),
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr

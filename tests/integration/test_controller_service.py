@@ -12,13 +12,13 @@ from typing import Any
 import grpc
 import pytest
 
-from smb_client import errors, rpc, tickets
-from smb_client._proto.smb.v1 import controller_pb2 as pb
-from smb_client._proto.smb.v1 import controller_pb2_grpc, memory_server_pb2, memory_server_pb2_grpc
-from smb_server.config import ControllerConfig
+from smb_protocol import errors, rpc, tickets
+from smb_protocol._proto.smb.v1 import controller_pb2 as pb
+from smb_protocol._proto.smb.v1 import controller_pb2_grpc, memory_server_pb2, memory_server_pb2_grpc
 from smb_server.controller.main import Controller
-from smb_server.credentials import admin_credential, server_credential
-from smb_server.grpc_util import typed_errors
+from smb_server.runtime.config import ControllerConfig
+from smb_server.runtime.credentials import admin_credential, server_credential
+from smb_server.runtime.grpc_util import typed_errors
 
 MiB = 1 << 20
 TOKEN = "test-token"

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from smb_client import errors
-from smb_client.dtypes import bf16_to_f32, f32_to_bf16
+from smb_protocol import errors
+from smb_protocol.dtypes import bf16_to_f32, f32_to_bf16
 
 MiB = 1 << 20
 TRANSPORTS = ["tcp", "shm"]

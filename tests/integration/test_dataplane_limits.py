@@ -23,13 +23,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from smb_client import tickets, wire
-from smb_client.addressing import parse_endpoint
-from smb_client.dtypes import DType
-from smb_client.errors import InvalidTicket, ServerBusy, ServerUnavailable, Status
 from smb_client.transports.tcp import TcpConnection, TcpSession
-from smb_client.wire import Op
-from smb_server.local_cluster import LocalCluster
+from smb_protocol import tickets, wire
+from smb_protocol.addressing import parse_endpoint
+from smb_protocol.dtypes import DType
+from smb_protocol.errors import InvalidTicket, ServerBusy, ServerUnavailable, Status
+from smb_protocol.wire import Op
+from smb_server.commands.local_cluster import LocalCluster
 from smb_server.memserver.arena import Arena
 from smb_server.memserver.stats import PlaneStats
 from smb_server.memserver.tcp_plane import SCRATCH_BYTES, TcpPlane
@@ -249,7 +249,7 @@ def test_an_extent_costs_one_descriptor():
 
 CHILD = r"""
 import json, resource, socket, sys, time
-from smb_client.errors import OutOfMemory
+from smb_protocol.errors import OutOfMemory
 from smb_server.memserver.arena import Arena
 from smb_server.memserver.memmap import raise_fd_limit
 from smb_server.memserver.tcp_plane import TcpPlane
@@ -374,7 +374,7 @@ def test_memory_server_daemon_raises_its_descriptor_limit(tmp_path):
     log = tmp_path / "server.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "smb_server.cli", "server", "--controller", "127.0.0.1:1",
+            [sys.executable, "-m", "smb_server.commands.cli", "server", "--controller", "127.0.0.1:1",
              "--state-dir", str(tmp_path / "state"), "--capacity", "16M", "--transports", "tcp"],
             cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, 1024)))

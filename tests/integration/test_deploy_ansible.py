@@ -25,8 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from smb_server.certs import make_cluster_certs
-from smb_server.config import ControllerConfig, ServerConfig, load
+from smb_server.runtime.certs import make_cluster_certs
+from smb_server.runtime.config import ControllerConfig, ServerConfig, load
 
 ROOT = Path(__file__).resolve().parents[2]
 ANSIBLE = ROOT / "deploy" / "ansible"
@@ -126,7 +126,7 @@ def test_package_installed_in_its_own_virtualenv(deployed):
     run = subprocess.run([str(smb), "--help"], capture_output=True, text=True, timeout=60, cwd=deployed["root"])
     assert run.returncode == 0 and "controller" in run.stdout
     where = subprocess.run([str(venv / "bin" / "python"), "-c",
-                            "import smb_server, smb_client._proto.smb.v1.controller_pb2 as p; "
+                            "import smb_server, smb_protocol._proto.smb.v1.controller_pb2 as p; "
                             "print(smb_server.__file__)"], capture_output=True, text=True, timeout=60,
                            cwd=deployed["root"])
     assert where.returncode == 0, where.stderr

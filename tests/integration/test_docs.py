@@ -108,7 +108,7 @@ def test_region_ls_prints_readable_sizes(env, cluster):
     with Client(cluster.address, cluster.token) as c:
         c.create_region("cli/ls", 3 * 1024 * 1024).close()
     try:
-        out = subprocess.run([sys.executable, "-m", "smb_server.cli", "region", "ls", "cli/"], env=env,
+        out = subprocess.run([sys.executable, "-m", "smb_server.commands.cli", "region", "ls", "cli/"], env=env,
                              cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
         header, row = out.stdout.splitlines()
@@ -163,7 +163,7 @@ def test_documented_metrics_are_served(tmp_path):
                            ("server", ["--state-dir", str(tmp_path / "s"), "--capacity", "16M"])):
             ready = tmp_path / f"{kind}.ready"
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "smb_server.cli", kind, *args, "--metrics-port", str(ports[kind]),
+                [sys.executable, "-m", "smb_server.commands.cli", kind, *args, "--metrics-port", str(ports[kind]),
                  "--ready-file", str(ready)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
             deadline = time.monotonic() + 30
             while not ready.exists() or not ready.read_text():

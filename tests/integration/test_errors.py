@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 import smb_client
-from smb_client import errors, wire
-from smb_client.addressing import parse_endpoint
+from smb_protocol import errors, wire
+from smb_protocol.addressing import parse_endpoint
+from smb_protocol.dtypes import DType
 
 MiB = 1 << 20
 
@@ -65,7 +66,7 @@ def test_server_checks_bounds_too(cluster, client, witness, name):
     with pytest.raises(errors.OutOfRange):
         s.write(r._ticket, place.extent_id, MiB - 1, [memoryview(b"xy")])
     with pytest.raises(errors.Misaligned):
-        s.accumulate(r._ticket, place.extent_id, 3, [memoryview(b"\0" * 4)], smb_client.dtypes.DType.FLOAT32)
+        s.accumulate(r._ticket, place.extent_id, 3, [memoryview(b"\0" * 4)], DType.FLOAT32)
     with pytest.raises(errors.Misaligned):
         s.fetch_add(r._ticket, place.extent_id, 12, 1)
     with pytest.raises(errors.DtypeError):

@@ -17,12 +17,12 @@ import time
 import numpy as np
 import pytest
 
-from smb_client import tickets, wire
-from smb_client.addressing import parse_endpoint
-from smb_client.dtypes import DType
-from smb_client.errors import InvalidArgument, Status
 from smb_client.transports.tcp import TcpSession
-from smb_client.wire import Op
+from smb_protocol import tickets, wire
+from smb_protocol.addressing import parse_endpoint
+from smb_protocol.dtypes import DType
+from smb_protocol.errors import InvalidArgument, Status
+from smb_protocol.wire import Op
 from smb_server.memserver.arena import Arena
 from smb_server.memserver.stats import PlaneStats
 from smb_server.memserver.tcp_plane import SCRATCH_BYTES, TcpPlane

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from smb_client.errors import ServerBusy, SMBError, Status
+from smb_protocol.errors import ServerBusy, SMBError, Status
 from smb_server.memserver.arena import Arena
 from smb_server.memserver.listener import Listener
 from smb_server.memserver.shm_plane import ANSWER_HEAD, ShmPlane

@@ -14,8 +14,9 @@ import time
 import numpy as np
 import pytest
 
-from smb_client import Barrier, Lock, errors, wire
+from smb_client import Barrier, Lock
 from smb_client.coord import _request
+from smb_protocol import errors, wire
 
 MiB = 1 << 20
 LOCK = 0            # byte offset of the lock word

@@ -17,15 +17,10 @@ import grpc
 import numpy as np
 import pytest
 
-from smb_client import rpc, tickets, wire
-from smb_client._proto.smb.v1 import (
-    controller_pb2,
-    controller_pb2_grpc,
-    memory_server_pb2,
-    memory_server_pb2_grpc,
-)
-from smb_client.dtypes import DType
-from smb_client.errors import (
+from smb_protocol import rpc, tickets, wire
+from smb_protocol._proto.smb.v1 import controller_pb2, controller_pb2_grpc, memory_server_pb2, memory_server_pb2_grpc
+from smb_protocol.dtypes import DType
+from smb_protocol.errors import (
     AuthenticationError,
     ExtentNotFound,
     InvalidArgument,
@@ -34,14 +29,14 @@ from smb_client.errors import (
     PermissionDenied,
     Status,
 )
-from smb_client.wire import Op
-from smb_server.config import ServerConfig
-from smb_server.grpc_util import make_server
+from smb_protocol.wire import Op
 from smb_server.memserver.arena import HEADER_BYTES, LIVE_OFFSET, Arena
 from smb_server.memserver.main import MemoryServer
 from smb_server.memserver.shm_plane import ShmPlane
 from smb_server.memserver.stats import PlaneStats
 from smb_server.memserver.tcp_plane import TcpPlane
+from smb_server.runtime.config import ServerConfig
+from smb_server.runtime.grpc_util import make_server
 
 SECRET = b"s" * 32
 UID = "region-1"

@@ -11,8 +11,8 @@ import time
 import numpy as np
 import pytest
 
-from smb_client import errors, wire
 from smb_client.transports.tcp import TcpConnection
+from smb_protocol import errors, wire
 
 MiB = 1 << 20
 WORD = 4096          # byte offset of the watched word

@@ -16,10 +16,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from smb_client import errors
-from smb_server import health
-from smb_server.local_cluster import LocalCluster
-from smb_server.metrics import parse
+from smb_protocol import errors
+from smb_server.commands.local_cluster import LocalCluster
+from smb_server.runtime import health
+from smb_server.runtime.metrics import parse
 
 MiB = 1 << 20
 WAIT = 30.0   # seconds any daemon gets to come up or go away
@@ -42,7 +42,7 @@ def wait_until(cond, what: str, timeout: float = WAIT):
 
 
 def smb(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "smb_server.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "smb_server.commands.cli", *args], capture_output=True,
                           text=True, timeout=60, env=env)
 
 
@@ -53,7 +53,7 @@ class Daemon:
         self.log = workdir / f"{name}.log"
         self.ready = workdir / f"{name}.ready"
         with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "smb_server.cli", *args,
+            self.proc = subprocess.Popen([sys.executable, "-m", "smb_server.commands.cli", *args,
                                           "--ready-file", str(self.ready)],
                                          stdout=out, stderr=subprocess.STDOUT, env=env,
                                          stdin=subprocess.DEVNULL)

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from smb_client import errors
+from smb_protocol import errors
 
 OWNER_SCRIPT = """
 import sys, time, smb_client

@@ -12,8 +12,8 @@ import urllib.request
 import numpy as np
 import pytest
 
-from smb_client import errors
-from smb_server.metrics import parse
+from smb_protocol import errors
+from smb_server.runtime.metrics import parse
 
 from .test_operations import cluster_env, start_server  # noqa: F401  (a fixture)
 
@@ -61,7 +61,7 @@ def test_region_on_a_server_restarted_without_memory_is_lost(fresh_cluster):
             assert isinstance(info.value, (errors.RegionLost, errors.ServerUnavailable)), info.value
 
         env = dict(os.environ, SMB_CONTROLLER=fresh_cluster.address, SMB_TOKEN=fresh_cluster.token)
-        out = subprocess.run([sys.executable, "-m", "smb_server.cli", "status"], capture_output=True,
+        out = subprocess.run([sys.executable, "-m", "smb_server.commands.cli", "status"], capture_output=True,
                              text=True, timeout=60, env=env)
         assert "job/lost" in out.stdout and "lost" in out.stdout.split("job/lost", 1)[1].splitlines()[0]
 

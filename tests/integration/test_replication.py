@@ -10,8 +10,8 @@ import time
 import numpy as np
 import pytest
 
-from smb_client import errors
-from smb_server.local_cluster import LocalCluster
+from smb_protocol import errors
+from smb_server.commands.local_cluster import LocalCluster
 
 from .test_region_lost import _wait_state
 

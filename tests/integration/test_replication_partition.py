@@ -101,8 +101,8 @@ def _wait_state(client, name: str, state: str, timeout: float) -> float:
 
 def scenario(workdir: str) -> dict[str, object]:
     """Run the partition and return what was seen (the test asserts on it)."""
-    from smb_client.addressing import parse_endpoint
-    from smb_server.local_cluster import LocalCluster
+    from smb_protocol.addressing import parse_endpoint
+    from smb_server.commands.local_cluster import LocalCluster
     from tests.integration.test_replication import _copies, _read_copy
 
     _sh("ip", "link", "set", "lo", "up")
@@ -181,8 +181,8 @@ def scenario(workdir: str) -> dict[str, object]:
 
 def flapping(workdir: str) -> dict[str, object]:
     """Cut servers off in turn while clients accumulate; return what was seen."""
-    from smb_client.addressing import parse_endpoint
-    from smb_server.local_cluster import LocalCluster
+    from smb_protocol.addressing import parse_endpoint
+    from smb_server.commands.local_cluster import LocalCluster
     from tests.integration.test_replication import _copies, _read_copy
 
     _sh("ip", "link", "set", "lo", "up")

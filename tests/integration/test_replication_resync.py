@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from smb_client.errors import ServerUnavailable
+from smb_protocol.errors import ServerUnavailable
 
 from .test_replication_server import Client, nodes  # noqa: F401  (a fixture)
 

@@ -19,15 +19,14 @@ import time
 import numpy as np
 import pytest
 
-from smb_client import dtypes, rpc, tickets
-from smb_client._proto.smb.v1 import memory_server_pb2 as pb
-from smb_client._proto.smb.v1 import memory_server_pb2_grpc as pb_grpc
-from smb_client.addressing import parse_endpoint
-from smb_client.dtypes import DType
-from smb_client.errors import InvalidArgument, NotPrimary, ServerUnavailable, Status
 from smb_client.transports.tcp import TcpConnection, TcpSession
-from smb_client.wire import Op
-from smb_server.grpc_util import make_server
+from smb_protocol import dtypes, rpc, tickets
+from smb_protocol._proto.smb.v1 import memory_server_pb2 as pb
+from smb_protocol._proto.smb.v1 import memory_server_pb2_grpc as pb_grpc
+from smb_protocol.addressing import parse_endpoint
+from smb_protocol.dtypes import DType
+from smb_protocol.errors import InvalidArgument, NotPrimary, ServerUnavailable, Status
+from smb_protocol.wire import Op
 from smb_server.memserver import dedup, replication
 from smb_server.memserver.arena import HEADER_BYTES, Arena
 from smb_server.memserver.dedup import DedupTable
@@ -35,6 +34,7 @@ from smb_server.memserver.service import MemoryServerServicer
 from smb_server.memserver.shm_plane import ShmPlane
 from smb_server.memserver.stats import PlaneStats
 from smb_server.memserver.tcp_plane import TcpPlane
+from smb_server.runtime.grpc_util import make_server
 
 SECRET = b"r" * 32
 UID = "replicated-region"

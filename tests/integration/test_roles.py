@@ -9,11 +9,11 @@ import sys
 import pytest
 
 import smb_client
-from smb_client import errors, rpc
-from smb_client._proto.smb.v1 import controller_pb2 as pb
-from smb_client._proto.smb.v1 import controller_pb2_grpc as pb_grpc
-from smb_server.credentials import server_credential
-from smb_server.local_cluster import LocalCluster
+from smb_protocol import errors, rpc
+from smb_protocol._proto.smb.v1 import controller_pb2 as pb
+from smb_protocol._proto.smb.v1 import controller_pb2_grpc as pb_grpc
+from smb_server.commands.local_cluster import LocalCluster
+from smb_server.runtime.credentials import server_credential
 
 MiB = 1 << 20
 
@@ -93,13 +93,13 @@ def test_admin_drains_and_removes(fresh_cluster):
     # the CLI takes the admin credential from the environment, never from argv
     env = dict(os.environ, SMB_ADMIN_TOKEN=cluster.admin_token, SMB_TOKEN=cluster.token)
     env.pop("SMB_SECRET", None)
-    out = subprocess.run([sys.executable, "-m", "smb_server.cli", "server", "drain",
+    out = subprocess.run([sys.executable, "-m", "smb_server.commands.cli", "server", "drain",
                           "--controller", cluster.address, "--server-id", victim],
                          capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode == 0, out.stderr
     assert _servers(cluster)[victim].state == "draining"
     env.pop("SMB_ADMIN_TOKEN")
-    out = subprocess.run([sys.executable, "-m", "smb_server.cli", "server", "undrain",
+    out = subprocess.run([sys.executable, "-m", "smb_server.commands.cli", "server", "undrain",
                           "--controller", cluster.address, "--server-id", victim],
                          capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode == 1 and "needs the admin role" in out.stderr

@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from smb_client import errors
+from smb_protocol import errors
 
 MiB = 1 << 20
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from smb_server.local_cluster import LocalCluster
+from smb_server.commands.local_cluster import LocalCluster
 
 MiB = 1 << 20
 OTHER_UID = 65534          # nobody
@@ -244,7 +244,7 @@ sys.stdin.readline()
 
 
 def test_one_user_cannot_take_every_shm_connection(shared_cluster):
-    from smb_client.errors import Status
+    from smb_protocol.errors import Status
     from smb_server.memserver.shm_plane import MAX_PER_USER
 
     cluster = shared_cluster
@@ -275,8 +275,8 @@ def test_a_full_backlog_delays_a_client_instead_of_failing_it(tmp_path):
     import struct
     import threading
 
-    from smb_client.errors import ExtentNotFound, Status
     from smb_client.transports.shm import fetch_extent_fd
+    from smb_protocol.errors import ExtentNotFound, Status
 
     path = str(tmp_path / "s.sock")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -15,15 +15,16 @@ import time
 import numpy as np
 import pytest
 
-from smb_client import Client, tickets
-from smb_client.addressing import parse_endpoint
-from smb_client.errors import AuthenticationError, ServerBusy
-from smb_client.tls import TLSConfig
+from smb_client import Client
 from smb_client.transports.tcp import TcpSession
-from smb_server.certs import make_cluster_certs
-from smb_server.local_cluster import LocalCluster
+from smb_protocol import tickets
+from smb_protocol.addressing import parse_endpoint
+from smb_protocol.errors import AuthenticationError, ServerBusy
+from smb_protocol.tls import TLSConfig
+from smb_server.commands.local_cluster import LocalCluster
 from smb_server.memserver.arena import Arena
 from smb_server.memserver.tcp_plane import TcpPlane
+from smb_server.runtime.certs import make_cluster_certs
 
 MiB = 1 << 20
 SECRET = b"t" * 32
@@ -150,7 +151,7 @@ def test_smb_server_drain_uses_the_servers_tls_settings(tls_cluster):
     env = {k: v for k, v in os.environ.items() if not k.startswith("SMB_")}
     server_id = tls_cluster.server_id(0)
     for action in ("drain", "undrain"):
-        out = subprocess.run([sys.executable, "-m", "smb_server.cli", "server", action,
+        out = subprocess.run([sys.executable, "-m", "smb_server.commands.cli", "server", action,
                               "--server-id", server_id, "--controller", tls_cluster.address,
                               "--secret-file", str(tls_cluster.secret_file), "--tls-ca", daemon.ca,
                               "--tls-cert", daemon.cert, "--tls-key", daemon.key],
@@ -216,7 +217,7 @@ def test_a_full_tls_plane_refuses_with_server_busy(tmp_path):
 
 
 def test_smb_up_tls_prints_what_clients_need(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-m", "smb_server.cli", "up", "--tls", "--port", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "smb_server.commands.cli", "up", "--tls", "--port", "0",
                              "--memory-servers", "1", "--capacity", "64M",
                              "--workdir", str(tmp_path / "up")],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -6,8 +6,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from smb_client.errors import DtypeError, InvalidArgument  # noqa: E402
 from smb_client.torch import ParameterStore, SyncDataParallel  # noqa: E402
+from smb_protocol.errors import DtypeError, InvalidArgument  # noqa: E402
 
 
 def net(seed: int) -> torch.nn.Module:

@@ -10,8 +10,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from smb_client.errors import DtypeError  # noqa: E402
 from smb_client.torch import SEASGD, ParameterStore, SyncDataParallel  # noqa: E402
+from smb_protocol.errors import DtypeError  # noqa: E402
 
 WORLD = 2
 STEPS = 3

@@ -9,8 +9,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from smb_client.errors import OutOfMemory  # noqa: E402
 from smb_client.torch import ParameterStore, WorkerEnv, open_store  # noqa: E402
+from smb_protocol.errors import OutOfMemory  # noqa: E402
 
 WORLD = 2
 

@@ -122,7 +122,7 @@ def test_frozen_parameters_stay_untouched_and_cost_no_traffic(cluster, name, ove
 
 
 def test_changing_requires_grad_after_binding_is_an_error(cluster, name):
-    from smb_client.errors import InvalidArgument
+    from smb_protocol.errors import InvalidArgument
     model = make_model()
     with cluster.client() as c:
         store = ParameterStore.create(c, name, model, grad_slots=3)

@@ -125,8 +125,8 @@ def test_hybrid_follows_the_leaders_update_interval(cluster, name):
     interval given to HybridSEASGD is refused (one node of one worker, in this process)."""
     import torch.distributed as dist
 
-    from smb_client.errors import InvalidArgument
     from smb_client.torch import SEASGD, FlatModel, HybridSEASGD, ParameterStore, new_node_groups
+    from smb_protocol.errors import InvalidArgument
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         ranks, groups = new_node_groups(1, 1)

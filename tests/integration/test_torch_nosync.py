@@ -9,8 +9,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from smb_client.errors import InvalidArgument  # noqa: E402
 from smb_client.torch import ParameterStore, SyncDataParallel  # noqa: E402
+from smb_protocol.errors import InvalidArgument  # noqa: E402
 
 WORLD = 2
 MICRO = 3       # micro-batches per step

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from smb_client.errors import RegionNotFound
+from smb_protocol.errors import RegionNotFound
 
 pytest.importorskip("torch")
 pytest.importorskip("sklearn")
@@ -63,7 +63,7 @@ def test_a_killed_seasgd_worker_is_restarted_and_resumes_from_the_memory_box(clu
     out.mkdir()
     env = dict(os.environ, SMB_CONTROLLER=cluster.address, SMB_TOKEN=cluster.token)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           "--max-restarts=1", "-m", "smb_server.train.digits", "--scheme", "seasgd", "--job", job,
+           "--max-restarts=1", "-m", "smb_train.digits", "--scheme", "seasgd", "--job", job,
            "--epochs", "8", "--quiet", "--result-dir", str(out)]
     log = open(tmp_path / "torchrun.log", "w")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)

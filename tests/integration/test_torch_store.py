@@ -10,8 +10,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from smb_client.errors import DtypeError, InvalidArgument, RegionNotFound  # noqa: E402
 from smb_client.torch import SEASGD, ParameterStore, SharedCounters, SyncDataParallel, WorkerEnv, open_store  # noqa: E402
+from smb_protocol.errors import DtypeError, InvalidArgument, RegionNotFound  # noqa: E402
 
 
 def mlp(seed: int = 0, hidden: int = 24) -> torch.nn.Module:

@@ -6,8 +6,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from smb_client.errors import InvalidArgument, RegionExists  # noqa: E402
 from smb_client.torch import SEASGD, ParameterStore, SyncDataParallel  # noqa: E402
+from smb_protocol.errors import InvalidArgument, RegionExists  # noqa: E402
 
 
 def mlp(seed: int = 0) -> torch.nn.Module:

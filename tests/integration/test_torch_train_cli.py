@@ -17,7 +17,7 @@ def test_smb_train_runs_every_scheme_under_torchrun(cluster, tmp_path):
     out = tmp_path / "rows.json"
     env = dict(os.environ, SMB_CONTROLLER=cluster.address, SMB_TOKEN=cluster.token)
     proc = subprocess.run(
-        [sys.executable, "-m", "smb_server.cli", "train", "--scheme", "all", "--workers", "2",
+        [sys.executable, "-m", "smb_server.commands.cli", "train", "--scheme", "all", "--workers", "2",
          "--epochs", "3", "--quiet", "--", "--json", str(out), "--job", f"cli{os.getpid()}"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -35,12 +35,12 @@ def test_smb_train_runs_every_scheme_under_torchrun(cluster, tmp_path):
 
 
 def test_the_module_launcher_runs_its_workers(cluster, tmp_path):
-    """``python -m smb_server.train.digits --workers N``: torchrun gets the module's import
+    """``python -m smb_train.digits --workers N``: torchrun gets the module's import
     name, not ``__main__`` (which its workers cannot import)."""
     out = tmp_path / "rows.json"
     env = dict(os.environ, SMB_CONTROLLER=cluster.address, SMB_TOKEN=cluster.token)
     proc = subprocess.run(
-        [sys.executable, "-m", "smb_server.train.digits", "--controller", cluster.address,
+        [sys.executable, "-m", "smb_train.digits", "--controller", cluster.address,
          "--scheme", "seasgd", "--workers", "2", "--epochs", "1", "--quiet", "--json", str(out),
          "--job", f"mod{os.getpid()}"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
@@ -51,7 +51,7 @@ def test_the_module_launcher_runs_its_workers(cluster, tmp_path):
 def test_smb_train_needs_no_source_checkout(tmp_path):
     """The trainer is part of the package: the command finds it from any directory, with
     no examples/ beside it."""
-    proc = subprocess.run([sys.executable, "-m", "smb_server.cli", "train", "--", "--help"], cwd=tmp_path,
+    proc = subprocess.run([sys.executable, "-m", "smb_server.commands.cli", "train", "--", "--help"], cwd=tmp_path,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "--min-accuracy" in proc.stdout and "sync" in proc.stdout
@@ -64,7 +64,7 @@ def test_smb_train_refuses_or_replaces_regions_a_crashed_run_left(cluster, tmp_p
     with cluster.client() as c:
         c.create_region(f"{job}/sync/params", 1 << 20, placement="single").close()
     env = dict(os.environ, SMB_CONTROLLER=cluster.address, SMB_TOKEN=cluster.token)
-    argv = [sys.executable, "-m", "smb_server.cli", "train", "--scheme", "sync", "--workers", "2",
+    argv = [sys.executable, "-m", "smb_server.commands.cli", "train", "--scheme", "sync", "--workers", "2",
             "--epochs", "1", "--quiet"]
     refused = subprocess.run(argv + ["--", "--job", job], cwd=tmp_path, env=env, capture_output=True,
                              text=True, timeout=120)

@@ -12,9 +12,9 @@ from typing import Any
 import grpc
 import pytest
 
-from smb_client import errors, rpc
-from smb_client._proto.smb.v1 import controller_pb2, controller_pb2_grpc
-from smb_client.names import MAX_NAME_LENGTH, check_region_name
+from smb_protocol import errors, rpc
+from smb_protocol._proto.smb.v1 import controller_pb2, controller_pb2_grpc
+from smb_protocol.names import MAX_NAME_LENGTH, check_region_name
 
 MiB = 1 << 20
 

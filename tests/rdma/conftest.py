@@ -14,8 +14,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from smb_client import verbs
-from smb_server.local_cluster import LocalCluster
+from smb_protocol.rdma import verbs
+from smb_server.commands.local_cluster import LocalCluster
 
 VM_DEAD_PEER_SECONDS = 20.0
 NO_DEVICE = ("no RDMA device on this host: the rdma tier runs inside a Soft-RoCE VM "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from smb_client import errors
+from smb_protocol import errors
 from tests.integration.test_dataplane import (  # noqa: F401  (collected here with transport=rdma)
     test_accumulate_bfloat16,
     test_accumulate_every_dtype,

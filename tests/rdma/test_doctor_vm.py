@@ -6,7 +6,7 @@ import io
 
 import pytest
 
-from smb_server import doctor
+from smb_server.commands import doctor
 
 pytestmark = pytest.mark.rdma
 

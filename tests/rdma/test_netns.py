@@ -11,8 +11,9 @@ import time
 import numpy as np
 import pytest
 
-from smb_client import Client, verbs
-from smb_server.config import new_secret, new_token
+from smb_client import Client
+from smb_protocol.rdma import verbs
+from smb_server.runtime.config import new_secret, new_token
 
 pytestmark = [pytest.mark.rdma, pytest.mark.netns]
 MiB = 1 << 20
@@ -51,7 +52,7 @@ def two_hosts(tmp_path_factory):
         procs.append(p)
         return p
 
-    py = [sys.executable, "-m", "smb_server.cli", "--log-level", "INFO"]
+    py = [sys.executable, "-m", "smb_server.commands.cli", "--log-level", "INFO"]
     ctl = spawn("controller", py + ["controller", "--listen", "0.0.0.0:0", "--db", str(work / "db"),
                                     "--secret-file", str(secret), "--ready-file", str(work / "ctl.ready"),
                                     "--lease", "5"])

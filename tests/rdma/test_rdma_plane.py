@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-from smb_client import errors, tickets
-from smb_client.addressing import parse_endpoint
-from smb_client.dtypes import DType, bf16_to_f32, f32_to_bf16
-from smb_client.rdma_wire import MsgOp
 from smb_client.transports.rdma import RdmaSession, _Broken
-from smb_server.config import ServerConfig
+from smb_protocol import errors, tickets
+from smb_protocol.addressing import parse_endpoint
+from smb_protocol.dtypes import DType, bf16_to_f32, f32_to_bf16
+from smb_protocol.rdma_wire import MsgOp
 from smb_server.memserver.main import MemoryServer
+from smb_server.runtime.config import ServerConfig
 
 pytestmark = pytest.mark.rdma
 

@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from smb_client.errors import ExtentNotFound, InvalidArgument, OutOfMemory, OutOfRange
+from smb_protocol.errors import ExtentNotFound, InvalidArgument, OutOfMemory, OutOfRange
 from smb_server.memserver.arena import HEADER, HEADER_BYTES, HEADER_MAGIC, LIVE_OFFSET, Arena
 from smb_server.memserver.memmap import data_ranges, punch_hole
 

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from smb_client import errors
+from smb_protocol import errors
 from smb_server.controller.barriers import Barriers
 
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from smb_client import verbs
-from smb_server.cli import GLOBAL_SETTINGS, _flags, build_parser
-from smb_server.config import ConfigError, ControllerConfig, ServerConfig, load, settings
+from smb_protocol.rdma import verbs
+from smb_server.commands.cli import GLOBAL_SETTINGS, _flags, build_parser
+from smb_server.runtime.config import ConfigError, ControllerConfig, ServerConfig, load, settings
 
 
 def test_documented_subcommands_exist():
@@ -26,7 +26,7 @@ def test_documented_subcommands_exist():
 
 @pytest.mark.skipif(bool(verbs.device_names()), reason="this host has an RDMA device")
 def test_smb_doctor_runs_from_the_command_line():
-    out = subprocess.run([sys.executable, "-m", "smb_server.cli", "doctor"], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "smb_server.commands.cli", "doctor"], capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 1
     assert "[FAIL] no RDMA device on this host" in out.stdout and "fix:" in out.stdout
@@ -81,7 +81,7 @@ def test_each_flag_name_means_one_thing():
 
 
 def test_version():
-    out = subprocess.run([sys.executable, "-m", "smb_server.cli", "--version"], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "smb_server.commands.cli", "--version"], capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 0
     assert out.stdout.strip() == f"smb (soft-memory-box) {metadata.version('soft-memory-box')}"

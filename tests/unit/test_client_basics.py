@@ -5,14 +5,14 @@ import numpy as np
 import pytest
 import torch
 
-from smb_client import errors
-from smb_client.addressing import parse_endpoint, parse_hostport
 from smb_client.buffers import as_view
 from smb_client.client import Client
 from smb_client.dataplane import DataPlane, choose_endpoint
-from smb_client.dtypes import DType, resolve
-from smb_client.placement import ExtentPlace
-from smb_client.units import format_bytes, parse_size
+from smb_protocol import errors
+from smb_protocol.addressing import parse_endpoint, parse_hostport
+from smb_protocol.dtypes import DType, resolve
+from smb_protocol.placement import ExtentPlace
+from smb_protocol.units import format_bytes, parse_size
 
 
 def test_endpoints():

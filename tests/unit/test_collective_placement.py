@@ -6,8 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from smb_client import errors
 from smb_client.collective import Collective
+from smb_protocol import errors
 
 
 class _Client:

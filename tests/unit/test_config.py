@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from smb_server.cli import _flags, build_parser
-from smb_server.config import ConfigError, ControllerConfig, ServerConfig, load, render_example, settings
+from smb_server.commands.cli import _flags, build_parser
+from smb_server.runtime.config import ConfigError, ControllerConfig, ServerConfig, load, render_example, settings
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -85,7 +85,7 @@ def test_daemon_refuses_bad_config_and_does_not_start(tmp_path, kind, text, key)
     f = tmp_path / f"{kind}.toml"
     ready = tmp_path / "ready"
     f.write_text(f"{text}\nready_file = \"{ready}\"\n")
-    out = subprocess.run([sys.executable, "-m", "smb_server.cli", kind, "--config", str(f)],
+    out = subprocess.run([sys.executable, "-m", "smb_server.commands.cli", kind, "--config", str(f)],
                          capture_output=True, text=True, timeout=60, env=_env(SMB_SECRET="00" * 32))
     assert out.returncode == 2
     assert f"{f}: key '{key}'" in out.stderr and "configuration error" in out.stderr
@@ -151,7 +151,7 @@ def test_daemon_applies_file_then_environment_then_flags(tmp_path):
     f.write_text(f'log_format = "json"\nlisten = "127.0.0.1:1"\ndb_path = "{tmp_path}/from-file.db"\n')
     env = _env(SMB_SECRET="ab" * 32, SMB_TOKEN="t0ken", SMB_DB_PATH=str(db_env), SMB_LISTEN="127.0.0.1:2")
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "smb_server.cli", "controller", "--config", str(f),
+        proc = subprocess.Popen([sys.executable, "-m", "smb_server.commands.cli", "controller", "--config", str(f),
                                  "--listen", "127.0.0.1:0", "--ready-file", str(ready)],
                                 stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
@@ -187,14 +187,14 @@ def test_check_config_command(tmp_path):
     secret.write_text("11" * 32)
     good = tmp_path / "server.toml"
     good.write_text(f'capacity = "2G"\ntoken = "s3cr3t"\nsecret_file = "{secret}"\n')
-    out = subprocess.run([sys.executable, "-m", "smb_server.cli", "check-config", "server", str(good)],
+    out = subprocess.run([sys.executable, "-m", "smb_server.commands.cli", "check-config", "server", str(good)],
                          capture_output=True, text=True, timeout=60, env=_env(SMB_CAPACITY="9G"))
     assert out.returncode == 0, out.stderr
     assert "capacity = 2147483648" in out.stdout          # the environment counts only with --env
     assert "s3cr3t" not in out.stdout and "token = '(set)'" in out.stdout
     bad = tmp_path / "bad.toml"
     bad.write_text(f'secret_file = "{tmp_path}/missing"\n')
-    out = subprocess.run([sys.executable, "-m", "smb_server.cli", "check-config", "server", str(bad)],
+    out = subprocess.run([sys.executable, "-m", "smb_server.commands.cli", "check-config", "server", str(bad)],
                          capture_output=True, text=True, timeout=60, env=_env())
     assert out.returncode == 2 and "secret file" in out.stderr and "missing" in out.stderr
 

@@ -5,8 +5,8 @@ from collections.abc import Callable
 
 import pytest
 
-from smb_client import errors
-from smb_client.retry import Backoff
+from smb_protocol import errors
+from smb_protocol.retry import Backoff
 from smb_server.memserver.controller_link import ControllerLink, Controllers
 
 INTERVAL = 0.5

@@ -8,7 +8,7 @@ from collections.abc import Iterator, Sequence
 
 import pytest
 
-from smb_client import errors
+from smb_protocol import errors
 from smb_server.controller.barriers import Barriers
 from smb_server.controller.creation import RegionCreator, RegionSpec
 from smb_server.controller.memservers import Backup, MemoryServers

@@ -1,7 +1,7 @@
 """Credentials and roles (pure): who a bearer credential proves to be."""
 from __future__ import annotations
 
-from smb_server.credentials import (
+from smb_server.runtime.credentials import (
     ADMIN,
     CLIENT,
     INSECURE,

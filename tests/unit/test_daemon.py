@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from smb_client import errors
-from smb_server import daemon
-from smb_server.daemon import Daemon, Status, write_atomic
+from smb_protocol import errors
+from smb_server.runtime import daemon
+from smb_server.runtime.daemon import Daemon, Status, write_atomic
 
 
 class Recorder(Daemon):

@@ -3,7 +3,7 @@ import time
 
 import pytest
 
-from smb_client.errors import InvalidArgument
+from smb_protocol.errors import InvalidArgument
 from smb_server.memserver.dedup import DedupTable, pack_records, unpack_records
 
 

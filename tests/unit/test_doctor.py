@@ -6,8 +6,8 @@ import io
 
 import pytest
 
-from smb_client import verbs
-from smb_server import doctor
+from smb_protocol.rdma import verbs
+from smb_server.commands import doctor
 
 
 @pytest.mark.skipif(bool(verbs.device_names()), reason="this host has an RDMA device")

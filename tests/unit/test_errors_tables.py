@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 import smb_client
-from smb_client import errors, rpc
+from smb_protocol import errors, rpc
 
 Metadatum = namedtuple("Metadatum", "key value")  # what grpc hands out
 
@@ -88,7 +88,7 @@ def test_foreign_exceptions_travel_as_their_nearest_known_base():
 
 
 def test_the_message_limit_is_one_constant():
-    from smb_server import grpc_util
+    from smb_server.runtime import grpc_util
 
     assert dict(rpc.CHANNEL_OPTIONS)["grpc.max_send_message_length"] == rpc.MAX_MESSAGE_BYTES
     assert ("grpc.max_receive_message_length", rpc.MAX_MESSAGE_BYTES) in rpc.MESSAGE_SIZE_OPTIONS

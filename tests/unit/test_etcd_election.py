@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from smb_client import errors
+from smb_protocol import errors
 from smb_server.controller import etcd_kv as kv
 from smb_server.controller.etcd_state import EtcdState
 from smb_server.controller.leader import Election

@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from smb_client import errors
+from smb_protocol import errors
 from smb_server.controller import etcd_kv as kv
 from smb_server.controller.etcd_state import MAX_TXN_OPS
 from tests.etcd_server import EtcdServer, etcd_server  # noqa: F401 (fixture)

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from smb_client.dtypes import STORAGE, DType, bf16_to_f32, f32_to_bf16
-from smb_client.errors import DtypeError, InvalidArgument, Misaligned
+from smb_protocol.dtypes import STORAGE, DType, bf16_to_f32, f32_to_bf16
+from smb_protocol.errors import DtypeError, InvalidArgument, Misaligned
 from smb_server.memserver import kernels
 
 NUMERIC = [DType.FLOAT32, DType.FLOAT16, DType.FLOAT64, DType.INT32, DType.INT64]

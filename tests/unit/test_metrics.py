@@ -11,10 +11,10 @@ import urllib.request
 
 import pytest
 
-from smb_client.errors import Unavailable
-from smb_server import logs
+from smb_protocol.errors import Unavailable
 from smb_server.memserver.stats import PlaneStats
-from smb_server.metrics import MetricsServer, Registry, histogram_quantile, parse
+from smb_server.runtime import logs
+from smb_server.runtime.metrics import MetricsServer, Registry, histogram_quantile, parse
 
 
 def values(reg: Registry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -1,12 +1,12 @@
-"""Property tests of the pure region layout (smb_client.placement)."""
+"""Property tests of the pure region layout (smb_protocol.placement)."""
 from __future__ import annotations
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from smb_client import errors
-from smb_client.placement import Layout, Run, assign_segments, plan, plan_replicated, split_runs
+from smb_protocol import errors
+from smb_protocol.placement import Layout, Run, assign_segments, plan, plan_replicated, split_runs
 
 settings.register_profile("smb", max_examples=150, deadline=None)
 settings.load_profile("smb")
@@ -253,12 +253,7 @@ def test_replicated_plan_errors_have_numbers():
 
 
 # -- weighted layered placement and the share math ---------------------------------
-from smb_client.placement import (  # noqa: E402  (grouped with the tests that use them)
-    assign_weighted,
-    check_weights,
-    chunk_shares,
-    host_loads,
-)
+from smb_protocol.placement import assign_weighted, check_weights, chunk_shares, host_loads  # noqa: E402  (grouped with the tests that use them)
 
 
 @given(st.lists(st.integers(1, 5000), min_size=1, max_size=40),

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from smb_client.errors import InvalidArgument, ServerUnavailable, Timeout
 from smb_client.transports.pool import ConnectionPool
+from smb_protocol.errors import InvalidArgument, ServerUnavailable, Timeout
 
 
 class PairConnection:

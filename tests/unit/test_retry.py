@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from smb_client.retry import Backoff, Retry
+from smb_protocol.retry import Backoff, Retry
 
 
 class FakeClock:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from smb_server import sdnotify
+from smb_server.runtime import sdnotify
 
 ROOT = Path(__file__).resolve().parents[2]
 UNITS = ROOT / "deploy" / "systemd"

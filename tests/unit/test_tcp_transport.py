@@ -5,9 +5,9 @@ import socket
 
 import pytest
 
-from smb_client import errors
-from smb_client.addressing import parse_endpoint
 from smb_client.transports import tcp
+from smb_protocol import errors
+from smb_protocol.addressing import parse_endpoint
 
 
 def test_dead_peer_timeout_sets_keepalive_and_user_timeout():

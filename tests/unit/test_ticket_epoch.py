@@ -6,7 +6,7 @@ import hashlib
 import hmac
 import json
 
-from smb_client import tickets
+from smb_protocol import tickets
 
 SECRET = b"k" * 32
 

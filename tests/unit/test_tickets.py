@@ -1,4 +1,4 @@
-"""Tickets: signing, verification, forgery, expiry and modes (smb_client.tickets)."""
+"""Tickets: signing, verification, forgery, expiry and modes (smb_protocol.tickets)."""
 from __future__ import annotations
 
 import base64
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from smb_client import errors, tickets
+from smb_protocol import errors, tickets
 
 SECRET = b"k" * 32
 

@@ -6,13 +6,13 @@ import threading
 
 import pytest
 
-from smb_client import wire
-from smb_client.addressing import parse_endpoint
 from smb_client.dataplane import choose_endpoint
-from smb_client.errors import InvalidArgument, ServerUnavailable
-from smb_client.placement import ExtentPlace
-from smb_client.tls import TLSConfig, untrusted
-from smb_server.certs import make_cluster_certs
+from smb_protocol import wire
+from smb_protocol.addressing import parse_endpoint
+from smb_protocol.errors import InvalidArgument, ServerUnavailable
+from smb_protocol.placement import ExtentPlace
+from smb_protocol.tls import TLSConfig, untrusted
+from smb_server.runtime.certs import make_cluster_certs
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +85,7 @@ def test_framing_over_tls_moves_scattered_buffers_in_order(certs):
 
 
 def test_daemon_settings_refuse_tls_files_that_do_not_fit(certs, tmp_path):
-    from smb_server.config import ConfigError, ServerConfig, load
+    from smb_server.runtime.config import ConfigError, ServerConfig, load
     ok = load(ServerConfig, env={"SMB_TLS_CA": certs.ca, "SMB_TLS_CERT": certs.server_cert,
                                  "SMB_TLS_KEY": certs.server_key, "SMB_TLS_CLIENT_AUTH": "1"},
               with_secret=False)

@@ -7,8 +7,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from smb_client.errors import DtypeError, InvalidArgument  # noqa: E402
 from smb_client.torch import ALIGN, FlatLayout, FlatModel, GradientHooks, StopRule, WorkerEnv, node_groups  # noqa: E402
+from smb_protocol.errors import DtypeError, InvalidArgument  # noqa: E402
 
 
 def mlp(hidden: int = 5) -> torch.nn.Module:

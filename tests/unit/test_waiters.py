@@ -6,8 +6,8 @@ import threading
 
 import pytest
 
-from smb_client.errors import ExtentNotFound, InvalidArgument, LockNotHeld, ServerUnavailable, Timeout
-from smb_client.wire import WaitCond
+from smb_protocol.errors import ExtentNotFound, InvalidArgument, LockNotHeld, ServerUnavailable, Timeout
+from smb_protocol.wire import WaitCond
 from smb_server.memserver import waiters
 from smb_server.memserver.arena import Arena
 

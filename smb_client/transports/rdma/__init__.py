@@ -8,7 +8,7 @@
 * ``fetch_add``/``compare_swap``: RDMA atomics on 8-byte aligned words. Soft-RoCE
   (rxe) makes them atomic only against other rxe atomics, not against the server's
   CPU (accumulate) or plain writes to the same word.
-* ``accumulate``/``axpy``/``scale``: two-sided (:mod:`smb_client.rdma_wire`): the
+* ``accumulate``/``axpy``/``scale``: two-sided (:mod:`smb_protocol.rdma_wire`): the
   operand is RDMA-written into the connection's staging area on the server, then a
   small SEND asks the server to compute; its reply SEND ends the step. Operands
   larger than half the staging area go in chunks, two in flight.
@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import logging
 
-from ... import verbs
+from smb_protocol.rdma import verbs
+
 from .registration import RegistrationCache
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """One client queue pair to a memory server, carrying the tickets of several regions.
 
-A :class:`RdmaConnection` is an :class:`~smb_client.rdma_endpoint.RcEndpoint` (message
+A :class:`RdmaConnection` is an :class:`~smb_protocol.rdma.endpoint.RcEndpoint` (message
 slots, an atomics page and a bounce buffer in its registered buffer) plus what the
 server told it: for every ticket presented on it, the extents it may reach (address,
 rkey, length) and whether it may write. The first ticket's ``Connect`` call creates the
@@ -20,8 +20,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ... import rdma_wire, rpc, verbs
-from ...errors import (
+from smb_protocol import rdma_wire, rpc
+from smb_protocol.errors import (
     ExtentNotFound,
     OutOfRange,
     ProtocolError,
@@ -32,8 +32,9 @@ from ...errors import (
     Timeout,
     status_error,
 )
-from ...rdma_endpoint import RcEndpoint
-from ...rdma_wire import MSG_BYTES, MsgOp
+from smb_protocol.rdma import verbs
+from smb_protocol.rdma.endpoint import RcEndpoint
+from smb_protocol.rdma_wire import MSG_BYTES, MsgOp
 
 if TYPE_CHECKING:
     from .session import RdmaSession
@@ -129,8 +130,8 @@ class RdmaConnection:
         return keys
 
     def _present(self, token: str) -> TicketKeys:
-        from ..._proto.smb.v1 import memory_server_pb2 as pb
-        from ..._proto.smb.v1 import memory_server_pb2_grpc as pb_grpc
+        from smb_protocol._proto.smb.v1 import memory_server_pb2 as pb
+        from smb_protocol._proto.smb.v1 import memory_server_pb2_grpc as pb_grpc
         s = self.session
         local = self.ep.local_info()
         stub = pb_grpc.MemoryServerStub(s.channel())  # type: ignore[no-untyped-call]  # generated stub, untyped __init__

@@ -6,7 +6,8 @@ import logging
 import os
 import threading
 
-from ... import verbs
+from smb_protocol.rdma import verbs
+
 from .registration import RegistrationCache
 
 log = logging.getLogger(__name__)

@@ -7,11 +7,12 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ... import rpc
-from ...addressing import Endpoint, format_hostport
-from ...dtypes import DType, itemsize
-from ...errors import InvalidArgument, Misaligned, OutOfRange, ReadOnly
-from ...rdma_wire import MsgOp
+from smb_protocol import rpc
+from smb_protocol.addressing import Endpoint, format_hostport
+from smb_protocol.dtypes import DType, itemsize
+from smb_protocol.errors import InvalidArgument, Misaligned, OutOfRange, ReadOnly
+from smb_protocol.rdma_wire import MsgOp
+
 from .. import Session
 from ..pool import ConnectionPool
 from .connection import RdmaConnection, RemoteExtent, TicketKeys, _Broken

@@ -20,14 +20,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from smb_client import Client, errors
-from smb_client.tls import TLSConfig
-from smb_client.units import parse_size
-
-from .certs import ClusterCerts, make_cluster_certs
-from .config import new_secret, new_token
-from .credentials import admin_credential
-from .daemon import Daemon, Status
+from smb_client import Client
+from smb_protocol import errors
+from smb_protocol.tls import TLSConfig
+from smb_protocol.units import parse_size
+from smb_server.runtime.certs import ClusterCerts, make_cluster_certs
+from smb_server.runtime.config import new_secret, new_token
+from smb_server.runtime.credentials import admin_credential
+from smb_server.runtime.daemon import Daemon, Status
 
 log = logging.getLogger(__name__)
 
@@ -174,7 +174,7 @@ class LocalCluster(Daemon):
     # -- processes -----------------------------------------------------------------
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
         logf = open(self.workdir / f"{name}.log", "ab")
-        cmd = [sys.executable, "-m", "smb_server.cli", "--log-level", self.log_level, *args]
+        cmd = [sys.executable, "-m", "smb_server.commands.cli", "--log-level", self.log_level, *args]
         # the daemons' TLS comes from the flags of _tls_args, never from a shell's SMB_TLS_*
         # (a client's files there would be taken for the daemons' own)
         env = {k: v for k, v in self.env.items() if not k.startswith("SMB_TLS_")}

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from smb_client import rpc
+from smb_protocol import rpc
 
 log = logging.getLogger(__name__)
 

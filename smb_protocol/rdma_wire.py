@@ -5,7 +5,7 @@ client RDMA-WRITEs the operand into its connection's staging area on the server,
 SENDs a :data:`REQUEST` naming the operation, the target range and the staging offset;
 RC ordering makes the WRITE visible before the SEND is received. The server computes
 (under the extent's lock) and SENDs back a :data:`REPLY` with the same ``req_id``, a
-status code (:class:`smb_client.errors.Status`) and a short UTF-8 message on errors.
+status code (:class:`smb_protocol.errors.Status`) and a short UTF-8 message on errors.
 
 Every message fits one :data:`MSG_BYTES` slot; integers are little-endian. ``client`` and
 ``seq`` number a request for exactly-once service, as on the tcp plane (``seq`` 0: not

@@ -15,13 +15,13 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from smb_client import Client, errors, rpc
-from smb_client._proto.smb.v1 import memory_server_pb2, memory_server_pb2_grpc
-from smb_client.addressing import format_hostport, parse_hostport
-from smb_client.units import format_bytes
-
-from . import health
-from .metrics import histogram_quantile, parse
+from smb_client import Client
+from smb_protocol import errors, rpc
+from smb_protocol._proto.smb.v1 import memory_server_pb2, memory_server_pb2_grpc
+from smb_protocol.addressing import format_hostport, parse_hostport
+from smb_protocol.units import format_bytes
+from smb_server.runtime import health
+from smb_server.runtime.metrics import histogram_quantile, parse
 
 log = logging.getLogger(__name__)
 

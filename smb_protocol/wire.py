@@ -51,7 +51,7 @@ the extent a backup of that view.
 
 Over TLS (``tcp+tls://`` endpoints) the frames are the same inside the TLS stream;
 :func:`sendmsg_all` and :func:`recv_into_all` hand TLS sockets to the loops of
-:mod:`smb_client.tls` (no ``sendmsg``/``recvmsg_into`` there) and keep the plain path as
+:mod:`smb_protocol.tls` (no ``sendmsg``/``recvmsg_into`` there) and keep the plain path as
 it is.
 
 Request:  magic u16 | op u8 | dtype u8 | req_id u32 | extent_id u64 | offset u64 |
@@ -67,7 +67,8 @@ import struct
 import time
 from collections.abc import Sequence
 
-from . import tls
+from smb_protocol import tls
+
 from .errors import ProtocolError, ServerUnavailable
 
 MAGIC = 0x5342

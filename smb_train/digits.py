@@ -14,10 +14,10 @@ Two ways to run it:
 
     # launcher: starts a local cluster (unless --controller), then torchrun per scheme
     smb train --workers 4 --scheme sync
-    python -m smb_server.train.digits --workers 4 --scheme all
+    python -m smb_train.digits --workers 4 --scheme all
 
     # one worker of a torchrun job against a running cluster (SMB_CONTROLLER, SMB_TOKEN)
-    torchrun --nproc-per-node 4 -m smb_server.train.digits --scheme sync
+    torchrun --nproc-per-node 4 -m smb_train.digits --scheme sync
 
 Under torchrun rank 0 creates the regions and the others attach by name.
 """
@@ -81,7 +81,7 @@ def run_scheme(scheme: str, workers: int, worker_args: list[str], env: dict[str,
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    from smb_client.units import format_bytes
+    from smb_protocol.units import format_bytes
     head = ["scheme", "workers", "time (s)", "samples/s", "test accuracy", f"time to {TARGET_ACCURACY:.2f} (s)",
             "bytes moved"]
     lines = [head]
@@ -128,12 +128,12 @@ def clear_job(controller: str, token: str, job: str, replace: bool) -> None:
 
 
 def launch(args: argparse.Namespace) -> int:
-    from smb_client.units import format_bytes
+    from smb_protocol.units import format_bytes
     schemes = list(SCHEMES) if args.scheme == "all" else [args.scheme]
     cluster = None
     controller, token = args.controller, os.environ.get("SMB_TOKEN", "")
     if not controller:
-        from smb_server.local_cluster import LocalCluster
+        from smb_server.commands.local_cluster import LocalCluster
         print("starting a local cluster: 1 controller + 2 memory servers ...", flush=True)
         cluster = LocalCluster(servers=2, capacity="512M", log_level="WARNING").start()
         controller, token = cluster.address, cluster.token

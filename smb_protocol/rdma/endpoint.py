@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from . import verbs
+from smb_protocol.rdma import verbs
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 Checks, in order: pyverbs imports; RDMA devices exist; each port is ACTIVE; the GID
 table has a RoCEv2 IPv4-mapped GID; the active MTU; the locked-memory limit
 (``ulimit -l``, which bounds registered memory); and a loopback self-test on the
-device (two RC endpoints of :mod:`smb_client.rdma_endpoint`, an RDMA WRITE then an RDMA READ of a small buffer,
+device (two RC endpoints of :mod:`smb_protocol.rdma.endpoint`, an RDMA WRITE then an RDMA READ of a small buffer,
 verified). Each failed check says what to fix. Exit status 0 when every check passes,
 1 otherwise.
 """
@@ -18,8 +18,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-from smb_client import verbs
-from smb_client.rdma_endpoint import RcEndpoint
+from smb_protocol.rdma import verbs
+from smb_protocol.rdma.endpoint import RcEndpoint
 
 log = logging.getLogger(__name__)
 

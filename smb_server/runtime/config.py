@@ -19,9 +19,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from smb_client.errors import InvalidArgument
-from smb_client.tls import TLSConfig
-from smb_client.units import parse_size
+from smb_protocol.errors import InvalidArgument
+from smb_protocol.tls import TLSConfig
+from smb_protocol.units import parse_size
 
 DEFAULT_CONTROLLER_FILE = "/etc/smb/controller.toml"
 DEFAULT_SERVER_FILE = "/etc/smb/server.toml"

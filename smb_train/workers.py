@@ -1,5 +1,5 @@
 """The workers of the digits example: data, model and one function per update scheme,
-run by each torchrun process (see :mod:`smb_server.train.digits`)."""
+run by each torchrun process (see :mod:`smb_train.digits`)."""
 from __future__ import annotations
 
 import argparse

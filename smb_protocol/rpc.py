@@ -12,7 +12,8 @@ from typing import Any
 
 import grpc
 
-from . import errors
+from smb_protocol import errors
+
 from .tls import TLSConfig, is_trust_failure, untrusted
 
 log = logging.getLogger(__name__)
@@ -43,7 +44,7 @@ def status_code_for(exc: BaseException) -> grpc.StatusCode:
 
 def code_class(code: grpc.StatusCode) -> type[errors.SMBError]:
     """The class for a failed call that named none: the most general one declaring
-    ``code``; :class:`~smb_client.errors.ServerError` for codes no class declares."""
+    ``code``; :class:`~smb_protocol.errors.ServerError` for codes no class declares."""
     return errors.BY_GRPC_CODE.get(code.name, errors.ServerError)
 
 
@@ -53,7 +54,7 @@ def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
 
 def channel(address: str, tls: TLSConfig | None = None) -> grpc.Channel:
     """A channel to ``host:port``: over TLS when ``tls`` (default: the ``SMB_TLS_*``
-    environment, see :mod:`smb_client.tls`) names a CA, else in the clear."""
+    environment, see :mod:`smb_protocol.tls`) names a CA, else in the clear."""
     tls = TLSConfig.from_env() if tls is None else tls
     if not tls.enabled:
         return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)

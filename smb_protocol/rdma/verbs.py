@@ -8,7 +8,7 @@ INIT -> RTR -> RTS once the peers swapped a :class:`QPInfo` (QPN, PSN, GID, MTU,
 out of band (here: the memory server's ``Connect`` gRPC call).
 
 Only :func:`device_names` and :func:`has_device` work without pyverbs; everything else
-imports it lazily, so ``import smb_client.verbs`` never fails on a host without
+imports it lazily, so ``import smb_protocol.rdma.verbs`` never fails on a host without
 rdma-core. Ownership: a :class:`Device` owns its context and PD and closes them last;
 whoever creates a CQ, MR or QP closes it before the device (parents close children
 first).
@@ -25,7 +25,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import InvalidArgument, SMBError
+from smb_protocol.errors import InvalidArgument, SMBError
 
 log = logging.getLogger(__name__)
 

@@ -21,9 +21,8 @@ import threading
 from types import FrameType
 from typing import TypeVar
 
-from smb_client import errors
-
-from . import sdnotify
+from smb_protocol import errors
+from smb_server.runtime import sdnotify
 
 log = logging.getLogger(__name__)
 

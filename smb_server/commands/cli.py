@@ -9,12 +9,13 @@ import time
 from collections.abc import Sequence
 from importlib import metadata
 
-from smb_client import Client, errors
-from smb_client.tls import TLSConfig
-from smb_client.units import format_bytes, parse_size
-
-from . import doctor, logs
-from .config import (
+from smb_client import Client
+from smb_protocol import errors
+from smb_protocol.tls import TLSConfig
+from smb_protocol.units import format_bytes, parse_size
+from smb_server.commands import doctor
+from smb_server.runtime import logs
+from smb_server.runtime.config import (
     DEFAULT_CONTROLLER_FILE,
     DEFAULT_SERVER_FILE,
     ConfigError,
@@ -25,7 +26,7 @@ from .config import (
     load_secret,
     settings,
 )
-from .credentials import admin_credential
+from smb_server.runtime.credentials import admin_credential
 
 # set on the top-level parser; a daemon reads them from there (see _flags)
 GLOBAL_SETTINGS = ("log_level", "log_format")
@@ -54,7 +55,7 @@ def _client_token(args: argparse.Namespace) -> str:
 def add_setting_flags(p: argparse.ArgumentParser, cls: type) -> None:
     """One flag per setting of ``cls`` (``--<name-with-dashes>`` and its aliases), with
     the setting's documentation, default and variable as help. Values stay text (None
-    when not given) and are converted and checked by :func:`~smb_server.config.load`,
+    when not given) and are converted and checked by :func:`~smb_server.runtime.config.load`,
     so a bad flag is reported like a bad file key."""
     for f in settings(cls):
         if f.name in GLOBAL_SETTINGS:
@@ -80,7 +81,7 @@ def _flags(args: argparse.Namespace, cls: type) -> dict:
 
 
 def cmd_controller(args: argparse.Namespace) -> int:
-    from .controller.main import serve
+    from smb_server.controller.main import serve
     cfg = load(ControllerConfig, args.config, default_path=DEFAULT_CONTROLLER_FILE,
                flags=_flags(args, ControllerConfig))
     logs.setup(cfg.log_level, cfg.log_format)
@@ -91,7 +92,7 @@ def cmd_controller(args: argparse.Namespace) -> int:
               "or set SMB_SECRET (or, for a trusted test setup only, --insecure)", file=sys.stderr)
         return 2
     if not cfg.insecure:
-        from .controller.main import check_credentials
+        from smb_server.controller.main import check_credentials
         check_credentials(cfg)  # ConfigError (exit 2) when a credential is missing
     serve(cfg)
     return 0
@@ -100,7 +101,7 @@ def cmd_controller(args: argparse.Namespace) -> int:
 def cmd_server(args: argparse.Namespace) -> int:
     if args.action in ("drain", "undrain"):
         return _server_drain(args, undrain=args.action == "undrain")
-    from .memserver.main import serve
+    from smb_server.memserver.main import serve
     cfg = load(ServerConfig, args.config, default_path=DEFAULT_SERVER_FILE,
                flags=_flags(args, ServerConfig))
     logs.setup(cfg.log_level, cfg.log_format)
@@ -118,7 +119,7 @@ def _server_drain(args: argparse.Namespace, undrain: bool) -> int:
     """``smb server drain``: the server named by ``--server-id``, or else by this host's
     configuration (its ``server_id``, or the id kept in its ``state_dir``), takes no new
     extents; the regions it holds keep working. ``smb server undrain`` reverses it."""
-    from .memserver.main import read_server_id
+    from smb_server.memserver.main import read_server_id
     cfg = load(ServerConfig, args.config, default_path=DEFAULT_SERVER_FILE,
                flags=_flags(args, ServerConfig), with_secret=False)
     server_id = cfg.server_id or read_server_id(cfg.state_dir)
@@ -193,7 +194,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_certs(args: argparse.Namespace) -> int:
-    from .certs import make_cluster_certs
+    from smb_server.runtime.certs import make_cluster_certs
     made = make_cluster_certs(args.directory, args.host, args.days)
     print(f"CA {made.ca} (key {made.ca_key}: keep it off the cluster)\n"
           f"daemons: {made.server_cert} {made.server_key} (names {', '.join(args.host) or 'this host'})\n"
@@ -206,7 +207,7 @@ def cmd_certs(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     import json
 
-    from . import status
+    from smb_server.commands import status
     with Client(args.controller, _client_token(args)) as c:
         report = status.gather(c, metrics=args.metrics)
     print(json.dumps(report, indent=2) if args.json else status.render(report))
@@ -236,8 +237,8 @@ def cmd_region(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    """Run the digits example (:mod:`smb_server.train.digits`) against a cluster."""
-    from .train import digits
+    """Run the digits example (:mod:`smb_train.digits`) against a cluster."""
+    from smb_train import digits
     argv = ["--scheme", args.scheme, "--workers", str(args.workers), "--placement", args.placement]
     if args.epochs is not None:
         argv += ["--epochs", str(args.epochs)]
@@ -349,7 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Trains a small network on scikit-learn's digits: a local cluster "
                                    "unless --controller or SMB_CONTROLLER names one, then each scheme "
                                    "under torchrun. Arguments after -- go to the trainer "
-                                   "(python -m smb_server.train.digits --help lists them).")
+                                   "(python -m smb_train.digits --help lists them).")
     p.add_argument("--controller", default=None, help="controller host:port (default $SMB_CONTROLLER)")
     p.add_argument("--local", action="store_true", help="start a local cluster even if SMB_CONTROLLER is set")
     p.add_argument("--scheme", default="all", choices=["all", "sync", "seasgd", "hybrid", "ddp"],

@@ -30,7 +30,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from smb_client.errors import Unavailable
+from smb_protocol.errors import Unavailable
 
 log = logging.getLogger(__name__)
 

@@ -235,7 +235,7 @@ def _probe(address: str, tls: TLSConfig, timeout: float) -> tuple[Authentication
 
 # -- streams ------------------------------------------------------------------------
 # TLS sockets have neither sendmsg nor recvmsg_into: the data plane's framing helpers
-# (smb_client.wire) hand TLS sockets to these loops. OpenSSL encrypts from and decrypts
+# (smb_protocol.wire) hand TLS sockets to these loops. OpenSSL encrypts from and decrypts
 # into the caller's buffers; small frames are joined first so that a request and its
 # small payload travel in one TLS record.
 
@@ -252,7 +252,7 @@ def send_all(sock: ssl.SSLSocket, buffers: Sequence[memoryview | bytes]) -> None
 def recv_into_all(sock: ssl.SSLSocket, buffers: Sequence[memoryview],
                   deadline: float | None = None) -> None:
     """Fill every buffer, in order, from a TLS socket; ``deadline`` as in
-    :func:`smb_client.wire.recv_into_all`. Raises ServerUnavailable on a closed stream."""
+    :func:`smb_protocol.wire.recv_into_all`. Raises ServerUnavailable on a closed stream."""
     for buf in buffers:
         view = memoryview(buf).cast("B")
         while len(view):

@@ -13,9 +13,9 @@ from typing import Any
 
 import grpc
 
-from smb_client import errors
-from smb_client.rpc import ERROR_KEY, MESSAGE_SIZE_OPTIONS, status_code_for
-from smb_client.tls import TLSConfig
+from smb_protocol import errors
+from smb_protocol.rpc import ERROR_KEY, MESSAGE_SIZE_OPTIONS, status_code_for
+from smb_protocol.tls import TLSConfig
 
 from .credentials import INSECURE, SERVER, Credentials, Principal
 

@@ -23,7 +23,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from smb_client.tls import TLSConfig
+from smb_protocol.tls import TLSConfig
 
 log = logging.getLogger(__name__)
 
