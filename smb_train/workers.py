@@ -37,7 +37,8 @@ def load_data(path: str | None = None) -> dict[str, np.ndarray]:
 
 
 def save_data(path: str) -> None:
-    np.savez(path, **load_data())
+    d = load_data()
+    np.savez(path, x_train=d["x_train"], y_train=d["y_train"], x_test=d["x_test"], y_test=d["y_test"])
 
 
 def make_model(seed: int, hidden: int) -> Any:

@@ -8,6 +8,7 @@ import sys
 import time
 from collections.abc import Sequence
 from importlib import metadata
+from typing import Any
 
 from smb_client import Client
 from smb_protocol import errors
@@ -68,13 +69,13 @@ def add_setting_flags(p: argparse.ArgumentParser, cls: type) -> None:
         kind = meta.get("kind") or str(f.type)
         metavar = {"int": "N", "float": "SECONDS" if f.name.endswith("_seconds") else "X",
                    "size": "SIZE", "list[str]": "A,B"}.get(kind, f.name.upper())
-        extra: dict = {"nargs": "?", "const": "true"} if kind == "bool" else {}
+        extra: dict[str, Any] = {"nargs": "?", "const": "true"} if kind == "bool" else {}
         p.add_argument("--" + f.name.replace("_", "-"), *meta.get("aliases", ()), dest=f.name,
                        default=None, metavar=metavar, **extra,
                        help=f"{meta['doc']} ({shown}; env SMB_{f.name.upper()}; key {f.name})")
 
 
-def _flags(args: argparse.Namespace, cls: type) -> dict:
+def _flags(args: argparse.Namespace, cls: type) -> dict[str, Any]:
     """The options given on the command line that name a setting of ``cls``."""
     names = {f.name for f in settings(cls)}
     return {k: v for k, v in vars(args).items() if k in names and v is not None}
@@ -157,9 +158,11 @@ def admin_token(secret_file: str = "") -> str:
 def cmd_check_config(args: argparse.Namespace) -> int:
     """Validate a configuration file (and the secret file it names); print the settings
     it gives, the token masked. SMB_* variables count only with ``--env``."""
-    cls = ControllerConfig if args.kind == "controller" else ServerConfig
-    cfg = load(cls, args.path, env=None if args.env else {})
-    for f in settings(cls):
+    env: dict[str, str] | None = None if args.env else {}
+    cfg: ControllerConfig | ServerConfig = (
+        load(ControllerConfig, args.path, env=env) if args.kind == "controller"
+        else load(ServerConfig, args.path, env=env))
+    for f in settings(type(cfg)):
         value = getattr(cfg, f.name)
         if f.name == "token" and value:
             value = "(set)"
@@ -388,7 +391,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("smb region rm: give a region name or --prefix, not both", file=sys.stderr)
         return 2
     try:
-        return args.fn(args)
+        code: int = args.fn(args)
+        return code
     except ConfigError as exc:
         print(f"smb {args.command}: configuration error: {exc}", file=sys.stderr)
         return 2

@@ -16,7 +16,7 @@ import resource
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, TextIO
+from typing import TextIO
 
 from smb_protocol.rdma import verbs
 from smb_protocol.rdma.endpoint import RcEndpoint
@@ -201,7 +201,7 @@ def run_doctor(args: argparse.Namespace, out: TextIO | None = None) -> int:
     return 0
 
 
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     """Add ``smb doctor`` to the CLI's subcommands."""
     p = subparsers.add_parser("doctor", help="check this host's RDMA setup (device, port, GID, MTU, "
                                              "ulimit -l, loopback self-test)")

@@ -72,7 +72,7 @@ def _ask_server(row: dict[str, Any], token: str, metrics: bool, timeout: float) 
         return out
     channel = rpc.channel(row["address"])
     try:
-        stub = memory_server_pb2_grpc.MemoryServerStub(channel)
+        stub = memory_server_pb2_grpc.MemoryServerStub(channel)  # type: ignore[no-untyped-call]  # generated stub, untyped __init__
         st = rpc.call(stub.Stats, memory_server_pb2.StatsRequest(), token, timeout, errors.ServerUnavailable)
     except errors.SMBError as exc:
         log.debug("Stats of %s: %s", row["address"], exc)

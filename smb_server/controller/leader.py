@@ -28,7 +28,7 @@ from typing import Any
 import grpc
 
 from smb_protocol import errors
-from smb_server.runtime.grpc_util import abort
+from smb_server.runtime.grpc_util import Continuation, Handler, ServerInterceptor, abort
 
 from . import etcd_kv as kv
 from .etcd_state import Fence
@@ -121,7 +121,7 @@ class Election:
         self.kv.revoke(lease)
 
 
-class LeaderGate(grpc.ServerInterceptor):
+class LeaderGate(ServerInterceptor):
     """Refuses every call to ``service`` with ControllerUnavailable naming the leader
     unless ``leading()``; other services (health) pass."""
 
@@ -135,7 +135,7 @@ class LeaderGate(grpc.ServerInterceptor):
 
         self._refuse = grpc.unary_unary_rpc_method_handler(refuse)
 
-    def intercept_service(self, continuation: Callable[..., Any], details: grpc.HandlerCallDetails) -> Any:
+    def intercept_service(self, continuation: Continuation, details: grpc.HandlerCallDetails) -> Handler | None:
         if details.method.startswith(self._prefix) and not self._leading():
             return self._refuse
         return continuation(details)

@@ -18,7 +18,7 @@ from smb_protocol._proto.smb.v1 import controller_pb2_grpc
 from smb_server.runtime.config import ConfigError, ControllerConfig
 from smb_server.runtime.credentials import Credentials
 from smb_server.runtime.daemon import Daemon, Status, write_atomic
-from smb_server.runtime.grpc_util import RoleAuth, add_port, make_server, tls_settings
+from smb_server.runtime.grpc_util import RoleAuth, ServerInterceptor, add_port, make_server, tls_settings
 from smb_server.runtime.health import HEALTH_METHODS, Health
 from smb_server.runtime.metrics import MetricsServer, Registry
 from smb_server.runtime.rpc_metrics import RpcMetrics
@@ -116,13 +116,14 @@ class Controller(Daemon):
         # barrier waits, then clients' short calls, then memory servers: a flood of client
         # calls is refused ("busy") before it takes the threads heartbeats need
         client_slots = cfg.barrier_waits_max + SHORT_CALL_WORKERS
-        interceptors: list[Any] = [
+        interceptors: list[ServerInterceptor] = [
             RpcMetrics(self.registry, "smb_controller"),
             RoleAuth(credentials, METHOD_ROLES, exempt=HEALTH_METHODS, client_slots=client_slots)]
         if replicated:  # standbys refuse, naming the leader
             interceptors.append(LeaderGate("smb.v1.Controller", self.leading, self._describe_leader))
         self._server = make_server(max_workers=client_slots + SERVER_WORKERS, interceptors=interceptors)
-        controller_pb2_grpc.add_ControllerServicer_to_server(self.servicer, self._server)
+        controller_pb2_grpc.add_ControllerServicer_to_server(  # type: ignore[no-untyped-call]  # generated, untyped
+            self.servicer, self._server)
         self._health = Health(self._server, ["smb.v1.Controller"])
         try:
             self._port = add_port(self._server, cfg.listen, tls_settings(cfg), cfg.tls_client_auth)
@@ -173,7 +174,7 @@ class Controller(Daemon):
         return state.describe_leader() if isinstance(state, EtcdState) else f"at {self.address}"
 
     def _lease_loop(self) -> None:
-        assert self.state is not None
+        assert self.state is not None and self.servicer is not None
         interval = max(0.05, self.config.lease_seconds / 4)
         while not self._stop_leases.wait(interval):
             if not self.leading():

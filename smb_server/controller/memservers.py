@@ -83,7 +83,8 @@ class GrpcMemoryServers:
             entry = self._stubs.get(address)
             if entry is None:
                 channel = rpc.channel(address, self.tls)
-                entry = (channel, memory_server_pb2_grpc.MemoryServerStub(channel))
+                stub = memory_server_pb2_grpc.MemoryServerStub(channel)  # type: ignore[no-untyped-call]  # generated stub, untyped __init__
+                entry = (channel, stub)
                 self._stubs[address] = entry
             return entry[1]
 

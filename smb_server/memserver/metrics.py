@@ -2,9 +2,10 @@
 latencies of its data planes, read at scrape time (names listed in docs/operations.md)."""
 from __future__ import annotations
 
-from typing import Any, Protocol
+import threading
+from typing import Protocol
 
-from smb_server.runtime.metrics import Registry
+from smb_server.runtime.metrics import Registry, Source
 
 from .arena import Arena
 from .replication import Replication
@@ -17,13 +18,13 @@ class ServerIdentity(Protocol):
     grpc_address: str
 
     @property
-    def registered(self) -> Any: ...   # a threading.Event: set while the controller accepted us
+    def registered(self) -> threading.Event: ...   # set while the controller accepted us
 
 
 def add_server_metrics(reg: Registry, server: ServerIdentity, arena: Arena, stats: PlaneStats,
                        replication: Replication | None = None) -> None:
     """Register a memory server's metrics in ``reg`` (with ``replication``: its forwarding)."""
-    def per_transport(name: str) -> Any:
+    def per_transport(name: str) -> Source:
         return lambda: [((t,), c[name]) for t, c in stats.by_transport().items()]
 
     reg.gauge("smb_server_info", "Always 1; labels name this memory server", ["server_id", "grpc_address"],
@@ -55,4 +56,9 @@ def add_server_metrics(reg: Registry, server: ServerIdentity, arena: Arena, stat
                       ("sync_bytes", "Bytes copied to backups being synced"),
                       ("failures", "Backups this server marked failed while forwarding or syncing")):
         reg.counter(f"smb_server_replica_{name}_total", doc,
-                    fn=lambda name=name: [((), counts[name])])
+                    fn=_count_of(counts, name))
+
+
+def _count_of(counts: dict[str, int], name: str) -> Source:
+    """A source reading ``counts[name]`` at scrape time."""
+    return lambda: [((), counts[name])]

@@ -154,22 +154,22 @@ _TYPE_NAMES = {"str": "a string", "int": "an integer", "float": "a number", "boo
                "list[str]": "a list of strings", "size": "a size such as 4096 or \"16G\""}
 
 
-def settings(cls: type) -> list[dataclasses.Field]:
+def settings(cls: type) -> list[dataclasses.Field[Any]]:
     """The configurable fields of a config class."""
     return [f for f in dataclasses.fields(cls) if not f.metadata.get("internal")]
 
 
-def default_of(f: dataclasses.Field) -> Any:
+def default_of(f: dataclasses.Field[Any]) -> Any:
     """The built-in default of a setting."""
     return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
 
 
-def _convert(f: dataclasses.Field, value: Any, where: str) -> Any:
+def _convert(f: dataclasses.Field[Any], value: Any, where: str) -> Any:
     """``value`` as the field's type, checked against its bounds and choices."""
     return _check(f, _typed(f, value, where), where)
 
 
-def _typed(f: dataclasses.Field, value: Any, where: str) -> Any:
+def _typed(f: dataclasses.Field[Any], value: Any, where: str) -> Any:
     kind = f.metadata.get("kind") or str(f.type)
     try:
         if kind == "size":
@@ -191,7 +191,7 @@ def _typed(f: dataclasses.Field, value: Any, where: str) -> Any:
     raise ConfigError(f"{where}: key {f.name!r} must be {_TYPE_NAMES.get(kind, kind)}, got {value!r}")
 
 
-def _check(f: dataclasses.Field, value: Any, where: str) -> Any:
+def _check(f: dataclasses.Field[Any], value: Any, where: str) -> Any:
     """Raise ConfigError when ``value`` is outside the field's choices or bounds.
 
     Log levels are case-insensitive and returned in upper case.
@@ -217,7 +217,7 @@ def _check(f: dataclasses.Field, value: Any, where: str) -> Any:
     return value
 
 
-def _from_text(f: dataclasses.Field, text: str, where: str) -> Any:
+def _from_text(f: dataclasses.Field[Any], text: str, where: str) -> Any:
     """A value from an environment variable or a flag's text, converted and checked."""
     kind = f.metadata.get("kind") or str(f.type)
     if kind not in ("int", "float", "bool", "list[str]"):

@@ -9,7 +9,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent import futures
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn, TypeAlias, TypeVar
 
 import grpc
 
@@ -26,8 +26,21 @@ REFUSALS_LOGGED = 10         # ... are logged as one count at the start of the n
 _PRINCIPAL: contextvars.ContextVar[Principal | None] = contextvars.ContextVar("smb_principal",
                                                                              default=None)
 
+# what a server interceptor is handed and returns (the generic forms exist in the stubs only)
+Handler: TypeAlias = "grpc.RpcMethodHandler[Any, Any]"
+Continuation: TypeAlias = "Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler[Any, Any] | None]"
 
-class BearerAuth(grpc.ServerInterceptor):
+if TYPE_CHECKING:  # generic in the type stubs only; grpc's own class takes no parameters
+    ServerInterceptor = grpc.ServerInterceptor[Any, Any]
+else:
+    ServerInterceptor = grpc.ServerInterceptor
+
+_Servicer = TypeVar("_Servicer")
+_Request = TypeVar("_Request")
+_Response = TypeVar("_Response")
+
+
+class BearerAuth(ServerInterceptor):
     """Refuse calls without ``authorization: Bearer <token>``, except ``exempt`` methods.
 
     ``exempt`` holds full method names (``/smb.v1.MemoryServer/ReserveExtent``) whose
@@ -46,11 +59,12 @@ class BearerAuth(grpc.ServerInterceptor):
 
         self._deny = grpc.unary_unary_rpc_method_handler(deny)
 
-    def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
+    def intercept_service(self, continuation: Continuation, details: grpc.HandlerCallDetails) -> Handler | None:
         if not self._expected or details.method in self._exempt:
             return continuation(details)
         for key, value in details.invocation_metadata or ():
-            if key == "authorization" and hmac.compare_digest(value.encode(), self._expected):
+            if key == "authorization" and isinstance(value, str) \
+                    and hmac.compare_digest(value.encode(), self._expected):
                 return continuation(details)
         return self._deny
 
@@ -93,7 +107,7 @@ class _RefusalLog:
         log.warning("refused %s from %s: %s", method, peer, reason)
 
 
-class RoleAuth(grpc.ServerInterceptor):
+class RoleAuth(ServerInterceptor):
     """Authenticate every unary call, check the role its method needs, and keep
     ``server_slots`` handler threads for memory servers.
 
@@ -117,7 +131,7 @@ class RoleAuth(grpc.ServerInterceptor):
         self._lock = threading.Lock()
         self._refused = _RefusalLog()
 
-    def _refuse(self, context: grpc.ServicerContext, method: str, exc: errors.SMBError) -> None:
+    def _refuse(self, context: grpc.ServicerContext, method: str, exc: errors.SMBError) -> NoReturn:
         self._refused(method, context.peer(), str(exc))
         abort(context, exc)
 
@@ -127,7 +141,7 @@ class RoleAuth(grpc.ServerInterceptor):
         credential = bearer(metadata)
         return self._credentials.identify(credential) if credential else None
 
-    def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
+    def intercept_service(self, continuation: Continuation, details: grpc.HandlerCallDetails) -> Handler | None:
         handler = continuation(details)
         if details.method in self._exempt or handler is None or handler.unary_unary is None:
             return handler
@@ -165,21 +179,23 @@ class RoleAuth(grpc.ServerInterceptor):
                     with self._lock:
                         self._busy -= 1
 
-        return handler._replace(unary_unary=guarded)
+        return grpc.unary_unary_rpc_method_handler(guarded, request_deserializer=handler.request_deserializer,
+                                                   response_serializer=handler.response_serializer)
 
 
-def abort(context: grpc.ServicerContext, exc: BaseException) -> None:
+def abort(context: grpc.ServicerContext, exc: BaseException) -> NoReturn:
     """End the call with the status code and typed name of ``exc``."""
     name = errors.wire_class(exc).__name__
     context.set_trailing_metadata(((ERROR_KEY, name),))
     context.abort(status_code_for(exc), str(exc) or name)
 
 
-def typed_errors(method: Callable) -> Callable:
+def typed_errors(method: Callable[[_Servicer, _Request, grpc.ServicerContext], _Response]
+                 ) -> Callable[[_Servicer, _Request, grpc.ServicerContext], _Response]:
     """Decorator for servicer methods: SMBError and ValueError become typed gRPC errors."""
 
     @functools.wraps(method)
-    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
+    def wrapper(self: _Servicer, request: _Request, context: grpc.ServicerContext) -> _Response:
         try:
             return method(self, request, context)
         except errors.SMBError as exc:
@@ -193,7 +209,7 @@ def typed_errors(method: Callable) -> Callable:
     return wrapper
 
 
-def make_server(max_workers: int = 32, interceptors: Iterable[grpc.ServerInterceptor] = ()) -> grpc.Server:
+def make_server(max_workers: int = 32, interceptors: Iterable[ServerInterceptor] = ()) -> grpc.Server:
     return grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
                        interceptors=list(interceptors),
                        options=[*MESSAGE_SIZE_OPTIONS, ("grpc.so_reuseport", 0)])

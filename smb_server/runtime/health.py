@@ -53,7 +53,7 @@ def check(address: str, service: str = "", timeout: float = CHECK_TIMEOUT) -> st
     try:
         stub = health_pb2_grpc.HealthStub(channel)
         reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
-        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+        return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
     except grpc.RpcError as exc:
         if exc.code() == grpc.StatusCode.NOT_FOUND:
             return "SERVICE_UNKNOWN"

@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 LATENCY_BUCKETS = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0)  # seconds
 
 # ``*_created`` series double the output and nothing here reads them
-prometheus_client.disable_created_metrics()
+prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]  # unannotated in prometheus_client
 
 Source = Callable[[], Iterable[tuple[Sequence[Any], float]]]
 """Yields ``(label values, value)`` pairs at scrape time."""
@@ -189,6 +189,10 @@ class _Server(ThreadingMixIn, WSGIServer):
     daemon_threads = True
 
 
+class _Server6(_Server):
+    address_family = socket.AF_INET6
+
+
 class _QuietHandler(WSGIRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the base's name)
         log.debug("metrics: " + format, *args)
@@ -218,9 +222,7 @@ class MetricsServer:
             start_response(status, [("Content-Type", "text/plain"), ("Content-Length", str(len(body)))])
             yield body
 
-        server_class = _Server
-        if ":" in host:
-            server_class = type("_Server6", (_Server,), {"address_family": socket.AF_INET6})
+        server_class: type[_Server] = _Server6 if ":" in host else _Server
         try:
             self._httpd = make_server(host, port, app, server_class=server_class, handler_class=_QuietHandler)
         except OSError as exc:

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from typing import Any
 
 import grpc
 
+from .grpc_util import Continuation, Handler, ServerInterceptor
 from .metrics import Counter, Histogram, Registry
 
 log = logging.getLogger(__name__)
@@ -22,7 +22,7 @@ RPC_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0
                2.5, 5.0, 10.0, 30.0)
 
 
-class RpcMetrics(grpc.ServerInterceptor):
+class RpcMetrics(ServerInterceptor):
     """Registers ``<prefix>_rpc_seconds{method}`` (a histogram) and
     ``<prefix>_rpc_errors_total{method,code}`` in ``registry`` and feeds them."""
 
@@ -33,7 +33,7 @@ class RpcMetrics(grpc.ServerInterceptor):
             f"{prefix}_rpc_errors_total", "gRPC calls that ended with a status other than OK",
             ["method", "code"])
 
-    def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
+    def intercept_service(self, continuation: Continuation, details: grpc.HandlerCallDetails) -> Handler | None:
         handler = continuation(details)
         if handler is None or handler.unary_unary is None:
             return handler
@@ -62,7 +62,8 @@ class RpcMetrics(grpc.ServerInterceptor):
 def _code(context: grpc.ServicerContext, failed: BaseException | None) -> str:
     """The call's status code name; UNKNOWN for an exception that set none."""
     try:
-        code = context.code()
+        # ServicerContext.code() exists since grpc 1.38; the type stubs do not list it
+        code = context.code()  # type: ignore[attr-defined]
     except (AttributeError, NotImplementedError):
         code = None
     if isinstance(code, grpc.StatusCode):
