@@ -19,8 +19,9 @@ import itertools
 import logging
 import secrets
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from typing import Any, TypeVar
 
 from smb_client import transports
@@ -82,9 +83,12 @@ class DataPlane:
         self.token = token
         self.transport_options = dict(transport_options or {})
         self._sessions: dict[str, Session] = {}
-        # endpoint chosen per (server, host, offered endpoints): choosing looks at this
-        # host's RDMA devices, which must not happen on every request
-        self._chosen: dict[tuple[str, str, tuple[str, ...]], str] = {}
+        # the latest description of each server (by id): where its sessions connect
+        self._served: dict[str, ExtentPlace] = {}
+        # endpoint URI chosen per server id, for data and for coordination: choosing
+        # looks at this host's RDMA devices, which must not happen on every request
+        self._chosen: dict[str, str] = {}
+        self._coordinating: dict[str, str] = {}
         self._lock = threading.Lock()
         self._closed = False
         self.client_id = secrets.randbits(64) | 1   # never 0 ("not tracked")
@@ -97,54 +101,96 @@ class DataPlane:
         return next(self._seqs)
 
     # -- sessions ------------------------------------------------------------------
+    def learn(self, places: Iterable[ExtentPlace]) -> None:
+        """Take the controller's latest word on where these places' servers listen (call
+        it with every region description the controller sends). A server that now lists
+        other endpoints (it restarted on a new port, moved, failed over) gets new
+        sessions: those bound to an endpoint it no longer lists are closed and forgotten,
+        and so is the endpoint chosen for it. Requests on a place described earlier go to
+        the endpoints learned last (the server id names the server, not its address)."""
+        stale: list[tuple[str, Session]] = []
+        with self._lock:
+            for place in places:
+                known = self._served.get(place.server_id)
+                if known is not None and _where(known) == _where(place):
+                    continue
+                self._served[place.server_id] = place
+                self._chosen.pop(place.server_id, None)
+                self._coordinating.pop(place.server_id, None)
+                if known is None:
+                    continue
+                log.info("server %s now listens on %s (was %s)", place.server_id,
+                         ", ".join(place.endpoints), ", ".join(known.endpoints))
+                for uri in set(known.endpoints) - set(place.endpoints):
+                    s = self._sessions.pop(uri, None)
+                    if s is not None:
+                        stale.append((uri, s))
+        _close_all(stale)
+
     def session(self, place: ExtentPlace) -> Session:
         """The session to the endpoint chosen for ``place``'s server (borrowed: do not close)."""
-        key = (place.server_id, place.host_id, place.endpoints)
-        uri = self._chosen.get(key)
-        if uri is None:
-            uri = self._chosen[key] = choose_endpoint(place, self.policy, self.here)
-        return self._session_for(uri, place)
+        uri = self._chosen.get(place.server_id)
+        if uri is not None:
+            s = self._sessions.get(uri)
+            if s is not None:
+                return s
+        return self._open(place, coordination=False)
 
     def coordination(self, place: ExtentPlace) -> Session:
         """The tcp session of ``place``'s server, whatever transport its data uses: waits,
-        locks and the counters they watch go through the server (``smb_client.coord``)."""
-        for uri in place.endpoints:
-            if uri.startswith(("tcp://", "tcp+tls://")):
-                return self._session_for(uri, place)
-        raise InvalidArgument(f"server {place.server_id} offers no tcp endpoint, which waits, locks and "
-                              f"barriers need; it offers {', '.join(sorted(place.endpoints))}")
+        locks, collectives and the counters they watch go through the server (see
+        :mod:`smb_client.coord`)."""
+        uri = self._coordinating.get(place.server_id)
+        if uri is not None:
+            s = self._sessions.get(uri)
+            if s is not None:
+                return s
+        return self._open(place, coordination=True)
+
+    def _coordination_of(self, server_id: str) -> Session:
+        """The tcp session of server ``server_id`` at the endpoint learned last (what an
+        shm session borrows for arithmetic, looked up on every use)."""
+        with self._lock:
+            place = self._served.get(server_id)
+        if place is None:
+            raise ServerUnavailable(f"server {server_id}: no endpoint known")
+        return self.coordination(place)
 
     def sessions(self) -> dict[str, Session]:
         """A snapshot of the open sessions by endpoint URI."""
         with self._lock:
             return dict(self._sessions)
 
-    def _session_for(self, uri: str, place: ExtentPlace) -> Session:
-        s = self._sessions.get(uri)
-        if s is not None:
-            return s
-        options: dict[str, Any] = {"connections": self.connections,
-                                   "grpc_address": place.grpc_address, "token": self.token,
-                                   "client_id": self.client_id}
-        if uri.startswith("shm://"):
-            tcp = [u for u in place.endpoints if u.startswith(("tcp://", "tcp+tls://"))]
-            if tcp:   # arithmetic goes to the same server over the shared tcp session
-                options["arithmetic"] = self._session_for(tcp[0], place)
-        options.update(self.transport_options)
-        endpoint = parse_endpoint(uri)
-        try:
-            factory = transports.TRANSPORTS[endpoint.scheme]
-        except KeyError:
-            raise InvalidArgument(f"no {endpoint.scheme} transport in this client; have "
-                                  + ", ".join(transports.available())) from None
+    def _open(self, place: ExtentPlace, coordination: bool) -> Session:
+        """Choose the endpoint of ``place``'s server (as learned last) and return its
+        session, made when missing."""
         with self._lock:
             if self._closed:
                 raise ServerUnavailable("the client's data plane is closed")
+            served = self._served.setdefault(place.server_id, place)
+            chosen = self._coordinating if coordination else self._chosen
+            uri = chosen.get(place.server_id)
+            if uri is None:
+                uri = _tcp_endpoint(served) if coordination else choose_endpoint(served, self.policy, self.here)
+                chosen[place.server_id] = uri
             s = self._sessions.get(uri)
-            if s is None:
-                log.debug("server %s via %s", place.server_id, uri)
-                s = self._sessions[uri] = factory(endpoint, options)
-        return s
+            if s is not None:
+                return s
+            endpoint = parse_endpoint(uri)
+            try:
+                factory = transports.TRANSPORTS[endpoint.scheme]
+            except KeyError:
+                raise InvalidArgument(f"no {endpoint.scheme} transport in this client; have "
+                                      + ", ".join(transports.available())) from None
+            options: dict[str, Any] = {"connections": self.connections,
+                                       "grpc_address": served.grpc_address, "token": self.token,
+                                       "client_id": self.client_id}
+            if endpoint.scheme == "shm":   # arithmetic: the server's tcp session, looked up when used
+                options["arithmetic"] = partial(self._coordination_of, place.server_id)
+            options.update(self.transport_options)
+            log.debug("server %s via %s", place.server_id, uri)
+            s = self._sessions[uri] = factory(endpoint, options)   # makes no connection yet
+            return s
 
     # -- running requests ----------------------------------------------------------
     def run(self, tasks: Sequence[Callable[[], T]]) -> list[T]:
@@ -186,9 +232,26 @@ class DataPlane:
         self._io.shutdown(wait=True)
         with self._lock:
             sessions, self._sessions = self._sessions, {}
-        # shm sessions first: they borrow the tcp session of their server
-        for uri, s in sorted(sessions.items(), key=lambda kv: not kv[0].startswith("shm://")):
-            try:
-                s.close()
-            except Exception as exc:
-                log.debug("closing %s: %s", uri, exc)
+        _close_all(list(sessions.items()))
+
+
+def _where(place: ExtentPlace) -> tuple[str, str, tuple[str, ...]]:
+    """What a session to ``place``'s server is bound to: its host, gRPC address, endpoints."""
+    return place.host_id, place.grpc_address, place.endpoints
+
+
+def _tcp_endpoint(place: ExtentPlace) -> str:
+    for uri in place.endpoints:
+        if uri.startswith(("tcp://", "tcp+tls://")):
+            return uri
+    raise InvalidArgument(f"server {place.server_id} offers no tcp endpoint, which waits, locks, "
+                          f"collectives and barriers need; it offers {', '.join(sorted(place.endpoints))}")
+
+
+def _close_all(sessions: list[tuple[str, Session]]) -> None:
+    """Close sessions, shm first (they borrow their server's tcp session)."""
+    for uri, s in sorted(sessions, key=lambda kv: not kv[0].startswith("shm://")):
+        try:
+            s.close()
+        except Exception as exc:   # closing must not stop closing the others
+            log.debug("closing %s: %s", uri, exc)

@@ -113,6 +113,7 @@ class Region:
         #: the other copies of every slot (backups, and copies being synced)
         self.copies: tuple[ExtentPlace, ...] = tuple(ExtentPlace.from_message(c)
                                                      for c in getattr(info, "copies", ()))
+        self._dataplane.learn((*self.extents, *self.copies))   # where the servers listen now
         self._readers = tuple(self._nearest(slot) for slot in range(len(self.extents)))
         self._ticket: str = ticket.token
         self._expires_at: float = ticket.expires_at

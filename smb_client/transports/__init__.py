@@ -76,8 +76,9 @@ class Session(abc.ABC):
 
 #: factory(endpoint, options) -> Session. Options: ``connections`` (per session),
 #: ``grpc_address`` (the memory server's), ``token`` (the client's bearer token), the
-#: user's ``transport_options``, and for shm ``arithmetic``: the tcp Session of the same
-#: server (borrowed, not closed by the shm session) for server-side arithmetic.
+#: user's ``transport_options``, and for shm ``arithmetic``: a callable returning the tcp
+#: Session of the same server at the endpoint the controller lists now (borrowed, not
+#: closed by the shm session) for server-side arithmetic.
 Factory = Callable[[Endpoint, dict[str, Any]], Session]
 TRANSPORTS: dict[str, Factory] = {}
 

@@ -4,7 +4,8 @@ The server hands over each extent's file descriptor on a Unix socket (SCM_RIGHTS
 after checking the ticket; the client maps it and copies at memcpy speed. A read-only
 ticket gets a read-only descriptor and a read-only mapping. Operations that must stay
 atomic on the server (accumulate, scale, axpy, atomics) go to the same server through
-the tcp session the data plane passes in (``options["arithmetic"]``).
+the tcp session the data plane names (``options["arithmetic"]``, asked for on every use,
+so that a server that restarted on a new tcp port is reached there).
 
 Every mapped extent starts with a 4096-byte header page; the word at byte 8 is 1 while
 the server holds the extent and 0 once it is released, so a deleted region is noticed
@@ -33,7 +34,7 @@ import struct
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -190,7 +191,10 @@ class _Mapping:
             raise ExtentNotFound(f"extent {extent_id} was released (region deleted)")
 
     def close(self) -> None:
-        self.data.release()
+        try:
+            self.data.release()
+        except BufferError:  # a copy still uses a slice of it; the GC unmaps later
+            return
         del self.live
         try:
             self.mm.close()
@@ -200,8 +204,9 @@ class _Mapping:
 
 class ShmSession(Session):
     """Maps extents of one server for every region of a client; delegates server-side
-    arithmetic to ``options["arithmetic"]``, a :class:`Session` of the same server that
-    the caller owns (this session does not close it).
+    arithmetic to ``options["arithmetic"]``: a callable returning the :class:`Session`
+    of the same server the data plane now lists (called on every use), or that session
+    itself. The caller owns that session (this session does not close it).
 
     Each (ticket, extent) is shown to the server once; one mapping per extent serves
     every ticket the server accepted for it, writable once a read-write ticket got it.
@@ -214,7 +219,9 @@ class ShmSession(Session):
     def __init__(self, endpoint: Endpoint, options: dict[str, Any] | None = None) -> None:
         options = dict(options or {})
         self.path = endpoint.path
-        self._arithmetic: Session | None = options.get("arithmetic")
+        arithmetic = options.get("arithmetic")
+        self._arithmetic: Callable[[], Session] | None = (
+            (lambda: arithmetic) if isinstance(arithmetic, Session) else arithmetic)
         self._maps: dict[int, _Mapping] = {}
         self._granted: dict[tuple[str, int], bool] = {}   # (ticket, extent) -> may write
         self._dead: OrderedDict[tuple[str, int], None] = OrderedDict()  # mapped from a dead server
@@ -312,7 +319,7 @@ class ShmSession(Session):
     def _server(self) -> Session:
         if self._arithmetic is None:
             raise ServerUnavailable(f"shm://{self.path}: server offers no tcp endpoint for arithmetic")
-        return self._arithmetic
+        return self._arithmetic()
 
     def accumulate(self, ticket: str, extent_id: int, offset: int, buffers: Sequence[memoryview],
                    dtype: DType, alpha: float | None = None, seq: int = 0) -> None:
