@@ -25,9 +25,10 @@ from concurrent import futures
 from dataclasses import dataclass
 
 from smb_protocol import errors
+from smb_protocol.replicas import ReplicaRole
 
 from .memservers import Backup, MemoryServers
-from .records import BACKUP, PRIMARY, ExtentRecord, RegionRecord
+from .records import ExtentRecord, RegionRecord
 from .store import StateStore
 
 log = logging.getLogger(__name__)
@@ -168,12 +169,12 @@ class RegionCreator:
     def _configure_new(self, region: RegionRecord) -> list[tuple[ExtentRecord, errors.SMBError]]:
         """Configure a new region's replica sets (backups, then primaries, each group in
         parallel); returns the failures."""
-        backups = [e for e in region.extents if e.role == BACKUP]
-        primaries = [(e, [Backup(b) for b in region.copies_of(e.index) if b.role == BACKUP])
-                     for e in region.extents if e.role == PRIMARY]
+        backups = [e for e in region.extents if e.role == ReplicaRole.BACKUP]
+        primaries = [(e, [Backup(b) for b in region.copies_of(e.index) if b.role == ReplicaRole.BACKUP])
+                     for e in region.extents if e.role == ReplicaRole.PRIMARY]
         failed: list[tuple[ExtentRecord, errors.SMBError]] = []
-        groups: list[list[tuple[ExtentRecord, str, list[Backup]]]] = [
-            [(e, BACKUP, []) for e in backups], [(e, PRIMARY, bs) for e, bs in primaries]]
+        groups: list[list[tuple[ExtentRecord, ReplicaRole, list[Backup]]]] = [
+            [(e, ReplicaRole.BACKUP, []) for e in backups], [(e, ReplicaRole.PRIMARY, bs) for e, bs in primaries]]
         for group in groups:
             jobs = {self._pool.submit(self.servers.configure_replicas, e.grpc_address, region.uid,
                                       e, e.view, role, targets): e for e, role, targets in group}

@@ -53,6 +53,7 @@ from smb_protocol import errors
 from smb_protocol import placement as placement_mod
 from smb_protocol.names import check_region_name
 from smb_protocol.placement import check_bytes
+from smb_protocol.replicas import ReplicaRole
 
 from . import etcd_kv as kv
 from .records import (
@@ -725,9 +726,9 @@ class EtcdState:
                             region_state(row["state"], extents, replicas), tuple(extents), replicas)
 
 
-def _extent_row(e: Sequence[Any]) -> tuple[int, int, str, int, int, str, int]:
+def _extent_row(e: Sequence[Any]) -> tuple[int, int, str, int, int, ReplicaRole, int]:
     """One stored extent as (id, slot, server, length, copy, role, view); rows written
     before replication hold the first four."""
     eid, idx, sid, length, *rest = e
     copy, role, view = (list(rest) + [0, "", 0][len(rest):])[:3]
-    return int(eid), int(idx), str(sid), int(length), int(copy), str(role), int(view)
+    return int(eid), int(idx), str(sid), int(length), int(copy), ReplicaRole.parse(str(role)), int(view)

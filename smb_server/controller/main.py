@@ -15,6 +15,7 @@ from typing import Any
 
 from smb_protocol import errors
 from smb_protocol._proto.smb.v1 import controller_pb2_grpc
+from smb_protocol.replicas import ASSIGNABLE
 from smb_server.runtime.config import ConfigError, ControllerConfig
 from smb_server.runtime.credentials import Credentials
 from smb_server.runtime.daemon import Daemon, Status, write_atomic
@@ -251,7 +252,7 @@ class Controller(Daemon):
         reg.gauge("smb_controller_replica_copies", "Copies of replicated regions' slots by role "
                   "(primary, backup, syncing, stale)", ["role"],
                   fn=lambda: _count_by((e.role for r in state.list_regions() if r.replicas > 1
-                                        for e in r.extents), ("primary", "backup", "syncing", "stale")))
+                                        for e in r.extents), tuple(ASSIGNABLE)))
         reg.gauge("smb_controller_region_bytes", "Bytes of all regions together",
                   fn=lambda: [((), sum(r.size for r in state.list_regions()))])
 

@@ -14,6 +14,7 @@ import grpc
 
 from smb_protocol import errors, rpc, tickets
 from smb_protocol._proto.smb.v1 import memory_server_pb2, memory_server_pb2_grpc
+from smb_protocol.replicas import ReplicaRole
 from smb_protocol.tls import TLSConfig
 
 from .records import ExtentRecord
@@ -51,7 +52,7 @@ class MemoryServers(Protocol):
         """Free the extent; True if the server held it."""
 
     def configure_replicas(self, address: str, region_uid: str, extent: ExtentRecord, view: int,
-                           role: str, backups: Sequence[Backup] = ()) -> tuple[int, int]:
+                           role: ReplicaRole, backups: Sequence[Backup] = ()) -> tuple[int, int]:
         """Set the extent's place in its replica set at ``view`` (role ``primary`` with
         ``backups``, or ``backup``); returns (the view in force, bytes synced to backups
         marked ``sync``, which the call copies before it returns). An older view than
@@ -110,7 +111,7 @@ class GrpcMemoryServers:
         return bool(reply.released)
 
     def configure_replicas(self, address: str, region_uid: str, extent: ExtentRecord, view: int,
-                           role: str, backups: Sequence[Backup] = ()) -> tuple[int, int]:
+                           role: ReplicaRole, backups: Sequence[Backup] = ()) -> tuple[int, int]:
         request = memory_server_pb2.ConfigureReplicasRequest(
             ticket=self._admin_ticket(region_uid, extent.extent_id, self.sync_timeout),
             extent_id=extent.extent_id, view=view, role=role,

@@ -10,13 +10,9 @@ from dataclasses import dataclass, field
 
 from smb_protocol.errors import InvalidArgument
 from smb_protocol.placement import MAX_REPLICAS, Layout
+from smb_protocol.replicas import ASSIGNABLE, IN_SYNC, ReplicaRole
 
 log = logging.getLogger(__name__)
-
-# roles of a copy of a replicated region's slot ("" in an unreplicated region)
-PRIMARY, BACKUP, SYNCING, STALE = "primary", "backup", "syncing", "stale"
-ROLES = ("", PRIMARY, BACKUP, SYNCING, STALE)
-IN_SYNC = (PRIMARY, BACKUP)   # copies that hold every acknowledged byte
 
 
 # -- records ------------------------------------------------------------------------------
@@ -65,7 +61,7 @@ class ExtentRecord:
     server_state: str = ""  # up | down | draining
     lost: bool = False      # its server registered again without it
     copy: int = 0           # which copy of its slot (replicated regions; stable while it exists)
-    role: str = ""          # primary | backup | syncing | stale ("" unreplicated)
+    role: ReplicaRole = ReplicaRole.NONE
     view: int = 0           # its slot's replica-set version (0 unreplicated; grows with every change)
 
     @property
@@ -117,7 +113,7 @@ class RegionRecord:
         """Slot ``index``'s primary (in an unreplicated region its one extent; a slot
         without a primary row, which no change leaves, gives its lowest copy)."""
         copies = self.copies_of(index)
-        return next((e for e in copies if e.role == PRIMARY), copies[0])
+        return next((e for e in copies if e.role == ReplicaRole.PRIMARY), copies[0])
 
     def primaries(self) -> list[ExtentRecord]:
         """One extent per slot, in layout order: the primaries (what unreplicated
@@ -128,7 +124,8 @@ class RegionRecord:
         """The copies clients may see besides the primaries: backups and syncing copies
         (stale copies are the controller's own business)."""
         primaries = {e.extent_id for e in self.primaries()}
-        return [e for e in self.extents if e.extent_id not in primaries and e.role in (BACKUP, SYNCING)]
+        return [e for e in self.extents
+                if e.extent_id not in primaries and e.role in (ReplicaRole.BACKUP, ReplicaRole.SYNCING)]
 
     def view_of(self, index: int) -> int:
         """Slot ``index``'s replica-set version (0 unreplicated)."""
@@ -160,7 +157,7 @@ class NewCopy:
 
     copy: int
     server_id: str
-    role: str = SYNCING
+    role: ReplicaRole = ReplicaRole.SYNCING
 
 
 @dataclass(frozen=True)
@@ -171,7 +168,7 @@ class SlotChange:
 
     index: int
     view: int
-    roles: Mapping[int, str] = field(default_factory=dict)  # copy -> new role
+    roles: Mapping[int, ReplicaRole] = field(default_factory=dict)  # copy -> new role
     remove: frozenset[int] = frozenset()                    # copies to forget
     add: NewCopy | None = None
 
@@ -195,8 +192,8 @@ def check_slot_change(region: RegionRecord, change: SlotChange, servers: Iterabl
     unknown = (set(change.roles) | set(change.remove)) - set(copies)
     if unknown:
         raise InvalidArgument(f"slot {change.index} of {region.name!r} has no copy {sorted(unknown)}")
-    if any(r not in ROLES[1:] for r in change.roles.values()):
-        raise InvalidArgument(f"a copy's role is one of {', '.join(ROLES[1:])}")
+    if any(r not in ASSIGNABLE for r in change.roles.values()):
+        raise InvalidArgument(f"a copy's role is one of {', '.join(sorted(ASSIGNABLE))}")
     after = {c: change.roles.get(c, e.role) for c, e in copies.items() if c not in change.remove}
     if change.add is not None:
         if change.add.copy in copies or change.add.copy < 0:
@@ -207,7 +204,7 @@ def check_slot_change(region: RegionRecord, change: SlotChange, servers: Iterabl
         if known and change.add.server_id not in known:
             raise InvalidArgument(f"no memory server {change.add.server_id!r}")
         after[change.add.copy] = change.add.role
-    if sum(r == PRIMARY for r in after.values()) > 1:
+    if sum(r == ReplicaRole.PRIMARY for r in after.values()) > 1:
         raise InvalidArgument(f"slot {change.index} of {region.name!r} would have two primaries")
 
 
@@ -276,7 +273,7 @@ def region_state(stored: str, extents: Sequence[ExtentRecord], replicas: int = 1
         slots.setdefault(e.index, []).append(e)
     if any(not any(e.role in IN_SYNC and not e.lost for e in copies) for copies in slots.values()):
         return "lost"
-    if any(e.dead or e.role in (SYNCING, STALE) for e in extents):
+    if any(e.dead or e.role in (ReplicaRole.SYNCING, ReplicaRole.STALE) for e in extents):
         return "degraded"
     if any(sum(e.in_sync for e in copies) < replicas for copies in slots.values()):
         return "degraded"
@@ -300,9 +297,9 @@ def find_orphans(server_id: str, known: Mapping[int, tuple[str, str]], held: Ite
     return orphans
 
 
-def initial_role(replicas: int, copy: int) -> tuple[str, int]:
+def initial_role(replicas: int, copy: int) -> tuple[ReplicaRole, int]:
     """(role, view) of copy ``copy`` of a new region's slot: copy 0 is the primary, the
     others backups, all at view 1; ("", 0) in an unreplicated region."""
     if replicas <= 1:
-        return "", 0
-    return (PRIMARY if copy == 0 else BACKUP), 1
+        return ReplicaRole.NONE, 0
+    return (ReplicaRole.PRIMARY if copy == 0 else ReplicaRole.BACKUP), 1

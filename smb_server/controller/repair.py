@@ -71,14 +71,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from smb_protocol import errors
+from smb_protocol.replicas import IN_SYNC, ReplicaRole
 
 from .memservers import Backup, MemoryServers
 from .records import (
-    BACKUP,
-    IN_SYNC,
-    PRIMARY,
-    STALE,
-    SYNCING,
     ExtentRecord,
     FailedReplica,
     NewCopy,
@@ -118,28 +114,28 @@ def plan_fence(region: RegionRecord, index: int, suspect: Iterable[str] = ()) ->
     suspect = set(suspect)
     trusted = [c for c in copies if c.in_sync and c.server_id not in suspect]
     gone = {c.copy for c in copies if c.dead or (trusted and c.server_id in suspect)}
-    primary = next((c for c in copies if c.role == PRIMARY), None)
+    primary = next((c for c in copies if c.role == ReplicaRole.PRIMARY), None)
     if primary is None:
         return None
-    roles: dict[int, str] = {}
+    roles: dict[int, ReplicaRole] = {}
     kind = "drop"
     if primary.copy in gone:
-        candidates = [c for c in copies if c.role == BACKUP and c.copy not in gone]
+        candidates = [c for c in copies if c.role == ReplicaRole.BACKUP and c.copy not in gone]
         if not candidates:
             return None   # nothing to promote: wait for a copy to come back
         new = min(candidates, key=lambda c: (c.server_state != "up", c.copy))
-        roles[primary.copy], roles[new.copy] = STALE, PRIMARY
+        roles[primary.copy], roles[new.copy] = ReplicaRole.STALE, ReplicaRole.PRIMARY
         for c in copies:
-            if c.copy not in (primary.copy, new.copy) and c.role in (BACKUP, SYNCING):
-                roles[c.copy] = STALE if c.copy in gone else SYNCING
+            if c.copy not in (primary.copy, new.copy) and c.role in (ReplicaRole.BACKUP, ReplicaRole.SYNCING):
+                roles[c.copy] = ReplicaRole.STALE if c.copy in gone else ReplicaRole.SYNCING
         kind = "promote"
     else:
         for c in copies:
-            if c.copy in gone and c.role in (BACKUP, SYNCING):
-                roles[c.copy] = STALE
+            if c.copy in gone and c.role in (ReplicaRole.BACKUP, ReplicaRole.SYNCING):
+                roles[c.copy] = ReplicaRole.STALE
     after = {c.copy: roles.get(c.copy, c.role) for c in copies}
     in_sync = sum(1 for c in copies if after[c.copy] in IN_SYNC and c.copy not in gone)
-    remove = frozenset(c.copy for c in copies if after[c.copy] == STALE and in_sync >= region.replicas)
+    remove = frozenset(c.copy for c in copies if after[c.copy] == ReplicaRole.STALE and in_sync >= region.replicas)
     if not roles and not remove:
         return None
     return Fence(SlotChange(index, region.view_of(index), roles, remove), kind)
@@ -152,15 +148,15 @@ def plan_report(region: RegionRecord, report: FailedReplica) -> tuple[SlotChange
     replica set (backup or syncing) -- a deposed primary, an old view or a copy already
     dropped change nothing."""
     primary = next((e for e in region.extents if e.extent_id == report.primary_extent_id), None)
-    if (primary is None or primary.role != PRIMARY or primary.dead
+    if (primary is None or primary.role != ReplicaRole.PRIMARY or primary.dead
             or primary.server_id != report.server_id
             or region.view_of(primary.index) != report.view):
         return None
     backup = next((c for c in region.copies_of(primary.index)
                    if c.extent_id == report.backup_extent_id), None)
-    if backup is None or backup.role not in (BACKUP, SYNCING):
+    if backup is None or backup.role not in (ReplicaRole.BACKUP, ReplicaRole.SYNCING):
         return None
-    return SlotChange(primary.index, report.view, {backup.copy: STALE}), backup
+    return SlotChange(primary.index, report.view, {backup.copy: ReplicaRole.STALE}), backup
 
 
 @dataclass(frozen=True)
@@ -197,16 +193,16 @@ def plan_sync(region: RegionRecord, index: int, servers: Sequence[ServerRecord],
     (in step, no live primary, or nowhere to put one)."""
     copies = region.copies_of(index)
     avoid = set(avoid)
-    primary = next((c for c in copies if c.role == PRIMARY), None)
+    primary = next((c for c in copies if c.role == ReplicaRole.PRIMARY), None)
     if primary is None or primary.dead:
         return None
     usable = [c for c in copies if not c.dead and c.server_id not in avoid]
-    syncing = [c for c in usable if c.role == SYNCING]
+    syncing = [c for c in usable if c.role == ReplicaRole.SYNCING]
     if syncing:
         return SyncPlan(index, "redrive", syncing[0].copy)
     if sum(c.in_sync for c in copies) >= region.replicas:
         return None
-    stale = [c for c in usable if c.role == STALE]
+    stale = [c for c in usable if c.role == ReplicaRole.STALE]
     if stale:
         return SyncPlan(index, "resync", stale[0].copy)
     spare = pick_spare(region, index, servers, avoid)
@@ -440,7 +436,7 @@ class RepairManager:
             pushed = view <= 1 or self._applied.get(key) == view
             busy = key in self._in_flight and not self._in_flight[key].done()
         # a slot with a syncing copy is configured by its sync, at a fresh view
-        syncing = any(c.role == SYNCING for c in region.copies_of(index))
+        syncing = any(c.role == ReplicaRole.SYNCING for c in region.copies_of(index))
         if not pushed and not busy and not syncing:
             self._push(region, index, promotion=key in self._promoting)
         return region
@@ -453,19 +449,21 @@ class RepairManager:
         key = (region.uid, index)
         copies = region.copies_of(index)
         view = region.view_of(index)
-        primary = next((c for c in copies if c.role == PRIMARY), None)
+        primary = next((c for c in copies if c.role == ReplicaRole.PRIMARY), None)
         if promotion:
             with self._lock:
                 self._promoting.add(key)
         if primary is None or primary.dead:
             return False
-        backups = [c for c in copies if c.role == BACKUP and not c.dead]
-        head: tuple[ExtentRecord, str, list[Backup]] = (primary, PRIMARY, [Backup(b) for b in backups])
+        backups = [c for c in copies if c.role == ReplicaRole.BACKUP and not c.dead]
+        head: tuple[ExtentRecord, ReplicaRole, list[Backup]] = (
+            primary, ReplicaRole.PRIMARY, [Backup(b) for b in backups])
         if promotion:
-            fenced = [c for c in copies if c.role in (BACKUP, SYNCING) and not c.dead]
-            calls: list[tuple[ExtentRecord, str, list[Backup]]] = [(c, BACKUP, []) for c in fenced] + [head]
+            fenced = [c for c in copies if c.role in (ReplicaRole.BACKUP, ReplicaRole.SYNCING) and not c.dead]
+            calls: list[tuple[ExtentRecord, ReplicaRole, list[Backup]]] = [
+                (c, ReplicaRole.BACKUP, []) for c in fenced] + [head]
         else:
-            calls = [head] + [(c, BACKUP, []) for c in backups]
+            calls = [head] + [(c, ReplicaRole.BACKUP, []) for c in backups]
         for extent, role, targets in calls:
             if extent.server_id in self._unreachable:
                 return False
@@ -551,10 +549,10 @@ class RepairManager:
         start = self.clock()
         if plan.kind == "spare":
             copy = free_copy_number(region, index)
-            change = SlotChange(index, view, add=NewCopy(copy, plan.server_id, SYNCING))
+            change = SlotChange(index, view, add=NewCopy(copy, plan.server_id, ReplicaRole.SYNCING))
         elif plan.kind == "resync":
             copy = plan.copy
-            change = SlotChange(index, view, {copy: SYNCING})
+            change = SlotChange(index, view, {copy: ReplicaRole.SYNCING})
         else:
             copy = plan.copy
             change = SlotChange(index, view)   # a fresh view: the sync runs again in full
@@ -575,21 +573,21 @@ class RepairManager:
                         target.server_id, copy, exc)
             self._avoid_server(target.server_id)
             undo = (SlotChange(index, view, remove=frozenset({copy})) if plan.kind == "spare"
-                    else SlotChange(index, view, {copy: STALE}))
+                    else SlotChange(index, view, {copy: ReplicaRole.STALE}))
             self.state.change_slot(region.name, region.uid, undo)
             return False
         try:
-            self.servers.configure_replicas(target.grpc_address, region.uid, target, view, BACKUP, [])
+            self.servers.configure_replicas(target.grpc_address, region.uid, target, view, ReplicaRole.BACKUP, [])
         except errors.SMBError as exc:
             log.warning("region %s slot %d: configuring copy %d on server %s as a backup: %s",
                         region.name, index, copy, target.server_id, exc)
             self._avoid_server(target.server_id)
-            self.state.change_slot(region.name, region.uid, SlotChange(index, view, {copy: STALE}))
+            self.state.change_slot(region.name, region.uid, SlotChange(index, view, {copy: ReplicaRole.STALE}))
             return False
-        backups = [Backup(c) for c in region.copies_of(index) if c.role == BACKUP and not c.dead]
+        backups = [Backup(c) for c in region.copies_of(index) if c.role == ReplicaRole.BACKUP and not c.dead]
         try:
             _, synced = self.servers.configure_replicas(
-                primary.grpc_address, region.uid, primary, view, PRIMARY, backups + [Backup(target, True)])
+                primary.grpc_address, region.uid, primary, view, ReplicaRole.PRIMARY, backups + [Backup(target, True)])
         except errors.SMBError as exc:
             log.warning("region %s slot %d: the primary on %s could not copy to server %s: %s",
                         region.name, index, primary.server_id, target.server_id, exc)
@@ -597,10 +595,10 @@ class RepairManager:
         seconds = self.clock() - start
         copies = region.copies_of(index)
         in_sync = sum(c.in_sync for c in copies) + 1
-        remove = frozenset(c.copy for c in copies if c.role == STALE) if in_sync >= region.replicas \
+        remove = frozenset(c.copy for c in copies if c.role == ReplicaRole.STALE) if in_sync >= region.replicas \
             else frozenset()
         result = self.state.change_slot(region.name, region.uid,
-                                        SlotChange(index, view, {copy: BACKUP}, remove))
+                                        SlotChange(index, view, {copy: ReplicaRole.BACKUP}, remove))
         if result is None:
             log.info("region %s slot %d changed during the sync; the next pass decides again",
                      region.name, index)

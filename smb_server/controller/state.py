@@ -56,6 +56,7 @@ from smb_protocol import placement as placement_mod
 from smb_protocol.errors import InvalidArgument, RegionExists, RegionNotFound, ServerNotFound
 from smb_protocol.names import check_region_name
 from smb_protocol.placement import check_bytes
+from smb_protocol.replicas import ReplicaRole
 
 from .records import (
     DELETE_MEMORY_SECONDS,
@@ -84,7 +85,8 @@ MAX_SERVERS = 1 << 16   # the most servers a region may be spread over
 SERVER_STATES = ("up", "down", "draining")
 _ID_ATTEMPTS = 16
 
-_SCHEMA = """
+_ROLES = ", ".join(f"'{r.value}'" for r in ReplicaRole)
+_SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS servers (
     server_id      TEXT PRIMARY KEY,
     host_id        TEXT NOT NULL DEFAULT '',
@@ -116,7 +118,7 @@ CREATE TABLE IF NOT EXISTS extents (
     server_id   TEXT NOT NULL REFERENCES servers(server_id),
     length      INTEGER NOT NULL,
     copy        INTEGER NOT NULL DEFAULT 0,
-    role        TEXT NOT NULL DEFAULT '' CHECK (role IN ('', 'primary', 'backup', 'syncing', 'stale')),
+    role        TEXT NOT NULL DEFAULT '' CHECK (role IN ({_ROLES})),
     view        INTEGER NOT NULL DEFAULT 0,
     UNIQUE (region_name, idx, copy)
 );
@@ -649,7 +651,7 @@ class ControllerState:
         extents = tuple(
             ExtentRecord(e["extent_id"], e["idx"], e["server_id"], e["length"], e["grpc_address"],
                         e["host_id"], tuple(json.loads(e["endpoints"])), e["state"],
-                        e["extent_id"] in lost, e["copy"], e["role"], e["view"])
+                        e["extent_id"] in lost, e["copy"], ReplicaRole.parse(e["role"]), e["view"])
             for e in db.execute(
                 "SELECT e.extent_id, e.idx, e.server_id, e.length, e.copy, e.role, e.view, "
                 "s.grpc_address, s.host_id, s.endpoints, s.state FROM extents e "
