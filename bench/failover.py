@@ -40,7 +40,7 @@ sys.path.insert(0, ROOT)
 
 from smb_protocol import errors  # noqa: E402
 from tests.etcd_server import EtcdServer  # noqa: E402
-from tests.integration.controller_group import ControllerGroup  # noqa: E402
+from tests.integration.controller.controller_group import ControllerGroup  # noqa: E402
 
 KiB = 1 << 10
 MiB = 1 << 20

@@ -1,12 +1,15 @@
-"""Shared fixtures: real local clusters (separate processes on loopback)."""
+"""Shared fixtures: real local clusters (separate processes on loopback) and a real
+etcd server."""
 from __future__ import annotations
 
 import itertools
 import os
+from collections.abc import Iterator
 
 import pytest
 
 from smb_server.commands.local_cluster import LocalCluster
+from tests.etcd_server import EtcdServer
 
 _names = itertools.count()
 
@@ -36,3 +39,18 @@ def client(cluster):
 def name():
     """A region name no other test uses."""
     return f"test/r{os.getpid()}-{next(_names)}"
+
+
+@pytest.fixture(scope="session")
+def etcd_server() -> Iterator[EtcdServer]:
+    server = EtcdServer()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def etcd_store(etcd_server: EtcdServer) -> str:
+    """An ``etcd://`` store URL with a fresh key prefix."""
+    return etcd_server.url()

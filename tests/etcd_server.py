@@ -1,8 +1,9 @@
 """A real etcd server for tests: the distribution's ``etcd`` binary on loopback ports
 with a temporary data directory, stopped (and its directory removed) afterwards.
 
-``etcd_url`` (session scope) is one server shared by a test session; each test that
-needs a clean store takes ``etcd_store``, a URL with a prefix of its own.
+The fixtures ``etcd_server`` (session scope: one server shared by a test session) and
+``etcd_store`` (a URL with a prefix of its own, for a test that needs a clean store) are
+in tests/conftest.py.
 """
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ import subprocess
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
 
 import pytest
 import requests
@@ -77,18 +77,3 @@ class EtcdServer:
                 self.proc.wait()
         self.log.close()
         shutil.rmtree(self.dir, ignore_errors=True)
-
-
-@pytest.fixture(scope="session")
-def etcd_server() -> Iterator[EtcdServer]:
-    server = EtcdServer()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-@pytest.fixture
-def etcd_store(etcd_server: EtcdServer) -> str:
-    """An ``etcd://`` store URL with a fresh key prefix."""
-    return etcd_server.url()

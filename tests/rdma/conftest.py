@@ -56,3 +56,11 @@ def rdma_cluster(servers: int, capacity: str, log_prefix: str = "") -> Iterator[
             for log in glob.glob(os.path.join(work, "**", "*.log"), recursive=True):
                 shutil.copy(log, os.path.join(logs, log_prefix + os.path.basename(log)))
         shutil.rmtree(work, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalCluster]:
+    """A cluster of rdma servers for each module (in place of the shared loopback one)
+    that report another host id, so ``auto`` must not pick shm."""
+    with rdma_cluster(2, "256M") as c:
+        yield c

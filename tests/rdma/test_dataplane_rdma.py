@@ -1,4 +1,4 @@
-"""The data-plane integration tests of tests/integration/test_dataplane.py, again over
+"""The data-plane integration tests of tests/integration/client/test_dataplane.py, again over
 rdma, against a real local cluster (controller + two memory servers with rdma)."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from smb_protocol import errors
-from tests.integration.test_dataplane import (  # noqa: F401  (collected here with transport=rdma)
+from tests.integration.client.test_dataplane import (  # noqa: F401  (collected here with transport=rdma)
     test_accumulate_bfloat16,
     test_accumulate_every_dtype,
     test_async_and_batched_forms,
@@ -18,17 +18,9 @@ from tests.integration.test_dataplane import (  # noqa: F401  (collected here wi
     test_transport_is_the_one_asked_for,
     test_write_read_roundtrip,
 )
-from tests.rdma.conftest import rdma_cluster
 
 pytestmark = pytest.mark.rdma
 MiB = 1 << 20
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    """Servers that report another host id, so ``auto`` must not pick shm."""
-    with rdma_cluster(2, "256M") as c:
-        yield c
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The wait, lock and barrier tests of tests/integration/test_notify.py and test_locks.py,
+"""The wait, lock and barrier tests of tests/integration/client/test_notify.py and test_locks.py,
 again with the regions' data over rdma (coordination requests go over the servers' tcp
 planes; rdma fetch_add is a one-sided atomic that the server's re-read notices, and rdma
 accumulate is served by the server, which wakes the waits at once), and the collectives
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from smb_client.collective import Collective
-from tests.integration.test_locks import (  # noqa: F401  (collected here with transport=rdma)
+from tests.integration.client.test_locks import (  # noqa: F401  (collected here with transport=rdma)
     test_a_held_lock_keeps_others_out_until_released,
     test_a_holder_killed_with_sigkill_frees_the_lock_after_its_lease,
     test_a_holder_past_its_lease_learns_it_lost_the_lock,
@@ -23,7 +23,7 @@ from tests.integration.test_locks import (  # noqa: F401  (collected here with t
     test_lock_serializes_read_modify_write_from_several_threads,
     test_unlock_by_a_stranger_is_refused,
 )
-from tests.integration.test_notify import (  # noqa: F401
+from tests.integration.client.test_notify import (  # noqa: F401
     WORD,
     Waiter,
     test_a_condition_already_true_returns_at_once,
@@ -37,8 +37,6 @@ from tests.integration.test_notify import (  # noqa: F401
     test_wait_returns_once_fetch_add_reaches_the_value,
 )
 
-from .test_dataplane_rdma import cluster  # noqa: F401  (a fixture: servers with rdma)
-
 pytestmark = pytest.mark.rdma
 MiB = 1 << 20
 
@@ -49,7 +47,7 @@ def transport():
 
 
 @pytest.fixture
-def client(cluster):  # noqa: F811
+def client(cluster):
     with cluster.client(transport="rdma") as c:
         yield c
 
@@ -69,7 +67,7 @@ def test_rdma_accumulate_wakes_a_wait_and_one_sided_fetch_add_is_seen(region):
     assert w.outcome() == 5
 
 
-def test_collective_among_rdma_clients(cluster, name):  # noqa: F811
+def test_collective_among_rdma_clients(cluster, name):
     """All-reduce and broadcast among clients whose data goes over rdma: the collective's
     PUSH/PULL travel on each server's tcp plane, as waits do; exact integer sums."""
     parties, n = 3, 20_000

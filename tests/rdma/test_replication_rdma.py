@@ -1,6 +1,6 @@
 """Replicated regions with rdma clients, on real verbs in the Soft-RoCE VM: reads over
 rdma from the nearest copy, mutations through the primaries (which forward them to the
-backups); the checks of tests/integration/test_replication.py on a cluster of three
+backups); the checks of tests/integration/replication/test_replication.py on a cluster of three
 rdma memory servers: concurrent writers leave every copy identical, and a primary killed
 mid-accumulate loses nothing (exact sums at the promoted backup, then every copy
 identical after the repair)."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration.test_replication import check_concurrent_writers, check_primary_killed
+from tests.integration.replication.test_replication import check_concurrent_writers, check_primary_killed
 from tests.rdma.conftest import rdma_cluster
 
 pytestmark = pytest.mark.rdma

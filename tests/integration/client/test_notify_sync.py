@@ -7,8 +7,7 @@ import multiprocessing as mp
 import numpy as np
 import pytest
 
-from .test_operations import cluster_env, start_server  # noqa: F401  (a fixture)
-from .test_region_lost import scrape
+from tests.integration.daemons import scrape, start_server
 
 torch = pytest.importorskip("torch")
 
@@ -63,7 +62,7 @@ def controller_calls(port: int) -> dict[str, float]:
 
 
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
-def test_steady_state_sync_steps_make_no_controller_call(tmp_path, cluster_env, transport):  # noqa: F811
+def test_steady_state_sync_steps_make_no_controller_call(tmp_path, cluster_env, transport):
     env, daemons, ctl_metrics = cluster_env
     start_server(tmp_path, env, daemons, "s0", "--capacity", "64M", "--transports", "tcp,shm").wait_ready()
     ctx = mp.get_context("spawn")

@@ -7,36 +7,18 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 
 import numpy as np
 import pytest
 
 from smb_protocol import errors
-from smb_server.runtime.metrics import parse
-
-from .test_operations import cluster_env, start_server  # noqa: F401  (a fixture)
+from tests.integration.daemons import scrape, start_server, wait_state
 
 MiB = 1 << 20
 
 
 def _index(cluster, server_id: str) -> int:
     return [i for i in range(2) if cluster.server_id(i) == server_id][0]
-
-
-def scrape(port: int) -> dict:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
-        return {(s.name, tuple(sorted(s.labels.items()))): s.value for s in parse(reply.read().decode())}
-
-
-def _wait_state(c, name: str, state: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        states = {r.name: r.state for r in c.list_regions()}
-        if states.get(name) == state:
-            return
-        assert time.monotonic() < deadline, states
-        time.sleep(0.1)
 
 
 def test_region_on_a_server_restarted_without_memory_is_lost(fresh_cluster):
@@ -49,7 +31,7 @@ def test_region_on_a_server_restarted_without_memory_is_lost(fresh_cluster):
         index = _index(fresh_cluster, victim)
         fresh_cluster.kill_server(index)                          # kill -9
         fresh_cluster.start_server(index)                         # fresh memory, same id
-        _wait_state(c, "job/lost", "lost")
+        wait_state(c, "job/lost", "lost")
 
         with pytest.raises(errors.RegionLost) as info:
             c.open_region("job/lost")
@@ -74,7 +56,7 @@ def test_region_on_a_server_restarted_without_memory_is_lost(fresh_cluster):
         c.close()
 
 
-def test_lost_region_in_controller_metrics(tmp_path, cluster_env):  # noqa: F811
+def test_lost_region_in_controller_metrics(tmp_path, cluster_env):
     env, daemons, ctl_metrics = cluster_env
     server = start_server(tmp_path, env, daemons, "s0", "--capacity", "64M", "--transports", "tcp")
     server_id = server.wait_ready()["server_id"]
@@ -84,7 +66,7 @@ def test_lost_region_in_controller_metrics(tmp_path, cluster_env):  # noqa: F811
         server.stop(signal.SIGKILL)
         again = start_server(tmp_path, env, daemons, "s0", "--capacity", "64M", "--transports", "tcp")
         assert again.wait_ready()["server_id"] == server_id
-        _wait_state(c, "ops/lost", "lost")
+        wait_state(c, "ops/lost", "lost")
         ctl = scrape(ctl_metrics)
         assert ctl[("smb_controller_regions", (("state", "lost"),))] == 1
         assert ctl[("smb_controller_lost_extents", (("server_id", server_id),))] == 1
@@ -103,7 +85,7 @@ def test_tcp_handle_opened_before_the_loss_raises_region_lost(fresh_cluster):
         index = _index(fresh_cluster, victim)
         fresh_cluster.kill_server(index)
         fresh_cluster.start_server(index)
-        _wait_state(c, "job/lost-tcp", "lost")
+        wait_state(c, "job/lost-tcp", "lost")
         ops = (lambda: r.read(0, 16), lambda: r.write(0, np.zeros(4, np.float32)),
                lambda: r.accumulate(0, np.ones(4, np.float32)), lambda: r.fetch_add(0, 1))
         for op in ops:

@@ -23,7 +23,7 @@ import pytest
 
 from smb_client import Client
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 RUNNABLE = {"python": "python", "py": "python", "sh": "sh", "bash": "sh", "shell": "sh"}
 NOT_RUN = re.compile(r"^<!--\s*not-run:\s*(.+?)\s*-->$")

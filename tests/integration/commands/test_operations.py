@@ -7,11 +7,7 @@ import json
 import os
 import signal
 import socket
-import subprocess
-import sys
-import time
 import urllib.request
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,86 +15,9 @@ import pytest
 from smb_protocol import errors
 from smb_server.commands.local_cluster import LocalCluster
 from smb_server.runtime import health
-from smb_server.runtime.metrics import parse
+from tests.integration.daemons import WAIT, free_port, scrape, smb, start_server, wait_until
 
 MiB = 1 << 20
-WAIT = 30.0   # seconds any daemon gets to come up or go away
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_until(cond, what: str, timeout: float = WAIT):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"{what}: not within {timeout} s"
-        time.sleep(0.05)
-
-
-def smb(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "smb_server.commands.cli", *args], capture_output=True,
-                          text=True, timeout=60, env=env)
-
-
-class Daemon:
-    """One `smb controller` or `smb server` process of a test; output in ``log``."""
-
-    def __init__(self, workdir: Path, name: str, args: list[str], env: dict[str, str]) -> None:
-        self.log = workdir / f"{name}.log"
-        self.ready = workdir / f"{name}.ready"
-        with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "smb_server.commands.cli", *args,
-                                          "--ready-file", str(self.ready)],
-                                         stdout=out, stderr=subprocess.STDOUT, env=env,
-                                         stdin=subprocess.DEVNULL)
-
-    def wait_ready(self) -> dict:
-        def ready() -> dict | None:
-            assert self.proc.poll() is None, f"exited with {self.proc.returncode}:\n{self.log.read_text()}"
-            return json.loads(self.ready.read_text()) if self.ready.exists() else None
-        return wait_until(ready, f"{self.log.name} ready")
-
-    def stop(self, sig: int = signal.SIGTERM) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        try:
-            return self.proc.wait(WAIT)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait()
-
-
-@pytest.fixture
-def cluster_env(tmp_path):
-    """A controller with a metrics endpoint (lease 60 s: a server marked down quickly
-    was told so, not timed out); yields (env, controller Daemon, metrics port)."""
-    secret = tmp_path / "secret"
-    secret.write_text("5a" * 32)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SMB_")}
-    env.update(SMB_TOKEN="op-token", SMB_SECRET_FILE=str(secret))
-    metrics = free_port()
-    ctl = Daemon(tmp_path, "controller", ["controller", "--listen", "127.0.0.1:0", "--db",
-                                          str(tmp_path / "c.db"), "--lease", "60",
-                                          "--metrics-port", str(metrics)], env)
-    env["SMB_CONTROLLER"] = ctl.wait_ready()["address"]
-    daemons = [ctl]
-    yield env, daemons, metrics
-    for d in reversed(daemons):
-        d.stop()
-
-
-def start_server(tmp_path: Path, env: dict[str, str], daemons: list[Daemon], name: str,
-                 *args: str, extra_env: dict[str, str] | None = None) -> Daemon:
-    d = Daemon(tmp_path, name, ["server", "--state-dir", str(tmp_path / name), "--heartbeat", "0.2",
-                                *args], dict(env, **(extra_env or {})))
-    daemons.append(d)
-    return d
 
 
 def test_readiness_and_sigterm_release_extents_and_tell_the_controller(tmp_path, cluster_env):
@@ -163,10 +82,6 @@ def test_health_metrics_and_status(tmp_path, cluster_env):
         with pytest.raises(errors.RegionNotFound):
             c.open_region("ops/missing")
         r.close()
-
-    def scrape(port: int) -> dict:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
-            return {(s.name, tuple(sorted(s.labels.items()))): s.value for s in parse(reply.read().decode())}
 
     srv = scrape(server_metrics)
     assert srv[("smb_server_capacity_bytes", ())] == 64 * MiB

@@ -18,8 +18,8 @@ import pytest
 from smb_client import Client
 from smb_protocol import errors, rpc, tickets
 from smb_protocol._proto.smb.v1 import memory_server_pb2, memory_server_pb2_grpc
-from tests.etcd_server import EtcdServer, etcd_server  # noqa: F401 (fixture)
-from tests.integration.controller_group import ControllerGroup
+from tests.etcd_server import EtcdServer
+from tests.integration.controller.controller_group import ControllerGroup
 
 LEADER_LEASE = 2      # seconds
 TAKEOVER_LIMIT = 10.0  # seconds: the target for a standby to lead after the leader died
@@ -27,7 +27,7 @@ MiB = 1 << 20
 
 
 @pytest.fixture
-def group(tmp_path: Path, etcd_server: EtcdServer) -> Iterator[ControllerGroup]:  # noqa: F811
+def group(tmp_path: Path, etcd_server: EtcdServer) -> Iterator[ControllerGroup]:
     g = ControllerGroup(tmp_path, etcd_server.url(), count=2, leader_lease=LEADER_LEASE)
     try:
         g.start()

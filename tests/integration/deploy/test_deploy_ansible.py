@@ -28,7 +28,7 @@ import pytest
 from smb_server.runtime.certs import make_cluster_certs
 from smb_server.runtime.config import ControllerConfig, ServerConfig, load
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 ANSIBLE = ROOT / "deploy" / "ansible"
 VENV_BIN = Path(sys.executable).parent
 PLAYBOOK_TIMEOUT = 300   # seconds

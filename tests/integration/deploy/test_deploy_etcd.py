@@ -20,7 +20,7 @@ import requests
 
 from smb_server.controller import etcd_kv as kv
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 ANSIBLE = ROOT / "deploy" / "ansible"
 VENV_BIN = Path(sys.executable).parent
 PLAYBOOK_TIMEOUT = 300   # seconds

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SCRIPT = ROOT / "deploy" / "slurm" / "smb-job.sbatch"
 SMB = Path(sys.executable).parent / "smb"
 JOB_TIMEOUT = 120       # seconds a job may take, queueing included

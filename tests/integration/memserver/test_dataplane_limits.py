@@ -37,7 +37,7 @@ from smb_server.memserver.tcp_plane import SCRATCH_BYTES, TcpPlane
 SECRET = b"k" * 32
 UID = "limits-region"
 MiB = 1 << 20
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 ATTACKER = "127.0.0.2"
 
 

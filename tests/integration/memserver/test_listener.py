@@ -20,7 +20,7 @@ from smb_server.memserver.listener import Listener
 from smb_server.memserver.shm_plane import ANSWER_HEAD, ShmPlane
 from smb_server.memserver.stats import PlaneStats
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 WAIT = 5.0  # seconds any one condition below may take
 
 

@@ -24,7 +24,7 @@ from smb_server.commands.local_cluster import LocalCluster
 MiB = 1 << 20
 OTHER_UID = 65534          # nobody
 OTHER_GID = 65534
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a client as another user")
 

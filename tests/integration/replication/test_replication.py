@@ -12,8 +12,7 @@ import pytest
 
 from smb_protocol import errors
 from smb_server.commands.local_cluster import LocalCluster
-
-from .test_region_lost import _wait_state
+from tests.integration.daemons import wait_state
 
 MiB = 1 << 20
 
@@ -51,7 +50,7 @@ def assert_copies_identical(region) -> None:
     """Every in-sync copy of every slot holds the same bytes, once the region is ``ready``
     (on a starved machine, the emulated VM's, a backup may be dropped for a missed
     dead-peer time and filled again meanwhile: a copy being filled is not in step yet)."""
-    _wait_state(region._client, region.name, "ready", timeout=120)
+    wait_state(region._client, region.name, "ready", timeout=120)
     region.refresh()
     for slot, places in _copies(region).items():
         assert len(places) == region.replicas, f"slot {slot}: {places}"
@@ -151,7 +150,7 @@ def check_primary_killed(cluster: LocalCluster, client, name: str, size: int = 2
     np.testing.assert_array_equal(got, np.arange(n, dtype=np.int64) + rounds)   # each applied once
     assert victim not in {p.server_id for p in r.extents}                # a backup took over
 
-    _wait_state(client, name, "ready", timeout=120)                       # repaired on the spare
+    wait_state(client, name, "ready", timeout=120)                       # repaired on the spare
     assert_copies_identical(r)
     assert victim not in {p.server_id for places in _copies(r).values() for p in places}
 
@@ -161,7 +160,7 @@ def check_primary_killed(cluster: LocalCluster, client, name: str, size: int = 2
     r.accumulate(0, ones)
     np.testing.assert_array_equal(r.read(0, r.size, dtype=np.int64),
                                   np.arange(n, dtype=np.int64) + rounds + 1)
-    _wait_state(client, name, "degraded", timeout=60)
+    wait_state(client, name, "degraded", timeout=60)
 
 
 def test_primary_killed_mid_operation_applies_once_then_repairs(three):
@@ -177,5 +176,5 @@ def test_backup_killed_writes_go_on(three):
         data = np.full(r.size // 4, 7, dtype=np.int32)
         r.accumulate(0, data)                 # waits until the controller drops the dead backup
         np.testing.assert_array_equal(r.read(0, r.size, dtype=np.int32), data)
-        _wait_state(c, "job/backup", "ready", timeout=60)
+        wait_state(c, "job/backup", "ready", timeout=60)
         assert_copies_identical(r)

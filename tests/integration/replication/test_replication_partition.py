@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 MiB = 1 << 20
 SIZE = 8 * MiB
 DEAD_PEER = 5.0      # the memory servers' replica_dead_peer_seconds (default 3)
@@ -103,7 +103,7 @@ def scenario(workdir: str) -> dict[str, object]:
     """Run the partition and return what was seen (the test asserts on it)."""
     from smb_protocol.addressing import parse_endpoint
     from smb_server.commands.local_cluster import LocalCluster
-    from tests.integration.test_replication import _copies, _read_copy
+    from tests.integration.replication.test_replication import _copies, _read_copy
 
     _sh("ip", "link", "set", "lo", "up")
     facts: dict[str, object] = {}
@@ -183,7 +183,7 @@ def flapping(workdir: str) -> dict[str, object]:
     """Cut servers off in turn while clients accumulate; return what was seen."""
     from smb_protocol.addressing import parse_endpoint
     from smb_server.commands.local_cluster import LocalCluster
-    from tests.integration.test_replication import _copies, _read_copy
+    from tests.integration.replication.test_replication import _copies, _read_copy
 
     _sh("ip", "link", "set", "lo", "up")
     rnd = random.Random(7)
@@ -265,7 +265,7 @@ def _run_in_namespace(tmp_path: Path, mode: str) -> tuple[dict, str]:
     out = tmp_path / "facts.json"
     workdir = tmp_path / "cluster"
     proc = subprocess.run(["unshare", "--net", "--", sys.executable, "-m",
-                           "tests.integration.test_replication_partition", mode, str(workdir), str(out)],
+                           "tests.integration.replication.test_replication_partition", mode, str(workdir), str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=220)
     logs = "".join(f"\n--- {p.name}\n" + "\n".join(p.read_text(errors="replace").splitlines()[-25:])
                    for p in sorted(workdir.rglob("*.log")))

@@ -8,10 +8,10 @@ import pytest
 
 from smb_protocol.errors import ServerUnavailable
 
-from .test_replication_server import Client, nodes  # noqa: F401  (a fixture)
+from .nodes import Client
 
 
-def test_a_retry_resumed_after_a_new_backup_was_filled_is_not_applied_there_again(nodes):  # noqa: F811
+def test_a_retry_resumed_after_a_new_backup_was_filled_is_not_applied_there_again(nodes):
     primary, backup, newcomer = nodes(3)
     primary.configure(1, "primary", [backup])
     backup.configure(1, "backup")

@@ -91,7 +91,7 @@ def test_version():
                                                         ("server", ServerConfig, "### Memory server keys")])
 def test_operations_guide_tables_match_the_flags(command, cls, title):
     """docs/operations.md lists, per key, its variable and a flag the command accepts."""
-    text = (Path(__file__).resolve().parents[2] / "docs" / "operations.md").read_text()
+    text = (Path(__file__).resolve().parents[4] / "docs" / "operations.md").read_text()
     table = text.split(title, 1)[1].split("\n\n", 2)[1]
     rows = [[c.strip().strip("`") for c in line.strip("|").split("|")] for line in table.splitlines()[2:]]
     sub = _subparsers(build_parser())[command]

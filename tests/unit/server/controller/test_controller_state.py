@@ -12,7 +12,6 @@ from smb_protocol import errors
 from smb_protocol.names import check_region_name
 from smb_server.controller.state import HeldExtent
 from smb_server.controller.store import StateStore, open_state
-from tests.etcd_server import etcd_server, etcd_store  # noqa: F401 (fixtures)
 
 MiB = 1 << 20
 T0 = 1_000_000.0

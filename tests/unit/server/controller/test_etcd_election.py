@@ -12,7 +12,6 @@ from smb_server.controller import etcd_kv as kv
 from smb_server.controller.etcd_state import EtcdState
 from smb_server.controller.leader import Election
 from smb_server.controller.records import HeldExtent, RegionRecord
-from tests.etcd_server import etcd_server, etcd_store  # noqa: F401 (fixtures)
 
 MiB = 1 << 20
 
@@ -23,7 +22,7 @@ def _pair(url: str) -> tuple[EtcdState, EtcdState, Election, Election]:
     return a, b, Election(a.kv, a.prefix, "10.0.0.1:7700", 2), Election(b.kv, b.prefix, "10.0.0.2:7700", 2)
 
 
-def test_one_leader_at_a_time_and_epochs_grow(etcd_store: str) -> None:  # noqa: F811
+def test_one_leader_at_a_time_and_epochs_grow(etcd_store: str) -> None:
     a, b, ea, eb = _pair(etcd_store)
     fence = ea.campaign()
     assert fence is not None and fence.epoch == 1 and ea.leading()
@@ -37,14 +36,14 @@ def test_one_leader_at_a_time_and_epochs_grow(etcd_store: str) -> None:  # noqa:
     assert a.describe_leader() == "at 10.0.0.2:7700 (epoch 2)"
 
 
-def test_a_standby_writes_nothing(etcd_store: str) -> None:  # noqa: F811
+def test_a_standby_writes_nothing(etcd_store: str) -> None:
     a, b, ea, eb = _pair(etcd_store)
     with pytest.raises(errors.ControllerUnavailable, match="stands by"):
         b.register_server("s1", "h", "127.0.0.1:1", [], 64 * MiB)
     assert b.list_servers() == []
 
 
-def test_a_deposed_leader_cannot_write(etcd_store: str) -> None:  # noqa: F811
+def test_a_deposed_leader_cannot_write(etcd_store: str) -> None:
     a, b, ea, eb = _pair(etcd_store)
     fence_a = ea.campaign()
     assert fence_a is not None
@@ -71,7 +70,7 @@ def test_a_deposed_leader_cannot_write(etcd_store: str) -> None:  # noqa: F811
     assert [r.name for r in b.list_regions()] == ["job/x", "job/y"]
 
 
-def test_a_new_leader_removes_half_created_regions(etcd_store: str) -> None:  # noqa: F811
+def test_a_new_leader_removes_half_created_regions(etcd_store: str) -> None:
     a, b, ea, eb = _pair(etcd_store)
     fence_a = ea.campaign()
     assert fence_a is not None
@@ -87,7 +86,7 @@ def test_a_new_leader_removes_half_created_regions(etcd_store: str) -> None:  # 
     b.commit_region("job/half", b.begin_create_region("job/half", MiB).uid)  # the name is free again
 
 
-def test_a_new_leader_repairs_the_placed_extent_index(etcd_store: str) -> None:  # noqa: F811
+def test_a_new_leader_repairs_the_placed_extent_index(etcd_store: str) -> None:
     a, b, ea, eb = _pair(etcd_store)
     fence_a = ea.campaign()
     assert fence_a is not None
@@ -106,7 +105,7 @@ def test_a_new_leader_repairs_the_placed_extent_index(etcd_store: str) -> None: 
     assert b.heartbeat("s1", held) == [12345]   # its own extent is known again, the stray one is not
 
 
-def test_heartbeats_do_not_queue_behind_region_changes(etcd_store: str) -> None:  # noqa: F811
+def test_heartbeats_do_not_queue_behind_region_changes(etcd_store: str) -> None:
     state = EtcdState(etcd_store)
     state.register_server("s1", "h", "127.0.0.1:1", [], 64 * MiB)
     done = threading.Event()
@@ -139,7 +138,7 @@ class _CreateDuringTakeOver(EtcdState):
         return super().recover()
 
 
-def test_a_create_arriving_during_take_over_is_not_taken_for_a_dead_leaders(etcd_store: str) -> None:  # noqa: F811
+def test_a_create_arriving_during_take_over_is_not_taken_for_a_dead_leaders(etcd_store: str) -> None:
     seed = EtcdState(etcd_store)
     seed.register_server("s1", "h", "127.0.0.1:1", [], 64 * MiB)
     state = _CreateDuringTakeOver(etcd_store, recover=False)

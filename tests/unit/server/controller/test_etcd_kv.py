@@ -9,7 +9,7 @@ import pytest
 from smb_protocol import errors
 from smb_server.controller import etcd_kv as kv
 from smb_server.controller.etcd_state import MAX_TXN_OPS
-from tests.etcd_server import EtcdServer, etcd_server  # noqa: F401 (fixture)
+from tests.etcd_server import EtcdServer
 
 
 def _closed_port() -> int:
@@ -33,7 +33,7 @@ def test_bad_store_urls(url: str) -> None:
         kv.parse_url(url)
 
 
-def test_a_dead_endpoint_is_skipped(etcd_server: EtcdServer) -> None:  # noqa: F811
+def test_a_dead_endpoint_is_skipped(etcd_server: EtcdServer) -> None:
     client = kv.EtcdKV([("127.0.0.1", _closed_port()), ("127.0.0.1", etcd_server.port)], timeout=2)
     assert client.txn([kv.absent("/kvtest/a")], [kv.put("/kvtest/a", "1")]).succeeded
     got = client.get("/kvtest/a")
@@ -41,13 +41,13 @@ def test_a_dead_endpoint_is_skipped(etcd_server: EtcdServer) -> None:  # noqa: F
     client.close()
 
 
-def test_no_endpoint_answers(etcd_server: EtcdServer) -> None:  # noqa: F811
+def test_no_endpoint_answers(etcd_server: EtcdServer) -> None:
     client = kv.EtcdKV([("127.0.0.1", _closed_port())], timeout=2)
     with pytest.raises(errors.ControllerUnavailable, match="etcd does not answer"):
         client.get("/kvtest/b")
 
 
-def test_a_request_etcd_refuses_is_a_server_error(etcd_server: EtcdServer) -> None:  # noqa: F811
+def test_a_request_etcd_refuses_is_a_server_error(etcd_server: EtcdServer) -> None:
     client = kv.EtcdKV([("127.0.0.1", etcd_server.port)])
     too_many = [kv.put(f"/kvtest/many/{k}", "x") for k in range(MAX_TXN_OPS + 1)]
     with pytest.raises(errors.ServerError, match="too many operations"):

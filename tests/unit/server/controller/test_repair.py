@@ -13,7 +13,7 @@ from smb_server.controller.memservers import Backup
 from smb_server.controller.records import FailedReplica, NewCopy, RegionRecord, SlotChange
 from smb_server.controller.repair import AVOID_SECONDS, RETRY_SECONDS, RepairManager, plan_fence
 from smb_server.controller.state import ControllerState, ExtentRecord, HeldExtent
-from tests.unit.test_creation import InMemoryServers
+from tests.unit.server.controller.test_creation import InMemoryServers
 
 MiB = 1 << 20
 

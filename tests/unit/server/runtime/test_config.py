@@ -15,7 +15,7 @@ import pytest
 from smb_server.commands.cli import _flags, build_parser
 from smb_server.runtime.config import ConfigError, ControllerConfig, ServerConfig, load, render_example, settings
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[4]
 
 
 def test_precedence_defaults_file_env_flags(tmp_path):

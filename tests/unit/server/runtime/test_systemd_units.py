@@ -15,7 +15,7 @@ import pytest
 
 from smb_server.runtime import sdnotify
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[4]
 UNITS = ROOT / "deploy" / "systemd"
 SMB = Path(sys.executable).parent / "smb"
 EXPOSURE_MAX = 50   # systemd-analyze security, in tenths: 5.0 and above is "MEDIUM"
