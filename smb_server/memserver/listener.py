@@ -11,6 +11,20 @@ from one peer (TCP: one address; a Unix socket: one user id, from ``SO_PEERCRED`
 callback may refuse more. A refused connection is answered, never left hanging, and
 counted as ``refused`` in the plane's stats; warnings about refusals are rate-limited.
 
+Unauthenticated connections (``max_unauthenticated`` set, as the tcp and shm planes do):
+a connection counts against those limits only once its plane says it authenticated
+(:meth:`Admission.authenticated`, called on the connection's own thread: the tcp plane's
+first valid ``HELLO``, the shm plane's first valid ticket). Until then it counts only
+against a budget of its own, ``max_unauthenticated`` connections in all: one more
+evicts the oldest unauthenticated connection of the peer holding the most of them (it
+gets the plane's refusal, then its socket is shut down; counted as ``evicted``), much as
+sshd's ``MaxStartups`` sheds unauthenticated sessions. A flood of connections that never
+authenticate, even from the client's own address, so delays but never locks out a
+client that completes its greeting; a new connection is still refused at once while the
+authenticated ones of its peer, or of the whole listener, are at their limit, and one
+that authenticates past a limit gets :class:`ServerBusy` from ``authenticated()``.
+Without ``max_unauthenticated`` every connection counts from its accept.
+
 The accept loop survives EMFILE/ENFILE: it keeps a spare descriptor, closes it to
 accept and refuse the waiting connection, then takes it back; other accept failures
 back off from :data:`ACCEPT_BACKOFF_FIRST` to :data:`ACCEPT_BACKOFF_MAX` seconds while
@@ -25,6 +39,7 @@ import socket
 import struct
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -38,7 +53,7 @@ ACCEPT_POLL = 0.5            # seconds between checks for close() in the accept 
 BACKLOG = 128                # connections the kernel queues before accept
 ACCEPT_BACKOFF_FIRST = 0.05  # seconds the accept loop pauses after a failure, doubling
 ACCEPT_BACKOFF_MAX = 1.0     # seconds, the longest such pause
-REFUSAL_LOG_EVERY = 10.0     # seconds between warnings about refused connections
+REFUSAL_LOG_EVERY = 10.0     # seconds between warnings about refused (or evicted) connections
 UNIX_MODE = 0o600            # permissions of a Unix socket file
 LOCAL_PEER = "local"         # the peer key of a Unix-socket connection whose user is unknown
 PEERCRED = struct.Struct("3i")   # struct ucred: pid, uid, gid
@@ -65,6 +80,34 @@ def _no_refusal(err: SMBError) -> bytes:
     return b""
 
 
+PENDING = "pending"          # admitted, not yet authenticated: counts against max_unauthenticated
+COUNTED = "counted"          # counts against max_connections and max_per_peer
+EVICTED = "evicted"          # shed to make room for a newer unauthenticated connection
+
+
+class Admission:
+    """One connection a :class:`Listener` admitted: its socket, peer key (what the
+    per-peer limit counts), peer name (for logs), and where it is counted. The plane
+    gets it from :meth:`Listener.current` on the connection's thread."""
+
+    __slots__ = ("sock", "key", "peer", "state", "_listener")
+
+    def __init__(self, listener: Listener, sock: socket.socket, key: str, peer: str,
+                 state: str) -> None:
+        self.sock = sock
+        self.key = key
+        self.peer = peer
+        self.state = state
+        self._listener = listener
+
+    def authenticated(self) -> None:
+        """Count this connection as authenticated from now on (idempotent). Raises
+        :class:`ServerBusy` when its peer's or the listener's authenticated connections
+        are at their limit, or when it was evicted meanwhile; the plane answers with it
+        and closes the connection."""
+        self._listener._authenticate(self)
+
+
 class Listener:
     """Listens on ``address`` (``(host, port)``, port 0 for any free one; or a Unix
     socket path) and serves each admitted connection with ``serve`` on its own thread.
@@ -80,20 +123,27 @@ class Listener:
                  stats: PlaneStats | None = None, max_connections: int = 1024,
                  max_per_peer: int | None = None, refusal: Refusal = _no_refusal,
                  admit: Admit | None = None, max_setting: str = "",
-                 per_peer_setting: str = "", backlog: int = BACKLOG) -> None:
+                 per_peer_setting: str = "", backlog: int = BACKLOG,
+                 max_unauthenticated: int | None = None, unauthenticated_setting: str = "") -> None:
         self.name = name
         self.stats = stats if stats is not None else PlaneStats(name)
         self.max_connections = max_connections
         self.max_per_peer = max_per_peer
+        self.max_unauthenticated = max_unauthenticated
         self.closing = False
         self._serve_fn = serve
         self._refusal = refusal
         self._admit_fn = admit
         self._max_setting = max_setting
         self._per_peer_setting = per_peer_setting
+        self._unauthenticated_setting = unauthenticated_setting
         self._lock = threading.Lock()
         self._conns: dict[socket.socket, threading.Thread] = {}
-        self._per_peer: dict[str, int] = {}
+        self._per_peer: dict[str, int] = {}          # counted connections by peer key
+        self._counted = 0                            # counted connections in all
+        self._pending: dict[str, OrderedDict[socket.socket, Admission]] = {}  # by peer, oldest first
+        self._pending_count = 0
+        self._local = threading.local()              # .admission: the connection this thread serves
         self._refused_since_log = 0
         self._refusal_logged = -REFUSAL_LOG_EVERY
         self.path: str | None = None
@@ -145,6 +195,20 @@ class Listener:
         """Connections being served now."""
         with self._lock:
             return len(self._conns)
+
+    @property
+    def unauthenticated(self) -> int:
+        """Connections admitted that have not authenticated (nor been evicted) yet."""
+        with self._lock:
+            return self._pending_count
+
+    def current(self) -> Admission:
+        """The connection served on the calling thread (a thread running ``serve``);
+        RuntimeError on any other thread."""
+        admission: Admission | None = getattr(self._local, "admission", None)
+        if admission is None:
+            raise RuntimeError(f"{self.name}: current() called outside a connection's thread")
+        return admission
 
     # -- accepting ------------------------------------------------------------------
     @staticmethod
@@ -214,13 +278,13 @@ class Listener:
         return True
 
     def _limit_refusal(self, key: str) -> SMBError | None:
-        """Why a connection from ``key`` is not taken now, or None. Holds the lock."""
+        """Why a connection from ``key`` is not counted now, or None. Holds the lock."""
         if self.closing:
             return ServerBusy("the memory server is stopping")
-        if len(self._conns) >= self.max_connections:
+        if self._counted >= self.max_connections:
             setting = f" ({self._max_setting})" if self._max_setting else ""
             return ServerBusy(
-                f"the memory server is full: {len(self._conns)} data-plane connections "
+                f"the memory server is full: {self._counted} data-plane connections "
                 f"open, the limit{setting}; retry later, close idle clients, "
                 f"or raise it")
         if self.max_per_peer is not None and self._per_peer.get(key, 0) >= self.max_per_peer:
@@ -233,18 +297,88 @@ class Listener:
     def _admit(self, sock: socket.socket, addr: Any) -> None:
         key, peer = self._peer(addr, sock)
         refusal = self._admit_fn(key) if self._admit_fn is not None else None
+        evicted: Admission | None = None
         if refusal is None:
             with self._lock:
                 refusal = self._limit_refusal(key)
                 if refusal is None:
-                    thread = threading.Thread(target=self._run, args=(sock, key, peer),
+                    pending = self.max_unauthenticated is not None
+                    admission = Admission(self, sock, key, peer, PENDING if pending else COUNTED)
+                    thread = threading.Thread(target=self._run, args=(admission,),
                                               name=f"{self.name}-{peer}", daemon=True)
                     self._conns[sock] = thread
-                    self._per_peer[key] = self._per_peer.get(key, 0) + 1
+                    if pending:
+                        assert self.max_unauthenticated is not None
+                        if self._pending_count >= self.max_unauthenticated:
+                            evicted = self._evict()
+                        self._pending.setdefault(key, OrderedDict())[sock] = admission
+                        self._pending_count += 1
+                    else:
+                        self._count(admission)
         if refusal is not None:
             self._refuse(sock, peer, refusal)
             return
+        if evicted is not None:
+            self._log_shed(evicted.peer, "evicted", self._eviction_error())
         thread.start()
+
+    # -- authentication -------------------------------------------------------------
+    def _count(self, admission: Admission) -> None:
+        """Count ``admission`` against the limits. Holds the lock."""
+        admission.state = COUNTED
+        self._counted += 1
+        self._per_peer[admission.key] = self._per_peer.get(admission.key, 0) + 1
+
+    def _unpend(self, admission: Admission) -> None:
+        """Take a pending ``admission`` out of the unauthenticated budget. Holds the lock."""
+        queue = self._pending.get(admission.key)
+        if queue is not None and queue.pop(admission.sock, None) is not None:
+            self._pending_count -= 1
+            if not queue:
+                del self._pending[admission.key]
+
+    def _eviction_error(self) -> ServerBusy:
+        setting = f" ({self._unauthenticated_setting})" if self._unauthenticated_setting else ""
+        return ServerBusy(
+            f"the memory server closed this connection before it authenticated: "
+            f"{self.max_unauthenticated} connections are waiting to authenticate, the limit"
+            f"{setting}, and this was the oldest of the peer holding the most; retry")
+
+    def _evict(self) -> Admission:
+        """Shed the oldest pending connection of the peer with the most pending ones: it
+        gets the plane's refusal (sent without blocking), then its socket is shut down,
+        which ends its thread. Holds the lock (so the socket is still open)."""
+        key = max(self._pending, key=lambda k: len(self._pending[k]))
+        victim = next(iter(self._pending[key].values()))
+        self._unpend(victim)
+        victim.state = EVICTED
+        self.stats.add(evicted=1)
+        try:
+            frame = self._refusal(self._eviction_error())
+            if frame:
+                victim.sock.send(frame, socket.MSG_DONTWAIT)
+        except OSError:
+            pass
+        try:
+            victim.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        return victim
+
+    def _authenticate(self, admission: Admission) -> None:
+        with self._lock:
+            if admission.state == COUNTED:
+                return
+            if admission.state == EVICTED:
+                raise self._eviction_error()
+            refusal = self._limit_refusal(admission.key)
+            if refusal is None:
+                self._unpend(admission)
+                self._count(admission)
+        if refusal is not None:   # stays pending (and evictable) until the plane closes it
+            self._log_shed(admission.peer, "refused after authenticating", refusal)
+            self.stats.add(refused=1)
+            raise refusal
 
     def _refuse(self, sock: socket.socket, peer: str, err: SMBError) -> None:
         """Answer a connection that is not taken with the plane's refusal for ``err``, then
@@ -262,16 +396,23 @@ class Listener:
             pass
         finally:
             sock.close()
+        self._log_shed(peer, "refused", err)
+
+    def _log_shed(self, peer: str, what: str, err: SMBError) -> None:
+        """Warn about a refused or evicted connection, at most every REFUSAL_LOG_EVERY
+        seconds (with a count of those in between)."""
         now = time.monotonic()
         self._refused_since_log += 1
         if now - self._refusal_logged >= REFUSAL_LOG_EVERY:
-            log.warning("%s %s: refused (%d refused since the last such warning): %s", self.name,
-                        peer, self._refused_since_log, err)
+            log.warning("%s %s: %s (%d refused or evicted since the last such warning): %s",
+                        self.name, peer, what, self._refused_since_log, err)
             self._refusal_logged = now
             self._refused_since_log = 0
 
     # -- serving --------------------------------------------------------------------
-    def _run(self, sock: socket.socket, key: str, peer: str) -> None:
+    def _run(self, admission: Admission) -> None:
+        sock, key, peer = admission.sock, admission.key, admission.peer
+        self._local.admission = admission
         self.stats.add(sessions=1)
         try:
             log.debug("%s %s: connected", self.name, peer)
@@ -283,13 +424,18 @@ class Listener:
             log.exception("%s %s: unexpected failure; closing connection", self.name, peer)
         finally:
             self.stats.add(sessions=-1)
+            self._local.admission = None
             with self._lock:
                 self._conns.pop(sock, None)
-                left = self._per_peer.get(key, 1) - 1
-                if left > 0:
-                    self._per_peer[key] = left
-                else:
-                    self._per_peer.pop(key, None)
+                if admission.state == PENDING:
+                    self._unpend(admission)
+                elif admission.state == COUNTED:
+                    self._counted -= 1
+                    left = self._per_peer.get(key, 1) - 1
+                    if left > 0:
+                        self._per_peer[key] = left
+                    else:
+                        self._per_peer.pop(key, None)
             sock.close()
             log.debug("%s %s: closed", self.name, peer)
 

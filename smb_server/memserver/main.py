@@ -155,6 +155,7 @@ class MemoryServer(Daemon):
                                 frame_timeout=cfg.tcp_frame_timeout_seconds,
                                 max_per_peer=cfg.tcp_connections_per_peer,
                                 hello_timeout=cfg.tcp_hello_timeout_seconds,
+                                max_unauthenticated=cfg.tcp_connections_unauthenticated,
                                 scratch_bytes=cfg.tcp_scratch_bytes, dedup=self.dedup,
                                 tls=tls.server_context(cfg.tls_client_auth) if tls.enabled else None)
             scheme = TLS_SCHEME if tls.enabled else "tcp"
@@ -162,7 +163,8 @@ class MemoryServer(Daemon):
         if "shm" in cfg.transports:
             self.shm = ShmPlane(self.arena, cfg.secret, self._socket_path(), self.stats.for_transport("shm"),
                                 max_connections=cfg.shm_connections_max,
-                                max_per_user=cfg.shm_connections_per_user)
+                                max_per_user=cfg.shm_connections_per_user,
+                                max_unauthenticated=cfg.shm_connections_unauthenticated)
             endpoints.append(self.shm.endpoint)
         if "rdma" in cfg.transports:
             self.rdma = self._start_rdma(host)

@@ -10,7 +10,9 @@ Answer: u8 status | u32 message length | message, then, on success only, u64 ext
 length (data bytes), with the descriptor as ancillary data of the same send.
 Several requests may follow on one connection; a malformed request closes it. A
 connection refused (the plane is full, or out of file descriptors) gets one answer
-with status ``SERVER_BUSY`` and is closed.
+with status ``SERVER_BUSY`` and is closed. A connection counts against the limits once
+it presented a valid ticket; until then it counts against ``max_unauthenticated``
+connections, the oldest of which is evicted to make room (see :mod:`.listener`).
 
 What a client receives cannot reach beyond its ticket when the client runs as another
 user than the server:
@@ -61,6 +63,7 @@ ANSWER_HEAD = struct.Struct("<BI")
 FRAME_TIMEOUT = 10.0   # seconds a started request may stall
 MAX_CONNECTIONS = 256   # connections open at once (shm_connections_max)
 MAX_PER_USER = 128      # ... from one user id; each client process keeps one (shm_connections_per_user)
+MAX_UNAUTHENTICATED = 64  # ... that have not presented a valid ticket yet; one more evicts one
 BACKLOG = 64
 SOCKET_MODE = 0o666     # every user who can reach the path may ask; the ticket decides
 
@@ -75,12 +78,15 @@ class ShmPlane:
     ``max_connections`` connections are open, ``max_per_user`` of them from one user id
     (so that one local user cannot lock the others out); one more, or one accepted while
     the process is out of file descriptors, gets a ``SERVER_BUSY`` answer and is closed.
+    Connections count from their first valid ticket; before it, at most
+    ``max_unauthenticated`` are kept (the oldest is evicted for a new one).
     Accepting and admission are a :class:`.listener.Listener`'s, owned here.
     """
 
     def __init__(self, arena: Arena, secret: bytes, socket_path: str,
                  stats: PlaneStats | None = None, *,
-                 max_connections: int = MAX_CONNECTIONS, max_per_user: int = MAX_PER_USER) -> None:
+                 max_connections: int = MAX_CONNECTIONS, max_per_user: int = MAX_PER_USER,
+                 max_unauthenticated: int = MAX_UNAUTHENTICATED) -> None:
         self.arena = arena
         self.secret = secret
         self.path = os.path.abspath(socket_path)
@@ -89,6 +95,8 @@ class ShmPlane:
                                   max_connections=max_connections, max_per_peer=max_per_user,
                                   max_setting="shm_connections_max",
                                   per_peer_setting="shm_connections_per_user",
+                                  max_unauthenticated=max_unauthenticated,
+                                  unauthenticated_setting="shm_connections_unauthenticated",
                                   refusal=_refusal,
                                   backlog=BACKLOG)
         try:
@@ -159,6 +167,7 @@ class ShmPlane:
         try:
             ticket = verify(self.secret, token.decode(errors="replace"))
             extent = check_access(ticket, self.arena, extent_id, write=False)
+            self._listener.current().authenticated()   # counted from now on (listener.py)
             with extent.pin():
                 writable = ticket.mode.writes and not replication.role_of(self.arena, extent_id)
                 fd = extent.fd if writable else os.open(f"/proc/self/fd/{extent.fd}",

@@ -26,9 +26,11 @@ COUNTERS = ("bytes_read", "bytes_written", "bytes_accumulated", "operations", "e
 #: counts of the data planes' limits, read with :meth:`PlaneStats.limits` (not part of
 #: :meth:`PlaneStats.snapshot` nor of the metrics): connections refused at accept (full,
 #: per-peer share, no descriptors), connections dropped for missing their HELLO or frame
-#: deadline or failing their TLS handshake, and the TCP plane's shared scratch buffers (``scratch_bytes`` allocated and
-#: ``scratch_in_use`` lent, both gauges; ``scratch_waits``: requests that waited for one)
-LIMIT_COUNTS = ("refused", "dropped", "scratch_bytes", "scratch_in_use", "scratch_waits")
+#: deadline or failing their TLS handshake, unauthenticated connections ``evicted`` to make
+#: room for newer ones (see :mod:`.listener`), and the TCP plane's shared scratch buffers
+#: (``scratch_bytes`` allocated and ``scratch_in_use`` lent, both gauges; ``scratch_waits``:
+#: requests that waited for one)
+LIMIT_COUNTS = ("refused", "dropped", "evicted", "scratch_bytes", "scratch_in_use", "scratch_waits")
 # seconds; from a small-message round trip to a multi-megabyte accumulate
 OP_BUCKETS = (2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25,
               0.5, 1.0, 2.5)

@@ -96,6 +96,7 @@ HELLO_TIMEOUT = 5.0       # seconds from accept to the end of the first HELLO
 FRAME_TIMEOUT = 60.0      # seconds from a frame's first byte to its last
 MAX_CONNECTIONS = 1024    # connections open at once
 MAX_PER_PEER = 128        # connections open at once from one peer address
+MAX_UNAUTHENTICATED = 256  # connections open at once without a valid HELLO yet (one more evicts one)
 GOODBYE_LINGER = 1.0      # seconds a dropped connection with a ticket is read (and discarded)
                           # after its parting answer, so that the close is no reset
 _FRAME_HINT = ("a slow or stalled client: raise tcp_frame_timeout_seconds on the memory server "
@@ -393,6 +394,7 @@ class _Connection:
             raw = bytes(token)
         try:
             self.tickets.add(verify(self.plane.secret, raw.decode()))
+            self.plane._listener.current().authenticated()   # counted from now on (listener.py)
         except (SMBError, UnicodeDecodeError) as exc:
             err = exc if isinstance(exc, SMBError) else InvalidTicket("ticket is not UTF-8")
             self.plane.stats.add(errors=1)
@@ -841,6 +843,7 @@ class TcpPlane:
                  stats: PlaneStats | None = None, max_connections: int = MAX_CONNECTIONS,
                  frame_timeout: float = FRAME_TIMEOUT, *, max_per_peer: int = MAX_PER_PEER,
                  hello_timeout: float = HELLO_TIMEOUT,
+                 max_unauthenticated: int = MAX_UNAUTHENTICATED,
                  scratch_bytes: int = SCRATCH_POOL_BYTES,
                  dedup: DedupTable | None = None,
                  tls: ssl.SSLContext | None = None) -> None:
@@ -862,7 +865,8 @@ class TcpPlane:
             (host, port), self._serve, name="tcp", stats=self.stats,
             max_connections=max_connections, max_per_peer=max_per_peer, refusal=_refusal,
             max_setting="tcp_connections_max", per_peer_setting="tcp_connections_per_peer",
-            backlog=BACKLOG)
+            max_unauthenticated=max_unauthenticated,
+            unauthenticated_setting="tcp_connections_unauthenticated", backlog=BACKLOG)
         self._port = self._listener.port
         log.info("tcp data plane listening on %s:%d", host, self._port)
 

@@ -130,6 +130,10 @@ class ServerConfig:
     tcp_connections_max: int = _f(1024, "most concurrent TCP data-plane connections", minimum=1)
     tcp_connections_per_peer: int = _f(128, "most concurrent TCP data-plane connections from one "
                                         "client address", minimum=1)
+    tcp_connections_unauthenticated: int = _f(256, "most TCP data-plane connections that have not "
+                                              "presented a valid ticket yet; one more evicts the "
+                                              "oldest of the address holding the most (they do not "
+                                              "count against the two limits above)", minimum=1)
     tcp_hello_timeout_seconds: float = _f(5.0, "seconds a new TCP data-plane connection has to "
                                           "present its first ticket", positive=True)
     tcp_frame_timeout_seconds: float = _f(60.0, "seconds a TCP data-plane request (header and "
@@ -140,6 +144,9 @@ class ServerConfig:
     shm_connections_max: int = _f(256, "most concurrent connections to the shm socket", minimum=1)
     shm_connections_per_user: int = _f(128, "most concurrent connections to the shm socket from "
                                        "one user id", minimum=1)
+    shm_connections_unauthenticated: int = _f(64, "most connections to the shm socket that have not "
+                                              "presented a valid ticket yet; one more evicts the "
+                                              "oldest of the user holding the most", minimum=1)
     metrics_port: int = _port(0, "Prometheus /metrics and /healthz HTTP port (0: off)")
     metrics_host: str = _f("", "address of the metrics endpoint (default: listen_host)")
     ready_file: str = _f("", "written with the server id once registered")

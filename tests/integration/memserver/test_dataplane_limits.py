@@ -157,9 +157,13 @@ def test_frame_must_arrive_whole_within_its_deadline(arena):
 
 def test_per_peer_limit_refuses_clearly_and_others_keep_working(arena):
     with TcpPlane(arena, SECRET, max_connections=16, max_per_peer=3, hello_timeout=30) as plane:
-        held = [attacker_socket(plane.port) for _ in range(3)]
+        held = [attacker_socket(plane.port) for _ in range(5)]
         for sock in held:                         # slowloris: a byte now and then, never a frame
             sock.send(b"\x42")
+        # those are not counted against the per-peer limit; connections with a ticket are
+        authed = [attacker_socket(plane.port) for _ in range(3)]
+        for sock in authed:
+            assert hello(sock, ticket([1])) == Status.OK
         extra = attacker_socket(plane.port)
         status, message = refusal(extra)
         assert status == Status.SERVER_BUSY
@@ -175,7 +179,7 @@ def test_per_peer_limit_refuses_clearly_and_others_keep_working(arena):
         assert np.array_equal(back, data)
         s.close()
         assert plane.stats.limits()["refused"] == 1
-        for sock in held:
+        for sock in held + authed:
             sock.close()
 
 
@@ -341,17 +345,19 @@ def test_accept_loop_survives_emfile_and_keeps_serving():
 
 def test_memory_server_daemon_keeps_clients_working_under_a_connection_flood(tmp_path):
     """A real ``smb server`` process configured through the environment: an attacker
-    holding its per-peer share and more idle connections is refused or dropped, while a
-    client keeps creating, writing and reading regions."""
-    env = {"SMB_TCP_CONNECTIONS_PER_PEER": "4", "SMB_TCP_HELLO_TIMEOUT_SECONDS": "1"}
+    holding the whole unauthenticated budget and more idle connections has its oldest
+    evicted and the others dropped, while a client keeps creating, writing and reading
+    regions."""
+    env = {"SMB_TCP_CONNECTIONS_UNAUTHENTICATED": "4", "SMB_TCP_HELLO_TIMEOUT_SECONDS": "1"}
     with LocalCluster(servers=1, capacity="64M", workdir=str(tmp_path / "cluster"),
                       transports="tcp", env=env, log_level="INFO") as cluster:
         with cluster.client() as client:
             (server,) = client.list_servers()
             port = int(next(e for e in server.endpoints if e.startswith("tcp://")).rpartition(":")[2])
             held = [attacker_socket(port) for _ in range(4)]
-            status, message = refusal(attacker_socket(port))
-            assert status == Status.SERVER_BUSY and "tcp_connections_per_peer" in message
+            held.append(attacker_socket(port))      # one more: the oldest is evicted
+            status, message = refusal(held.pop(0))
+            assert status == Status.SERVER_BUSY and "tcp_connections_unauthenticated" in message
             region = client.create_region("limits/flood", MiB)
             data = np.arange(MiB // 4, dtype=np.float32)
             region.write(0, data)

@@ -14,10 +14,11 @@ from pathlib import Path
 
 import pytest
 
+from smb_protocol import tickets
 from smb_protocol.errors import ServerBusy, SMBError, Status
 from smb_server.memserver.arena import Arena
 from smb_server.memserver.listener import Listener
-from smb_server.memserver.shm_plane import ANSWER_HEAD, ShmPlane
+from smb_server.memserver.shm_plane import ANSWER_HEAD, EXTENT_ID, REQUEST_HEAD, ShmPlane
 from smb_server.memserver.stats import PlaneStats
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -259,13 +260,26 @@ def test_accept_survives_emfile_refuses_clearly_and_serves_once_descriptors_free
     assert proc.returncode == 0
 
 
+def shm_attach(sock: socket.socket, token: str, extent_id: int) -> int:
+    """Ask the shm plane for an extent's descriptor; the answer's status (the descriptor,
+    when one comes, is closed)."""
+    raw = token.encode()
+    sock.sendall(REQUEST_HEAD.pack(len(raw)) + raw + EXTENT_ID.pack(extent_id))
+    msg, fds, _flags, _addr = socket.recv_fds(sock, 1 << 16, 1)
+    for fd in fds:
+        os.close(fd)
+    return ANSWER_HEAD.unpack_from(msg)[0]
+
+
 def test_shm_plane_refuses_over_its_limit_with_a_server_busy_answer(tmp_path):
     arena = Arena(1 << 20)
+    arena.reserve(1, "shm-limit", 4096)
     path = str(tmp_path / "shm.sock")
     try:
         with ShmPlane(arena, bytes(32), path, max_connections=1) as plane:
             with connect(path) as held:
-                wait_for(lambda: plane.connections == 1, "the first connection")
+                token = tickets.sign(bytes(32), "shm-limit", [1], "rw", ttl=60.0)[0]
+                assert shm_attach(held, token, 1) == Status.OK   # counted from its valid ticket
                 with connect(path) as extra:
                     answer = read_all(extra)
                 status, n = ANSWER_HEAD.unpack_from(answer)
@@ -286,3 +300,124 @@ def test_refused_counts_reach_a_shared_root():
             assert b"full" in read_all(sock)
     assert root.limits()["refused"] == 1
     assert root.for_transport("test").limits()["refused"] == 1
+
+
+# -- unauthenticated connections: a budget of their own ------------------------------
+
+def greeter(listener: list[Listener]):
+    """A serve function whose connections authenticate by sending ``auth``, then echo;
+    ``listener[0]`` is the listener that serves it."""
+    def serve(sock: socket.socket, peer: str) -> None:
+        if sock.recv(4) != b"auth":
+            return
+        try:
+            listener[0].current().authenticated()
+        except ServerBusy as exc:
+            sock.sendall(b"BUSY " + str(exc).encode())
+            return
+        sock.sendall(b"ok")
+        echo(sock, peer)
+    return serve
+
+
+def authenticate(sock: socket.socket) -> bytes:
+    """Authenticate with a greeter: b"ok", or the start of a refusal."""
+    sock.sendall(b"auth")
+    got = b""
+    while len(got) < 2 and (more := sock.recv(2 - len(got))):
+        got += more
+    return got
+
+
+def connect_from(listener: Listener, source: str) -> socket.socket:
+    sock = socket.socket()
+    sock.bind((source, 0))
+    sock.settimeout(WAIT)
+    sock.connect(listener.address)
+    return sock
+
+
+def test_unauthenticated_connections_have_a_budget_of_their_own_and_the_oldest_is_evicted(address):
+    stats = PlaneStats("test")
+    ref: list[Listener] = []
+    with Listener(address, greeter(ref), name="test", stats=stats, max_connections=4,
+                  max_per_peer=4, max_unauthenticated=3, refusal=refusal,
+                  unauthenticated_setting="test_unauthenticated") as listener:
+        ref.append(listener)
+        authed = [connect(listener.address) for _ in range(2)]
+        for sock in authed:
+            assert authenticate(sock) == b"ok"
+        wait_for(lambda: listener.unauthenticated == 0, "both to authenticate")
+        idle = []
+        for i in range(3):                      # fill the budget; nothing is evicted yet
+            idle.append(connect(listener.address))
+            wait_for(lambda n=i + 1: listener.unauthenticated == n, f"idle connection {i}")
+        for i in range(20):                     # each newer one evicts the oldest idle one
+            idle.append(connect(listener.address))
+            wait_for(lambda n=i + 1: stats.limits()["evicted"] == n, f"eviction {i}")
+            answer = read_all(idle[i]).decode()
+            assert answer.startswith("BUSY ") and "test_unauthenticated" in answer
+            assert "before it authenticated" in answer
+        assert listener.unauthenticated == 3
+        for sock in authed:                     # never counted against that budget
+            assert round_trip(sock, b"still here") == b"still here"
+        late = connect(listener.address)        # evicts one idle connection, then authenticates
+        assert authenticate(late) == b"ok"
+        assert round_trip(late) == b"ping"
+        assert stats.limits()["refused"] == 0
+        for sock in [*authed, *idle, late]:
+            sock.close()
+
+
+def test_authenticated_connections_keep_the_per_peer_limit(address):
+    stats = PlaneStats("test")
+    ref: list[Listener] = []
+    with Listener(address, greeter(ref), name="test", stats=stats, max_per_peer=2,
+                  max_unauthenticated=8, refusal=refusal,
+                  per_peer_setting="test_connections_per_peer") as listener:
+        ref.append(listener)
+        first = connect(listener.address)
+        assert authenticate(first) == b"ok"
+        waiting = [connect(listener.address) for _ in range(2)]   # admitted: one slot left
+        wait_for(lambda: listener.unauthenticated == 2, "two waiting connections")
+        assert authenticate(waiting[0]) == b"ok"
+        answer = round_trip(waiting[1], b"auth") + read_all(waiting[1])
+        assert answer.startswith(b"BUSY ") and b"test_connections_per_peer" in answer
+        with connect(listener.address) as extra:   # the peer's share is full: refused at once
+            answer = read_all(extra)
+        assert answer.startswith(b"BUSY ") and b"test_connections_per_peer" in answer
+        assert stats.limits()["refused"] == 2
+        first.close()                               # waiting[0] is left
+        wait_for(lambda: listener.connections == 1, "the closed connections to go")
+        with connect(listener.address) as again:
+            assert authenticate(again) == b"ok"
+        for sock in [first, *waiting]:
+            sock.close()
+
+
+def test_the_peer_holding_the_most_unauthenticated_connections_is_evicted_first():
+    stats = PlaneStats("test")
+    ref: list[Listener] = []
+    with Listener(("127.0.0.1", 0), greeter(ref), name="test", stats=stats,
+                  max_unauthenticated=3, refusal=refusal) as listener:
+        ref.append(listener)
+        mine = connect_from(listener, "127.0.0.1")
+        wait_for(lambda: listener.unauthenticated == 1, "the first connection")
+        flood = []
+        for i in range(10):       # another address opens many more; only its own are evicted
+            flood.append(connect_from(listener, "127.0.0.2"))
+            evicted = max(0, i - 1)
+            wait_for(lambda n=evicted: stats.limits()["evicted"] == n, f"connection {i}")
+        assert listener.unauthenticated == 3
+        for sock in flood[:8]:
+            assert read_all(sock).startswith(b"BUSY ")
+        assert authenticate(mine) == b"ok"        # the oldest of all, yet never evicted
+        assert round_trip(mine) == b"ping"
+        for sock in [mine, *flood]:
+            sock.close()
+
+
+def test_current_is_only_known_on_a_connections_thread():
+    with Listener(("127.0.0.1", 0), echo, name="test") as listener:
+        with pytest.raises(RuntimeError, match="outside a connection's thread"):
+            listener.current()
