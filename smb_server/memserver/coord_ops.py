@@ -17,6 +17,7 @@ from smb_protocol.errors import InvalidArgument, Misaligned
 from smb_protocol.wire import Op, WaitCond
 
 from .arena import Extent
+from .requests import Lock, Wait
 from .waiters import Applied, Cancelled, Waiters
 
 log = logging.getLogger(__name__)
@@ -24,28 +25,33 @@ log = logging.getLogger(__name__)
 _WORD = struct.Struct("<q")
 
 
-def serve(waiters: Waiters, op: Op, extent: Extent, offset: int, length: int, dtype: int,
-          arg0: int, arg1: int, alpha: float, cancelled: Cancelled,
+def serve(waiters: Waiters, req: Wait | Lock, extent: Extent, cancelled: Cancelled,
           applied: Applied | None = None) -> bytes:
     """Run one checked coordination request (ticket and range already checked); returns
     the answer body: the word's value as 8 bytes. ``applied(word)`` runs under the
     extent's lock once a LOCK or UNLOCK changed the word (see :meth:`Waiters.lock`)."""
-    if length != 8:
-        raise InvalidArgument(f"{op.name.lower()} works on one 8-byte word, not {length} bytes")
-    if offset % 8:
-        raise Misaligned(f"{op.name.lower()} needs an 8-byte aligned offset, not {offset}")
-    if op is Op.WAIT:
+    name = req.op.name.lower()
+    if req.length != 8:
+        raise InvalidArgument(f"{name} works on one 8-byte word, not {req.length} bytes")
+    if req.offset % 8:
+        raise Misaligned(f"{name} needs an 8-byte aligned offset, not {req.offset}")
+    if isinstance(req, Wait):
         try:
-            cond = WaitCond(dtype)
+            cond = WaitCond(req.cond)
         except ValueError:
-            raise InvalidArgument(f"unknown wait condition {dtype}: expected one of "
+            raise InvalidArgument(f"unknown wait condition {req.cond}: expected one of "
                                   + ", ".join(f"{c.value} ({c.name.lower()})" for c in WaitCond)) from None
-        word = waiters.wait(extent, offset, cond, arg0, alpha, cancelled)
-    elif op is Op.LOCK:
-        word = waiters.lock(extent, offset, arg0, arg1 / 1000.0, alpha, cancelled, applied)
+        word = waiters.wait(extent, req.offset, cond, req.value, req.timeout, cancelled)
+    elif req.op is Op.LOCK:
+        word = waiters.lock(extent, req.offset, req.holder, req.lease, req.timeout, cancelled, applied)
     else:
-        word = waiters.unlock(extent, offset, arg0, applied)
+        word = waiters.unlock(extent, req.offset, req.holder, applied)
     return _WORD.pack(word)
+
+
+def word(value: int) -> bytes:
+    """An int64 word's 8 bytes (the answer of a coordination request)."""
+    return _WORD.pack(value)
 
 
 def peer_closed(sock: socket.socket) -> bool:

@@ -164,10 +164,15 @@ def accumulate(dst: memoryview, src: memoryview | bytes | bytearray, dtype: int)
     """``dst += src`` elementwise; both ``len(dst)`` bytes."""
     dt = element_type(dtype)
     if dt is DType.BFLOAT16:
+        def add(acc: np.ndarray, x: np.ndarray | None) -> None:
+            assert x is not None
+            np.add(acc, x, out=acc)
+
         def fn(d: np.ndarray, s: np.ndarray | None) -> None:
-            _bf16_apply(d, s, lambda acc, x: np.add(acc, x, out=acc))
+            _bf16_apply(d, s, add)
     else:
         def fn(d: np.ndarray, s: np.ndarray | None) -> None:
+            assert s is not None
             np.add(d, s, out=d)
     _apply(dst, src, dt, fn)
 
@@ -177,8 +182,11 @@ def scale(dst: memoryview, alpha: float, dtype: int) -> None:
     dt = _floating(dtype, "scale")
     alpha = float(alpha)
     if dt is DType.BFLOAT16:
+        def times(acc: np.ndarray, x: np.ndarray | None) -> None:
+            np.multiply(acc, np.float32(alpha), out=acc)
+
         def fn(d: np.ndarray, s: np.ndarray | None) -> None:
-            _bf16_apply(d, None, lambda acc, x: np.multiply(acc, np.float32(alpha), out=acc))
+            _bf16_apply(d, None, times)
     elif dt is DType.FLOAT16:
         def fn(d: np.ndarray, s: np.ndarray | None) -> None:
             d[:] = d.astype(_F32) * np.float32(alpha)
@@ -195,17 +203,20 @@ def axpy(dst: memoryview, alpha: float, x: memoryview | bytes | bytearray, dtype
     if dt is DType.BFLOAT16:
         def fn(d: np.ndarray, s: np.ndarray | None) -> None:
             def step(acc: np.ndarray, x: np.ndarray | None) -> None:
+                assert x is not None
                 x *= np.float32(alpha)
                 acc += x
             _bf16_apply(d, s, step)
     elif dt is DType.FLOAT16:
         def fn(d: np.ndarray, s: np.ndarray | None) -> None:
+            assert s is not None
             acc = s.astype(_F32)
             acc *= np.float32(alpha)
             acc += d
             d[:] = acc
     else:
         def fn(d: np.ndarray, s: np.ndarray | None) -> None:
+            assert s is not None
             tmp = np.multiply(s, alpha)
             np.add(d, tmp, out=d)
     _apply(dst, x, dt, fn)

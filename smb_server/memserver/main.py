@@ -43,12 +43,11 @@ from smb_server.runtime.health import HEALTH_METHODS, Health
 from smb_server.runtime.metrics import MetricsServer, Registry
 from smb_server.runtime.rpc_metrics import RpcMetrics
 
-from . import replication
 from .arena import Arena
 from .controller_link import ControllerLink, Controllers
-from .dedup import DedupTable
 from .memmap import raise_fd_limit
 from .metrics import add_server_metrics
+from .node import Node
 from .rdma_plane import RdmaPlane
 from .service import TICKET_METHODS, MemoryServerServicer
 from .shm_plane import ShmPlane
@@ -84,12 +83,11 @@ class MemoryServer(Daemon):
         self.grpc_address = ""
         self.endpoints: list[str] = []
         self.stats = PlaneStats()
-        self.dedup = DedupTable()   # exactly-once bookkeeping, one for every plane
+        self.node: Node | None = None   # what the planes and the servicer share
         self.arena: Arena | None = None
         self.tcp: TcpPlane | None = None
         self.shm: ShmPlane | None = None
         self.rdma: RdmaPlane | None = None
-        self.replication: replication.Replication | None = None   # forwarding to backups
         self.registered = threading.Event()
         self.lease_seconds = 0.0
         self.registry = Registry()
@@ -128,18 +126,15 @@ class MemoryServer(Daemon):
         if host in ("0.0.0.0", "::", ""):
             host = socket.gethostname()
 
-        tls = tls_settings(cfg)   # backups are reached with the server's own certificate and CA:
-        self.replication = replication.for_arena(self.arena, cfg.secret, tls.client_context() if tls.enabled else None,
-                                                 dead_peer_timeout=cfg.replica_dead_peer_seconds)
-        servicer = MemoryServerServicer(self.arena, cfg.secret, self.stats,
-                                        server_id=lambda: self.server_id,
-                                        endpoints=lambda: self.endpoints,
-                                        rdma=lambda: self.rdma,
-                                        metrics_port=lambda: self.metrics_port)
+        tls = tls_settings(cfg)   # backups are reached with the server's own certificate and CA
+        self.node = Node(self.arena, cfg.secret, self.stats, tls=tls.client_context() if tls.enabled else None,
+                         dead_peer_timeout=cfg.replica_dead_peer_seconds)
+        servicer = MemoryServerServicer(self.node, self)
         self._grpc = make_server(interceptors=[
             RpcMetrics(self.registry, "smb_server"),
             BearerAuth(cfg.token, exempt=TICKET_METHODS + HEALTH_METHODS)])
-        memory_server_pb2_grpc.add_MemoryServerServicer_to_server(servicer, self._grpc)
+        memory_server_pb2_grpc.add_MemoryServerServicer_to_server(  # type: ignore[no-untyped-call]  # generated, untyped
+            servicer, self._grpc)
         self._health = Health(self._grpc, ["smb.v1.MemoryServer"])
         port = add_port(self._grpc, format_hostport(cfg.listen_host, cfg.grpc_port), tls,
                         cfg.tls_client_auth)
@@ -150,18 +145,18 @@ class MemoryServer(Daemon):
 
         endpoints = []
         if "tcp" in cfg.transports:
-            self.tcp = TcpPlane(self.arena, cfg.secret, cfg.listen_host, cfg.tcp_port,
+            self.tcp = TcpPlane(self.node, cfg.listen_host, cfg.tcp_port,
                                 self.stats.for_transport("tcp"), max_connections=cfg.tcp_connections_max,
                                 frame_timeout=cfg.tcp_frame_timeout_seconds,
                                 max_per_peer=cfg.tcp_connections_per_peer,
                                 hello_timeout=cfg.tcp_hello_timeout_seconds,
                                 max_unauthenticated=cfg.tcp_connections_unauthenticated,
-                                scratch_bytes=cfg.tcp_scratch_bytes, dedup=self.dedup,
+                                scratch_bytes=cfg.tcp_scratch_bytes,
                                 tls=tls.server_context(cfg.tls_client_auth) if tls.enabled else None)
             scheme = TLS_SCHEME if tls.enabled else "tcp"
             endpoints.append(f"{scheme}://{format_hostport(host, self.tcp.port)}")
         if "shm" in cfg.transports:
-            self.shm = ShmPlane(self.arena, cfg.secret, self._socket_path(), self.stats.for_transport("shm"),
+            self.shm = ShmPlane(self.node, self._socket_path(), self.stats.for_transport("shm"),
                                 max_connections=cfg.shm_connections_max,
                                 max_per_user=cfg.shm_connections_per_user,
                                 max_unauthenticated=cfg.shm_connections_unauthenticated)
@@ -191,7 +186,7 @@ class MemoryServer(Daemon):
         self._link = ControllerLink(self.register, self.heartbeat, self._interval,
                                     Backoff(first=BACKOFF_FIRST, cap=BACKOFF_MAX, jitter=BACKOFF_JITTER),
                                     where=f"at {cfg.controller}", controllers=self._controllers)
-        self.replication.on_failure = self._link.wake
+        self.node.replication.on_failure = self._link.wake
         self._link.start()
 
     def _start_rdma(self, host: str) -> RdmaPlane | None:
@@ -200,7 +195,7 @@ class MemoryServer(Daemon):
         The device is ``$SMB_RDMA_DEVICE`` or the first active one; its GID is the one of
         the advertised address when the device has it.
         """
-        assert self.arena is not None
+        assert self.node is not None
         if not verbs.has_device():
             log.warning("rdma asked for, but this host has no RDMA device or no pyverbs; "
                         "serving tcp/shm only (run `smb doctor`)")
@@ -210,9 +205,8 @@ class MemoryServer(Daemon):
         except OSError:
             prefer = None
         try:
-            return RdmaPlane(self.arena, self.stats.for_transport("rdma"),
-                             device=self.config.rdma_device or None, prefer_ipv4=prefer,
-                             dedup=self.dedup)
+            return RdmaPlane(self.node, self.stats.for_transport("rdma"),
+                             device=self.config.rdma_device or None, prefer_ipv4=prefer)
         except errors.SMBError as exc:
             log.warning("rdma plane not started: %s (run `smb doctor`)", exc)
             return None
@@ -231,7 +225,7 @@ class MemoryServer(Daemon):
             self._link.stop(RPC_TIMEOUT + 1)
         if was_running and self.registered.is_set():
             self._unregister(reason)
-        for plane in (self.tcp, self.shm, self.rdma, self.replication):
+        for plane in (self.tcp, self.shm, self.rdma, self.node):
             if plane is not None:
                 plane.close()
         if self._grpc is not None:
@@ -284,7 +278,8 @@ class MemoryServer(Daemon):
 
     def _add_metrics(self) -> None:
         assert self.arena is not None
-        add_server_metrics(self.registry, self, self.arena, self.stats, self.replication)
+        assert self.node is not None
+        add_server_metrics(self.registry, self, self.arena, self.stats, self.node.replication)
 
     # -- state dir ----------------------------------------------------------------------
     def _mkdtemp(self) -> str:
@@ -355,7 +350,7 @@ class MemoryServer(Daemon):
         assert self._stub is not None
         failed = [controller_pb2.FailedReplica(primary_extent_id=f.primary_extent_id, view=f.view,
                                                backup_extent_id=f.backup_extent_id, reason=f.reason[:200])
-                  for f in (self.replication.failed_backups() if self.replication is not None else [])]
+                  for f in (self.node.replication.failed_backups() if self.node is not None else [])]
         request = controller_pb2.HeartbeatRequest(server_id=self.server_id, extents=self._held(),
                                                   failed_replicas=failed)
         reply = rpc.call(self._stub.Heartbeat, request, self._credential(), RPC_TIMEOUT,

@@ -1,39 +1,29 @@
 """One client queue pair on a memory server: its endpoint, the tickets presented on it,
-its staging area, and the two-sided requests it serves (see :mod:`.rdma_plane`)."""
+its staging area, and the two-sided requests it hands to the node's request engine
+(:mod:`.engine`; see :mod:`.rdma_plane`). A request's operand is read straight from
+the staging area, where the client's RDMA WRITE put it."""
 from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from smb_protocol import rdma_wire
-from smb_protocol.errors import (
-    ExtentNotFound,
-    InvalidArgument,
-    NotPrimary,
-    OutOfRange,
-    ReadOnly,
-    SMBError,
-    Status,
-    error_status,
-    status_error,
-)
+from smb_protocol.errors import InvalidArgument, OutOfRange, ReadOnly, SMBError, Status, error_status
 from smb_protocol.rdma import verbs
 from smb_protocol.rdma.endpoint import RcEndpoint, RegisteredBuffer
 from smb_protocol.rdma_wire import MSG_BYTES, MsgOp
 from smb_protocol.tickets import Ticket
 
-from . import kernels, replication, waiters
+from . import requests
 from .access import TicketBook
-from .dedup import Entry
-
-if TYPE_CHECKING:
-    from .rdma_plane import RdmaPlane
+from .engine import Engine
+from .node import Node
+from .peer import Repeat
+from .stats import PlaneStats
 
 log = logging.getLogger(__name__)
-
-_ARITH = {MsgOp.ACCUMULATE: kernels.Arith.ACCUMULATE, MsgOp.AXPY: kernels.Arith.AXPY,
-          MsgOp.SCALE: kernels.Arith.SCALE}
 
 RECV_DEPTH = 16           # request slots (posted receives) per connection
 SEND_DEPTH = 2 * RECV_DEPTH
@@ -44,10 +34,6 @@ NOTICE_SLOT = 2 * RECV_DEPTH  # message slot of the server's unsolicited notice
 RECV_WR_BASE = 0          # wr_id of receive slot i: i
 SEND_WR_BASE = 1 << 20    # wr_id of reply slot i: SEND_WR_BASE + i
 DEDUP_WAIT = 1.0          # seconds a repeat waits for its first attempt (another plane's) to end
-
-
-class _Repeated(Exception):
-    """A numbered request that already took effect: answered OK, not applied again."""
 
 
 def _op_name(op: int) -> str:
@@ -69,20 +55,32 @@ class ServerConnection:
     staging area; only the plane's progress thread (or the plane's close) closes it.
     """
 
-    def __init__(self, plane: RdmaPlane, peer: verbs.QPInfo, peer_name: str) -> None:
+    #: the engine's view of this connection (.peer.Peer): a repeat waits at most this
+    #: long for its first attempt (another plane's), since this thread serves every queue pair
+    dedup_wait = DEDUP_WAIT
+    takes_replicated = False   # mutations of replicated extents go to the primary's tcp plane
+
+    def __init__(self, node: Node, engine: Engine, device: verbs.Device, stats: PlaneStats,
+                 staging_bytes: int, staging_access: int, peer: verbs.QPInfo, peer_name: str) -> None:
         import pyverbs.enums as e
-        self.plane = plane
-        self.peer = peer_name
+        self.node = node
+        self.engine = engine
+        self.device = device
+        self.stats = stats
+        self.staging_bytes = staging_bytes
+        self.staging_access = staging_access
+        self.peer = self.name = peer_name
         self.peer_key = (bytes(peer.gid), peer.qpn, peer.psn)
-        self.book = TicketBook()
-        self.tickets: tuple[Ticket, ...] = ()       # in the order presented (copy on write)
+        self.tickets = TicketBook()
+        self._presented: tuple[Ticket, ...] = ()    # in the order presented (copy on write)
+        self._staging_at = 0                        # staging offset of the request being served
         self.extent_ids: frozenset[int] = frozenset()
         self.staging: RegisteredBuffer | None = None
         self.doomed = ""
         self.notice: tuple[int, str] | None = None   # (status, message) to tell the client
         self.notice_deadline = 0.0                   # monotonic seconds; 0: not sent yet
         self.notice_done = False
-        dev = plane.device
+        dev = device
         self.ep = RcEndpoint(dev, (NOTICE_SLOT + 1) * MSG_BYTES, sq_depth=SEND_DEPTH, recv_slots=RECV_DEPTH,
                              slot_bytes=MSG_BYTES, recv_wr_base=RECV_WR_BASE, cq_depth=CQ_DEPTH)
         try:
@@ -99,23 +97,22 @@ class ServerConnection:
     def ensure_staging(self) -> RegisteredBuffer:
         """The staging area for arithmetic operands (made when first needed)."""
         if self.staging is None:
-            self.staging = RegisteredBuffer(self.plane.device, self.plane.staging_bytes,
-                                            self.plane.staging_access)
+            self.staging = RegisteredBuffer(self.device, self.staging_bytes, self.staging_access)
         return self.staging
 
     def add_ticket(self, ticket: Ticket, extent_ids: frozenset[int]) -> None:
         """Present ``ticket`` on this connection (the plane's lock held): its extents
         here are ``extent_ids``."""
-        self.book.add(ticket)
-        tickets = self.tickets + (ticket,)
+        self.tickets.add(ticket)
+        tickets = self._presented + (ticket,)
         in_force = set(self._current(tickets).values())
-        self.tickets = tuple(t for t in tickets if t in in_force)   # superseded ones go
+        self._presented = tuple(t for t in tickets if t in in_force)   # superseded ones go
         self.extent_ids = self.extent_ids | extent_ids
 
     def _current(self, tickets: tuple[Ticket, ...] | None = None) -> dict[int, Ticket]:
         """The ticket in force for each extent (the last one presented naming it)."""
         out: dict[int, Ticket] = {}
-        for t in self.tickets if tickets is None else tickets:
+        for t in self._presented if tickets is None else tickets:
             for extent_id in t.extent_ids:
                 out[extent_id] = t
         return out
@@ -160,17 +157,20 @@ class ServerConnection:
             self.doomed = "closed by the client"
             return
         self.ep.repost(slot)   # the slot's content is parsed: reuse it
-        stats = self.plane.stats
-        status, message = Status.OK, ""
+        stats = self.stats
+        status: int = Status.OK
+        message = ""
         start = time.perf_counter()
+        req = requests.from_message(op, dtype, req_id, extent_id, offset, length, alpha, client, seq)
         try:
-            if seq:
-                self._once(client, seq, op, dtype, extent_id, offset, length, staging, alpha)
-            else:
-                self._compute(op, dtype, extent_id, offset, length, staging, alpha)
-            stats.add(operations=1, bytes_accumulated=length if op != MsgOp.SCALE else 0)
-        except _Repeated:
-            stats.add(operations=1, repeats=1)
+            if req is None:
+                raise InvalidArgument(f"unknown rdma request {op}")
+            self._staging_at = staging
+            self.engine.handle(self, req)
+            stats.add(operations=1)
+        except Repeat as rep:
+            status, message = rep.status, rep.body.decode(errors="replace")
+            stats.add(operations=1, errors=1)
         except SMBError as exc:
             status, message = error_status(exc), str(exc)
             stats.add(operations=1, errors=1)
@@ -182,49 +182,28 @@ class ServerConnection:
         self._reply(slot, req_id, status, message)
         stats.observe(_op_name(op), time.perf_counter() - start)
 
-    def _once(self, client: int, seq: int, op: int, dtype: int, extent_id: int, offset: int,
-              length: int, staging: int, alpha: float) -> None:
-        """Serve a numbered request at most once (see :mod:`.dedup`): a repeat of one
-        that succeeded raises :class:`_Repeated` (answered OK, applied nothing), of one
-        that failed after taking effect its first error; a failure before anything took
-        effect is forgotten, so a retry runs it."""
-        what = (int(op), extent_id, offset, length, dtype)
-        fresh, entry, _ = self.plane.dedup.once(
-            client, seq, what, DEDUP_WAIT,
-            lambda entry: self._compute(op, dtype, extent_id, offset, length, staging, alpha, entry))
-        if not fresh:
-            if entry.status != Status.OK:
-                raise status_error(entry.status, entry.body.decode(errors="replace"))
-            raise _Repeated
+    # -- the engine's view of this connection (.peer.Peer) ---------------------------------
+    @contextmanager
+    def payload(self, length: int) -> Iterator[_StagingPayload]:
+        """The request's operand: ``length`` bytes of the staging area, where the
+        client wrote them (no copy)."""
+        if length == 0:   # SCALE: no operand
+            yield _StagingPayload(memoryview(b""))
+            return
+        area = self.staging
+        if area is None:
+            raise ReadOnly("no writing ticket was presented on this queue pair (no staging area)")
+        at = self._staging_at
+        if at < 0 or at + length > area.length:
+            raise OutOfRange(f"staging range [{at}, {at + length}) outside the "
+                             f"{area.length}-byte staging area")
+        yield _StagingPayload(area.view[at:at + length])
 
-    def _compute(self, op: int, dtype: int, extent_id: int, offset: int, length: int,
-                 staging: int, alpha: float, entry: Entry | None = None) -> None:
-        if op not in (MsgOp.ACCUMULATE, MsgOp.AXPY, MsgOp.SCALE):
-            raise InvalidArgument(f"unknown rdma request {op}")
-        extent = self.book.check(self.plane.arena, extent_id, write=True)
-        extent.check_range(offset, length)
-        if replication.role_of(self.plane.arena, extent_id):
-            raise NotPrimary(f"extent {extent_id} is replicated: its mutations go to the primary's "
-                             "tcp data plane")
-        arith = _ARITH[MsgOp(op)]
-        dt = kernels.check_arith(arith, dtype, offset, length)
-        if op == MsgOp.SCALE:
-            src = None
-        else:
-            area = self.staging
-            if area is None:
-                raise ReadOnly(f"extent {extent_id}: no writing ticket was presented (no staging area)")
-            if staging < 0 or staging + length > area.length:
-                raise OutOfRange(f"staging range [{staging}, {staging + length}) outside the "
-                                 f"{area.length}-byte staging area")
-            src = area.view[staging:staging + length]
-        with extent.pin(), extent.lock, extent.data[offset:offset + length] as dst:
-            kernels.apply(arith, dst, src, dt, alpha)
-            if entry is not None:
-                entry.applied = max(length, 1)
-        waiters.for_arena(self.plane.arena).touched(extent_id, offset, length)
-        if not extent.live:
-            raise ExtentNotFound(f"extent {extent_id} was released during the operation")
+    def send(self, req_id: int, view: memoryview) -> None:
+        raise InvalidArgument("reads are one-sided on the rdma data plane")
+
+    def cancelled(self) -> bool:
+        return bool(self.doomed)
 
     # -- ending ---------------------------------------------------------------------------
     def doom(self, reason: str, notice: SMBError | None = None) -> None:
@@ -261,3 +240,20 @@ class ServerConnection:
         if self.staging is not None:
             self.staging.close()
             self.staging = None
+
+
+class _StagingPayload:
+    """A request's operand in the staging area, handed out whole (:class:`.peer.Payload`)."""
+
+    def __init__(self, view: memoryview) -> None:
+        self.view = view
+        self.step = max(1, len(view))
+        self._pos = 0
+
+    def take(self, n: int) -> memoryview:
+        chunk = self.view[self._pos:self._pos + n]
+        self._pos += n
+        return chunk
+
+    def into(self, view: memoryview) -> None:
+        view[:] = self.take(len(view))

@@ -45,9 +45,9 @@ from smb_protocol.errors import ExtentNotFound, InvalidArgument, OutOfMemory, Se
 from smb_protocol.rdma import verbs
 from smb_protocol.tickets import Ticket, TicketMode
 
-from . import replication
-from .arena import Arena, Extent
-from .dedup import DedupTable
+from .arena import Extent
+from .engine import Engine
+from .node import Node
 from .rdma_connection import ServerConnection
 from .stats import PlaneStats
 
@@ -89,17 +89,18 @@ class _Registration:
 class RdmaPlane:
     """The memory server's verbs resources: device, extent registrations, connections.
 
-    Borrows ``arena`` (registers itself as a listener; :meth:`close` removes it) and
-    ``stats``. Owns the device and everything created on it. ``device``: the RDMA
+    Borrows ``node`` (registers itself as a listener of its arena; :meth:`close`
+    removes it) and ``stats``; two-sided requests are served by an
+    :class:`~.engine.Engine` over the node. Owns the device and everything created on it. ``device``: the RDMA
     device name (default ``$SMB_RDMA_DEVICE`` or the first active one);
     ``prefer_ipv4``: use the GID of this address when the device has one.
     """
 
-    def __init__(self, arena: Arena, stats: PlaneStats | None = None, device: str | None = None,
-                 prefer_ipv4: str | None = None, staging_bytes: int = STAGING_BYTES,
-                 dedup: DedupTable | None = None) -> None:
-        self.arena = arena
-        self.dedup = dedup if dedup is not None else DedupTable()
+    def __init__(self, node: Node, stats: PlaneStats | None = None, device: str | None = None,
+                 prefer_ipv4: str | None = None, staging_bytes: int = STAGING_BYTES) -> None:
+        self.node = node
+        self.arena = arena = node.arena
+        self.engine = Engine(node)
         self.stats = stats if stats is not None else PlaneStats("rdma")
         self.device = verbs.Device(device, prefer_ipv4=prefer_ipv4)
         self.rw_access, self.ro_access, self.staging_access = access_flags()
@@ -186,7 +187,8 @@ class RdmaPlane:
                                  "(the region was deleted?)")
         new = conn is None
         if conn is None:
-            conn = ServerConnection(self, peer, peer_name)
+            conn = ServerConnection(self.node, self.engine, self.device, self.stats, self.staging_bytes,
+                                    self.staging_access, peer, peer_name)
         try:
             staging = conn.ensure_staging() if mode.writes else None
         except Exception as exc:
@@ -211,7 +213,7 @@ class RdmaPlane:
         if new:
             self.stats.add(sessions=1)
         def rkey(r: _Registration) -> int:
-            writes = mode.writes and not replication.role_of(self.arena, r.extent.extent_id)
+            writes = mode.writes and not self.node.replication.role(r.extent.extent_id)
             return int((r.rw if writes else r.ro).rkey)
 
         extents = [(r.extent.extent_id, r.address, rkey(r), r.extent.length) for r in regs]

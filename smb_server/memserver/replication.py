@@ -6,7 +6,7 @@ The controller sets an extent's role with ``ConfigureReplicas`` (:meth:`Replicat
 * ``""``: unreplicated, today's behaviour;
 * ``backup``: mutations come only from the primary, as *pieces* on a tcp connection
   that presented a ``replica`` ticket of at least the extent's view (the tcp plane
-  serves them, see :func:`piece_what` and ``docs/architecture.md``, Replicated
+  serves them, see :func:`.replica_ops.piece_what` and ``docs/architecture.md``, Replicated
   regions); every other mutation is answered :class:`NotPrimary`. Reads work as usual;
 * ``primary``: the tcp plane applies every mutation piece by piece under the extent's
   lock and, still under it, forwards the piece to every backup and waits for the
@@ -33,15 +33,12 @@ lock, the primary hands the copy its exactly-once entries for the extent (``SEED
 requests it applied before the copy joined reached the copy as bytes, not as pieces, and
 a retry of one that reaches the copy after a promotion must be answered, not applied.
 
-One :class:`Replication` per arena (:func:`for_arena`), shared by the servicer and the
-planes. Connections to a backup server are pooled per endpoint (:class:`Forwarder`),
+One :class:`Replication` per memory server (built by its :class:`~.node.Node`), shared
+by the servicer and the planes; the request paths of a primary and a backup are
+:mod:`.replica_ops`'. Connections to a backup server are pooled per endpoint (:class:`Forwarder`),
 :class:`smb_client.transports.tcp.TcpConnection` underneath (TLS to ``tcp+tls://``
 endpoints with the server's own certificate, key and CA).
 
-The module is longer than 400 lines on purpose: a replica set's configuration, the
-forwarding under the extent's lock, the sync and the wait for a failed backup to be
-dropped share one condition and one set of states, and their ordering is checked here
-in one place.
 """
 from __future__ import annotations
 
@@ -50,7 +47,6 @@ import ssl
 import struct
 import threading
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -58,16 +54,20 @@ from smb_client.transports.pool import ConnectionPool
 from smb_client.transports.tcp import DEAD_PEER_TIMEOUT, TcpConnection
 from smb_protocol.addressing import parse_endpoint
 from smb_protocol.errors import InvalidArgument, NotPrimary, ServerUnavailable, SMBError
+from smb_protocol.replicas import CONFIGURABLE, ReplicaRole
 from smb_protocol.tickets import Ticket, TicketMode, sign
 from smb_protocol.tls import TLS_SCHEME
 from smb_protocol.wire import Op
 
+__all__ = ["DEAD_PEER_TIMEOUT", "Backup", "FailedBackup", "Forwarder", "REPLICA_TIMEOUT", "REPLICATED_OPS",
+           "RANGED_OPS", "ReplicaConfig", "ReplicaTimeout", "Replication"]
+
 from .arena import Extent
 from .dedup import DedupTable, pack_records
+from .requests import Request, Seed, Write
 
 log = logging.getLogger(__name__)
 
-ROLES = ("", "primary", "backup")
 REPLICA_TIMEOUT = 30.0    # seconds a mutation waits for a failed backup to be dropped
 SYNC_CHUNK = 4 << 20      # bytes copied to a syncing backup per hold of the extent's lock
 SEED_BYTES = 1 << 20      # bytes of exactly-once entries per SEED message
@@ -86,15 +86,6 @@ class ReplicaTimeout(ServerUnavailable):
     the dedup entry keeps what was applied, so a retry resumes instead of failing again."""
 
     resumable = True
-
-
-def piece_what(op: int, extent_id: int, offset: int, length: int, dtype: int,
-               arg0: int, arg1: int) -> tuple[tuple[int, ...], int, int]:
-    """The dedup ``what`` of the client request a forwarded piece belongs to, and the
-    piece's start and end relative to that request (bytes)."""
-    if op in RANGED_OPS:
-        return (int(op), extent_id, arg0, arg1, dtype), offset - arg0, offset - arg0 + length
-    return (int(op), extent_id, offset, length, dtype), 0, length
 
 
 @dataclass(eq=False)
@@ -119,7 +110,7 @@ class FailedBackup:
 
 @dataclass(eq=False)
 class ReplicaConfig:
-    role: str = ""
+    role: ReplicaRole = ReplicaRole.NONE
     view: int = 0
     backups: tuple[Backup, ...] = ()
     tickets: dict[int, tuple[str, float]] = field(default_factory=dict)  # backup extent -> (ticket, renew at)
@@ -139,14 +130,14 @@ class Forwarder:
             lambda: TcpConnection(ep.host, ep.port, FORWARD_TIMEOUT, dead_peer_timeout, 0, context),
             CONNECTIONS, name=f"replica {endpoint}")
 
-    def send(self, ticket: str, op: int, extent_id: int, offset: int, length: int, dtype: int,
-             arg0: int, arg1: int, alpha: float, client: int, seq: int,
-             payload: Sequence[memoryview] = ()) -> bytes:
+    def send(self, ticket: str, extent_id: int, piece: Request, payload: Sequence[memoryview] = ()) -> bytes:
+        """Send ``piece`` to the backup's extent ``extent_id`` under ``ticket``; its answer body."""
+        arg0, arg1, alpha = piece.fields()
         with self.pool.borrow() as conn:
             conn.present(ticket)
-            conn.client_id = client   # the original client's number travels with the piece
-            return conn.request(op, extent_id, offset, length, dtype, arg0, arg1, alpha,
-                                payload=payload, seq=seq)
+            conn.client_id = piece.client   # the original client's number travels with the piece
+            return conn.request(piece.op, extent_id, piece.offset, piece.length, piece.dtype_code(), arg0, arg1,
+                                alpha, payload=payload, seq=piece.seq)
 
     def close(self) -> None:
         self.pool.close()
@@ -163,12 +154,13 @@ class Replication:
     """
 
     def __init__(self, secret: bytes = b"", tls: ssl.SSLContext | None = None,
-                 timeout: float = REPLICA_TIMEOUT, dead_peer_timeout: float = DEAD_PEER_TIMEOUT) -> None:
+                 timeout: float = REPLICA_TIMEOUT, dead_peer_timeout: float = DEAD_PEER_TIMEOUT,
+                 dedup: DedupTable | None = None) -> None:
         self.secret = secret
         self.tls = tls
         self.timeout = timeout
         self.dead_peer_timeout = dead_peer_timeout   # for forwarders made from now on
-        self.dedup: DedupTable | None = None         # the server's exactly-once table (its planes set it)
+        self.dedup = dedup   # the server's exactly-once table: a sync hands a new copy its entries
         self._configs: dict[int, ReplicaConfig] = {}
         self._cond = threading.Condition()
         self._forwarders: dict[str, Forwarder] = {}
@@ -182,16 +174,16 @@ class Replication:
     def config(self, extent_id: int) -> ReplicaConfig | None:
         return self._configs.get(extent_id)
 
-    def role(self, extent_id: int) -> str:
+    def role(self, extent_id: int) -> ReplicaRole:
         cfg = self._configs.get(extent_id)
-        return cfg.role if cfg is not None else ""
+        return cfg.role if cfg is not None else ReplicaRole.NONE
 
     def failed_backups(self) -> list[FailedBackup]:
         """Every backup of a primary extent here that is marked failed (waiting for the
         controller to drop it or copy it again), with the primary's view."""
         with self._cond:
             return [FailedBackup(extent_id, b.extent_id, cfg.view, b.reason)
-                    for extent_id, cfg in self._configs.items() if cfg.role == "primary"
+                    for extent_id, cfg in self._configs.items() if cfg.role is ReplicaRole.PRIMARY
                     for b in cfg.backups if b.state == "failed"]
 
     def count(self, **counts: int) -> None:
@@ -200,18 +192,19 @@ class Replication:
                 self.counts[name] += n
 
     # -- the controller's calls -------------------------------------------------------
-    def configure(self, extent: Extent, view: int, role: str,
+    def configure(self, extent: Extent, view: int, role: ReplicaRole | str,
                   targets: Sequence[tuple[int, str, str, bool]]) -> tuple[int, int]:
         """Set ``extent``'s role at ``view``; ``targets``: (extent id, server id,
         tcp endpoint, sync) of each backup (primary only). Returns (view in force, bytes
         copied to syncing backups). An older view is refused (InvalidArgument); the same
         view changes nothing but copies again backups that are not live. A sync that
         fails marks the backup failed and raises ServerUnavailable."""
-        if role not in ROLES:
+        if role not in CONFIGURABLE:
             raise InvalidArgument(f"unknown replica role {role!r}: expected primary, backup or ''")
+        role = ReplicaRole(role)
         if role and view < 1:
             raise InvalidArgument(f"a replicated extent's view starts at 1, not {view}")
-        if role != "primary" and targets:
+        if role is not ReplicaRole.PRIMARY and targets:
             raise InvalidArgument(f"a {role or 'unreplicated'} extent has no backups")
         with self._cond:
             lock = self._configuring.setdefault(extent.extent_id, threading.Lock())
@@ -269,7 +262,7 @@ class Replication:
                     if backup.state != "syncing":
                         break
                     try:
-                        self._send(extent, cfg, backup, Op.WRITE, pos, n, 0, 0, 0, 0.0, 0, 0,
+                        self._send(extent, cfg, backup, Write(Op.WRITE, offset=pos, length=n),
                                    [extent.data[pos:pos + n]])
                     except SMBError as exc:
                         self._fail(extent, backup, exc)
@@ -297,8 +290,7 @@ class Replication:
         records = self.dedup.export(extent.extent_id)
         for payload in pack_records(records, SEED_BYTES):
             try:
-                self._send(extent, cfg, backup, Op.SEED, 0, len(payload), 0, 0, 0, 0.0, 0, 0,
-                           [memoryview(payload)])
+                self._send(extent, cfg, backup, Seed(Op.SEED, length=len(payload)), [memoryview(payload)])
             except SMBError as exc:
                 self._fail(extent, backup, exc)
                 raise ServerUnavailable(f"extent {extent.extent_id}: handing its exactly-once entries to "
@@ -316,17 +308,17 @@ class Replication:
             cfg = self._configs.get(extent_id) or ReplicaConfig()
             if ticket.view > cfg.view:
                 log.info("extent %d: backup at view %d (a primary forwards to it)", extent_id, ticket.view)
-                self._configs[extent_id] = ReplicaConfig("backup", ticket.view)
+                self._configs[extent_id] = ReplicaConfig(ReplicaRole.BACKUP, ticket.view)
                 self._cond.notify_all()
-            elif ticket.view < cfg.view or cfg.role != "backup":
+            elif ticket.view < cfg.view or cfg.role is not ReplicaRole.BACKUP:
                 raise NotPrimary(f"extent {extent_id} is {cfg.role or 'unreplicated'} at view {cfg.view}: "
                                  f"a forward of view {ticket.view} comes from a deposed primary")
 
     # -- the primary's path ---------------------------------------------------------
-    def forward(self, extent: Extent, cfg: ReplicaConfig, op: int, offset: int, length: int,
-                dtype: int, arg0: int, arg1: int, alpha: float, client: int, seq: int,
+    def forward(self, extent: Extent, cfg: ReplicaConfig, piece: Request,
                 payload: Sequence[memoryview] = ()) -> None:
-        """Send one piece to every backup of ``cfg`` not marked failed and wait for the
+        """Send one piece (a request with the extent's range it changed, see
+        :mod:`.requests`) to every backup of ``cfg`` not marked failed and wait for the
         answers; the caller holds the extent's lock. A failing backup is marked failed
         (:meth:`settle` waits for it to be dropped); NotPrimary from a backup (this
         primary was deposed) is raised."""
@@ -336,8 +328,7 @@ class Replication:
                 continue
             sent += 1
             try:
-                self._send(extent, cfg, backup, op, offset, length, dtype, arg0, arg1, alpha,
-                           client, seq, payload)
+                self._send(extent, cfg, backup, piece, payload)
             except NotPrimary:
                 raise NotPrimary(f"extent {extent.extent_id}: backup {backup.extent_id} on "
                                  f"{backup.endpoint} has a newer view: this copy is no longer "
@@ -347,8 +338,7 @@ class Replication:
         n = sum(len(p) for p in payload)
         self.count(pieces=sent, bytes=n * sent)
 
-    def _send(self, extent: Extent, cfg: ReplicaConfig, backup: Backup, op: int, offset: int,
-              length: int, dtype: int, arg0: int, arg1: int, alpha: float, client: int, seq: int,
+    def _send(self, extent: Extent, cfg: ReplicaConfig, backup: Backup, piece: Request,
               payload: Sequence[memoryview]) -> None:
         with self._cond:
             fwd = self._forwarder(backup.endpoint)
@@ -357,8 +347,7 @@ class Replication:
                 token = sign(self.secret, extent.region_uid, [backup.extent_id], TicketMode.REPLICA,
                              ttl=TICKET_TTL, view=cfg.view)[0]
                 cfg.tickets[backup.extent_id] = (token, time.monotonic() + TICKET_TTL / 2)
-        fwd.send(token, op, backup.extent_id, offset, length, dtype, arg0, arg1, alpha, client, seq,
-                 payload)
+        fwd.send(token, backup.extent_id, piece, payload)
 
     def _fail(self, extent: Extent, backup: Backup, exc: BaseException) -> None:
         with self._cond:
@@ -386,7 +375,7 @@ class Replication:
         with self._cond:
             while True:
                 cfg = self._configs.get(extent_id)
-                if cfg is None or cfg.role != "primary":
+                if cfg is None or cfg.role is not ReplicaRole.PRIMARY:
                     raise NotPrimary(f"extent {extent_id} is no longer the primary of its replica set; "
                                      "open the region again")
                 failed = [b for b in cfg.backups if b.state == "failed"]
@@ -416,43 +405,3 @@ class Replication:
             self._forwarders.clear()
         for fwd in forwarders:
             fwd.close()
-
-
-_tables: weakref.WeakKeyDictionary[object, Replication] = weakref.WeakKeyDictionary()
-_tables_lock = threading.Lock()
-
-
-def for_arena(arena: object, secret: bytes = b"", tls: ssl.SSLContext | None = None,
-              dead_peer_timeout: float | None = None) -> Replication:
-    """The one :class:`Replication` of ``arena`` (made on first use and registered as
-    the arena's listener; shared by its servicer and planes). ``secret`` and ``tls``
-    fill in what the first caller did not know; ``dead_peer_timeout`` (the server's
-    ``replica_dead_peer_seconds``) replaces the forwarders' dead-peer time."""
-    with _tables_lock:
-        repl = _tables.get(arena)
-        if repl is None:
-            repl = _tables[arena] = Replication(secret, tls)
-            add = getattr(arena, "add_listener", None)
-            if add is not None:
-                add(repl)
-        if secret and not repl.secret:
-            repl.secret = secret
-        if tls is not None and repl.tls is None:
-            repl.tls = tls
-        if dead_peer_timeout is not None:
-            repl.dead_peer_timeout = dead_peer_timeout
-        return repl
-
-
-def role_of(arena: object, extent_id: int) -> str:
-    """The replica role of an extent (``""`` when unreplicated or never configured)."""
-    repl = _tables.get(arena)
-    return repl.role(extent_id) if repl is not None else ""
-
-
-def word(value: int) -> bytes:
-    return _WORD.pack(value)
-
-
-__all__ = ["Backup", "FailedBackup", "Forwarder", "REPLICA_TIMEOUT", "ReplicaConfig", "ReplicaTimeout",
-           "Replication", "for_arena", "piece_what", "role_of", "word"]

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 
@@ -26,9 +27,7 @@ from smb_protocol.rdma.verbs import QPInfo
 from smb_protocol.tickets import Ticket, TicketMode, verify
 from smb_server.runtime.grpc_util import typed_errors
 
-from . import replication
-from .arena import Arena
-from .stats import PlaneStats
+from .node import Node
 
 if TYPE_CHECKING:
     from .rdma_plane import RdmaPlane
@@ -53,26 +52,44 @@ def rss_bytes() -> int:
     return 0
 
 
-class MemoryServerServicer(pb_grpc.MemoryServerServicer):
-    """Borrows ``arena`` and ``stats``; ``server_id``, ``endpoints`` and ``metrics_port``
-    are callables so the servicer can be built before the planes and the id are known.
-    """
+class Served(Protocol):
+    """What the servicer reports about the server it serves for (the memory server
+    daemon), read at each call: its id, data-plane endpoints, rdma plane (for
+    ``Connect``) and metrics port. Known only once the planes are up."""
 
-    def __init__(self, arena: Arena, secret: bytes, stats: PlaneStats,
-                 server_id: Callable[[], str] = lambda: "",
-                 endpoints: Callable[[], Sequence[str]] = lambda: (),
-                 rdma: Callable[[], RdmaPlane | None] = lambda: None,
-                 metrics_port: Callable[[], int] = lambda: 0) -> None:
-        self.arena = arena
-        self.secret = secret
-        self.stats = stats
-        self._server_id = server_id
-        self._endpoints = endpoints
-        self._rdma = rdma
-        self._metrics_port = metrics_port
+    server_id: str
+    endpoints: list[str]
+
+    @property
+    def rdma(self) -> RdmaPlane | None: ...
+
+    @property
+    def metrics_port(self) -> int: ...
+
+
+@dataclass
+class ServerInfo:
+    """A :class:`Served` of fixed values (a servicer without a daemon around it)."""
+
+    server_id: str = ""
+    endpoints: list[str] = field(default_factory=list)
+    rdma: RdmaPlane | None = None
+    metrics_port: int = 0
+
+
+class MemoryServerServicer(pb_grpc.MemoryServerServicer):
+    """Borrows ``node`` (arena, secret, statistics, replication) and ``server`` (what
+    the server reports about itself, see :class:`Served`)."""
+
+    def __init__(self, node: Node, server: Served | None = None) -> None:
+        self.node = node
+        self.arena = node.arena
+        self.secret = node.secret
+        self.stats = node.stats
+        self.server: Served = server if server is not None else ServerInfo()
         self.epoch = 0  # the newest controller leader epoch seen in an admin ticket
         self._epoch_lock = threading.Lock()
-        self.replication = replication.for_arena(arena, secret)
+        self.replication = node.replication
 
     def _admin(self, token: str, extent_id: int) -> Ticket:
         ticket = verify(self.secret, token)
@@ -122,7 +139,7 @@ class MemoryServerServicer(pb_grpc.MemoryServerServicer):
 
     @typed_errors
     def Connect(self, request: pb.ConnectRequest, context: grpc.ServicerContext) -> Any:
-        plane = self._rdma()
+        plane = self.server.rdma
         if plane is None:
             raise InvalidArgument("rdma transport is not enabled on this server "
                                   "(no RDMA device, or 'rdma' not in its transports)")
@@ -139,12 +156,12 @@ class MemoryServerServicer(pb_grpc.MemoryServerServicer):
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> Any:
         counts = self.stats.snapshot()
         return pb.StatsResponse(
-            server_id=self._server_id(), capacity_bytes=self.arena.capacity,
+            server_id=self.server.server_id, capacity_bytes=self.arena.capacity,
             used_bytes=self.arena.used, extents=len(self.arena),
             bytes_read=counts["bytes_read"], bytes_written=counts["bytes_written"],
             bytes_accumulated=counts["bytes_accumulated"], operations=counts["operations"],
             errors=counts["errors"], sessions=max(0, counts["sessions"]), rss_bytes=rss_bytes(),
-            endpoints=list(self._endpoints()), metrics_port=self._metrics_port())
+            endpoints=list(self.server.endpoints), metrics_port=self.server.metrics_port)
 
 
 def _tcp_endpoint(endpoints: Sequence[str], server_id: str) -> str:

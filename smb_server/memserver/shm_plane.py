@@ -49,10 +49,9 @@ from smb_protocol import wire
 from smb_protocol.errors import SMBError, Status, error_status
 from smb_protocol.tickets import verify
 
-from . import replication
 from .access import check_access
-from .arena import Arena
 from .listener import Listener
+from .node import Node
 from .stats import PlaneStats
 
 log = logging.getLogger(__name__)
@@ -74,7 +73,7 @@ class _Drop(Exception):
 
 class ShmPlane:
     """Serves extent descriptors on the Unix socket ``socket_path`` (created here,
-    removed by :meth:`close`). Borrows ``arena``; ``secret`` verifies tickets. At most
+    removed by :meth:`close`). Borrows ``node`` (its arena; its secret verifies tickets). At most
     ``max_connections`` connections are open, ``max_per_user`` of them from one user id
     (so that one local user cannot lock the others out); one more, or one accepted while
     the process is out of file descriptors, gets a ``SERVER_BUSY`` answer and is closed.
@@ -83,12 +82,11 @@ class ShmPlane:
     Accepting and admission are a :class:`.listener.Listener`'s, owned here.
     """
 
-    def __init__(self, arena: Arena, secret: bytes, socket_path: str,
+    def __init__(self, node: Node, socket_path: str,
                  stats: PlaneStats | None = None, *,
                  max_connections: int = MAX_CONNECTIONS, max_per_user: int = MAX_PER_USER,
                  max_unauthenticated: int = MAX_UNAUTHENTICATED) -> None:
-        self.arena = arena
-        self.secret = secret
+        self.node = node
         self.path = os.path.abspath(socket_path)
         self.stats = stats if stats is not None else PlaneStats("shm")
         self._listener = Listener(self.path, self._serve, name="shm", stats=self.stats,
@@ -165,11 +163,11 @@ class ShmPlane:
     def _answer(self, sock: socket.socket, token: bytes, extent_id: int) -> None:
         start = time.perf_counter()
         try:
-            ticket = verify(self.secret, token.decode(errors="replace"))
-            extent = check_access(ticket, self.arena, extent_id, write=False)
+            ticket = verify(self.node.secret, token.decode(errors="replace"))
+            extent = check_access(ticket, self.node.arena, extent_id, write=False)
             self._listener.current().authenticated()   # counted from now on (listener.py)
             with extent.pin():
-                writable = ticket.mode.writes and not replication.role_of(self.arena, extent_id)
+                writable = ticket.mode.writes and not self.node.replication.role(extent_id)
                 fd = extent.fd if writable else os.open(f"/proc/self/fd/{extent.fd}",
                                                         os.O_RDONLY | os.O_CLOEXEC)
                 try:

@@ -1,7 +1,7 @@
 """Waits on int64 words and leased locks: the memory server's coordination state.
 
-Pure state (threads and events, no sockets). One :class:`Waiters` table per arena
-(:func:`for_arena`, shared by its tcp and rdma planes) maps
+Pure state (threads and events, no sockets). One :class:`Waiters` table per memory
+server (its :class:`~.node.Node`'s, shared by its tcp and rdma planes) maps
 each watched word (extent id, byte offset) to the requests waiting on it. A wait
 registers itself *before* it reads the word, so no change slips between the read and
 the sleep: every mutating request a data plane serves (write, accumulate, axpy, scale,
@@ -27,7 +27,6 @@ import math
 import struct
 import threading
 import time
-import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -205,16 +204,3 @@ class Waiters:
                 applied(word)
         self.touched(extent.extent_id, offset, 8)
         return word
-
-
-_tables: weakref.WeakKeyDictionary[object, Waiters] = weakref.WeakKeyDictionary()
-_tables_lock = threading.Lock()
-
-
-def for_arena(arena: object) -> Waiters:
-    """The one table of ``arena`` (made on first use, shared by all its data planes)."""
-    with _tables_lock:
-        table = _tables.get(arena)
-        if table is None:
-            table = _tables[arena] = Waiters()
-        return table

@@ -23,6 +23,7 @@ from smb_protocol.errors import AuthenticationError, ServerBusy
 from smb_protocol.tls import TLSConfig
 from smb_server.commands.local_cluster import LocalCluster
 from smb_server.memserver.arena import Arena
+from smb_server.memserver.node import Node
 from smb_server.memserver.tcp_plane import TcpPlane
 from smb_server.runtime.certs import make_cluster_certs
 
@@ -179,7 +180,7 @@ def test_tls_handshake_runs_on_the_connection_thread_under_the_hello_deadline(tm
     arena.reserve(1, "tls-uid", MiB)
     ctx = certs.daemon().server_context()
     try:
-        with TcpPlane(arena, SECRET, hello_timeout=0.5, tls=ctx) as plane:
+        with TcpPlane(Node(arena, SECRET), hello_timeout=0.5, tls=ctx) as plane:
             silent = socket.create_connection(("127.0.0.1", plane.port))   # never says hello
             session = TcpSession(parse_endpoint(f"tcp+tls://127.0.0.1:{plane.port}"),
                                  {"tls": certs.client(), "io_timeout": 10})
@@ -203,7 +204,7 @@ def test_a_full_tls_plane_refuses_with_server_busy(tmp_path):
     arena.reserve(1, "tls-uid", MiB)
     token = tickets.sign(SECRET, "tls-uid", [1], "rw", ttl=60.0)[0]
     try:
-        with TcpPlane(arena, SECRET, max_connections=1, tls=certs.daemon().server_context()) as plane:
+        with TcpPlane(Node(arena, SECRET), max_connections=1, tls=certs.daemon().server_context()) as plane:
             uri = parse_endpoint(f"tcp+tls://127.0.0.1:{plane.port}")
             first = TcpSession(uri, {"tls": certs.client(), "connections": 1})
             first.write(token, 1, 0, [memoryview(b"abcd")])           # holds the only slot

@@ -31,8 +31,10 @@ from smb_protocol.errors import InvalidTicket, ServerBusy, ServerUnavailable, St
 from smb_protocol.wire import Op
 from smb_server.commands.local_cluster import LocalCluster
 from smb_server.memserver.arena import Arena
+from smb_server.memserver.node import Node
+from smb_server.memserver.scratch import SCRATCH_BYTES
 from smb_server.memserver.stats import PlaneStats
-from smb_server.memserver.tcp_plane import SCRATCH_BYTES, TcpPlane
+from smb_server.memserver.tcp_plane import TcpPlane
 
 SECRET = b"k" * 32
 UID = "limits-region"
@@ -99,7 +101,7 @@ def session(port: int) -> TcpSession:
 
 
 def test_idle_connections_without_hello_are_dropped(arena):
-    with TcpPlane(arena, SECRET, max_connections=8, max_per_peer=4, hello_timeout=0.5) as plane:
+    with TcpPlane(Node(arena, SECRET), max_connections=8, max_per_peer=4, hello_timeout=0.5) as plane:
         idle = [attacker_socket(plane.port) for _ in range(4)]
         for sock in idle:
             status, message = refusal(sock)           # a parting answer, then the close
@@ -114,7 +116,7 @@ def test_idle_connections_without_hello_are_dropped(arena):
 
 
 def test_hello_trickled_byte_by_byte_misses_its_deadline(arena):
-    with TcpPlane(arena, SECRET, hello_timeout=1.0, frame_timeout=30.0) as plane:
+    with TcpPlane(Node(arena, SECRET), hello_timeout=1.0, frame_timeout=30.0) as plane:
         sock = attacker_socket(plane.port)
         raw = ticket([1]).encode()
         frame = wire.pack_request(Op.HELLO, 1, length=len(raw)) + raw
@@ -132,7 +134,7 @@ def test_hello_trickled_byte_by_byte_misses_its_deadline(arena):
 
 
 def test_frame_must_arrive_whole_within_its_deadline(arena):
-    with TcpPlane(arena, SECRET, frame_timeout=1.0) as plane:
+    with TcpPlane(Node(arena, SECRET), frame_timeout=1.0) as plane:
         sock = attacker_socket(plane.port, "127.0.0.1")
         assert hello(sock, ticket([1])) == Status.OK
         sock.send(wire.pack_request(Op.WRITE, 2, 1, 0, 1000))
@@ -156,7 +158,7 @@ def test_frame_must_arrive_whole_within_its_deadline(arena):
 
 
 def test_per_peer_limit_refuses_clearly_and_others_keep_working(arena):
-    with TcpPlane(arena, SECRET, max_connections=16, max_per_peer=3, hello_timeout=30) as plane:
+    with TcpPlane(Node(arena, SECRET), max_connections=16, max_per_peer=3, hello_timeout=30) as plane:
         held = [attacker_socket(plane.port) for _ in range(5)]
         for sock in held:                         # slowloris: a byte now and then, never a frame
             sock.send(b"\x42")
@@ -184,7 +186,7 @@ def test_per_peer_limit_refuses_clearly_and_others_keep_working(arena):
 
 
 def test_full_server_refuses_with_a_typed_error(arena):
-    with TcpPlane(arena, SECRET, max_connections=3, max_per_peer=3, hello_timeout=30) as plane:
+    with TcpPlane(Node(arena, SECRET), max_connections=3, max_per_peer=3, hello_timeout=30) as plane:
         held = [TcpConnection("127.0.0.1", plane.port) for _ in range(3)]
         for conn in held:
             conn.present(ticket([1]))
@@ -213,7 +215,7 @@ def test_scratch_buffers_are_shared_and_bounded(arena):
     n = 6 * MiB // 4
     ones = np.ones(n, dtype=np.float32)
     stats = PlaneStats("tcp")
-    with TcpPlane(arena, SECRET, stats=stats, scratch_bytes=SCRATCH_BYTES) as plane:
+    with TcpPlane(Node(arena, SECRET), stats=stats, scratch_bytes=SCRATCH_BYTES) as plane:
         conns = [TcpConnection("127.0.0.1", plane.port) for _ in range(4)]
         errors: list[BaseException] = []
 
@@ -257,6 +259,7 @@ from smb_protocol.errors import OutOfMemory
 from smb_server.memserver.arena import Arena
 from smb_server.memserver.memmap import raise_fd_limit
 from smb_server.memserver.tcp_plane import TcpPlane
+from smb_server.memserver.node import Node
 
 soft, hard = raise_fd_limit()
 arena = Arena(1 << 30, fd_reserve=int(sys.argv[1]))
@@ -269,7 +272,7 @@ except OutOfMemory as exc:
     error = str(exc)
 for i in range(int(sys.argv[2])):
     arena.release(i)           # give back a few descriptors
-plane = TcpPlane(arena, bytes(32), max_connections=10_000, max_per_peer=10_000, hello_timeout=60)
+plane = TcpPlane(Node(arena, bytes(32)), max_connections=10_000, max_per_peer=10_000, hello_timeout=60)
 print(json.dumps({"soft": soft, "hard": hard, "made": made, "error": error,
                   "port": plane.port}), flush=True)
 sys.stdin.read()

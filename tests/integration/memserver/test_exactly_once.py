@@ -24,8 +24,10 @@ from smb_protocol.dtypes import DType
 from smb_protocol.errors import InvalidArgument, Status
 from smb_protocol.wire import Op
 from smb_server.memserver.arena import Arena
+from smb_server.memserver.node import Node
+from smb_server.memserver.scratch import SCRATCH_BYTES
 from smb_server.memserver.stats import PlaneStats
-from smb_server.memserver.tcp_plane import SCRATCH_BYTES, TcpPlane
+from smb_server.memserver.tcp_plane import TcpPlane
 
 SECRET = b"e" * 32
 UID = "region-once"
@@ -41,7 +43,7 @@ def _ticket(extent_ids: list[int]) -> str:
 def plane():
     arena = Arena(128 * MiB)
     stats = PlaneStats()
-    tcp = TcpPlane(arena, SECRET, "127.0.0.1", 0, stats.for_transport("tcp"))
+    tcp = TcpPlane(Node(arena, SECRET), "127.0.0.1", 0, stats.for_transport("tcp"))
     arena.reserve(1, UID, 32 * MiB)
     yield arena, tcp, stats
     tcp.close()

@@ -18,6 +18,7 @@ from smb_protocol import tickets
 from smb_protocol.errors import ServerBusy, SMBError, Status
 from smb_server.memserver.arena import Arena
 from smb_server.memserver.listener import Listener
+from smb_server.memserver.node import Node
 from smb_server.memserver.shm_plane import ANSWER_HEAD, EXTENT_ID, REQUEST_HEAD, ShmPlane
 from smb_server.memserver.stats import PlaneStats
 
@@ -276,7 +277,7 @@ def test_shm_plane_refuses_over_its_limit_with_a_server_busy_answer(tmp_path):
     arena.reserve(1, "shm-limit", 4096)
     path = str(tmp_path / "shm.sock")
     try:
-        with ShmPlane(arena, bytes(32), path, max_connections=1) as plane:
+        with ShmPlane(Node(arena, bytes(32)), path, max_connections=1) as plane:
             with connect(path) as held:
                 token = tickets.sign(bytes(32), "shm-limit", [1], "rw", ttl=60.0)[0]
                 assert shm_attach(held, token, 1) == Status.OK   # counted from its valid ticket

@@ -32,6 +32,7 @@ from smb_protocol.errors import (
 from smb_protocol.wire import Op
 from smb_server.memserver.arena import HEADER_BYTES, LIVE_OFFSET, Arena
 from smb_server.memserver.main import MemoryServer
+from smb_server.memserver.node import Node
 from smb_server.memserver.shm_plane import ShmPlane
 from smb_server.memserver.stats import PlaneStats
 from smb_server.memserver.tcp_plane import TcpPlane
@@ -85,8 +86,9 @@ def ticket(extent_ids, mode="rw", uid=UID, secret=SECRET, ttl=600.0) -> str:
 def planes(tmp_path):
     arena = Arena(64 * MiB)
     stats = PlaneStats()
-    tcp = TcpPlane(arena, SECRET, "127.0.0.1", 0, stats)
-    shm = ShmPlane(arena, SECRET, str(tmp_path / "shm.sock"), stats)
+    node = Node(arena, SECRET)
+    tcp = TcpPlane(node, "127.0.0.1", 0, stats)
+    shm = ShmPlane(node, str(tmp_path / "shm.sock"), stats)
     arena.reserve(1, UID, MiB)
     arena.reserve(2, UID, MiB)
     arena.reserve(3, "other-region", 4096)

@@ -12,9 +12,8 @@ from smb_protocol import dtypes, rpc, tickets
 from smb_protocol._proto.smb.v1 import memory_server_pb2 as pb
 from smb_protocol._proto.smb.v1 import memory_server_pb2_grpc as pb_grpc
 from smb_protocol.addressing import parse_endpoint
-from smb_server.memserver import replication
 from smb_server.memserver.arena import Arena
-from smb_server.memserver.dedup import DedupTable
+from smb_server.memserver.node import Node as MemoryNode
 from smb_server.memserver.service import MemoryServerServicer
 from smb_server.memserver.shm_plane import ShmPlane
 from smb_server.memserver.stats import PlaneStats
@@ -33,16 +32,17 @@ class Node:
     def __init__(self, name: str, eid: int, tmp_path, size: int = SIZE) -> None:
         self.name, self.eid = name, eid
         self.arena = Arena(4 * size)
-        self.tcp = TcpPlane(self.arena, SECRET, "127.0.0.1", 0, PlaneStats("tcp"), dedup=DedupTable())
-        self.shm = ShmPlane(self.arena, SECRET, str(tmp_path / f"{name}.sock"), PlaneStats("shm"))
+        self.node = MemoryNode(self.arena, SECRET)
+        self.tcp = TcpPlane(self.node, "127.0.0.1", 0, PlaneStats("tcp"))
+        self.shm = ShmPlane(self.node, str(tmp_path / f"{name}.sock"), PlaneStats("shm"))
         self.grpc = make_server(max_workers=8)
-        self.servicer = MemoryServerServicer(self.arena, SECRET, PlaneStats())
+        self.servicer = MemoryServerServicer(self.node)
         pb_grpc.add_MemoryServerServicer_to_server(self.servicer, self.grpc)
         port = self.grpc.add_insecure_port("127.0.0.1:0")
         self.grpc.start()
         self.channel = rpc.channel(f"127.0.0.1:{port}")
         self.stub = pb_grpc.MemoryServerStub(self.channel)
-        self.repl = replication.for_arena(self.arena)
+        self.repl = self.node.replication
         self.repl.timeout = 10.0
         self.arena.reserve(eid, UID, size)
         self.endpoint = f"tcp://127.0.0.1:{self.tcp.port}"

@@ -6,8 +6,8 @@ import time
 
 import pytest
 
+from smb_server.memserver.scratch import SCRATCH_KEEP, ScratchPool
 from smb_server.memserver.stats import PlaneStats
-from smb_server.memserver.tcp_plane import SCRATCH_KEEP, ScratchPool
 
 CHUNK = 1 << 16
 

@@ -10,6 +10,8 @@ from smb_protocol.errors import ExtentNotFound, InvalidArgument, LockNotHeld, Se
 from smb_protocol.wire import WaitCond
 from smb_server.memserver import waiters
 from smb_server.memserver.arena import Arena
+from smb_server.memserver.node import Node
+from smb_server.memserver.tcp_plane import TcpPlane
 
 MiB = 1 << 20
 
@@ -30,13 +32,20 @@ def _set(extent, offset: int, value: int) -> None:
     struct.pack_into("<q", extent.data, offset, value)
 
 
-def test_one_table_per_arena(arena):
-    assert waiters.for_arena(arena) is waiters.for_arena(arena)
-    other = Arena(MiB)
+def test_one_table_per_node(arena):
+    """Every plane of a memory server wakes and waits through its node's one table."""
+    node = Node(arena, bytes(32))
     try:
-        assert waiters.for_arena(other) is not waiters.for_arena(arena)
+        with TcpPlane(node) as tcp:
+            assert tcp.engine.node.waiters is node.waiters
+        other = Node(Arena(MiB), bytes(32))
+        try:
+            assert other.waiters is not node.waiters
+        finally:
+            other.close()
+            other.arena.close()
     finally:
-        other.close()
+        node.close()
 
 
 @pytest.mark.parametrize("cond,value,word,met", [
