@@ -41,7 +41,8 @@ _Response = TypeVar("_Response")
 
 
 class BearerAuth(ServerInterceptor):
-    """Refuse calls without ``authorization: Bearer <token>``, except ``exempt`` methods.
+    """Refuse calls without ``authorization: Bearer <token>``, except ``exempt`` methods,
+    from the metadata alone (a refused call's body is never deserialized).
 
     ``exempt`` holds full method names (``/smb.v1.MemoryServer/ReserveExtent``) whose
     handlers check a ticket instead. With ``token`` empty, every call is allowed.
@@ -109,7 +110,9 @@ class _RefusalLog:
 
 class RoleAuth(ServerInterceptor):
     """Authenticate every unary call, check the role its method needs, and keep
-    ``server_slots`` handler threads for memory servers.
+    ``server_slots`` handler threads for memory servers. Credentials and roles are
+    checked from the call's metadata before its body is deserialized: a refused call's
+    bytes are never parsed.
 
     ``roles`` maps a method name (``RegisterServer``) to the roles that may call it
     (the first is named in refusals); a method not listed needs ``admin``. ``exempt``
@@ -141,6 +144,20 @@ class RoleAuth(ServerInterceptor):
         credential = bearer(metadata)
         return self._credentials.identify(credential) if credential else None
 
+    @staticmethod
+    def _refusal(name: str, allowed: tuple[str, ...], principal: Principal | None) -> errors.SMBError | None:
+        """Why a call of ``name`` by ``principal`` is refused, from its metadata alone; None
+        when it may go on."""
+        if principal is None:
+            return errors.AuthenticationError(
+                f"{name}: missing or wrong credential (clients: set SMB_TOKEN or pass "
+                "token=...; memory servers: the shared secret; operators: SMB_ADMIN_TOKEN)")
+        if not any(principal.has(role) for role in allowed):
+            also = f" (or {' or '.join(allowed[1:])})" if len(allowed) > 1 else ""
+            return errors.PermissionDenied(
+                f"{name} needs the {allowed[0]} role{also}; this caller is {principal}")
+        return None
+
     def intercept_service(self, continuation: Continuation, details: grpc.HandlerCallDetails) -> Handler | None:
         handler = continuation(details)
         if details.method in self._exempt or handler is None or handler.unary_unary is None:
@@ -149,18 +166,17 @@ class RoleAuth(ServerInterceptor):
         name = method.rpartition("/")[2]
         allowed = self._roles.get(name, ("admin",))
         principal = self._principal(details.invocation_metadata)
+        refusal = self._refusal(name, allowed, principal)
+        if refusal is not None:
+            def refuse(request: bytes, context: grpc.ServicerContext) -> NoReturn:
+                self._refuse(context, name, refusal)
+
+            # no deserializer: the body of a refused call stays bytes and is never parsed
+            return grpc.unary_unary_rpc_method_handler(refuse)
+        assert principal is not None
         behavior = handler.unary_unary
 
         def guarded(request: Any, context: grpc.ServicerContext) -> Any:
-            if principal is None:
-                self._refuse(context, name, errors.AuthenticationError(
-                    f"{name}: missing or wrong credential (clients: set SMB_TOKEN or pass "
-                    "token=...; memory servers: the shared secret; operators: SMB_ADMIN_TOKEN)"))
-            assert principal is not None
-            if not any(principal.has(role) for role in allowed):
-                also = f" (or {' or '.join(allowed[1:])})" if len(allowed) > 1 else ""
-                self._refuse(context, name, errors.PermissionDenied(
-                    f"{name} needs the {allowed[0]} role{also}; this caller is {principal}"))
             counted = principal.role != SERVER and self._client_slots > 0
             if counted:
                 with self._lock:
