@@ -32,30 +32,25 @@ exactly what the previous leader committed. Thread safety: one lock serializes t
 process's region changes; server rows (registrations, heartbeats, leases, drains) are
 changed under their compares alone, so that heartbeats never queue behind region changes.
 
-The module is longer than 400 lines on purpose, for the reason :mod:`.state` is: every
-durable change is one method and one transaction here, side by side with the SQLite
-backend's, so that a reader can check the two keep the same rules.
+Every durable change is one method and one transaction here, side by side with the
+SQLite backend's, so that a reader can check the two keep the same rules; the keys,
+snapshots, fenced commits and retries they are written with are in :mod:`.etcd_txn`.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import secrets
-import threading
-import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 from smb_protocol import errors
-from smb_protocol import placement as placement_mod
-from smb_protocol.names import check_region_name
 from smb_protocol.placement import check_bytes
-from smb_protocol.replicas import ReplicaRole
 
 from . import etcd_kv as kv
+from .etcd_txn import MAX_TXN_OPS as MAX_TXN_OPS  # the limit callers check against
+from .etcd_txn import EtcdStore, Fence, _extent_row
 from .records import (
     DELETE_MEMORY_SECONDS,
     ExtentRecord,
@@ -63,43 +58,20 @@ from .records import (
     RegionRecord,
     ServerRecord,
     SlotChange,
+    check_create,
     check_lease,
-    check_replicas,
     check_request_id,
     check_slot_change,
-    check_uid,
     find_orphans,
     initial_role,
-    region_state,
 )
 
 log = logging.getLogger(__name__)
 
-MAX_SERVERS = 1 << 16
 FIRST_ID_BASE = 1 << 61  # a new store's first extent id is drawn in [2^61, 2^62)
-MAX_TXN_OPS = 128        # etcd's default --max-txn-ops: operations (or compares) in one transaction
-COMMIT_ATTEMPTS = 32   # fresh decisions after lost races before giving up
-
-T = TypeVar("T")
 
 
-@dataclass(frozen=True)
-class Fence:
-    """What a leader's every write checks: the epoch it won and its leader key."""
-
-    epoch: int
-    leader_revision: int  # create revision of the leader key it wrote
-
-
-@dataclass
-class _Snapshot:
-    servers: dict[str, tuple[dict[str, Any], int]]   # id -> (row, mod revision)
-    regions: dict[str, tuple[dict[str, Any], int]]   # name -> (row, mod revision)
-    lost: set[int]
-    extra: dict[str, kv.KeyValue | None] = field(default_factory=dict)  # single keys asked for
-
-
-class EtcdState:
+class EtcdState(EtcdStore):
     """Servers, regions and extents in etcd; owns its etcd sessions.
 
     ``url``: ``etcd://host:port[,host:port...][/prefix]``. ``lease_seconds`` and
@@ -114,49 +86,11 @@ class EtcdState:
             raise errors.InvalidArgument(f"lease must be positive, got {lease_seconds} seconds")
         if orphan_grace_seconds < 0:
             raise errors.InvalidArgument(f"orphan grace must not be negative, got {orphan_grace_seconds}")
-        endpoints, self.prefix = kv.parse_url(url)
-        self.path = url
+        super().__init__(url, timeout)
         self.lease_seconds = float(lease_seconds)
         self.orphan_grace_seconds = float(orphan_grace_seconds)
-        self.kv = kv.EtcdKV(endpoints, timeout)
-        self._lock = threading.RLock()
-        self.fence: Fence | None = None
-        self.fenced = False   # True under an election: no write without a fence (a standby)
-        self.describe_leader: Callable[[], str] = self._leader_in_store
         if recover:
             self.recover()
-
-    # -- keys ----------------------------------------------------------------------------
-    def _key(self, *parts: object) -> str:
-        return "/".join([self.prefix, *map(str, parts)])
-
-    @property
-    def epoch_key(self) -> str:
-        return self._key("epoch")
-
-    @property
-    def leader_key(self) -> str:
-        return self._key("leader")
-
-    @property
-    def next_id_key(self) -> str:
-        return self._key("next_extent_id")
-
-    def _leader_in_store(self) -> str:
-        """``at host:port (epoch N)`` of the leader the leader key names, for messages."""
-        try:
-            item = self.kv.get(self.leader_key)
-        except errors.ControllerUnavailable:
-            return "unknown (etcd unreachable)"
-        if item is None:
-            return "not elected yet; retry"
-        row = item.json()
-        return f"at {row['address']} (epoch {row['epoch']})"
-
-    # -- plumbing ------------------------------------------------------------------------
-    def close(self) -> None:
-        """Close this thread's etcd sessions (idempotent)."""
-        self.kv.close()
 
     def __enter__(self) -> EtcdState:
         return self
@@ -164,99 +98,6 @@ class EtcdState:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    @staticmethod
-    def _now(now: float | None) -> float:
-        return time.time() if now is None else float(now)
-
-    def _snapshot(self, region_prefix: str = "", servers: bool = True, regions: bool = True,
-                  lost: bool = True, extra: Sequence[str] = ()) -> _Snapshot:
-        """The parts asked for (and the single keys of ``extra``), read at one revision."""
-        ops, kinds = [kv.get(key) for key in extra], ["extra"] * len(extra)
-        for want, kind, op in ((servers, "servers", kv.get_prefix(self._key("servers", ""))),
-                               (regions, "regions", kv.get_prefix(self._key("regions", region_prefix))),
-                               (lost, "lost", kv.get_prefix(self._key("lost", "")))):
-            if want:
-                ops.append(op)
-                kinds.append(kind)
-        snap = _Snapshot({}, {}, set())
-        for kind, kvs in zip(kinds, self.kv.read(*ops), strict=True):
-            if kind == "extra":
-                snap.extra[extra[len(snap.extra)]] = kvs[0] if kvs else None
-            for item in kvs:
-                if kind == "extra":
-                    continue
-                if kind == "servers":
-                    row = item.json()
-                    snap.servers[row["server_id"]] = (row, item.mod_revision)
-                elif kind == "regions":
-                    row = item.json()
-                    snap.regions[row["name"]] = (row, item.mod_revision)
-                else:
-                    snap.lost.add(int(item.key.rpartition("/")[2]))
-        return snap
-
-    def _read_one(self, what: str, name: str) -> tuple[dict[str, Any] | None, int]:
-        item = self.kv.get(self._key(what, name))
-        return (None, 0) if item is None else (item.json(), item.mod_revision)
-
-    def _commit(self, compare: list[kv.Op], ops: list[kv.Op]) -> bool:
-        """Apply ``ops`` if ``compare`` and the fence hold; False on a lost race.
-
-        Raises ControllerUnavailable when the fence fails (this controller no longer leads).
-        """
-        fence = self.fence
-        if fence is None and self.fenced:
-            raise errors.ControllerUnavailable(f"this controller stands by; the leader is "
-                                               f"{self.describe_leader()}")
-        checks = list(compare)
-        if fence is not None:
-            checks += [kv.value_is(self.epoch_key, str(fence.epoch)),
-                       kv.create_revision_is(self.leader_key, fence.leader_revision)]
-        result = self.kv.txn(checks, ops, [kv.get(self.epoch_key), kv.get(self.leader_key)])
-        if result.succeeded:
-            return True
-        if fence is not None:
-            epoch_kvs, leader_kvs = result.ranges
-            epoch = int(epoch_kvs[0].value) if epoch_kvs else 0
-            leader_rev = leader_kvs[0].create_revision if leader_kvs else 0
-            if epoch != fence.epoch or leader_rev != fence.leader_revision:
-                raise errors.ControllerUnavailable(
-                    f"this controller no longer leads (its epoch {fence.epoch}, now {epoch}); "
-                    f"nothing was changed; the leader is {self.describe_leader()}")
-        return False
-
-    def _commit_each(self, items: Iterable[tuple[list[kv.Op], list[kv.Op]]]) -> bool:
-        """Commit independent (compares, ops) items, as many per transaction as etcd takes
-        (``MAX_TXN_OPS``); False when one lost a race (others may be applied: the caller
-        decides again from a fresh read, so each item must be safe to find done)."""
-        done = True
-        compare: list[kv.Op] = []
-        ops: list[kv.Op] = []
-        for c, o in items:
-            if ops and (len(compare) + len(c) > MAX_TXN_OPS - 2 or len(ops) + len(o) > MAX_TXN_OPS):
-                done = self._commit(compare, ops) and done
-                compare, ops = [], []
-            compare += c
-            ops += o
-        if ops:
-            done = self._commit(compare, ops) and done
-        return done
-
-    def _retry(self, attempt: Callable[[], T | None], what: str, regions: bool = True) -> T:
-        """Run ``attempt`` (which returns None after a lost race) until it decides.
-
-        ``regions``: under the lock that serializes this process's region changes (a
-        placement decides on every server's free bytes, which no compare covers). A
-        change of one server's row alone passes False: its compare on that row is enough,
-        and heartbeats must not wait behind a queue of region creates.
-        """
-        with self._lock if regions else contextlib.nullcontext():
-            for _ in range(COMMIT_ATTEMPTS):
-                result = attempt()
-                if result is not None:
-                    return result
-        raise errors.ControllerUnavailable(f"{what}: etcd kept changing under this controller "
-                                           f"({COMMIT_ATTEMPTS} attempts); retry")
 
     # -- leadership ----------------------------------------------------------------------
     def recover(self) -> list[str]:
@@ -345,7 +186,7 @@ class EtcdState:
             if old is not None:
                 row["drain"] = bool(old[0]["drain"])
                 row["state"] = "draining" if row["drain"] else "up"
-            known = self._known_extents(snap, server_id)
+            known = snap.known_extents(server_id)
             lost = sorted(eid for eid, (_, state) in known.items() if state == "ready" and eid not in held_ids)
             key = self._key("servers", server_id)
             ops = [kv.put(key, json.dumps(row))] + [kv.put(self._key("lost", eid), "") for eid in lost]
@@ -385,12 +226,6 @@ class EtcdState:
             known = {int(item.key.rpartition("/")[2]): (item.json()["uid"], "") for item in placed}
             return find_orphans(server_id, known, held, self.orphan_grace_seconds)
         return self._retry(attempt, f"heartbeat of server {server_id}", regions=False)
-
-    @staticmethod
-    def _known_extents(snap: _Snapshot, server_id: str) -> dict[int, tuple[str, str]]:
-        """extent id -> (region uid, region state) of the extents placed on a server."""
-        return {e[0]: (row["uid"], row["state"]) for row, _ in snap.regions.values()
-                for e in row["extents"] if e[2] == server_id}
 
     def expire_leases(self, now: float | None = None) -> list[str]:
         """Mark servers whose lease ran out ``down``; returns the ids newly marked."""
@@ -449,19 +284,7 @@ class EtcdState:
 
     def list_servers(self) -> list[ServerRecord]:
         """Every server ever registered, by id, with ``used`` computed from its extents."""
-        return self._server_records(self._snapshot(lost=False))
-
-    @staticmethod
-    def _server_records(snap: _Snapshot) -> list[ServerRecord]:
-        used = dict.fromkeys(snap.servers, 0)
-        count = dict.fromkeys(snap.servers, 0)
-        for row, _ in snap.regions.values():
-            for _eid, _idx, sid, length, *_ in row["extents"]:
-                used[sid] = used.get(sid, 0) + length
-                count[sid] = count.get(sid, 0) + 1
-        return [ServerRecord(sid, r["host_id"], r["grpc_address"], tuple(r["endpoints"]), r["capacity"],
-                             used[sid], count[sid], r["state"], r["last_heartbeat"], r["registered_at"])
-                for sid, (r, _) in sorted(snap.servers.items())]
+        return self._snapshot(lost=False).server_records()
 
     # -- regions -------------------------------------------------------------------------
     def begin_create_region(self, name: str, size: int, placement: str = "striped",
@@ -473,19 +296,9 @@ class EtcdState:
         """Plan a region and record it as ``creating`` (as
         :meth:`.state.ControllerState.begin_create_region`)."""
         now = self._now(now)
-        uid = check_uid(uid)
-        replicas = check_replicas(replicas)
-        check_region_name(name)
-        if size <= 0:
-            raise errors.InvalidArgument(f"region size must be positive, got {size} bytes")
-        size = check_bytes("region size", size, 1)
-        stripe_unit = check_bytes("stripe unit", stripe_unit)
-        segment_sizes = [check_bytes("a segment size", s) for s in segment_sizes]
-        if not 0 <= int(num_servers) <= MAX_SERVERS:
-            raise errors.InvalidArgument(f"num_servers must be 0 (all) to {MAX_SERVERS}, got {num_servers}")
-        placement = placement or "striped"
-        if placement != "layered" and segment_sizes:
-            raise errors.InvalidArgument(f"segment sizes are only for layered placement, not {placement!r}")
+        req = check_create(name, size, placement, stripe_unit, num_servers, segment_sizes, persistent,
+                           uid, replicas, server_weights)
+        uid, replicas = req.uid, req.replicas
 
         def attempt() -> RegionRecord | None:
             snap = self._snapshot(extra=(self.next_id_key,))
@@ -497,11 +310,8 @@ class EtcdState:
             if any(row["uid"] == uid for row, _ in snap.regions.values()):
                 raise errors.InvalidArgument(f"uid {uid} already names another region; draw a new one")
             alive = now - self.lease_seconds
-            up = [s for s in self._server_records(snap) if s.state == "up" and s.last_heartbeat >= alive]
-            layout, copies = placement_mod.plan_replicated(
-                int(size), placement, {s.server_id: s.free for s in up}, replicas,
-                {s.server_id: s.host_id for s in up}, stripe_unit=int(stripe_unit),
-                num_servers=int(num_servers), segment_sizes=[int(s) for s in segment_sizes], weights=server_weights)
+            up = [s for s in snap.server_records() if s.state == "up" and s.last_heartbeat >= alive]
+            layout, copies = req.plan({s.server_id: s.free for s in up}, {s.server_id: s.host_id for s in up})
             counter = snap.extra[self.next_id_key]
             first = int(counter.value) if counter is not None else FIRST_ID_BASE + secrets.randbits(61)
             extents: list[list[Any]] = []
@@ -524,7 +334,7 @@ class EtcdState:
             if not self._commit(compare, ops):
                 return None
             snap.regions[name] = (row, 0)
-            return self._region(row, snap)
+            return snap.region(row)
         region = self._retry(attempt, f"creating region {name}")
         log.info("planned region %s (%s, %d bytes) on %d extent(s)", name, region.placement,
                  region.size, len(region.extents))
@@ -546,7 +356,7 @@ class EtcdState:
             row = {**row, "state": "ready"}
             if not self._commit([kv.mod_revision_is(key, rev)], [kv.put(key, json.dumps(row))]):
                 return None
-            return self._region(row, snap)
+            return snap.region(row)
         region = self._retry(attempt, f"committing region {name}")
         log.info("region %s (uid %s) ready", name, region.uid)
         return region
@@ -560,7 +370,7 @@ class EtcdState:
             if not self._commit([kv.mod_revision_is(self._key("regions", name), rev)], self._removal(row)):
                 return None
             log.info("creation of region %s aborted", name)
-            return list(self._region(row, self._snapshot(regions=False)).extents)
+            return list(self._snapshot(regions=False).region(row).extents)
         return self._retry(attempt, f"aborting region {name}")
 
     def get_region(self, name: str) -> RegionRecord:
@@ -569,7 +379,7 @@ class EtcdState:
         found = snap.regions.get(name)
         if found is None or found[0]["state"] == "creating":
             raise errors.RegionNotFound(f"no region named {name!r}")
-        return self._region(found[0], snap)
+        return snap.region(found[0])
 
     def delete_region(self, name: str, request_id: str = "", now: float | None = None) -> list[ExtentRecord]:
         """Remove a ready region; returns its extents, which the caller releases (as
@@ -590,7 +400,7 @@ class EtcdState:
                 ops.append(kv.put(done + f"{int(now):012d}/{request_id}", name))
             if not self._commit([kv.mod_revision_is(self._key("regions", name), rev)], ops):
                 return None
-            return self._region(row, snap)
+            return snap.region(row)
         region = self._retry(attempt, f"deleting region {name}")
         log.info("region %s (uid %s) deleted", name, region.uid)
         return list(region.extents)
@@ -608,7 +418,7 @@ class EtcdState:
             if found is None or found[0]["uid"] != uid or found[0]["state"] == "creating":
                 raise errors.RegionNotFound(f"no region named {name!r} (uid {uid})")
             row, rev = found
-            region = self._region(row, snap)
+            region = snap.region(row)
             if region.view_of(change.index) != change.view:
                 return (None,)
             check_slot_change(region, change, snap.servers)
@@ -642,7 +452,7 @@ class EtcdState:
             if not self._commit(compare, ops):
                 return None
             snap.lost -= {e.extent_id for e in removed}
-            return ((self._region(new_row, snap), removed),)
+            return ((snap.region(new_row), removed),)
         (result,) = self._retry(attempt, f"changing slot {change.index} of region {name}")
         if result is not None:
             log.info("region %s %s", name, change.describe())
@@ -707,28 +517,7 @@ class EtcdState:
     def list_regions(self, prefix: str = "") -> list[RegionRecord]:
         """Ready regions whose name starts with ``prefix``, by name."""
         snap = self._snapshot(region_prefix=prefix)
-        return [self._region(row, snap) for name, (row, _) in sorted(snap.regions.items())
+        return [snap.region(row) for name, (row, _) in sorted(snap.regions.items())
                 if row["state"] == "ready" and name.startswith(prefix)]
 
-    @staticmethod
-    def _region(row: dict[str, Any], snap: _Snapshot) -> RegionRecord:
-        extents = []
-        for eid, idx, sid, length, copy, role, view in (_extent_row(e) for e in row["extents"]):
-            server = snap.servers.get(sid, ({}, 0))[0]
-            extents.append(ExtentRecord(eid, idx, sid, length, server.get("grpc_address", ""),
-                                        server.get("host_id", ""), tuple(server.get("endpoints", ())),
-                                        server.get("state", ""), eid in snap.lost, copy, role, view))
-        extents.sort(key=lambda e: (e.index, e.copy))
-        replicas = int(row.get("replicas", 1))
-        return RegionRecord(row["name"], row["uid"], row["size"], row["placement"], row["stripe_unit"],
-                            tuple(row["segment_sizes"]), tuple(row["segment_extents"]),
-                            bool(row["persistent"]), row["created_at"],
-                            region_state(row["state"], extents, replicas), tuple(extents), replicas)
 
-
-def _extent_row(e: Sequence[Any]) -> tuple[int, int, str, int, int, ReplicaRole, int]:
-    """One stored extent as (id, slot, server, length, copy, role, view); rows written
-    before replication hold the first four."""
-    eid, idx, sid, length, *rest = e
-    copy, role, view = (list(rest) + [0, "", 0][len(rest):])[:3]
-    return int(eid), int(idx), str(sid), int(length), int(copy), ReplicaRole.parse(str(role)), int(view)

@@ -25,7 +25,8 @@ from smb_server.runtime.metrics import MetricsServer, Registry
 from smb_server.runtime.rpc_metrics import RpcMetrics
 
 from .etcd_kv import is_etcd_url
-from .etcd_state import EtcdState, Fence
+from .etcd_state import EtcdState
+from .etcd_txn import Fence
 from .leader import Election, LeaderGate, LeaderLoop
 from .records import FailedReplica
 from .repair import REPAIR_INTERVAL, RepairManager, RepairMetrics

@@ -8,8 +8,10 @@ import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from smb_protocol import placement as placement_mod
 from smb_protocol.errors import InvalidArgument
-from smb_protocol.placement import MAX_REPLICAS, Layout
+from smb_protocol.names import check_region_name
+from smb_protocol.placement import MAX_REPLICAS, Layout, check_bytes
 from smb_protocol.replicas import ASSIGNABLE, IN_SYNC, ReplicaRole
 
 log = logging.getLogger(__name__)
@@ -249,6 +251,55 @@ def check_replicas(replicas: int) -> int:
     if not isinstance(replicas, int) or isinstance(replicas, bool) or not 0 <= replicas <= MAX_REPLICAS:
         raise InvalidArgument(f"replicas must be 1 to {MAX_REPLICAS} (0: one copy), not {replicas!r}")
     return max(1, replicas)
+
+
+MAX_SERVERS = 1 << 16   # the most servers a region may be spread over
+
+
+@dataclass(frozen=True)
+class RegionRequest:
+    """A create request, checked (:func:`check_create`): what both stores plan from."""
+
+    name: str
+    uid: str
+    size: int                              # bytes
+    placement: str                         # striped | layered | single
+    stripe_unit: int                       # bytes (0: the default)
+    num_servers: int                       # 0: all
+    segment_sizes: tuple[int, ...]         # bytes (layered only)
+    persistent: bool
+    replicas: int                          # 1 to MAX_REPLICAS
+    server_weights: Mapping[str, float] | None = None
+
+    def plan(self, free: Mapping[str, int], hosts: Mapping[str, str]) -> tuple[Layout, list[list[str]]]:
+        """The layout and each slot's servers (copy 0 first), from each candidate
+        server's free bytes and host (:func:`smb_protocol.placement.plan_replicated`)."""
+        return placement_mod.plan_replicated(
+            self.size, self.placement, free, self.replicas, hosts, stripe_unit=self.stripe_unit,
+            num_servers=self.num_servers, segment_sizes=list(self.segment_sizes), weights=self.server_weights)
+
+
+def check_create(name: str, size: int, placement: str = "striped", stripe_unit: int = 0,
+                 num_servers: int = 0, segment_sizes: Sequence[int] = (), persistent: bool = False,
+                 uid: str = "", replicas: int = 1,
+                 server_weights: Mapping[str, float] | None = None) -> RegionRequest:
+    """The arguments of a create, checked and normalized (a fresh uid for "", one copy for
+    ``replicas`` 0, ``striped`` for no placement). Raises InvalidArgument."""
+    uid = check_uid(uid)
+    replicas = check_replicas(replicas)
+    check_region_name(name)
+    if size <= 0:
+        raise InvalidArgument(f"region size must be positive, got {size} bytes")
+    size = check_bytes("region size", size, 1)
+    stripe_unit = check_bytes("stripe unit", stripe_unit)
+    sizes = tuple(int(check_bytes("a segment size", s)) for s in segment_sizes)
+    if not 0 <= int(num_servers) <= MAX_SERVERS:
+        raise InvalidArgument(f"num_servers must be 0 (all) to {MAX_SERVERS}, got {num_servers}")
+    placement = placement or "striped"
+    if placement != "layered" and sizes:
+        raise InvalidArgument(f"segment sizes are only for layered placement, not {placement!r}")
+    return RegionRequest(name, uid, int(size), placement, int(stripe_unit), int(num_servers), sizes,
+                         bool(persistent), replicas, server_weights)
 
 
 def region_state(stored: str, extents: Sequence[ExtentRecord], replicas: int = 1) -> str:

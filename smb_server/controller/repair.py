@@ -55,9 +55,9 @@ once none can).
 
 No gRPC here: memory servers are reached through :class:`.memservers.MemoryServers`.
 
-The module is longer than 400 lines on purpose: the decisions (pure functions at the
-top) and the sequences that carry them out are one state machine, and a reader checks
-the ordering rules (store before servers, backups before a new primary) in one place.
+The decisions are pure functions in :mod:`.repair_plans`; the sequences that carry
+them out are here, so that a reader checks the ordering rules (store before servers,
+backups before a new primary) in one place.
 """
 from __future__ import annotations
 
@@ -67,11 +67,10 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent import futures
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from smb_protocol import errors
-from smb_protocol.replicas import IN_SYNC, ReplicaRole
+from smb_protocol.replicas import ReplicaRole
 
 from .memservers import Backup, MemoryServers
 from .records import (
@@ -82,6 +81,7 @@ from .records import (
     ServerRecord,
     SlotChange,
 )
+from .repair_plans import SyncPlan, free_copy_number, plan_fence, plan_report, plan_sync
 from .store import StateStore
 
 if TYPE_CHECKING:
@@ -95,127 +95,6 @@ RETRY_SECONDS = 5.0     # a slot whose repair failed waits this long
 AVOID_SECONDS = 30.0    # a server that could not take a copy is not picked for this long
 
 Key = tuple[str, int]   # (region uid, slot)
-
-
-# -- decisions (pure) ---------------------------------------------------------------------
-@dataclass(frozen=True)
-class Fence:
-    """A fencing change of one slot and whether it replaces the primary."""
-
-    change: SlotChange
-    kind: str   # promote | drop
-
-
-def plan_fence(region: RegionRecord, index: int, suspect: Iterable[str] = ()) -> Fence | None:
-    """The change that takes dead copies out of slot ``index``'s replica set (module
-    docstring, step 1), or None. ``suspect``: servers whose copies count as dead while
-    the slot has an in-sync copy on another server."""
-    copies = region.copies_of(index)
-    suspect = set(suspect)
-    trusted = [c for c in copies if c.in_sync and c.server_id not in suspect]
-    gone = {c.copy for c in copies if c.dead or (trusted and c.server_id in suspect)}
-    primary = next((c for c in copies if c.role == ReplicaRole.PRIMARY), None)
-    if primary is None:
-        return None
-    roles: dict[int, ReplicaRole] = {}
-    kind = "drop"
-    if primary.copy in gone:
-        candidates = [c for c in copies if c.role == ReplicaRole.BACKUP and c.copy not in gone]
-        if not candidates:
-            return None   # nothing to promote: wait for a copy to come back
-        new = min(candidates, key=lambda c: (c.server_state != "up", c.copy))
-        roles[primary.copy], roles[new.copy] = ReplicaRole.STALE, ReplicaRole.PRIMARY
-        for c in copies:
-            if c.copy not in (primary.copy, new.copy) and c.role in (ReplicaRole.BACKUP, ReplicaRole.SYNCING):
-                roles[c.copy] = ReplicaRole.STALE if c.copy in gone else ReplicaRole.SYNCING
-        kind = "promote"
-    else:
-        for c in copies:
-            if c.copy in gone and c.role in (ReplicaRole.BACKUP, ReplicaRole.SYNCING):
-                roles[c.copy] = ReplicaRole.STALE
-    after = {c.copy: roles.get(c.copy, c.role) for c in copies}
-    in_sync = sum(1 for c in copies if after[c.copy] in IN_SYNC and c.copy not in gone)
-    remove = frozenset(c.copy for c in copies if after[c.copy] == ReplicaRole.STALE and in_sync >= region.replicas)
-    if not roles and not remove:
-        return None
-    return Fence(SlotChange(index, region.view_of(index), roles, remove), kind)
-
-
-def plan_report(region: RegionRecord, report: FailedReplica) -> tuple[SlotChange, ExtentRecord] | None:
-    """The change that takes the backup a primary reported as unreachable out of its
-    slot (it becomes ``stale``), with that backup; None unless the reporting server holds
-    the slot's live primary, the slot is at the report's view and the backup is in the
-    replica set (backup or syncing) -- a deposed primary, an old view or a copy already
-    dropped change nothing."""
-    primary = next((e for e in region.extents if e.extent_id == report.primary_extent_id), None)
-    if (primary is None or primary.role != ReplicaRole.PRIMARY or primary.dead
-            or primary.server_id != report.server_id
-            or region.view_of(primary.index) != report.view):
-        return None
-    backup = next((c for c in region.copies_of(primary.index)
-                   if c.extent_id == report.backup_extent_id), None)
-    if backup is None or backup.role not in (ReplicaRole.BACKUP, ReplicaRole.SYNCING):
-        return None
-    return SlotChange(primary.index, report.view, {backup.copy: ReplicaRole.STALE}), backup
-
-
-@dataclass(frozen=True)
-class SyncPlan:
-    """The copy a sync brings into slot ``index``: ``copy`` (redrive, resync) or a new
-    one on ``server_id`` (spare)."""
-
-    index: int
-    kind: str          # redrive | resync | spare
-    copy: int = -1
-    server_id: str = ""
-
-
-def pick_spare(region: RegionRecord, index: int, servers: Sequence[ServerRecord],
-               avoid: Iterable[str] = ()) -> ServerRecord | None:
-    """A server for a new copy of slot ``index``: up (not draining, not down), holding
-    no copy of the slot, with the slot's length free, not in ``avoid``; a host without
-    a live copy of the slot first, then the most free bytes."""
-    copies = region.copies_of(index)
-    length = copies[0].length
-    taken = {c.server_id for c in copies}
-    hosts = {c.host_id for c in copies if not c.dead}
-    avoid = set(avoid)
-    fits = [s for s in servers if s.state == "up" and s.server_id not in taken
-            and s.server_id not in avoid and s.free >= length]
-    if not fits:
-        return None
-    return min(fits, key=lambda s: (s.host_id in hosts, -s.free, s.server_id))
-
-
-def plan_sync(region: RegionRecord, index: int, servers: Sequence[ServerRecord],
-              avoid: Iterable[str] = ()) -> SyncPlan | None:
-    """The copy to bring into slot ``index`` now (module docstring, step 2), or None
-    (in step, no live primary, or nowhere to put one)."""
-    copies = region.copies_of(index)
-    avoid = set(avoid)
-    primary = next((c for c in copies if c.role == ReplicaRole.PRIMARY), None)
-    if primary is None or primary.dead:
-        return None
-    usable = [c for c in copies if not c.dead and c.server_id not in avoid]
-    syncing = [c for c in usable if c.role == ReplicaRole.SYNCING]
-    if syncing:
-        return SyncPlan(index, "redrive", syncing[0].copy)
-    if sum(c.in_sync for c in copies) >= region.replicas:
-        return None
-    stale = [c for c in usable if c.role == ReplicaRole.STALE]
-    if stale:
-        return SyncPlan(index, "resync", stale[0].copy)
-    spare = pick_spare(region, index, servers, avoid)
-    if spare is None:
-        return None
-    return SyncPlan(index, "spare", server_id=spare.server_id)
-
-
-def free_copy_number(region: RegionRecord, index: int) -> int:
-    """The lowest copy number slot ``index`` does not use (copy numbers are stable, so a
-    new copy may get one beyond ``replicas - 1`` while a stale copy keeps its own)."""
-    used = {c.copy for c in region.copies_of(index)}
-    return next(n for n in range(len(used) + 1) if n not in used)
 
 
 # -- metrics ---------------------------------------------------------------------------

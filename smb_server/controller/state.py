@@ -5,58 +5,24 @@ no gRPC, no sockets, no threads of its own. The servicer in :mod:`.service` tran
 messages into calls here; tests drive it directly with a fake clock (every method that
 depends on time takes ``now``, unix seconds, defaulting to :func:`time.time`).
 
-Tables (see ``_SCHEMA``):
-
-- ``servers``: one row per memory server ever registered. ``state`` is ``up``,
-  ``down`` (lease expired) or ``draining`` (up, but takes no new extents); ``drain``
-  remembers an operator's drain across a down/up cycle.
-- ``regions``: ``state`` is ``creating`` while the servicer reserves extents on the
-  servers, ``ready`` once committed. Rows still ``creating`` when the database is
-  opened belong to a controller that died mid-create; they are removed, and the
-  extents the servers did reserve become orphans that the servers free after the
-  grace period.
-- ``regions.replicas``: copies of every byte (1: unreplicated).
-- ``extents``: one row per extent of a region: its layout slot (``idx``) and, in a
-  replicated region, its ``copy`` number, ``role`` (primary, backup, syncing, stale)
-  and its slot's ``view``; one row per (region, slot, copy).
-- ``issued_extent_ids``: every extent id ever handed out, so that an id is never reused
-  (an orphan on some server must never be mistaken for a live extent).
-
-- ``lost_extents``: extents a server registered without (restarted without its
-  memory); their bytes have no copy anywhere.
-- ``done_deletes``: the request ids of deletes done in the last hour, so that a delete
-  repeated after its reply was lost (a failover, a timeout) is answered as done.
-
-Region state as reported to clients: :func:`.records.region_state`.
-
-Schema versions: 1 had no replicas; a version-1 file is upgraded in place when opened
-(``replicas`` added to ``regions``; ``extents`` rebuilt with ``copy``, ``role``,
-``view`` and the per-copy unique key).
+Every durable change the controller makes is one method here and one SQLite
+transaction, so that a reader can check that nothing a successor needs lives outside a
+transaction. The tables, the connection and the reads of rows into records are in
+:mod:`.sqlite_db`; records and input checks in :mod:`.records`. Region state as
+reported to clients: :func:`.records.region_state`.
 
 Thread safety: one connection guarded by one lock; every method is atomic.
-
-The module is longer than 400 lines on purpose: every durable change the controller
-makes is one method here and one SQLite transaction, and keeping them together is what
-lets a reader check that nothing a successor needs lives outside a transaction (records
-and input checks are in :mod:`.records`).
 """
 from __future__ import annotations
 
 import json
 import logging
-import secrets
-import sqlite3
-import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterable, Mapping, Sequence
 
-from smb_protocol import placement as placement_mod
 from smb_protocol.errors import InvalidArgument, RegionExists, RegionNotFound, ServerNotFound
-from smb_protocol.names import check_region_name
 from smb_protocol.placement import check_bytes
-from smb_protocol.replicas import ReplicaRole
 
 from .records import (
     DELETE_MEMORY_SECONDS,
@@ -65,110 +31,21 @@ from .records import (
     RegionRecord,
     ServerRecord,
     SlotChange,
+    check_create,
     check_lease,
-    check_replicas,
     check_request_id,
     check_slot_change,
-    check_uid,
     find_orphans,
     initial_role,
-    region_state,
 )
+from .sqlite_db import SqliteDb, known_extents, load_region, new_extent_id, server_records
 
 __all__ = ["SERVER_STATES", "ControllerState", "ExtentRecord", "HeldExtent", "RegionRecord",
            "ServerRecord"]
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 2
-MAX_SERVERS = 1 << 16   # the most servers a region may be spread over
 SERVER_STATES = ("up", "down", "draining")
-_ID_ATTEMPTS = 16
-
-_ROLES = ", ".join(f"'{r.value}'" for r in ReplicaRole)
-_SCHEMA = f"""
-CREATE TABLE IF NOT EXISTS servers (
-    server_id      TEXT PRIMARY KEY,
-    host_id        TEXT NOT NULL DEFAULT '',
-    grpc_address   TEXT NOT NULL,
-    endpoints      TEXT NOT NULL DEFAULT '[]',
-    capacity       INTEGER NOT NULL,
-    state          TEXT NOT NULL CHECK (state IN ('up', 'down', 'draining')),
-    drain          INTEGER NOT NULL DEFAULT 0,
-    last_heartbeat REAL NOT NULL,
-    registered_at  REAL NOT NULL
-);
-CREATE TABLE IF NOT EXISTS regions (
-    name            TEXT PRIMARY KEY,
-    uid             TEXT NOT NULL UNIQUE,
-    size            INTEGER NOT NULL,
-    placement       TEXT NOT NULL,
-    stripe_unit     INTEGER NOT NULL DEFAULT 0,
-    segment_sizes   TEXT NOT NULL DEFAULT '[]',
-    segment_extents TEXT NOT NULL DEFAULT '[]',
-    persistent      INTEGER NOT NULL DEFAULT 0,
-    created_at      REAL NOT NULL,
-    state           TEXT NOT NULL CHECK (state IN ('creating', 'ready')),
-    replicas        INTEGER NOT NULL DEFAULT 1
-);
-CREATE TABLE IF NOT EXISTS extents (
-    extent_id   INTEGER PRIMARY KEY,
-    region_name TEXT NOT NULL REFERENCES regions(name) ON DELETE CASCADE,
-    idx         INTEGER NOT NULL,
-    server_id   TEXT NOT NULL REFERENCES servers(server_id),
-    length      INTEGER NOT NULL,
-    copy        INTEGER NOT NULL DEFAULT 0,
-    role        TEXT NOT NULL DEFAULT '' CHECK (role IN ({_ROLES})),
-    view        INTEGER NOT NULL DEFAULT 0,
-    UNIQUE (region_name, idx, copy)
-);
-CREATE INDEX IF NOT EXISTS extents_by_server ON extents(server_id);
-CREATE TABLE IF NOT EXISTS lost_extents (
-    extent_id INTEGER PRIMARY KEY
-);
-CREATE TABLE IF NOT EXISTS issued_extent_ids (
-    extent_id INTEGER PRIMARY KEY
-);
-CREATE TABLE IF NOT EXISTS region_leases (
-    name    TEXT PRIMARY KEY REFERENCES regions(name) ON DELETE CASCADE,
-    owner   TEXT NOT NULL
-);
-CREATE INDEX IF NOT EXISTS region_leases_by_owner ON region_leases(owner);
-CREATE TABLE IF NOT EXISTS owner_leases (
-    owner   TEXT PRIMARY KEY,
-    seconds REAL NOT NULL,
-    expires REAL NOT NULL
-);
-CREATE TABLE IF NOT EXISTS done_deletes (
-    request_id TEXT PRIMARY KEY,
-    name       TEXT NOT NULL,
-    deleted_at REAL NOT NULL
-);
-"""
-
-
-def _columns(db: sqlite3.Connection, table: str) -> set[str]:
-    return {r[1] for r in db.execute(f"PRAGMA table_info({table})")}
-
-
-def _upgrade(db: sqlite3.Connection, path: str) -> None:
-    """Bring tables of an older schema (version 1: no replicas) up to this one, in the
-    caller's transaction: add ``regions.replicas``; rebuild ``extents`` with ``copy``,
-    ``role``, ``view`` and UNIQUE (region, slot, copy) (SQLite cannot change a table's
-    constraints in place)."""
-    if "replicas" not in _columns(db, "regions"):
-        db.execute("ALTER TABLE regions ADD COLUMN replicas INTEGER NOT NULL DEFAULT 1")
-        log.info("%s: regions upgraded with replicas", path)
-    if "copy" not in _columns(db, "extents"):
-        create = _SCHEMA[_SCHEMA.index("CREATE TABLE IF NOT EXISTS extents"):]
-        create = create[:create.index(";")].replace("IF NOT EXISTS extents", "extents_new")
-        db.execute(create)
-        db.execute("INSERT INTO extents_new (extent_id, region_name, idx, server_id, length) "
-                   "SELECT extent_id, region_name, idx, server_id, length FROM extents")
-        db.execute("DROP TABLE extents")
-        db.execute("ALTER TABLE extents_new RENAME TO extents")
-        db.execute("CREATE INDEX IF NOT EXISTS extents_by_server ON extents(server_id)")
-        log.info("%s: extents upgraded with copy, role and view", path)
 
 
 # -- the state -----------------------------------------------------------------------------
@@ -192,32 +69,17 @@ class ControllerState:
         self.path = path
         self.lease_seconds = float(lease_seconds)
         self.orphan_grace_seconds = float(orphan_grace_seconds)
-        self._lock = threading.RLock()
-        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-        self._db.row_factory = sqlite3.Row
-        self._closed = False
+        self._sql = SqliteDb(path)
         try:
-            self._open()
+            self._forget_half_created()
         except BaseException:
-            self._db.close()
+            self._sql.close()
             raise
 
-    def _open(self) -> None:
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.execute("PRAGMA foreign_keys=ON")
-        self._db.execute("PRAGMA busy_timeout=5000")
-        path = self.path
-        with self._tx() as db:
-            version = db.execute("PRAGMA user_version").fetchone()[0]
-            if version > SCHEMA_VERSION:
-                raise InvalidArgument(f"{path}: database schema version {version} is newer than "
-                                      f"this controller's ({SCHEMA_VERSION}); upgrade the controller")
-            for statement in _SCHEMA.split(";"):
-                if statement.strip():
-                    db.execute(statement)
-            _upgrade(db, path)
-            db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+    def _forget_half_created(self) -> None:
+        """Rows still ``creating`` belong to a controller that died mid-create: remove
+        them; the extents the servers did reserve become orphans they free."""
+        with self._sql.tx() as db:
             stale = [r["name"] for r in db.execute("SELECT name FROM regions WHERE state='creating'")]
             if stale:
                 db.execute("DELETE FROM regions WHERE state='creating'")
@@ -225,36 +87,9 @@ class ControllerState:
                             "their extents are freed by the servers as orphans",
                             len(stale), ", ".join(stale))
 
-    # -- plumbing ------------------------------------------------------------------------
-    @contextmanager
-    def _tx(self) -> Iterator[sqlite3.Connection]:
-        """One write transaction under the lock (BEGIN IMMEDIATE ... COMMIT/ROLLBACK)."""
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                yield self._db
-                self._db.execute("COMMIT")
-            except BaseException:
-                if self._db.in_transaction:
-                    self._db.execute("ROLLBACK")
-                raise
-
-    @contextmanager
-    def _read(self) -> Iterator[sqlite3.Connection]:
-        """A consistent read (one deferred transaction) under the lock."""
-        with self._lock:
-            self._db.execute("BEGIN")
-            try:
-                yield self._db
-            finally:
-                self._db.execute("COMMIT")
-
     def close(self) -> None:
         """Close the database (idempotent)."""
-        with self._lock:
-            if not self._closed:
-                self._closed = True
-                self._db.close()
+        self._sql.close()
 
     def __enter__(self) -> ControllerState:
         return self
@@ -282,7 +117,7 @@ class ControllerState:
         capacity = check_bytes("capacity", capacity)
         server_id = server_id or uuid.uuid4().hex[:12]
         held = list(held)
-        with self._tx() as db:
+        with self._sql.tx() as db:
             row = db.execute("SELECT drain FROM servers WHERE server_id=?", (server_id,)).fetchone()
             endpoints_json = json.dumps(list(endpoints))
             if row is None:
@@ -299,7 +134,7 @@ class ControllerState:
                     (host_id, grpc_address, endpoints_json, int(capacity), state, now, now, server_id))
                 log.info("server %s registered again at %s (%d bytes, %s)", server_id,
                          grpc_address, capacity, state)
-            known = self._known_extents(db, server_id)
+            known = known_extents(db, server_id)
             held_ids = {h.extent_id for h in held}
             lost = [eid for eid, (_, state) in known.items() if state == "ready" and eid not in held_ids]
             if lost:
@@ -319,7 +154,7 @@ class ControllerState:
         period. Raises ServerNotFound for an unknown server (it should register again).
         """
         now = self._now(now)
-        with self._tx() as db:
+        with self._sql.tx() as db:
             row = db.execute("SELECT state, drain FROM servers WHERE server_id=?",
                              (server_id,)).fetchone()
             if row is None:
@@ -329,15 +164,7 @@ class ControllerState:
                 log.info("server %s is back (%s)", server_id, state)
             db.execute("UPDATE servers SET state=?, last_heartbeat=? WHERE server_id=?",
                        (state, now, server_id))
-            return self._orphans(server_id, self._known_extents(db, server_id), held)
-
-    @staticmethod
-    def _known_extents(db: sqlite3.Connection, server_id: str) -> dict[int, tuple[str, str]]:
-        """extent id -> (region uid, region state) of the extents placed on a server."""
-        rows = db.execute(
-            "SELECT e.extent_id, r.uid, r.state FROM extents e JOIN regions r ON r.name = e.region_name "
-            "WHERE e.server_id=?", (server_id,))
-        return {r["extent_id"]: (r["uid"], r["state"]) for r in rows}
+            return self._orphans(server_id, known_extents(db, server_id), held)
 
     def _orphans(self, server_id: str, known: dict[int, tuple[str, str]],
                  held: Iterable[HeldExtent]) -> list[int]:
@@ -347,7 +174,7 @@ class ControllerState:
         """Mark servers whose lease ran out ``down``; returns the ids newly marked."""
         now = self._now(now)
         cutoff = now - self.lease_seconds
-        with self._tx() as db:
+        with self._sql.tx() as db:
             ids = [r["server_id"] for r in db.execute(
                 "SELECT server_id FROM servers WHERE state != 'down' AND last_heartbeat < ?", (cutoff,))]
             for sid in ids:
@@ -362,7 +189,7 @@ class ControllerState:
         Its drain flag and its extents stay; a later registration brings it back
         ``up`` (or ``draining``). Raises ServerNotFound.
         """
-        with self._tx() as db:
+        with self._sql.tx() as db:
             row = db.execute("SELECT state FROM servers WHERE server_id=?", (server_id,)).fetchone()
             if row is None:
                 raise ServerNotFound(f"no memory server {server_id!r} is registered")
@@ -375,7 +202,7 @@ class ControllerState:
 
         Existing extents stay where they are. Raises ServerNotFound.
         """
-        with self._tx() as db:
+        with self._sql.tx() as db:
             row = db.execute("SELECT state FROM servers WHERE server_id=?", (server_id,)).fetchone()
             if row is None:
                 raise ServerNotFound(f"no memory server {server_id!r}; see ListServers for the ids")
@@ -396,14 +223,8 @@ class ControllerState:
 
     def list_servers(self) -> list[ServerRecord]:
         """Every server ever registered, by id, with ``used`` computed from its extents."""
-        with self._read() as db:
-            rows = db.execute(
-                "SELECT s.*, COALESCE(SUM(e.length), 0) AS used, COUNT(e.extent_id) AS n "
-                "FROM servers s LEFT JOIN extents e ON e.server_id = s.server_id "
-                "GROUP BY s.server_id ORDER BY s.server_id").fetchall()
-        return [ServerRecord(r["server_id"], r["host_id"], r["grpc_address"],
-                             tuple(json.loads(r["endpoints"])), r["capacity"], r["used"], r["n"],
-                             r["state"], r["last_heartbeat"], r["registered_at"]) for r in rows]
+        with self._sql.read() as db:
+            return server_records(db)
 
     # -- regions -------------------------------------------------------------------------
     def begin_create_region(self, name: str, size: int, placement: str = "striped",
@@ -426,20 +247,10 @@ class ControllerState:
         region has), RegionExists, or OutOfMemory (with the numbers).
         """
         now = self._now(now)
-        uid = check_uid(uid)
-        replicas = check_replicas(replicas)
-        check_region_name(name)
-        if size <= 0:
-            raise InvalidArgument(f"region size must be positive, got {size} bytes")
-        size = check_bytes("region size", size, 1)
-        stripe_unit = check_bytes("stripe unit", stripe_unit)
-        segment_sizes = [check_bytes("a segment size", s) for s in segment_sizes]
-        if not 0 <= int(num_servers) <= MAX_SERVERS:
-            raise InvalidArgument(f"num_servers must be 0 (all) to {MAX_SERVERS}, got {num_servers}")
-        placement = placement or "striped"
-        if placement != "layered" and segment_sizes:
-            raise InvalidArgument(f"segment sizes are only for layered placement, not {placement!r}")
-        with self._tx() as db:
+        req = check_create(name, size, placement, stripe_unit, num_servers, segment_sizes, persistent,
+                           uid, replicas, server_weights)
+        uid, replicas = req.uid, req.replicas
+        with self._sql.tx() as db:
             row = db.execute("SELECT state FROM regions WHERE name=?", (name,)).fetchone()
             if row is not None:
                 what = " (being created)" if row["state"] == "creating" else ""
@@ -451,10 +262,7 @@ class ControllerState:
                 "WHERE s.state='up' AND s.last_heartbeat >= ? GROUP BY s.server_id",
                 (now - self.lease_seconds,)).fetchall()
             free = {r["server_id"]: max(0, r["capacity"] - r["used"]) for r in rows}
-            layout, copies = placement_mod.plan_replicated(
-                int(size), placement, free, replicas, {r["server_id"]: r["host_id"] for r in rows},
-                stripe_unit=int(stripe_unit), num_servers=int(num_servers),
-                segment_sizes=[int(s) for s in segment_sizes], weights=server_weights)
+            layout, copies = req.plan(free, {r["server_id"]: r["host_id"] for r in rows})
             if db.execute("SELECT 1 FROM regions WHERE uid=?", (uid,)).fetchone() is not None:
                 raise InvalidArgument(f"uid {uid} already names another region; draw a new one")
             db.execute(
@@ -469,37 +277,24 @@ class ControllerState:
                     role, view = initial_role(replicas, copy)
                     db.execute("INSERT INTO extents (extent_id, region_name, idx, server_id, length, "
                                "copy, role, view) VALUES (?,?,?,?,?,?,?,?)",
-                               (self._new_extent_id(db), name, idx, sid, length, copy, role, view))
-            region = self._load_region(db, name)
+                               (new_extent_id(db), name, idx, sid, length, copy, role, view))
+            region = load_region(db, name)
         assert region is not None
         log.info("planned region %s (%s, %d bytes) on %d extent(s)", name, region.placement,
                  region.size, len(region.extents))
         return region
-
-    @staticmethod
-    def _new_extent_id(db: sqlite3.Connection) -> int:
-        for _ in range(_ID_ATTEMPTS):
-            candidate = secrets.randbits(63)
-            if candidate == 0:
-                continue
-            try:
-                db.execute("INSERT INTO issued_extent_ids (extent_id) VALUES (?)", (candidate,))
-            except sqlite3.IntegrityError:  # issued before: never reuse
-                continue
-            return candidate
-        raise RuntimeError("could not draw an unused extent id")  # pragma: no cover
 
     def commit_region(self, name: str, uid: str | None = None) -> RegionRecord:
         """Mark a ``creating`` region ``ready`` (idempotent); raises RegionNotFound.
 
         With ``uid``, only that incarnation of the name is committed.
         """
-        with self._tx() as db:
+        with self._sql.tx() as db:
             row = db.execute("SELECT uid FROM regions WHERE name=?", (name,)).fetchone()
             if row is None or (uid is not None and row["uid"] != uid):
                 raise RegionNotFound(f"region {name!r} was removed while it was being created")
             db.execute("UPDATE regions SET state='ready' WHERE name=?", (name,))
-            region = self._load_region(db, name)
+            region = load_region(db, name)
         assert region is not None
         log.info("region %s (uid %s) ready", name, region.uid)
         return region
@@ -509,8 +304,8 @@ class ControllerState:
 
         Does nothing (returns ``[]``) when no such region is being created.
         """
-        with self._tx() as db:
-            region = self._load_region(db, name)
+        with self._sql.tx() as db:
+            region = load_region(db, name)
             if region is None or region.state != "creating" or (uid is not None and region.uid != uid):
                 return []
             db.execute("DELETE FROM regions WHERE name=?", (name,))
@@ -519,8 +314,8 @@ class ControllerState:
 
     def get_region(self, name: str) -> RegionRecord:
         """A ready region (state ``ready`` or ``degraded``); raises RegionNotFound."""
-        with self._read() as db:
-            region = self._load_region(db, name)
+        with self._sql.read() as db:
+            region = load_region(db, name)
         if region is None or region.state == "creating":
             raise RegionNotFound(f"no region named {name!r}")
         return region
@@ -533,8 +328,8 @@ class ControllerState:
         created).
         """
         request_id, now = check_request_id(request_id), self._now(now)
-        with self._tx() as db:
-            region = self._load_region(db, name)
+        with self._sql.tx() as db:
+            region = load_region(db, name)
             if region is None or region.state == "creating":
                 raise RegionNotFound(f"no region named {name!r}")
             db.executemany("DELETE FROM lost_extents WHERE extent_id=?",
@@ -559,8 +354,8 @@ class ControllerState:
         when no ready region ``name`` of ``uid`` exists, InvalidArgument for a change
         that does not fit the slot (:func:`.records.check_slot_change`).
         """
-        with self._tx() as db:
-            region = self._load_region(db, name)
+        with self._sql.tx() as db:
+            region = load_region(db, name)
             if region is None or region.uid != uid or region.state == "creating":
                 raise RegionNotFound(f"no region named {name!r} (uid {uid})")
             if region.view_of(change.index) != change.view:
@@ -579,11 +374,11 @@ class ControllerState:
                 length = region.copies_of(change.index)[0].length
                 db.execute("INSERT INTO extents (extent_id, region_name, idx, server_id, length, "
                            "copy, role, view) VALUES (?,?,?,?,?,?,?,?)",
-                           (self._new_extent_id(db), name, change.index, change.add.server_id,
+                           (new_extent_id(db), name, change.index, change.add.server_id,
                             length, change.add.copy, change.add.role, change.view + 1))
             db.execute("UPDATE extents SET view=? WHERE region_name=? AND idx=?",
                        (change.view + 1, name, change.index))
-            after = self._load_region(db, name)
+            after = load_region(db, name)
         assert after is not None
         log.info("region %s %s", name, change.describe())
         return after, removed
@@ -594,7 +389,7 @@ class ControllerState:
         nothing for that long (the longest lease of its regions), :meth:`expired_leases`
         names the region. Raises InvalidArgument for a bad owner or lease."""
         owner, seconds, now = check_lease(owner, seconds), float(seconds), self._now(now)
-        with self._tx() as db:
+        with self._sql.tx() as db:
             db.execute("INSERT OR REPLACE INTO region_leases (name, owner) VALUES (?, ?)", (name, owner))
             db.execute("INSERT INTO owner_leases (owner, seconds, expires) VALUES (?, ?, ?) "
                        "ON CONFLICT(owner) DO UPDATE SET seconds = max(seconds, excluded.seconds), "
@@ -604,7 +399,7 @@ class ControllerState:
         """Renew ``owner``'s lease; returns how many regions it holds (0: none, or the
         lease had run out and they are gone)."""
         now = self._now(now)
-        with self._tx() as db:
+        with self._sql.tx() as db:
             db.execute("UPDATE owner_leases SET expires = ? + seconds WHERE owner = ? AND expires >= ?",
                        (now, owner, now))
             return int(db.execute("SELECT count(*) FROM region_leases l JOIN owner_leases o "
@@ -615,7 +410,7 @@ class ControllerState:
         """Ready regions whose owner's lease ran out, by name; forgets owners that hold
         no region any more."""
         now = self._now(now)
-        with self._tx() as db:
+        with self._sql.tx() as db:
             db.execute("DELETE FROM owner_leases WHERE expires < ? AND owner NOT IN "
                        "(SELECT owner FROM region_leases)", (now,))
             return [r[0] for r in db.execute(
@@ -628,38 +423,15 @@ class ControllerState:
         ``DELETE_MEMORY_SECONDS``): a retry of it is answered as done."""
         if not request_id:
             return False
-        with self._read() as db:
+        with self._sql.read() as db:
             row = db.execute("SELECT name FROM done_deletes WHERE request_id=?", (request_id,)).fetchone()
         return row is not None and row["name"] == name
 
     def list_regions(self, prefix: str = "") -> list[RegionRecord]:
         """Ready regions whose name starts with ``prefix``, by name."""
-        with self._read() as db:
+        with self._sql.read() as db:
             names = [r["name"] for r in db.execute(
                 "SELECT name FROM regions WHERE state='ready' AND substr(name, 1, ?) = ? ORDER BY name",
                 (len(prefix), prefix))]
-            regions = [self._load_region(db, n) for n in names]
+            regions = [load_region(db, n) for n in names]
         return [r for r in regions if r is not None]
-
-    def _load_region(self, db: sqlite3.Connection, name: str) -> RegionRecord | None:
-        row = db.execute("SELECT * FROM regions WHERE name=?", (name,)).fetchone()
-        if row is None:
-            return None
-        lost = {r["extent_id"] for r in db.execute(
-            "SELECT l.extent_id FROM lost_extents l JOIN extents e ON e.extent_id = l.extent_id "
-            "WHERE e.region_name=?", (name,))}
-        extents = tuple(
-            ExtentRecord(e["extent_id"], e["idx"], e["server_id"], e["length"], e["grpc_address"],
-                        e["host_id"], tuple(json.loads(e["endpoints"])), e["state"],
-                        e["extent_id"] in lost, e["copy"], ReplicaRole.parse(e["role"]), e["view"])
-            for e in db.execute(
-                "SELECT e.extent_id, e.idx, e.server_id, e.length, e.copy, e.role, e.view, "
-                "s.grpc_address, s.host_id, s.endpoints, s.state FROM extents e "
-                "JOIN servers s ON s.server_id = e.server_id "
-                "WHERE e.region_name=? ORDER BY e.idx, e.copy", (name,)))
-        replicas = int(row["replicas"])
-        state = region_state(row["state"], extents, replicas)
-        return RegionRecord(row["name"], row["uid"], row["size"], row["placement"], row["stripe_unit"],
-                            tuple(json.loads(row["segment_sizes"])),
-                            tuple(json.loads(row["segment_extents"])), bool(row["persistent"]),
-                            row["created_at"], state, extents, replicas)
