@@ -15,6 +15,7 @@ from smb_protocol import errors
 from smb_protocol.tls import TLSConfig
 from smb_protocol.units import format_bytes, parse_size
 from smb_server.commands import doctor
+from smb_server.commands.tokens import admin_token, client_token, warn_token_flag
 from smb_server.runtime import logs
 from smb_server.runtime.config import (
     DEFAULT_CONTROLLER_FILE,
@@ -24,10 +25,8 @@ from smb_server.runtime.config import (
     ServerConfig,
     default_of,
     load,
-    load_secret,
     settings,
 )
-from smb_server.runtime.credentials import admin_credential
 
 # set on the top-level parser; a daemon reads them from there (see _flags)
 GLOBAL_SETTINGS = ("log_level", "log_format")
@@ -38,19 +37,6 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="controller host:port (env SMB_CONTROLLER)")
     p.add_argument("--token", default=None,
                    help="bearer token (default: env SMB_TOKEN, which is better: a flag shows in ps)")
-
-
-def _warn_token_flag(args: argparse.Namespace, command: str) -> None:
-    """Say so when the token came on the command line, where every user of the host sees it."""
-    if getattr(args, "token", None):
-        print(f"smb {command}: warning: --token is visible to every user of this host (ps); "
-              "set SMB_TOKEN or the config file's token instead", file=sys.stderr)
-
-
-def _client_token(args: argparse.Namespace) -> str:
-    """The client token of ``smb status``/``smb region``: --token, else $SMB_TOKEN."""
-    _warn_token_flag(args, args.command)
-    return str(args.token) if args.token is not None else os.environ.get("SMB_TOKEN", "")
 
 
 def add_setting_flags(p: argparse.ArgumentParser, cls: type) -> None:
@@ -87,7 +73,7 @@ def cmd_controller(args: argparse.Namespace) -> int:
                flags=_flags(args, ControllerConfig))
     logs.setup(cfg.log_level, cfg.log_format)
     logs.set_context(daemon="controller")
-    _warn_token_flag(args, "controller")
+    warn_token_flag(args, "controller")
     if not cfg.secret and not cfg.insecure:
         print("smb controller: no secret: set secret_file in the config, pass --secret-file "
               "or set SMB_SECRET (or, for a trusted test setup only, --insecure)", file=sys.stderr)
@@ -107,7 +93,7 @@ def cmd_server(args: argparse.Namespace) -> int:
                flags=_flags(args, ServerConfig))
     logs.setup(cfg.log_level, cfg.log_format)
     logs.set_context(daemon="memory-server")
-    _warn_token_flag(args, "server")
+    warn_token_flag(args, "server")
     if not cfg.secret:
         print("smb server: no secret: set secret_file in the config, pass --secret-file "
               "or set SMB_SECRET", file=sys.stderr)
@@ -134,25 +120,6 @@ def _server_drain(args: argparse.Namespace, undrain: bool) -> int:
         print(f"server {s.server_id} at {s.grpc_address}: {s.state}; no new extents go there, "
               f"its {s.extents} extent(s) ({format_bytes(s.used)}) keep serving")
     return 0
-
-
-def admin_token(secret_file: str = "") -> str:
-    """The operator's credential: ``$SMB_ADMIN_TOKEN``, the file ``$SMB_ADMIN_TOKEN_FILE``
-    names, or the one derived from the shared secret (``secret_file`` or
-    ``$SMB_SECRET``); "" when none is at hand. Never taken from the command line."""
-    token = os.environ.get("SMB_ADMIN_TOKEN", "")
-    path = os.environ.get("SMB_ADMIN_TOKEN_FILE", "")
-    if not token and path:
-        try:
-            with open(path) as f:
-                token = f.read().strip()
-        except OSError as exc:
-            raise ConfigError(f"admin token file {path} (SMB_ADMIN_TOKEN_FILE): {exc.strerror}") from None
-    if not token:
-        secret = load_secret(secret_file)
-        if secret:
-            token = admin_credential(secret)
-    return token
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
@@ -211,14 +178,14 @@ def cmd_status(args: argparse.Namespace) -> int:
     import json
 
     from smb_server.commands import status
-    with Client(args.controller, _client_token(args)) as c:
+    with Client(args.controller, client_token(args)) as c:
         report = status.gather(c, metrics=args.metrics)
     print(json.dumps(report, indent=2) if args.json else status.render(report))
     return 0
 
 
 def cmd_region(args: argparse.Namespace) -> int:
-    with Client(args.controller, _client_token(args)) as c:
+    with Client(args.controller, client_token(args)) as c:
         if args.action == "create":
             segments = [parse_size(s) for s in args.segments.split(",")] if args.segments else []
             size = parse_size(args.size) if args.size else sum(segments)
