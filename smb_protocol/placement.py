@@ -17,10 +17,6 @@ those servers only, each server's bytes in proportion to its weight
 (:func:`assign_weighted`).
 :func:`chunk_shares` derives such weights for a collective from where the workers
 run (docs/architecture.md, Collectives, placement).
-
-The module is longer than 400 lines on purpose: the layouts, the planner that picks
-their servers and the share math the planner's weights come from are one pure,
-I/O-free unit that the controller and the client share.
 """
 from __future__ import annotations
 

@@ -8,17 +8,33 @@ bound model.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from smb_protocol.errors import DtypeError, InvalidArgument
 
-from .flat import torch_dtype
+from .flat import FlatModel, torch_dtype
 from .layout import FlatLayout, TensorSlot, dtype_name
 
-if TYPE_CHECKING:
-    from .store import ParameterStore
+
+class CheckpointedStore(Protocol):
+    """What a checkpoint needs of :class:`smb_client.torch.store.ParameterStore`
+    (named here so that this module does not import the store that imports it)."""
+
+    @property
+    def flat(self) -> FlatModel: ...
+    @property
+    def layout(self) -> FlatLayout: ...
+    @property
+    def buffer_layout(self) -> FlatLayout | None: ...
+    @property
+    def buffers(self) -> list[torch.Tensor]: ...
+
+    def read_into(self, kind: str, offset: int, out: torch.Tensor) -> torch.Tensor: ...
+    def buffer_offset(self, slot: int) -> int: ...
+    def push_params(self) -> None: ...
+    def push_buffers(self, slot: int = 0) -> None: ...
 
 
 def _unpack(raw: torch.Tensor, layout: FlatLayout, out: dict[str, torch.Tensor]) -> None:
@@ -26,7 +42,7 @@ def _unpack(raw: torch.Tensor, layout: FlatLayout, out: dict[str, torch.Tensor])
         out[t.name] = raw[t.offset:t.offset + t.nbytes].view(torch_dtype(t.dtype)).view(t.shape).clone()
 
 
-def state_dict(store: ParameterStore) -> dict[str, torch.Tensor]:
+def state_dict(store: CheckpointedStore) -> dict[str, torch.Tensor]:
     """The stored parameters (and published buffers): name -> tensor."""
     raw = torch.empty(store.layout.slot_bytes, dtype=torch.uint8)
     store.read_into("params", 0, raw)
@@ -41,7 +57,7 @@ def state_dict(store: ParameterStore) -> dict[str, torch.Tensor]:
     return {k: out[k] for k in order + rest}
 
 
-def load(store: ParameterStore, path: Any) -> None:
+def load(store: CheckpointedStore, path: Any) -> None:
     """Put the weights of a checkpoint (a state dict, e.g. from ``store.save`` or
     ``torch.save(model.state_dict())``) into the store and into the bound model."""
     state = torch.load(path, map_location="cpu", weights_only=True)
@@ -50,7 +66,7 @@ def load(store: ParameterStore, path: Any) -> None:
     load_state_dict(store, state)
 
 
-def load_state_dict(store: ParameterStore, state: dict[str, torch.Tensor]) -> None:
+def load_state_dict(store: CheckpointedStore, state: dict[str, torch.Tensor]) -> None:
     """Names, shapes and element types must match the store's (InvalidArgument or
     DtypeError naming the tensor); extra entries are ignored."""
     buffers: tuple[TensorSlot, ...] = store.buffer_layout.tensors if store.buffer_layout else ()

@@ -16,10 +16,9 @@ Regions under a prefix ``job``:
 Every tensor is stored in its own element type (float32, bfloat16 or float16 for
 parameters, so a slot's gradients are accumulated in the parameter's type).
 
-This module is longer than 400 lines because :class:`ParameterStore` is one class
-whose construction, attachment, traffic-counted operations and whole-model moves all
-share its region handles and traffic count; what does not (the failure record,
-checkpoint (de)serialization) lives in :mod:`.failure` and :mod:`.checkpoint`.
+What does not share :class:`ParameterStore`'s region handles and traffic count (the
+failure record, checkpoint (de)serialization) lives in :mod:`.failure` and
+:mod:`.checkpoint`.
 
 The master creates them (:meth:`ParameterStore.create`, ``meta`` last, so that its
 presence means "ready"); the others attach by name (:meth:`ParameterStore.attach`),

@@ -52,9 +52,6 @@ Publishing. Every ``publish_every`` steps, and in :meth:`SyncDataParallel.close`
 worker writes its share of the current weights (the same ``1/world`` byte range it
 zeroes) into the ``params`` region, and rank 0 the buffers into buffer slot 0, so the
 store holds the trained weights for evaluators, checkpoints and late joiners.
-
-The module is longer than 400 lines because both exchanges (collective and slots) run
-under one step protocol (hooks, no_sync, buffers, publishing, aligned stopping).
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The shape of the tree: imports go one way, no module-level import cycle, modules
-stay small (a longer one says why at its top)."""
+"""The shape of the tree: imports go one way, no import cycle (not even one that only
+type checkers follow), modules stay small (a longer one is named below, with why)."""
 from __future__ import annotations
 
 import ast
@@ -7,8 +7,26 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("smb_protocol", "smb_client", "smb_server", "smb_train")
-MAX_LINES = 400
-REASON = "longer than"  # a module over MAX_LINES says "... longer than ..." in its docstring
+MAX_LINES = 400   # a module longer than this is named in LONG_MODULES, with its reason
+HARD_CAP = 600    # no module is longer than this, named or not
+
+# module -> why it is longer than MAX_LINES (one line each; drop an entry once it fits)
+LONG_MODULES: dict[str, str] = {
+    "smb_protocol.placement": "the layouts, their server planner and the share math behind its weights are one "
+                              "pure unit the controller and the client share",
+    "smb_client.collective": "the chunk layout, the collectives and the piecewise round share one set of "
+                             "counting rules",
+    "smb_client.torch.store": "ParameterStore's construction, attachment, counted operations and whole-model "
+                              "moves share its region handles and traffic count",
+    "smb_client.torch.sync": "both exchanges (collective and slots) run under one step protocol (hooks, "
+                             "no_sync, buffers, publishing, aligned stopping)",
+    "smb_server.controller.state": "every durable change is one method and one SQLite transaction, side by "
+                                   "side (tables and row reads are in sqlite_db)",
+    "smb_server.controller.etcd_state": "every durable change is one method and one etcd transaction, matching "
+                                        "state's (keys, commits and retries are in etcd_txn)",
+    "smb_server.controller.repair": "the sequences of a repair pass keep their ordering rules (store before "
+                                    "servers, backups before a new primary) in one place",
+}
 
 
 def modules() -> dict[str, Path]:
@@ -25,9 +43,9 @@ def modules() -> dict[str, Path]:
     return out
 
 
-def runtime_imports(name: str, path: Path, known: set[str]) -> set[str]:
-    """Modules of ours imported when ``name`` is imported (not under TYPE_CHECKING, not
-    inside functions)."""
+def runtime_imports(name: str, path: Path, known: set[str], type_checking: bool = False) -> set[str]:
+    """Modules of ours imported at module level by ``name`` (not inside functions);
+    with ``type_checking`` those under ``if TYPE_CHECKING:`` too."""
     tree = ast.parse(path.read_text())
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
@@ -41,7 +59,8 @@ def runtime_imports(name: str, path: Path, known: set[str]) -> set[str]:
 
     def visit(nodes: list[ast.stmt]) -> None:
         for node in nodes:
-            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test) \
+                    and not type_checking:
                 continue
             if isinstance(node, ast.Import):
                 for alias in node.names:
@@ -64,42 +83,70 @@ def test_smb_client_never_imports_smb_server():
     mods = modules()
     for name, path in mods.items():
         if name.startswith("smb_client"):
-            bad = {m for m in runtime_imports(name, path, set(mods)) if m.startswith("smb_server")}
+            bad = {m for m in runtime_imports(name, path, set(mods), type_checking=True)
+                   if m.startswith("smb_server")}
             assert not bad, f"{name} imports {bad}"
 
 
-def test_no_module_level_import_cycle():
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every group of modules that import each other, directly or around a circle
+    (the strongly connected components of more than one module), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    groups: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph[node]):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                groups.append(sorted(group))
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return sorted(groups)
+
+
+def test_import_cycles_are_found():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": {"f"}, "f": {"e"}, "g": set()}
+    assert import_cycles(graph) == [["a", "b", "c"], ["e", "f"]]
+
+
+def test_no_import_cycle_even_under_type_checking():
     mods = modules()
-    graph = {name: runtime_imports(name, path, set(mods)) for name, path in mods.items()}
+    graph = {name: runtime_imports(name, path, set(mods), type_checking=True) for name, path in mods.items()}
     # a package's __init__ importing its own submodules (a registry) is not a cycle
     for name in graph:
         graph[name] = {m for m in graph[name] if not (m.startswith(name + ".") and
                                                       mods[name].name == "__init__.py")}
-    state: dict[str, int] = {}
-    stack: list[str] = []
-
-    def dfs(node: str) -> None:
-        state[node] = 1
-        stack.append(node)
-        for nxt in sorted(graph[node]):
-            if state.get(nxt) == 1:
-                cycle = stack[stack.index(nxt):] + [nxt]
-                raise AssertionError("import cycle: " + " -> ".join(cycle))
-            if nxt not in state:
-                dfs(nxt)
-        stack.pop()
-        state[node] = 2
-    for node in sorted(graph):
-        if node not in state:
-            dfs(node)
+    cycles = import_cycles(graph)
+    assert not cycles, "import cycles: " + "; ".join(" <-> ".join(c) for c in cycles)
 
 
 def test_modules_stay_small_or_say_why():
-    long = []
-    for name, path in modules().items():
-        text = path.read_text()
-        if text.count("\n") > MAX_LINES:
-            doc = ast.get_docstring(ast.parse(text)) or ""
-            if REASON not in doc:
-                long.append(f"{name} ({text.count(chr(10))} lines)")
-    assert not long, f"over {MAX_LINES} lines without a reason in the docstring: {', '.join(long)}"
+    mods = modules()
+    lines = {name: path.read_text().count("\n") for name, path in mods.items()}
+    too_long = [f"{name} ({n} lines)" for name, n in sorted(lines.items()) if n > HARD_CAP]
+    assert not too_long, f"over the hard cap of {HARD_CAP} lines: {', '.join(too_long)}"
+    unnamed = [f"{name} ({n} lines)" for name, n in sorted(lines.items())
+               if n > MAX_LINES and name not in LONG_MODULES]
+    assert not unnamed, f"over {MAX_LINES} lines and not in LONG_MODULES: {', '.join(unnamed)}"
+    stale = [name for name in sorted(LONG_MODULES) if lines.get(name, 0) <= MAX_LINES]
+    assert not stale, f"in LONG_MODULES but gone or no longer over {MAX_LINES} lines: {', '.join(stale)}"
+    assert all(reason.strip() and "\n" not in reason for reason in LONG_MODULES.values())
