@@ -26,6 +26,10 @@ LONG_MODULES: dict[str, str] = {
                                         "state's (keys, commits and retries are in etcd_txn)",
     "smb_server.controller.repair": "the sequences of a repair pass keep their ordering rules (store before "
                                     "servers, backups before a new primary) in one place",
+    "smb_server.memserver.tcp_plane": "a connection's framing, deadlines, greeting, parting answers and TLS "
+                                      "share one socket and one set of limits (operations are the engine's)",
+    "smb_server.memserver.replication": "a replica set's configuration, forwarding, sync and the wait for a failed "
+                                        "backup share one condition and one set of states",
 }
 
 

@@ -1,0 +1,128 @@
+"""Collective round time on loopback: ``all_reduce`` by push-pull through memory servers
+on this host, next to the raw socket's copy rate measured in the same run.
+
+    .venv/bin/python bench/collective_loopback.py                 # 4 workers, 2 servers, 25 MB
+    .venv/bin/python bench/collective_loopback.py --workers 2 --mbytes 100
+
+A local cluster (controller + ``--servers`` memory servers, separate processes) and
+``--workers`` worker processes, each with its own client over tcp, run ``--rounds``
+all_reduce rounds of a float32 buffer of ``--mbytes`` MB; each round's sum is checked
+exactly (integers). Printed: the median round time (s) and the bytes each worker moves
+per second (push + pull), with the reference: one raw TCP socket pair on loopback
+moving the same bytes in one direction (MB/s). Used to compare two trees of the
+project on one machine (run it in each; nothing else running).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import sys
+import threading
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import smb_client  # noqa: E402
+
+try:
+    from smb_server.commands.local_cluster import LocalCluster  # noqa: E402
+except ImportError:   # an older tree, for A/B runs
+    from smb_server.local_cluster import LocalCluster  # type: ignore[no-redef]  # noqa: E402
+
+
+def worker(rank: int, env: dict[str, str], n: int, name: str, parties: int, rounds: int,
+           out: mp.Queue) -> None:  # type: ignore[type-arg]
+    os.environ.update(env)
+    with smb_client.connect(transport="tcp") as c:
+        if rank == 0:
+            coll = smb_client.Collective.create(c, name, n * 4, parties)
+        else:
+            coll = None
+            deadline = time.monotonic() + 60
+            while coll is None:
+                try:
+                    coll = smb_client.Collective.open(c, name, parties)
+                except smb_client.errors.RegionNotFound:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.05)
+        data = np.empty(n, np.float32)
+        want = float(parties * (parties + 1) // 2)
+        times = []
+        for _ in range(rounds):
+            data.fill(rank + 1)      # all_reduce sums in place
+            start = time.perf_counter()
+            got = coll.all_reduce(data)
+            times.append(time.perf_counter() - start)
+            if not (got[0] == want and got[-1] == want):
+                raise AssertionError(f"rank {rank}: sum {got[0]} != {want}")
+        out.put(times)
+
+
+def raw_socket_rate(nbytes: int) -> float:
+    """MB/s of one loopback TCP connection moving ``nbytes`` (best of 3)."""
+    payload = memoryview(bytearray(nbytes))
+    best = 0.0
+    for _ in range(3):
+        srv = socket.create_server(("127.0.0.1", 0))
+        port = srv.getsockname()[1]
+
+        def sink(srv: socket.socket = srv) -> None:
+            conn, _ = srv.accept()
+            buf = bytearray(1 << 20)
+            got = 0
+            while got < nbytes:
+                got += conn.recv_into(buf)
+            conn.sendall(b"k")
+            conn.close()
+        t = threading.Thread(target=sink)
+        t.start()
+        s = socket.create_connection(("127.0.0.1", port))
+        start = time.perf_counter()
+        s.sendall(payload)
+        s.recv(1)
+        best = max(best, nbytes / (time.perf_counter() - start) / 1e6)
+        s.close()
+        t.join()
+        srv.close()
+    return best
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--servers", type=int, default=2)
+    ap.add_argument("--mbytes", type=float, default=25.0)
+    ap.add_argument("--rounds", type=int, default=8)
+    args = ap.parse_args()
+    n = int(args.mbytes * 1e6) // 4
+    with LocalCluster(args.servers, capacity=max(1 << 30, 8 * n * 4)) as lc:
+        env = {"SMB_CONTROLLER": lc.address, "SMB_TOKEN": lc.token}
+        ctx = mp.get_context("spawn")
+        out: mp.Queue = ctx.Queue()  # type: ignore[type-arg]
+        procs = [ctx.Process(target=worker, args=(r, env, n, "bench/coll", args.workers, args.rounds, out))
+                 for r in range(args.workers)]
+        for p in procs:
+            p.start()
+        results = [out.get(timeout=600) for _ in procs]
+        for p in procs:
+            p.join(60)
+    per_round = [max(r[i] for r in results) for i in range(args.rounds)][1:]   # the first round warms up
+    median = statistics.median(per_round)
+    moved = 2 * n * 4 / median / 1e6
+    raw = raw_socket_rate(n * 4)
+    print(json.dumps({"workers": args.workers, "servers": args.servers, "mbytes": args.mbytes,
+                      "round_s": round(median, 4), "worker_MBps": round(moved, 1),
+                      "raw_socket_MBps": round(raw, 1), "ratio_to_raw": round(moved / raw, 3)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
