@@ -2,8 +2,9 @@
 
 The client owns its gRPC channel and its :class:`~smb_client.dataplane.DataPlane` (one
 data-plane session per memory-server endpoint, shared by every region, and the thread
-pools). Regions use the client only through :attr:`Client.dataplane`,
-:meth:`Client.open_info` and :attr:`Client.chunk_bytes`.
+pools). Regions use the client only through their :class:`~smb_client.route.Route`, which
+needs :attr:`Client.dataplane`, :meth:`Client.open_info`, :meth:`Client.delete_region`
+and :attr:`Client.chunk_bytes` (the :class:`~smb_client.route.RegionSource` protocol).
 """
 from __future__ import annotations
 

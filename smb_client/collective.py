@@ -29,7 +29,9 @@ Every party must call the same collectives in the same order with the same sizes
 with any collective library). PUSH and PULL are numbered requests: a retry after a
 broken connection or a renewed ticket is answered, not applied twice. They travel on
 the tcp plane (on connections that may wait), whatever transport the region's data
-uses. See docs/api.md and docs/architecture.md.
+uses, through the region's route (:meth:`Route.coordinate
+<smb_client.route.Route.coordinate>`), with its ticket renewal, failover and incarnation
+check. See docs/api.md and docs/architecture.md.
 
 The module is longer than 400 lines on purpose: the layout of the chunks, the
 collectives and the piecewise round share one set of counting rules and read best
@@ -44,7 +46,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from smb_protocol import wire
 from smb_protocol.dtypes import DType, itemsize, resolve
@@ -52,12 +54,9 @@ from smb_protocol.errors import DtypeError, InvalidArgument, Misaligned
 from smb_protocol.placement import ExtentPlace, check_weights, chunk_shares
 
 from .buffers import as_view
+from .client import Client
 from .futures import wait_all
-from .transports.tcp import TcpSession
-
-if TYPE_CHECKING:
-    from .client import Client
-    from .region import Region
+from .region import Region
 
 log = logging.getLogger(__name__)
 
@@ -79,12 +78,14 @@ def _check_parties(parties: object) -> None:
 
 
 class _Chunk:
-    """Where chunk ``index`` lives: its server, the extent offsets of its two slots and
+    """Where chunk ``index`` lives: its layout slot and server (``place``, as the region
+    was described when the collective was made), the extent offsets of its two slots and
     of their count words, and its byte range in the caller's buffer."""
 
-    def __init__(self, index: int, place: ExtentPlace, extent_offset: int, region_offset: int,
+    def __init__(self, index: int, slot: int, place: ExtentPlace, extent_offset: int, region_offset: int,
                  start: int, length: int) -> None:
         self.index = index
+        self.slot = slot
         self.place = place
         self.start = start
         self.length = length
@@ -108,7 +109,7 @@ class Collective:
         layout = region.layout
         if layout.kind != "layered" or any(s <= TAIL or (s - TAIL) % 2 for s in layout.segment_sizes):
             raise InvalidArgument(f"region {region.name} is not a collective's (made by Collective.create)")
-        region._check_writable()
+        region.route.check_writable()
         self.region = region
         self.parties = parties
         self.timeout = float(timeout)
@@ -117,8 +118,8 @@ class Collective:
         for i, (seg_off, size) in enumerate(zip(layout.segment_offsets(), layout.segment_sizes, strict=True)):
             (piece,) = layout.map(seg_off, size)
             length = (size - TAIL) // 2
-            self.chunks.append(_Chunk(i, region.extents[piece.extent], piece.extent_offset, seg_off,
-                                      start, length))
+            self.chunks.append(_Chunk(i, piece.extent, region.extents[piece.extent], piece.extent_offset,
+                                      seg_off, start, length))
             start += length
         self.nbytes = start
         # the base of each (slot, chunk): the count when its next round starts; zero for a
@@ -132,7 +133,8 @@ class Collective:
         threads = max(1, min(len(self.chunks), MAX_THREADS))
         self._pushes = ThreadPoolExecutor(threads, thread_name_prefix="smb-push")
         self._pulls = ThreadPoolExecutor(threads, thread_name_prefix="smb-pull")
-        self._lock = threading.Lock()
+        #: held by one round at a time (an AllReduce holds it until it finishes)
+        self.lock = threading.Lock()
 
     # -- making and opening -----------------------------------------------------------
     @staticmethod
@@ -237,7 +239,7 @@ class Collective:
     def destroy(self) -> None:
         """Close, then delete the region (every party must be done with it)."""
         self.close()
-        self.region._client.delete_region(self.region.name)
+        self.region.client.delete_region(self.region.name)
 
     def __enter__(self) -> Collective:
         return self
@@ -246,23 +248,18 @@ class Collective:
         self.close()
 
     # -- requests ---------------------------------------------------------------------
-    def _session(self, chunk: _Chunk) -> TcpSession:
-        session = self.region._dataplane.coordination(chunk.place)
-        assert isinstance(session, TcpSession)
-        return session
-
     def _push(self, chunk: _Chunk, slot: int, base: int, data: list[memoryview], dt: DType) -> None:
-        seq = self.region._dataplane.next_seq()
-        session = self._session(chunk)
-        self.region._retrying(lambda: session.push(
-            self.region._ticket, chunk.place.extent_id, chunk.slots[slot], data, dt,
+        route = self.region.route
+        seq = route.next_seq()
+        route.coordinate(chunk.slot, lambda s, place: s.push(
+            route.ticket, place.extent_id, chunk.slots[slot], data, dt,
             chunk.words[slot], base, self.timeout, seq))
 
     def _pull(self, chunk: _Chunk, slot: int, target: int, out: list[memoryview]) -> None:
-        seq = self.region._dataplane.next_seq()
-        session = self._session(chunk)
-        self.region._retrying(lambda: session.pull(
-            self.region._ticket, chunk.place.extent_id, chunk.slots[slot], out,
+        route = self.region.route
+        seq = route.next_seq()
+        route.coordinate(chunk.slot, lambda s, place: s.pull(
+            route.ticket, place.extent_id, chunk.slots[slot], out,
             chunk.words[slot], target, self.timeout, seq))
 
     def _typed(self, data: Any, dtype: Any) -> tuple[memoryview, DType]:
@@ -280,6 +277,26 @@ class Collective:
         """Submit every job in order (pushes before the pull of the same chunk); wait for
         all; raise the first error."""
         wait_all([pool.submit(fn) for pool, fn in jobs])
+
+    def plan_round(self, nbytes: int) -> tuple[int, list[tuple[_Chunk, int, int]]]:
+        """Start the next all-reduce round (hold :attr:`lock`): its slot, and the chunks
+        a packed buffer of ``nbytes`` covers, each with the bytes of it used and its base
+        count (every party's counts move on by ``2 × parties``)."""
+        slot = self.round % 2
+        bases = self._bases[slot]
+        planned = []
+        for c, n in self._used(nbytes):
+            planned.append((c, n, bases[c.index]))
+            bases[c.index] += 2 * self.parties
+        self.round += 1
+        return slot, planned
+
+    def exchange(self, chunk: _Chunk, slot: int, base: int, parts: list[memoryview],
+                 dt: DType) -> list[Future[None]]:
+        """Push ``parts`` as ``chunk``'s share of a round that starts at count ``base``,
+        and pull the sum into them once every party pushed; the two futures."""
+        return [self._pushes.submit(self._push, chunk, slot, base, parts, dt),
+                self._pulls.submit(self._pull, chunk, slot, base + self.parties, parts)]
 
     def _used(self, nbytes: int) -> list[tuple[_Chunk, int]]:
         """The chunks a buffer of ``nbytes`` covers, with the bytes of each it uses."""
@@ -309,11 +326,11 @@ class Collective:
         is pushed only by ``finish``
         (the round's end can then not be seen by anyone before every party called it)."""
         view, dt = self._typed(data, dtype)
-        self._lock.acquire()
+        self.lock.acquire()
         try:
             return AllReduce(self, view, dt, runs, hold)
         except BaseException:
-            self._lock.release()
+            self.lock.release()
             raise
 
     def broadcast(self, data: Any, root: int, rank: int, dtype: Any = None) -> Any:
@@ -325,7 +342,7 @@ class Collective:
         if len(view) > self.nbytes:
             raise InvalidArgument(f"{len(view)} bytes do not fit collective {self.region.name} "
                                   f"({self.nbytes} bytes)")
-        with self._lock:
+        with self.lock:
             slot = self.round % 2
             bases = self._bases[slot]
             jobs: list[tuple[ThreadPoolExecutor, Callable[[], None]]] = []
@@ -357,7 +374,6 @@ class AllReduce:
         self.coll = coll
         self.view = view
         self.dt = dt
-        self.slot = coll.round % 2
         runs = [(0, len(view))] if runs is None else sorted((o, n) for o, n in runs if n > 0)
         self.runs: list[tuple[int, int, int]] = []       # (buffer offset, length, packed offset)
         packed = 0
@@ -373,16 +389,14 @@ class AllReduce:
         self._missing: dict[int, int] = {}      # chunk index -> bytes not final yet
         self._held: int | None = None
         held = self._packed(hold) if hold is not None else None
-        bases = coll._bases[self.slot]
+        self.slot, planned = coll.plan_round(packed)
         self._bases: dict[int, int] = {}
-        for c, n in coll._used(packed):
+        for c, n, base in planned:
             self._todo[c.index] = (c, n)
             self._missing[c.index] = n
-            self._bases[c.index] = bases[c.index]
-            bases[c.index] += 2 * coll.parties
+            self._bases[c.index] = base
             if held is not None and c.start <= held < c.start + n:
                 self._held = c.index
-        coll.round += 1
         self._finished = False
 
     def _packed(self, offset: int) -> int | None:
@@ -417,10 +431,7 @@ class AllReduce:
     def _launch(self, index: int) -> None:
         c, n = self._todo.pop(index)
         parts = self._pieces(c.start, c.start + n)
-        base = self._bases[index]
-        coll = self.coll
-        self.futures.append(coll._pushes.submit(coll._push, c, self.slot, base, parts, self.dt))
-        self.futures.append(coll._pulls.submit(coll._pull, c, self.slot, base + coll.parties, parts))
+        self.futures.extend(self.coll.exchange(c, self.slot, self._bases[index], parts, self.dt))
 
     def finish(self) -> None:
         """Push what is left (in chunk order), wait for every push and pull; raise the
@@ -433,4 +444,4 @@ class AllReduce:
                 self._launch(index)
             wait_all(self.futures)
         finally:
-            self.coll._lock.release()
+            self.coll.lock.release()

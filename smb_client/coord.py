@@ -14,8 +14,11 @@ no controller call:
   waits until the count reaches ``parties × (generation + 1)``: no reset round.
 
 Transport rule: these requests always go over the server's tcp data plane, whatever
-transport the region's data uses, each wait on a connection of its own (the tcp
-protocol answers in order, so a waiting request holds its connection). The waited word
+transport the region's data uses (:meth:`Route.coordinate
+<smb_client.route.Route.coordinate>` sends them through the server's tcp session, whose
+``wait``, ``lock`` and ``unlock`` use connections of their own: the tcp protocol answers
+in order, so a waiting request holds its connection). They run under the region's
+route, with its ticket renewal, failover and incarnation check. The waited word
 must be changed through the server to wake a wait at once: shm copies and one-sided
 RDMA writes and atomics bypass it, and are seen by the server's re-read every
 :data:`smb_server.memserver.waiters.RECHECK` seconds (0.05). So barriers and locks send
@@ -27,91 +30,31 @@ from __future__ import annotations
 import logging
 import math
 import secrets
-import struct
 import threading
 import time
-from typing import TYPE_CHECKING, Any
 
-from smb_protocol import wire
 from smb_protocol.errors import BarrierTimeout, InvalidArgument, LockNotHeld, Timeout
-from smb_protocol.placement import ExtentPlace
 from smb_protocol.wire import WaitCond
 
-from .transports.tcp import TcpSession
-
-if TYPE_CHECKING:
-    from .region import Region
+from .region import Region
+from .route import WAIT_SLICE, in_slices, until
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Barrier", "Lock", "WaitCond", "wait"]
+__all__ = ["Barrier", "Lock", "WaitCond", "wait", "WAIT_SLICE"]
 
-WAIT_SLICE = 30.0       # seconds one request waits at most; longer waits send several
 DEFAULT_LEASE = 10.0    # seconds
-_WORD = struct.Struct("<q")
-
-
-def _tcp(region: Region, offset: int) -> tuple[ExtentPlace, int, TcpSession]:
-    place, eoff = region._word(offset)
-    session = region._dataplane.coordination(place)
-    if not isinstance(session, TcpSession):
-        raise InvalidArgument(f"coordination needs a tcp session to server {place.server_id}, "
-                              f"got {type(session).__name__}")
-    return place, eoff, session
-
-
-def _request(region: Region, offset: int, op: wire.Op, timeout: float, **args: Any) -> int:
-    """One coordination request on a wait connection of the word's server; the word."""
-    def run() -> int:
-        # looked up on every attempt: a replicated region's retry goes to the new primary
-        place, eoff, session = _tcp(region, offset)
-        with session.waits.borrow() as conn:
-            conn.present(region._ticket)
-            conn.sock.settimeout(timeout + session.io_timeout)
-            try:
-                body = conn.request(op, place.extent_id, eoff, 8, alpha=timeout, **args)
-            finally:
-                if not conn.closed:
-                    conn.sock.settimeout(session.io_timeout)
-        return int(_WORD.unpack(body)[0])
-    return int(region._retrying(run))
-
-
-def _deadline(timeout: float | None) -> float:
-    if timeout is None:
-        return math.inf
-    if not (isinstance(timeout, (int, float)) and timeout >= 0 and not math.isnan(timeout)):
-        raise InvalidArgument(f"timeout must be >= 0 seconds or None, not {timeout!r}")
-    return time.monotonic() + timeout
-
-
-def _sliced(deadline: float, fn: Any) -> int:
-    """Call ``fn(seconds)`` with slices of at most :data:`WAIT_SLICE` until it returns or
-    ``deadline`` (monotonic) passes; the last :class:`Timeout` propagates."""
-    while True:
-        left = max(0.0, min(deadline - time.monotonic(), WAIT_SLICE))
-        try:
-            return int(fn(left))
-        except Timeout:
-            if time.monotonic() >= deadline:
-                raise
 
 
 def wait(region: Region, offset: int, *, value: int | None = None, equals: int | None = None,
          changed_from: int | None = None, timeout: float | None = None) -> int:
     """Block until the int64 at byte ``offset`` of ``region`` is ``>= value``, ``==
-    equals`` or ``!= changed_from`` (exactly one of them); returns the word then.
+    equals`` or ``!= changed_from`` (exactly one of them); returns the word then
+    (:meth:`Region.wait <smb_client.region.Region.wait>`).
 
     ``timeout`` (seconds; None: for ever) raises :class:`~smb_protocol.errors.Timeout`.
     """
-    given = [(c, v) for c, v in ((WaitCond.AT_LEAST, value), (WaitCond.EQUAL, equals),
-                                 (WaitCond.CHANGED, changed_from)) if v is not None]
-    if len(given) != 1:
-        raise InvalidArgument("wait for exactly one of value= (>=), equals= or changed_from=")
-    cond, target = given[0]
-    deadline = _deadline(timeout)
-    return _sliced(deadline, lambda left: _request(region, offset, wire.Op.WAIT, left, dtype=cond,
-                                                   arg0=int(target)))
+    return region.wait(offset, value=value, equals=equals, changed_from=changed_from, timeout=timeout)
 
 
 class Barrier:
@@ -128,8 +71,8 @@ class Barrier:
     def __init__(self, region: Region, offset: int, parties: int) -> None:
         if not isinstance(parties, int) or parties < 1:
             raise InvalidArgument(f"parties must be a positive number, not {parties!r}")
-        region._check_writable()
-        region._word(offset)
+        region.route.check_writable()
+        self._slot, self._eoff = region.route.word(offset)
         self.region = region
         self.offset = offset
         self.parties = parties
@@ -137,13 +80,12 @@ class Barrier:
     def wait(self, timeout: float | None = None) -> int:
         """Arrive and wait for the other parties; returns the generation (0, 1, ...).
         :class:`~smb_protocol.errors.BarrierTimeout` after ``timeout`` seconds."""
-        deadline = _deadline(timeout)
-        seq = self.region._dataplane.next_seq()      # a retry is answered, not added again
-
-        def arrive() -> int:
-            place, eoff, session = _tcp(self.region, self.offset)
-            return int(session.fetch_add(self.region._ticket, place.extent_id, eoff, 1, seq))
-        old = int(self.region._retrying(arrive))
+        deadline = until(timeout)
+        route = self.region.route
+        seq = route.next_seq()      # a retry is answered, not added again
+        # through the server (tcp), whatever the region's transport: it wakes the waits
+        old = route.coordinate(self._slot, lambda s, place: s.fetch_add(
+            route.ticket, place.extent_id, self._eoff, 1, seq))
         generation = old // self.parties
         try:
             wait(self.region, self.offset, value=(generation + 1) * self.parties,
@@ -170,8 +112,8 @@ class Lock:
                  timeout: float | None = None, keepalive: bool = True) -> None:
         if not (isinstance(lease, (int, float)) and 0.01 <= lease <= 86400):
             raise InvalidArgument(f"lease must be 0.01..86400 seconds, not {lease!r}")
-        region._check_writable()
-        region._word(offset)
+        region.route.check_writable()
+        self._slot, self._eoff = region.route.word(offset)
         self.region = region
         self.offset = offset
         self.lease = float(lease)
@@ -190,16 +132,17 @@ class Lock:
         return self._held and self._lost is None
 
     def _lock(self, timeout: float) -> int:
-        return _request(self.region, self.offset, wire.Op.LOCK, timeout, arg0=self.holder,
-                        arg1=max(1, round(self.lease * 1000)))
+        route = self.region.route
+        return route.coordinate(self._slot, lambda s, place: s.lock(
+            route.ticket, place.extent_id, self._eoff, self.holder, self.lease, timeout))
 
     def acquire(self, timeout: float | None = None) -> None:
         """Take the lock, waiting up to ``timeout`` seconds (None: for ever, or this
         lock's ``timeout``); :class:`~smb_protocol.errors.Timeout` when it stays held."""
         if self._held:
             raise InvalidArgument("this lock is already held by this Lock object")
-        deadline = _deadline(self.timeout if timeout is None else timeout)
-        old = _sliced(deadline, self._lock)
+        deadline = until(self.timeout if timeout is None else timeout)
+        old = in_slices(deadline, self._lock)
         if old not in (0, self.holder):
             log.info("lock at byte %d of %s: taken over from holder %#x whose lease ran out",
                      self.offset, self.region.name, old)
@@ -244,7 +187,9 @@ class Lock:
         self._held = False
         if self._lost is not None:
             raise self._lost
-        _request(self.region, self.offset, wire.Op.UNLOCK, 0.0, arg0=self.holder)
+        route = self.region.route
+        route.coordinate(self._slot, lambda s, place: s.unlock(route.ticket, place.extent_id, self._eoff,
+                                                               self.holder))
 
     def __enter__(self) -> Lock:
         self.acquire()

@@ -5,66 +5,40 @@ A :class:`Region` turns a region-relative operation into requests against extent
 servers in parallel, and waits for all of them. Every operation has an ``*_async``
 form returning a :class:`concurrent.futures.Future`.
 
-A region holds no connections: it borrows its client's data-plane sessions (one per
-memory-server endpoint, shared by every region) and hands each request its own ticket.
+A region holds no connections: its :class:`~smb_client.route.Route` (one per region
+handle) maps each request's layout slot to a data-plane session of the client (one per
+memory-server endpoint, shared by every region), hands each request the region's
+ticket, numbers mutating requests, and runs every operation under ticket renewal,
+failover and the check that the handle still names the region it opened (see
+:mod:`smb_client.route`).
 
 Concurrency rules (enforced by the memory servers): accumulates into one range are
 serialized per extent; writes are last-writer-wins; a reader that needs a consistent
 snapshot uses a version word or a lock built on :meth:`Region.compare_swap`.
 
-The module is longer than 400 lines on purpose: every operation's planning, its
-exactly-once numbering and its retry under a renewed ticket share one set of helpers
-and read best together; waits, locks and barriers live in :mod:`.coord`.
-
-Exactly once: an operation is planned once into requests, and every mutating request gets
-its sequence number then (:meth:`DataPlane.next_seq`). When the operation runs again (a
-ticket the server called expired, renewed; a connection that broke, on another one; a
-replicated region's primary that died, at the backup promoted in its place), the same
-requests with the same numbers are sent: those that took effect are answered with their
-first answer by the server and not applied twice.
-
-Replicated regions (``replicas`` > 1): every mutating request goes to its slot's
-*primary* copy over the primary server's tcp plane (the primary orders mutations and
-forwards them to the backups before it answers); reads go to the nearest live copy (one
-on this host over shm, else the primary). A request is planned by layout slot, and the
-copy it goes to is looked up when it runs, so a retry after a failover reaches the new
-primary. When a server does not answer or a copy says it is not the primary, the region
-opens itself again and runs the operation again with the same numbers, for up to
-:data:`FAILOVER_TIMEOUT` seconds (the controller needs a server lease to notice a dead
-server and promote a backup).
+The route lives in :mod:`.route`; locks and barriers in :mod:`.coord`.
 """
 from __future__ import annotations
 
 import logging
-import threading
-import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from smb_client import coord
-from smb_protocol import errors
 from smb_protocol.dtypes import STORAGE, DType, itemsize, resolve
-from smb_protocol.errors import DtypeError, InvalidArgument, Misaligned, ReadOnly, TicketExpired
-from smb_protocol.placement import ExtentPlace, Layout, Run, split_runs
-from smb_protocol.retry import Backoff, Retry
+from smb_protocol.errors import DtypeError, InvalidArgument, Misaligned
+from smb_protocol.placement import ExtentPlace, Layout, Run
 from smb_protocol.tickets import TicketMode
+from smb_protocol.wire import WaitCond
 
 from .buffers import as_view
+from .route import RegionSource, Route, in_slices, layout_of, until
 from .transports import Session
-
-if TYPE_CHECKING:
-    from .client import Client
 
 log = logging.getLogger(__name__)
 
-REFRESH_MARGIN = 60.0      # seconds before expiry a ticket is renewed
-REFRESH_TIMEOUT = 2.0      # seconds an operation keeps renewing a ticket the server calls expired
-EXPLAIN_PATIENCE = 0.5     # seconds a failed operation waits for the controller to say why
-FAILOVER_TIMEOUT = 30.0    # seconds an operation on a replicated region waits for a live primary
-AVOID_SECONDS = 10.0       # seconds a replicated region reads from other copies than a failed server's
 FLOATING_TYPES = (DType.FLOAT32, DType.FLOAT16, DType.BFLOAT16, DType.FLOAT64)
 
 __all__ = ["Region", "ExtentPlace", "layout_of"]
@@ -73,67 +47,68 @@ __all__ = ["Region", "ExtentPlace", "layout_of"]
 BufferOp = Callable[[Session, str, int, int, list[memoryview], int], Any]
 
 
-def layout_of(info: Any) -> Layout:
-    lengths = tuple(e.length for e in info.extents)
-    if info.placement == "striped":
-        layout = Layout.striped(info.size, info.stripe_unit, len(lengths))
-    elif info.placement == "layered":
-        layout = Layout.layered(list(info.segment_sizes), list(info.segment_servers))
-    else:
-        layout = Layout.single(info.size)
-    if layout.extent_lengths != lengths:
-        raise InvalidArgument(f"region {info.name}: extent lengths {lengths} do not match its layout")
-    return layout
-
-
 class Region:
-    """A handle on a named region, under one ticket (renewed as needed). Uses the
-    client's data plane; the :class:`Client` must outlive it. :meth:`close` is kept
-    for ``with`` blocks: the connections belong to the client."""
+    """A handle on one region (one incarnation: :attr:`uid`), under one ticket (renewed
+    as needed). Uses the client's data plane through its :attr:`route`; the client must
+    outlive it. :meth:`close` is kept for ``with`` blocks: the connections belong to the
+    client. Once the region is deleted (and perhaps created again under the same name),
+    every operation raises :class:`~smb_protocol.errors.RegionNotFound`."""
 
-    def __init__(self, client: Client, info: Any, ticket: Any, mode: str | TicketMode) -> None:
-        self._client = client
-        self._dataplane = client.dataplane
-        self.mode = TicketMode(mode)
-        self._lock = threading.Lock()
-        self._avoid: dict[str, float] = {}   # server id -> monotonic time until which reads avoid it
-        self._apply(info, ticket)
+    def __init__(self, client: RegionSource, info: Any, ticket: Any, mode: str | TicketMode) -> None:
+        self.route = Route(client, info, ticket, mode)   # the one way its requests reach the servers
 
-    def _apply(self, info: Any, ticket: Any) -> None:
-        self.name: str = info.name
-        self.uid: str = info.uid
-        self.size: int = info.size
-        self.placement: str = info.placement
-        self.stripe_unit: int = info.stripe_unit
-        self.state: str = info.state
-        self.layout = layout_of(info)
-        #: each layout slot's extent (a replicated region's: the slot's primary copy)
-        self.extents: tuple[ExtentPlace, ...] = tuple(ExtentPlace.from_message(e) for e in info.extents)
-        self.replicas: int = max(1, int(getattr(info, "replicas", 0) or 1))
-        #: the other copies of every slot (backups, and copies being synced)
-        self.copies: tuple[ExtentPlace, ...] = tuple(ExtentPlace.from_message(c)
-                                                     for c in getattr(info, "copies", ()))
-        self._dataplane.learn((*self.extents, *self.copies))   # where the servers listen now
-        self._readers = tuple(self._nearest(slot) for slot in range(len(self.extents)))
-        self._ticket: str = ticket.token
-        self._expires_at: float = ticket.expires_at
+    @property
+    def client(self) -> RegionSource:  # the client that opened this region (borrowed)
+        return self.route.source
 
-    def _nearest(self, slot: int) -> ExtentPlace:
-        """The copy of ``slot`` reads go to: a live copy on this host (shm), else the
-        primary, else a live backup; servers that failed lately come last."""
-        primary = self.extents[slot]
-        if self.replicas == 1:
-            return primary
-        backups = [c for c in self.copies if c.index == slot and c.role == "backup"]
-        here = self._dataplane.here
-        avoid = self._avoid
-        now = time.monotonic()
+    @property
+    def mode(self) -> TicketMode:
+        return self.route.mode
 
-        def rank(p: ExtentPlace) -> tuple[int, int, int]:
-            failed = avoid.get(p.server_id, 0.0) > now
-            local = p.host_id == here and any(u.startswith("shm://") for u in p.endpoints)
-            return (int(failed or p.server_state == "down"), int(not local), int(p is not primary))
-        return min([primary, *backups], key=rank)
+    @property
+    def name(self) -> str:
+        return self.route.name
+
+    @property
+    def uid(self) -> str:
+        """The incarnation this handle is bound to (a region of the same name created
+        later has another)."""
+        return self.route.uid
+
+    @property
+    def size(self) -> int:  # bytes
+        return self.route.size
+
+    @property
+    def placement(self) -> str:
+        return self.route.placement
+
+    @property
+    def stripe_unit(self) -> int:  # bytes (striped placement)
+        return self.route.stripe_unit
+
+    @property
+    def state(self) -> str:
+        """ready, degraded or lost, as the controller said when last asked."""
+        return self.route.state
+
+    @property
+    def layout(self) -> Layout:
+        return self.route.layout
+
+    @property
+    def extents(self) -> tuple[ExtentPlace, ...]:
+        """Each layout slot's extent (a replicated region's: the slot's primary copy)."""
+        return self.route.extents
+
+    @property
+    def replicas(self) -> int:
+        return self.route.replicas
+
+    @property
+    def copies(self) -> tuple[ExtentPlace, ...]:
+        """The other copies of every slot (backups, and copies being synced)."""
+        return self.route.copies
 
     def __repr__(self) -> str:
         return (f"Region({self.name!r}, size={self.size}, placement={self.placement!r}, "
@@ -148,149 +123,45 @@ class Region:
     def close(self) -> None:
         """Nothing to release: the sessions are the client's, shared by its regions."""
 
-    # -- plumbing ------------------------------------------------------------------
     def refresh(self) -> None:
-        """Open the region again: a fresh ticket and the current server list."""
-        info, ticket = self._client.open_info(self.name, self.mode)
-        with self._lock:
-            self._apply(info, ticket)
+        """Open the region again: a fresh ticket and the current server list
+        (RegionNotFound once its name belongs to another region)."""
+        self.route.refresh()
 
     def transports(self) -> dict[str, str]:
         """The transport used for each server of this region (opening sessions); for a
         replicated region, the one its reads use (mutations go to the primary's tcp plane)."""
-        return {p.server_id: self._session(p).scheme for p in (*self.extents, *self.copies)
-                if p.role != "syncing"}
+        return self.route.transports()
 
-    def _session(self, place: ExtentPlace) -> Session:
-        return self._dataplane.session(place)
-
-    def _target(self, slot: int, mutate: bool) -> tuple[Session, ExtentPlace]:
-        """The session and copy a request on layout slot ``slot`` goes to now: a
-        replicated region's mutations go to the primary's tcp plane, its reads to the
-        nearest live copy; an unreplicated region's requests to the slot's extent over
-        the transport chosen for its server."""
-        if self.replicas == 1:
-            place = self.extents[slot]
-            return self._session(place), place
-        if mutate:
-            place = self.extents[slot]
-            return self._dataplane.coordination(place), place
-        place = self._readers[slot]
-        return self._session(place), place
-
-    def _failed(self, place: ExtentPlace) -> None:
-        """Reads of a replicated region avoid ``place``'s server for a while."""
-        if self.replicas > 1:
-            with self._lock:
-                self._avoid[place.server_id] = time.monotonic() + AVOID_SECONDS
-                self._readers = tuple(self._nearest(slot) for slot in range(len(self.extents)))
-
-    def _request(self, slot: int, mutate: bool, send: Callable[[Session, ExtentPlace], Any]) -> Any:
-        """Send one request on ``slot`` to the copy :meth:`_target` names when it runs."""
-        session, place = self._target(slot, mutate)
-        try:
-            return send(session, place)
-        except errors.ServerUnavailable:
-            self._failed(place)
-            raise
-
-    def _retrying(self, fn: Callable[[], Any]) -> Any:
-        """Run ``fn`` under a fresh ticket; after TicketExpired, renew the ticket and run
-        it again (with backoff, for up to :data:`REFRESH_TIMEOUT` seconds). ``fn`` must
-        send the same numbered requests each time it runs (plan them outside ``fn``)."""
-        if time.time() > self._expires_at - REFRESH_MARGIN:
-            self.refresh()
-        try:
-            if self.replicas > 1:
-                return self._failing_over(fn)
-            return self._retrying_once(fn)
-        except (errors.ServerUnavailable, errors.ExtentNotFound) as exc:
-            self._explain(exc)
-            raise
-
-    def _failing_over(self, fn: Callable[[], Any]) -> Any:
-        """:meth:`_retrying_once` for a replicated region: also after a server that did
-        not answer, a copy that is no longer the primary (NotPrimary) or an extent a
-        server no longer holds (a copy the controller replaced), open the region again and
-        run ``fn`` again, for up to :data:`FAILOVER_TIMEOUT` seconds. The controller
-        being unreachable meanwhile is waited out the same way; a region deleted or lost
-        meanwhile raises from the reopening."""
-        attempts = 0
-
-        def attempt() -> Any:
-            nonlocal attempts
-            attempts += 1
-            if attempts > 1:
-                self.refresh()
-            return fn()
-        retry = Retry(on=(TicketExpired, errors.Unavailable, errors.ExtentNotFound),
-                      timeout=FAILOVER_TIMEOUT, backoff=Backoff(first=0.02, cap=0.5))
-        return retry(attempt, what=f"region {self.name}")
-
-    def _explain(self, exc: errors.SMBError) -> None:
-        """After a server was unreachable or no longer held an extent, ask the controller
-        what became of the region: a region that is ``lost`` (its server came back
-        without its memory) raises :class:`~.errors.RegionLost` instead, chained to ``exc``; a
-        deleted one keeps ``exc`` (ExtentNotFound is a RegionNotFound). The operation is
-        not run again (part of it may have taken effect)."""
-        try:
-            info, ticket = self._client.open_info(self.name, self.mode, reconnect_timeout=EXPLAIN_PATIENCE)
-        except errors.RegionLost as why:
-            raise why from exc
-        except errors.SMBError:
-            log.debug("region %s: controller not reachable to explain %r", self.name, exc)
-            return
-        with self._lock:
-            self._apply(info, ticket)      # the servers' current endpoints for the next operation
-
-    def _retrying_once(self, fn: Callable[[], Any]) -> Any:
-        try:                  # the common case first: no retry policy built per operation
-            return fn()
-        except TicketExpired:
-            pass
-
-        def attempt() -> Any:
-            self.refresh()
-            return fn()
-        retry = Retry(on=(TicketExpired,), timeout=REFRESH_TIMEOUT, backoff=Backoff(first=0.01, cap=0.2))
-        return retry(attempt, what=f"region {self.name}")
-
-    def _run(self, tasks: list[Callable[[], Any]]) -> list[Any]:
-        return self._dataplane.run(tasks)
-
-    def _chunks(self, offset: int, length: int, align: int = 1) -> list[Run]:
-        return split_runs(self.layout.runs(offset, length), self._client.chunk_bytes, align)
-
+    # -- planning ------------------------------------------------------------------
     def _tasks(self, offset: int, view: memoryview, align: int, op: BufferOp,
                numbered: bool = True) -> list[Callable[[], Any]]:
-        """One task per request; each reads the region's current ticket and copy when it
+        """One task per request; each reads the route's current ticket and copy when it
         runs and keeps the sequence number given here (``numbered``: a mutating request)."""
-        def task(run: Run, bufs: list[memoryview]) -> Callable[[], Any]:
-            seq = self._dataplane.next_seq() if numbered else 0
-            return lambda: self._request(run.extent, numbered, lambda s, place: op(
-                s, self._ticket, place.extent_id, run.extent_offset, bufs, seq))
-        return [task(run, [view[ro - offset:ro - offset + n] for ro, n in run.parts])
-                for run in self._chunks(offset, len(view), align)]
+        route = self.route
 
-    def _check_writable(self) -> None:
-        if not self.mode.writes:
-            raise ReadOnly(f"region {self.name} was opened read-only")
+        def task(run: Run, bufs: list[memoryview]) -> Callable[[], Any]:
+            seq = route.next_seq() if numbered else 0
+            return lambda: route.request(run.extent, numbered, lambda s, place: op(
+                s, route.ticket, place.extent_id, run.extent_offset, bufs, seq))
+        return [task(run, [view[ro - offset:ro - offset + n] for ro, n in run.parts])
+                for run in route.chunks(offset, len(view), align)]
 
     # -- bytes ---------------------------------------------------------------------
     def write(self, offset: int, data: Any) -> None:
         """Write ``data`` (bytes, numpy array, torch CPU tensor) at ``offset`` bytes."""
-        self._check_writable()
+        self.route.check_writable()
         view, _ = as_view(data)
         self.layout.check_range(offset, len(view))
         tasks = self._tasks(offset, view, 1, _write)
-        self._retrying(lambda: self._run(tasks))
+        self.route.run_all(tasks)
 
     def read_into(self, offset: int, out: Any) -> Any:
         """Fill the writable buffer ``out`` from ``offset``; returns ``out``."""
         view, _ = as_view(out, writable=True)
         self.layout.check_range(offset, len(view))
         tasks = self._tasks(offset, view, 1, _read, numbered=False)
-        self._retrying(lambda: self._run(tasks))
+        self.route.run_all(tasks)
         return out
 
     def read(self, offset: int = 0, length: int | None = None, dtype: Any = None) -> Any:
@@ -324,23 +195,23 @@ class Region:
 
     def accumulate(self, offset: int, data: Any, dtype: Any = None) -> None:
         """Server-side ``region[offset:] += data`` elementwise."""
-        self._check_writable()
+        self.route.check_writable()
         view, dt = self._typed(offset, data, dtype)
         tasks = self._tasks(offset, view, itemsize(dt), _accumulate(dt))
-        self._retrying(lambda: self._run(tasks))
+        self.route.run_all(tasks)
 
     def axpy(self, offset: int, x: Any, alpha: float, dtype: Any = None) -> None:
         """Server-side ``region[offset:] += alpha * x`` elementwise (a floating type)."""
-        self._check_writable()
+        self.route.check_writable()
         view, dt = self._typed(offset, x, dtype)
         if dt not in FLOATING_TYPES:
             raise DtypeError(f"axpy needs a floating type, not {dt.name.lower()}")
         tasks = self._tasks(offset, view, itemsize(dt), _accumulate(dt, float(alpha)))
-        self._retrying(lambda: self._run(tasks))
+        self.route.run_all(tasks)
 
     def scale(self, offset: int, length: int, alpha: float, dtype: Any) -> None:
         """Server-side ``region[offset:offset+length] *= alpha`` (length in bytes)."""
-        self._check_writable()
+        self.route.check_writable()
         dt = resolve(dtype)
         if dt not in FLOATING_TYPES:
             raise DtypeError(f"scale needs a floating type, not {dt.name.lower()}")
@@ -350,48 +221,52 @@ class Region:
         self.layout.check_range(offset, length)
         a = float(alpha)
 
+        route = self.route
+
         def task(run: Run) -> Callable[[], None]:
-            seq = self._dataplane.next_seq()
-            return lambda: self._request(run.extent, True, lambda s, place: s.scale(
-                self._ticket, place.extent_id, run.extent_offset, run.length, dt, a, seq))
-        tasks = [task(r) for r in self._chunks(offset, length, size)]
-        self._retrying(lambda: self._run(tasks))
-
-    def _word(self, offset: int) -> tuple[ExtentPlace, int]:
-        slot, eoff = self._slot_word(offset)
-        return self.extents[slot], eoff
-
-    def _slot_word(self, offset: int) -> tuple[int, int]:
-        """The layout slot and extent offset of the int64 word at ``offset``."""
-        if offset % 8:
-            raise Misaligned(f"atomic word offset {offset} is not 8-byte aligned")
-        pieces = self.layout.map(offset, 8)
-        if len(pieces) != 1:
-            raise Misaligned(f"word at {offset} straddles two extents")
-        return pieces[0].extent, pieces[0].extent_offset
+            seq = route.next_seq()
+            return lambda: route.request(run.extent, True, lambda s, place: s.scale(
+                route.ticket, place.extent_id, run.extent_offset, run.length, dt, a, seq))
+        tasks = [task(r) for r in route.chunks(offset, length, size)]
+        self.route.run_all(tasks)
 
     def fetch_add(self, offset: int, value: int) -> int:
         """Atomically add ``value`` to the int64 at ``offset``; returns the old value."""
-        self._check_writable()
-        slot, eoff = self._slot_word(offset)
-        seq = self._dataplane.next_seq()
-        return int(self._retrying(lambda: self._request(slot, True, lambda s, place: s.fetch_add(
-            self._ticket, place.extent_id, eoff, int(value), seq))))
+        route = self.route
+        route.check_writable()
+        slot, eoff = route.word(offset)
+        seq = route.next_seq()
+        return int(route.run(lambda: route.request(slot, True, lambda s, place: s.fetch_add(
+            route.ticket, place.extent_id, eoff, int(value), seq))))
 
     def compare_swap(self, offset: int, expected: int, desired: int) -> int:
         """Atomically set the int64 at ``offset`` to ``desired`` if it equals ``expected``;
         returns the old value (equal to ``expected`` when the swap happened)."""
-        self._check_writable()
-        slot, eoff = self._slot_word(offset)
-        seq = self._dataplane.next_seq()
-        return int(self._retrying(lambda: self._request(slot, True, lambda s, place: s.compare_swap(
-            self._ticket, place.extent_id, eoff, int(expected), int(desired), seq))))
+        route = self.route
+        route.check_writable()
+        slot, eoff = route.word(offset)
+        seq = route.next_seq()
+        return int(route.run(lambda: route.request(slot, True, lambda s, place: s.compare_swap(
+            route.ticket, place.extent_id, eoff, int(expected), int(desired), seq))))
 
     def wait(self, offset: int, *, value: int | None = None, equals: int | None = None,
              changed_from: int | None = None, timeout: float | None = None) -> int:
         """Block, without polling, until the int64 at ``offset`` is ``>= value``, ``== equals``
-        or ``!= changed_from``; returns it. Timeout after ``timeout`` s (see :mod:`.coord`)."""
-        return coord.wait(self, offset, value=value, equals=equals, changed_from=changed_from, timeout=timeout)
+        or ``!= changed_from`` (exactly one of them); returns the word then.
+
+        ``timeout`` (seconds; None: for ever) raises :class:`~smb_protocol.errors.Timeout`.
+        The wait is served by the word's memory server (see :mod:`.coord`).
+        """
+        given = [(c, v) for c, v in ((WaitCond.AT_LEAST, value), (WaitCond.EQUAL, equals),
+                                     (WaitCond.CHANGED, changed_from)) if v is not None]
+        if len(given) != 1:
+            raise InvalidArgument("wait for exactly one of value= (>=), equals= or changed_from=")
+        cond, target = given[0]
+        deadline = until(timeout)
+        route = self.route
+        slot, eoff = route.word(offset)
+        return in_slices(deadline, lambda left: route.coordinate(slot, lambda s, place: s.wait(
+            route.ticket, place.extent_id, eoff, cond, int(target), left)))
 
     # -- batched forms -------------------------------------------------------------
     def _many(self, items: Iterable[tuple[int, Any]], fn: Callable[[int, Any], list[Callable[[], Any]]]) -> None:
@@ -399,11 +274,11 @@ class Region:
         for offset, data in items:
             tasks.extend(fn(offset, data))
         if tasks:
-            self._retrying(lambda: self._run(tasks))
+            self.route.run_all(tasks)
 
     def write_many(self, items: Iterable[tuple[int, Any]]) -> None:
         """Write several ``(offset, data)`` pairs, all servers in parallel."""
-        self._check_writable()
+        self.route.check_writable()
 
         def plan(offset: int, data: Any) -> list[Callable[[], Any]]:
             view, _ = as_view(data)
@@ -432,11 +307,12 @@ class Region:
         Every word is checked (alignment, bounds) before any is touched. Each add is
         atomic; the batch is not (another client's atomics may interleave).
         """
-        self._check_writable()
+        route = self.route
+        route.check_writable()
         batches: dict[int, tuple[int, list[int], list[tuple[int, int]]]] = {}
         n = 0
         for offset, value in items:
-            slot, eoff = self._slot_word(offset)
+            slot, eoff = route.word(offset)
             _, where, ops = batches.setdefault(slot, (slot, [], []))
             where.append(n)
             ops.append((eoff, int(value)))
@@ -444,21 +320,22 @@ class Region:
         olds = [0] * n
 
         def batch(slot: int, where: list[int], ops: list[tuple[int, int]]) -> Callable[[], None]:
-            seq = self._dataplane.next_seq()      # word k of the batch: seq + k
+            seq = route.next_seq()      # word k of the batch: seq + k
+
             def run() -> None:
-                got = self._request(slot, True, lambda s, place: s.fetch_add_many(
-                    self._ticket, place.extent_id, ops, seq))
+                got = route.request(slot, True, lambda s, place: s.fetch_add_many(
+                    route.ticket, place.extent_id, ops, seq))
                 for k, old in zip(where, got, strict=True):
                     olds[k] = old
             return run
         tasks = [batch(*b) for b in batches.values()]
         if tasks:
-            self._retrying(lambda: self._run(tasks))
+            self.route.run_all(tasks)
         return olds
 
     def accumulate_many(self, items: Iterable[tuple[int, Any]], dtype: Any = None) -> None:
         """Accumulate several ``(offset, data)`` pairs, all servers in parallel."""
-        self._check_writable()
+        self.route.check_writable()
 
         def plan(offset: int, data: Any) -> list[Callable[[], Any]]:
             view, dt = self._typed(offset, data, dtype)
@@ -467,7 +344,7 @@ class Region:
 
     # -- asynchronous forms --------------------------------------------------------
     def _submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future[Any]:
-        return self._dataplane.submit(fn, *args, **kwargs)
+        return self.route.submit(fn, *args, **kwargs)
 
     def write_async(self, offset: int, data: Any) -> Future[Any]:
         return self._submit(self.write, offset, data)

@@ -15,6 +15,7 @@ from typing import Any
 
 from smb_protocol.addressing import Endpoint
 from smb_protocol.dtypes import DType
+from smb_protocol.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,47 @@ class Session(abc.ABC):
     @abc.abstractmethod
     def compare_swap(self, ticket: str, extent_id: int, offset: int, expected: int, desired: int,
                      seq: int = 0) -> int: ...
+
+    # -- coordination: requests that wait at the server (see smb_client.coord) ----------
+    # Served by the tcp plane, whose session keeps connections of their own for them (a
+    # waiting request holds its connection until it is answered); other sessions send
+    # them through their server's tcp session or refuse them.
+
+    def wait(self, ticket: str, extent_id: int, offset: int, cond: int, target: int,
+             timeout: float) -> int:
+        """Block at the server until the int64 at ``offset`` meets ``cond`` (a
+        :class:`~smb_protocol.wire.WaitCond`) against ``target``, up to ``timeout``
+        seconds (then :class:`~smb_protocol.errors.Timeout`); returns the word then."""
+        raise self._no_coordination("wait")
+
+    def lock(self, ticket: str, extent_id: int, offset: int, holder: int, lease: float,
+             timeout: float) -> int:
+        """Take the lock word at ``offset`` for ``holder`` (non-zero) with a lease of
+        ``lease`` seconds, or renew it, waiting up to ``timeout`` seconds while another
+        holder's lease runs (then Timeout); returns the word before (0: it was free)."""
+        raise self._no_coordination("lock")
+
+    def unlock(self, ticket: str, extent_id: int, offset: int, holder: int) -> int:
+        """Free the lock word at ``offset`` held by ``holder`` (LockNotHeld otherwise)."""
+        raise self._no_coordination("unlock")
+
+    def push(self, ticket: str, extent_id: int, offset: int, buffers: Sequence[memoryview], dtype: DType,
+             word: int, base: int, timeout: float, seq: int = 0) -> int:
+        """A collective's ``PUSH`` (see :data:`smb_protocol.wire.COLLECTIVE_OPS`): store or
+        add ``buffers`` at ``offset`` once the count ``word`` reached ``base``, waiting up
+        to ``timeout`` seconds; the count before."""
+        raise self._no_coordination("push")
+
+    def pull(self, ticket: str, extent_id: int, offset: int, buffers: Sequence[memoryview], word: int,
+             target: int, timeout: float, seq: int = 0) -> None:
+        """A collective's ``PULL`` into ``buffers`` once the count ``word`` reached
+        ``target``, waiting up to ``timeout`` seconds (see
+        :data:`smb_protocol.wire.COLLECTIVE_OPS`)."""
+        raise self._no_coordination("pull")
+
+    def _no_coordination(self, what: str) -> InvalidArgument:
+        return InvalidArgument(f"a {self.scheme or type(self).__name__} session does not serve {what}: "
+                               "coordination goes over the server's tcp session")
 
     @abc.abstractmethod
     def close(self) -> None: ...

@@ -340,6 +340,25 @@ class ShmSession(Session):
                      seq: int = 0) -> int:
         return self._server().compare_swap(ticket, extent_id, offset, expected, desired, seq)
 
+    def wait(self, ticket: str, extent_id: int, offset: int, cond: int, target: int,
+             timeout: float) -> int:
+        return self._server().wait(ticket, extent_id, offset, cond, target, timeout)
+
+    def lock(self, ticket: str, extent_id: int, offset: int, holder: int, lease: float,
+             timeout: float) -> int:
+        return self._server().lock(ticket, extent_id, offset, holder, lease, timeout)
+
+    def unlock(self, ticket: str, extent_id: int, offset: int, holder: int) -> int:
+        return self._server().unlock(ticket, extent_id, offset, holder)
+
+    def push(self, ticket: str, extent_id: int, offset: int, buffers: Sequence[memoryview], dtype: DType,
+             word: int, base: int, timeout: float, seq: int = 0) -> int:
+        return self._server().push(ticket, extent_id, offset, buffers, dtype, word, base, timeout, seq)
+
+    def pull(self, ticket: str, extent_id: int, offset: int, buffers: Sequence[memoryview], word: int,
+             target: int, timeout: float, seq: int = 0) -> None:
+        self._server().pull(ticket, extent_id, offset, buffers, word, target, timeout, seq)
+
     def close(self) -> None:
         """Unmaps every extent; the arithmetic session belongs to the caller."""
         with self._lock:

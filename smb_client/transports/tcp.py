@@ -317,16 +317,30 @@ class TcpSession(Session):
                         seq=seq)
         return int(_WORD.unpack(body)[0])
 
+    def wait(self, ticket: str, extent_id: int, offset: int, cond: int, target: int,
+             timeout: float) -> int:
+        body = self._do(ticket, wire.Op.WAIT, extent_id, offset, 8, dtype=cond, arg0=target, alpha=timeout,
+                        waits=timeout)
+        return int(_WORD.unpack(body)[0])
+
+    def lock(self, ticket: str, extent_id: int, offset: int, holder: int, lease: float,
+             timeout: float) -> int:
+        body = self._do(ticket, wire.Op.LOCK, extent_id, offset, 8, arg0=holder, arg1=round(lease * 1000),
+                        alpha=timeout, waits=timeout)
+        return int(_WORD.unpack(body)[0])
+
+    def unlock(self, ticket: str, extent_id: int, offset: int, holder: int) -> int:
+        body = self._do(ticket, wire.Op.UNLOCK, extent_id, offset, 8, arg0=holder, waits=0.0)
+        return int(_WORD.unpack(body)[0])
+
     def push(self, ticket: str, extent_id: int, offset: int, buffers: Sequence[memoryview], dtype: DType,
              word: int, base: int, timeout: float, seq: int = 0) -> int:
-        """A collective's ``PUSH`` (see :data:`smb_protocol.wire.COLLECTIVE_OPS`); the count before."""
         body = self._do(ticket, wire.Op.PUSH, extent_id, offset, sum(len(b) for b in buffers), dtype=dtype,
                         arg0=word, arg1=base, alpha=timeout, payload=buffers, seq=seq, waits=timeout)
         return int(_WORD.unpack(body)[0])
 
     def pull(self, ticket: str, extent_id: int, offset: int, buffers: Sequence[memoryview], word: int,
              target: int, timeout: float, seq: int = 0) -> None:
-        """A collective's ``PULL`` into ``buffers`` (see :data:`smb_protocol.wire.COLLECTIVE_OPS`)."""
         self._do(ticket, wire.Op.PULL, extent_id, offset, sum(len(b) for b in buffers), arg0=word,
                  arg1=target, alpha=timeout, into=buffers, seq=seq, waits=timeout)
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from smb_client.transports.rdma import RdmaSession, _Broken
+from smb_client.transports.rdma import Broken, RdmaSession
 from smb_protocol import errors, tickets
 from smb_protocol.addressing import parse_endpoint
 from smb_protocol.dtypes import DType, bf16_to_f32, f32_to_bf16
@@ -244,7 +244,7 @@ def test_deleted_extents_rkeys_stop_working(server, uri):
     out = bytearray(MiB)
     addr = memoryview_address(out)
     mr = other.shared.device.create_mr(addr, len(out), e.IBV_ACCESS_LOCAL_WRITE)
-    with pytest.raises(_Broken) as info:
+    with pytest.raises(Broken) as info:
         conn.post_rdma([(addr, mr.lkey, 4096, stale.address, stale.rkey)], read=True)
     conn.broken = True
     other.pool.release(conn)

@@ -44,10 +44,10 @@ __all__ = ["RegistrationCache"]
 # (pure bookkeeping) stays importable, and testable, without it.
 if verbs.pyverbs_available():
     from .. import register
-    from .connection import RdmaConnection, RemoteExtent, _Broken
+    from .connection import Broken, RdmaConnection, RemoteExtent
     from .session import RdmaSession
 
-    __all__ += ["RdmaSession", "RdmaConnection", "RemoteExtent", "_Broken"]
+    __all__ += ["RdmaSession", "RdmaConnection", "RemoteExtent", "Broken"]
     register("rdma", RdmaSession)
 else:
     log.debug("rdma transport unavailable: pyverbs is not installed "

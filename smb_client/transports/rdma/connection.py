@@ -18,7 +18,7 @@ import struct
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from smb_protocol import rdma_wire, rpc
 from smb_protocol.errors import (
@@ -35,9 +35,6 @@ from smb_protocol.errors import (
 from smb_protocol.rdma import verbs
 from smb_protocol.rdma.endpoint import RcEndpoint
 from smb_protocol.rdma_wire import MSG_BYTES, MsgOp
-
-if TYPE_CHECKING:
-    from .session import RdmaSession
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +57,7 @@ _I64 = struct.Struct("<q")
 _U64_MASK = (1 << 64) - 1
 
 
-class _Broken(Exception):
+class Broken(Exception):
     """An error completion: the QP is unusable. ``error`` is what the caller sees;
     ``reconnect`` says whether a fresh Connect may fix it (retry once)."""
 
@@ -85,19 +82,36 @@ class TicketKeys:
     writable: bool
 
 
+@dataclass(frozen=True)
+class Peer:
+    """What a queue pair needs of the session that makes it: the server (``where``, for
+    messages), the shared device, the gRPC channel of the server's ``Connect`` (a
+    callable: opened on first use, owned by the session), the bearer token, the seconds
+    ``Connect`` may take, the largest message (bytes; 0: the device's) and the client id
+    that numbers requests."""
+
+    where: str
+    device: Any
+    channel: Callable[[], Any]
+    token: str | None
+    connect_timeout: float
+    max_message: int
+    client_id: int
+
+
 class RdmaConnection:
-    """One RC queue pair of a session, with the keys of every ticket presented on it.
+    """One RC queue pair to ``peer``, with the keys of every ticket presented on it.
 
     Owns its endpoint; :meth:`close` destroys it. ``closed`` is true once it broke (an
     error completion, a lost reply) or was closed: the pool then drops it.
     """
 
-    def __init__(self, session: RdmaSession) -> None:
-        self.session = session
-        self.where = session.where
+    def __init__(self, peer: Peer) -> None:
+        self.peer = peer
+        self.where = peer.where
         self._atomic_off = 2 * RECV_DEPTH * MSG_BYTES
         self.bounce_off = self._atomic_off + PAGE
-        self.ep = RcEndpoint(session.shared.device, self.bounce_off + BOUNCE_BYTES, sq_depth=SQ_DEPTH,
+        self.ep = RcEndpoint(peer.device, self.bounce_off + BOUNCE_BYTES, sq_depth=SQ_DEPTH,
                              recv_slots=RECV_DEPTH, slot_bytes=MSG_BYTES, recv_wr_base=RECV_WR_BASE,
                              cq_depth=CQ_DEPTH)
         self.view = self.ep.view
@@ -132,7 +146,7 @@ class RdmaConnection:
     def _present(self, token: str) -> TicketKeys:
         from smb_protocol._proto.smb.v1 import memory_server_pb2 as pb
         from smb_protocol._proto.smb.v1 import memory_server_pb2_grpc as pb_grpc
-        s = self.session
+        s = self.peer
         local = self.ep.local_info()
         stub = pb_grpc.MemoryServerStub(s.channel())  # type: ignore[no-untyped-call]  # generated stub, untyped __init__
         try:
@@ -144,7 +158,7 @@ class RdmaConnection:
                 raise
             # the server dropped this queue pair (or is gone): a fresh one must connect
             self.broken = True
-            raise _Broken(exc, True) from None
+            raise Broken(exc, True) from None
         if self.remote is None:
             remote = verbs.QPInfo(resp.qpn, resp.psn, bytes(resp.gid), resp.mtu, resp.lid)
             mtu = verbs.negotiate_mtu(local.mtu, remote.mtu)
@@ -165,7 +179,7 @@ class RdmaConnection:
         elif (resp.qpn, resp.psn) != (self.remote.qpn, self.remote.psn):
             # the server no longer knows this QP (it dropped it): a fresh one must connect
             self.broken = True
-            raise _Broken(ServerUnavailable(f"{self.where}: the server dropped this queue pair"), True)
+            raise Broken(ServerUnavailable(f"{self.where}: the server dropped this queue pair"), True)
         keys = TicketKeys({x.extent_id: RemoteExtent(x.address, x.rkey, x.length) for x in resp.extents},
                           writable=resp.staging_length > 0)
         if resp.staging_length:
@@ -179,11 +193,11 @@ class RdmaConnection:
         try:
             return keys.extents[extent_id]
         except KeyError:
-            raise _Broken(ExtentNotFound(f"{self.where}: extent {extent_id} is not offered to this "
+            raise Broken(ExtentNotFound(f"{self.where}: extent {extent_id} is not offered to this "
                                          "ticket (region deleted, or not on this server)"), True) from None
 
     # -- completions --------------------------------------------------------------------
-    def _fail(self, wc: Any, what: str) -> _Broken:
+    def _fail(self, wc: Any, what: str) -> Broken:
         import pyverbs.enums as e
         self.broken = True
         name = verbs.wc_status_name(wc.status)
@@ -193,23 +207,23 @@ class RdmaConnection:
         if (wc.status in (e.IBV_WC_REM_ACCESS_ERR, e.IBV_WC_REM_INV_REQ_ERR)
                 and what in ("write", "atomic") and not self.op_writable):
             # the rkey is of the extent's read-only registration
-            return _Broken(ReadOnly(f"{self.where}: the server refused a remote {what}: "
+            return Broken(ReadOnly(f"{self.where}: the server refused a remote {what}: "
                                     "the region was opened read-only"), False)
         if wc.status == e.IBV_WC_REM_ACCESS_ERR:
-            return _Broken(ExtentNotFound(f"{self.where}: remote access refused ({name}): the "
+            return Broken(ExtentNotFound(f"{self.where}: remote access refused ({name}): the "
                                           "extent is no longer registered (region deleted?)"), True)
         if wc.status in (e.IBV_WC_RETRY_EXC_ERR, e.IBV_WC_RNR_RETRY_EXC_ERR):
-            return _Broken(ServerUnavailable(f"{self.where}: no answer from the server ({name}); "
+            return Broken(ServerUnavailable(f"{self.where}: no answer from the server ({name}); "
                                              "it died, or dropped this connection"), again)
         if wc.status == e.IBV_WC_REM_INV_REQ_ERR:
-            return _Broken(OutOfRange(f"{self.where}: the server refused the request ({name})"), False)
+            return Broken(OutOfRange(f"{self.where}: the server refused the request ({name})"), False)
         if wc.status == e.IBV_WC_WR_FLUSH_ERR:
-            return _Broken(ServerUnavailable(f"{self.where}: queue pair flushed ({name})"), again)
-        return _Broken(ServerError(f"{self.where}: {what} failed: {name} (vendor error "
+            return Broken(ServerUnavailable(f"{self.where}: queue pair flushed ({name})"), again)
+        return Broken(ServerError(f"{self.where}: {what} failed: {name} (vendor error "
                                    f"{getattr(wc, 'vendor_err', 0)})"), again)
 
     def _poll(self, what: str) -> int:
-        """Take completions; updates ``done`` and ``replies``; raises _Broken."""
+        """Take completions; updates ``done`` and ``replies``; raises Broken."""
         import pyverbs.enums as e
         wcs = self.ep.poll(POLL_BATCH)
         for wc in wcs:
@@ -221,10 +235,10 @@ class RdmaConnection:
                     req_id, status, message = rdma_wire.unpack_reply(self.ep.slot(slot))
                 except ValueError as exc:
                     self.broken = True
-                    raise _Broken(ProtocolError(f"{self.where}: {exc}"), True) from None
+                    raise Broken(ProtocolError(f"{self.where}: {exc}"), True) from None
                 if req_id == 0:  # the server's notice: it is dropping this QP
                     self.broken = True
-                    raise _Broken(status_error(status, f"{self.where}: {message}"), True)
+                    raise Broken(status_error(status, f"{self.where}: {message}"), True)
                 self.ep.repost(slot)
                 self.replies[req_id] = (status, message)
             elif wc.wr_id > self.done:
@@ -251,7 +265,7 @@ class RdmaConnection:
             elif time.monotonic() > deadline:
                 self.broken = True
                 # READ/WRITE may run again on a fresh QP; atomics and arithmetic may not
-                raise _Broken(Timeout(f"{self.where}: {what} did not complete within {OP_TIMEOUT} s"),
+                raise Broken(Timeout(f"{self.where}: {what} did not complete within {OP_TIMEOUT} s"),
                               what in ("read", "write"))
             time.sleep(nap)
             nap = min(NAP_MAX, nap * 2)
@@ -347,7 +361,7 @@ class RdmaConnection:
         slot = RECV_DEPTH + self._send_slot
         self._send_slot = (self._send_slot + 1) % RECV_DEPTH
         rdma_wire.pack_request(self.ep.slot(slot), op, req_id, extent_id, offset, length, dtype,
-                               staging_offset, alpha, self.session.client_id if seq else 0, seq)
+                               staging_offset, alpha, self.peer.client_id if seq else 0, seq)
         need = len(writes) + 1
         last = self.seq + need
         self.wait(lambda: self.seq + need - self.done <= SQ_DEPTH, "send")
@@ -384,7 +398,7 @@ class RdmaConnection:
             self.send_request(MsgOp.BYE, signaled=True)
             seq = self.seq
             self.wait(lambda: self.done >= seq, "bye")
-        except (_Broken, Exception) as exc:
+        except (Broken, Exception) as exc:
             log.debug("%s: BYE not delivered: %s", self.where, exc)
 
     def close(self) -> None:

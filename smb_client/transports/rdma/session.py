@@ -15,7 +15,7 @@ from smb_protocol.rdma_wire import MsgOp
 
 from .. import Session
 from ..pool import ConnectionPool
-from .connection import RdmaConnection, RemoteExtent, TicketKeys, _Broken
+from .connection import BOUNCE_BYTES, Broken, Peer, RdmaConnection, RemoteExtent, TicketKeys
 from .device import SharedDevice
 from .registration import address_of, owner_of
 
@@ -61,8 +61,10 @@ class RdmaSession(Session):
                                      or os.environ.get(ENV_CONNECT_TIMEOUT) or CONNECT_TIMEOUT)
         self.shared = SharedDevice.get(options.get("device") or None)
         self._channel: Any = None
+        peer = Peer(self.where, self.shared.device, self.channel, self.token, self.connect_timeout,
+                    self.max_message, self.client_id)
         self.pool: ConnectionPool[RdmaConnection] = ConnectionPool(
-            lambda: RdmaConnection(self), max(1, int(options.get("connections", 2))), self.where)
+            lambda: RdmaConnection(peer), max(1, int(options.get("connections", 2))), self.where)
 
     def channel(self) -> Any:
         """The gRPC channel to the server's ``Connect`` (opened on first use, owned)."""
@@ -80,7 +82,7 @@ class RdmaSession(Session):
                 keys = conn.keys(ticket)
                 conn.op_writable = keys.writable
                 return fn(conn, keys)
-            except _Broken as exc:
+            except Broken as exc:
                 conn.broken = True
                 if attempt == 0 and exc.reconnect:
                     log.info("%s: %s; connecting again", self.where, exc.error)
@@ -96,7 +98,6 @@ class RdmaSession(Session):
         """(address, lkey, length) of each buffer: cached registration, bounce buffer
         (copied in for writes; ``bounced`` lists copies back for reads) or a
         registration for this operation only (in ``temps``)."""
-        from .connection import BOUNCE_BYTES
         out = []
         bounce_used = 0
         cache = self.shared.cache
@@ -283,7 +284,7 @@ class RdmaSession(Session):
     def _do_arith(self, ticket: str, run: Callable[[RdmaConnection, TicketKeys, dict[str, bool]], None],
                   seq: int = 0) -> None:
         """Server errors arrive as replies (typed, QP intact); error completions as
-        _Broken. A numbered request (``seq``) runs again on a fresh queue pair: the
+        Broken. A numbered request (``seq``) runs again on a fresh queue pair: the
         server answers its messages that took effect and applies the others. An
         unnumbered one could apply twice, so only failures before its first message
         (a stale extent map) connect again."""
@@ -291,7 +292,7 @@ class RdmaSession(Session):
             state = {"sent": False}
             try:
                 run(conn, keys, state)
-            except _Broken as exc:
+            except Broken as exc:
                 if state["sent"] and not seq:
                     exc.reconnect = False
                 raise

@@ -91,14 +91,14 @@ def test_shared_connection_keeps_each_regions_rights(four):
         with pytest.raises(errors.ReadOnly):
             ro.write(0, b"changed")                             # the client refuses ...
         place = ro.extents[0]
-        session = ro._session(place)
-        assert session is b._session(next(e for e in b.extents if e.server_id == place.server_id))
+        session = ro.route.session(place)
+        assert session is b.route.session(next(e for e in b.extents if e.server_id == place.server_id))
         with pytest.raises(errors.ReadOnly):                    # ... and so does the server
-            session.write(ro._ticket, place.extent_id, 0, [memoryview(b"changed")])
+            session.write(ro.route.ticket, place.extent_id, 0, [memoryview(b"changed")])
         with pytest.raises(errors.ReadOnly):                    # b's rw ticket lends nothing to a
-            session.write(b._ticket, place.extent_id, 0, [memoryview(b"changed")])
+            session.write(b.route.ticket, place.extent_id, 0, [memoryview(b"changed")])
         with pytest.raises(errors.ReadOnly):
-            session.fetch_add(ro._ticket, place.extent_id, 0, 1)
+            session.fetch_add(ro.route.ticket, place.extent_id, 0, 1)
         b.write(0, b"B-still-ok")
         assert bytes(b.read(0, 10)) == b"B-still-ok"
         assert bytes(ro.read(0, 10)) == b"A-original"
@@ -119,10 +119,10 @@ def test_shm_mapping_shared_by_read_only_and_read_write_handles(cluster, name):
         rw = c.open_region(name)
         rw.write(0, b"written!")                             # remapped writable
         place = ro.extents[0]
-        session = ro._session(place)
-        assert session is rw._session(place) and session.scheme == "shm"
+        session = ro.route.session(place)
+        assert session is rw.route.session(place) and session.scheme == "shm"
         with pytest.raises(errors.ReadOnly):
-            session.write(ro._ticket, place.extent_id, 0, [memoryview(b"changed!")])
+            session.write(ro.route.ticket, place.extent_id, 0, [memoryview(b"changed!")])
         assert bytes(ro.read(0, 8)) == b"written!"
         rw.accumulate(8, np.ones(2, np.float32))             # arithmetic over the shared tcp session
         assert list(ro.read(8, 8, dtype="float32")) == [1.0, 1.0]
@@ -156,16 +156,16 @@ def test_expired_ticket_is_renewed_and_the_operation_runs_again(cluster, name, t
         r = c.create_region(name, MiB, stripe_unit=64 << 10)
         r.write(0, b"payload!")
         ids = [e.extent_id for e in r.extents]
-        r._expires_at = time.time() + 3600                   # skip the early renewal
-        r._ticket = tickets.sign(secret, r.uid, ids, "rw", ttl=0.5)[0]
+        r.route.expires_at = time.time() + 3600                   # skip the early renewal
+        r.route.ticket = tickets.sign(secret, r.uid, ids, "rw", ttl=0.5)[0]
         assert bytes(r.read(0, 8)) == b"payload!"            # presented while still valid
         time.sleep(0.6)
-        short = r._ticket
+        short = r.route.ticket
         r.accumulate(8, np.ones(4, np.float32))              # expired: renewed, run again
-        assert r._ticket != short
+        assert r.route.ticket != short
         assert list(r.read(8, 16, dtype="float32")) == [1.0] * 4
-        r._expires_at = time.time() + 3600
-        r._ticket = tickets.sign(secret, r.uid, ids, "rw", ttl=-1)[0]   # refused at HELLO
+        r.route.expires_at = time.time() + 3600
+        r.route.ticket = tickets.sign(secret, r.uid, ids, "rw", ttl=-1)[0]   # refused at HELLO
         r.write(0, b"renewed!")
         assert bytes(r.read(0, 8)) == b"renewed!"
         c.delete_region(name)

@@ -62,19 +62,19 @@ def test_server_checks_bounds_too(cluster, client, witness, name):
     """Requests that skip the client's own checks are refused by the memory server."""
     r = client.create_region(name, MiB, placement="single")
     place = r.extents[0]
-    s = r._session(place)
+    s = r.route.session(place)
     with pytest.raises(errors.OutOfRange):
-        s.write(r._ticket, place.extent_id, MiB - 1, [memoryview(b"xy")])
+        s.write(r.route.ticket, place.extent_id, MiB - 1, [memoryview(b"xy")])
     with pytest.raises(errors.Misaligned):
-        s.accumulate(r._ticket, place.extent_id, 3, [memoryview(b"\0" * 4)], DType.FLOAT32)
+        s.accumulate(r.route.ticket, place.extent_id, 3, [memoryview(b"\0" * 4)], DType.FLOAT32)
     with pytest.raises(errors.Misaligned):
-        s.fetch_add(r._ticket, place.extent_id, 12, 1)
+        s.fetch_add(r.route.ticket, place.extent_id, 12, 1)
     with pytest.raises(errors.DtypeError):
-        s.accumulate(r._ticket, place.extent_id, 0, [memoryview(b"\0" * 4)], 99)
+        s.accumulate(r.route.ticket, place.extent_id, 0, [memoryview(b"\0" * 4)], 99)
     with cluster.client(transport="tcp") as other:   # a client that never saw the witness's ticket
         r2 = other.open_region(name)
         with pytest.raises(errors.InvalidTicket):
-            r2._session(place).write(r2._ticket, witness.extents[0].extent_id, 0, [memoryview(b"steal")])
+            r2.route.session(place).write(r2.route.ticket, witness.extents[0].extent_id, 0, [memoryview(b"steal")])
     r.write(0, b"ok")  # the session survived every refusal
     assert bytes(r.read(0, 2)) == b"ok"
     client.delete_region(name)
@@ -151,9 +151,9 @@ def test_read_only_ticket_cannot_write(cluster, client, name, transport):
         # the memory server refuses too, whatever the client library does
         place = ro.extents[0]
         with pytest.raises(errors.ReadOnly):
-            ro._session(place).write(ro._ticket, place.extent_id, 0, [memoryview(b"changed!")])
+            ro.route.session(place).write(ro.route.ticket, place.extent_id, 0, [memoryview(b"changed!")])
         with pytest.raises(errors.ReadOnly):
-            ro._session(place).fetch_add(ro._ticket, place.extent_id, 0, 1)
+            ro.route.session(place).fetch_add(ro.route.ticket, place.extent_id, 0, 1)
         ro.close()
     assert bytes(r.read(0, 8)) == b"original"
     client.delete_region(name)
@@ -161,14 +161,14 @@ def test_read_only_ticket_cannot_write(cluster, client, name, transport):
 
 def test_forged_ticket_is_refused(cluster, client, name):
     r = client.create_region(name, MiB)
-    body, _, sig = r._ticket.partition(".")
+    body, _, sig = r.route.ticket.partition(".")
     with cluster.client(transport="tcp") as c:
         r2 = c.open_region(name)
         r2.close()
-        r2._ticket = body + "." + sig[::-1]
+        r2.route.ticket = body + "." + sig[::-1]
         with pytest.raises(errors.InvalidTicket):
             r2.write(0, b"x")
-        r2._ticket = "garbage"
+        r2.route.ticket = "garbage"
         with pytest.raises(errors.InvalidTicket):
             r2.read(0, 1)
     client.delete_region(name)

@@ -15,13 +15,20 @@ import numpy as np
 import pytest
 
 from smb_client import Barrier, Lock
-from smb_client.coord import _request
-from smb_protocol import errors, wire
+from smb_protocol import errors
 
 MiB = 1 << 20
 LOCK = 0            # byte offset of the lock word
 COUNT = 8           # a counter the lock protects (read, then written: not atomic by itself)
 BARRIER = 64        # byte offset of a barrier word
+
+
+def _coordinate(region, offset, call):
+    """One raw coordination request on the word at ``offset``, through the region's route:
+    ``call(session, ticket, extent_id, extent_offset)``."""
+    route = region.route
+    slot, eoff = route.word(offset)
+    return route.coordinate(slot, lambda s, place: call(s, route.ticket, place.extent_id, eoff))
 
 
 @pytest.fixture(params=["tcp", "shm"])
@@ -149,7 +156,7 @@ def test_unlock_by_a_stranger_is_refused(region):
     lock = Lock(region, LOCK)
     with lock:
         with pytest.raises(errors.LockNotHeld):
-            _request(region, LOCK, wire.Op.UNLOCK, 0.0, arg0=12345)
+            _coordinate(region, LOCK, lambda s, ticket, extent, offset: s.unlock(ticket, extent, offset, 12345))
         assert _word(region, LOCK) == lock.holder
     with pytest.raises(errors.LockNotHeld):
         lock.release()                           # not held any more
@@ -167,9 +174,10 @@ def test_bad_locks_are_refused(region, kwargs, error):
 
 
 def test_wire_lock_with_holder_zero_or_a_bad_lease_is_refused(region):
-    for args in ({"arg0": 0, "arg1": 1000}, {"arg0": 7, "arg1": 0}):
+    for holder, lease in ((0, 1.0), (7, 0.0)):
         with pytest.raises(errors.InvalidArgument):
-            _request(region, LOCK, wire.Op.LOCK, 1.0, **args)
+            _coordinate(region, LOCK, lambda s, ticket, extent, offset, holder=holder, lease=lease: s.lock(
+                ticket, extent, offset, holder, lease, 1.0))
     assert _word(region, LOCK) == 0
 
 

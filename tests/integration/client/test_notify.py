@@ -175,7 +175,7 @@ def _raw(region):
     tcp = next(u for u in place.endpoints if u.startswith("tcp://"))
     host, port = tcp[len("tcp://"):].rsplit(":", 1)
     conn = TcpConnection(host, int(port))
-    conn.present(region._ticket)
+    conn.present(region.route.ticket)
     return conn, place.extent_id
 
 

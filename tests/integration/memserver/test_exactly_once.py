@@ -219,7 +219,7 @@ def test_an_operation_whose_ticket_expires_part_way_is_applied_exactly_once(clus
         expired = tickets.sign(secret, r.uid, [p.extent_id for p in r.extents], "rw", ttl=-1)[0]
         sessions = [s for s in c.dataplane.sessions().values() if s.scheme == transport]
         for round_ in range(1, 4):
-            r._expires_at = time.time() + 3600                     # the client thinks it is fresh
+            r.route.expires_at = time.time() + 3600                     # the client thinks it is fresh
             calls = _expire_after(sessions, r, expired, after=8 * round_)
             try:
                 r.accumulate(0, np.arange(n, dtype=np.int64))
@@ -244,7 +244,7 @@ def _expire_after(sessions, region, expired: str, after: int) -> list[int]:
             with lock:
                 calls[0] += 1
                 if calls[0] == after:
-                    region._ticket = expired
+                    region.route.ticket = expired
             return inner(*args, **kwargs)
         session.accumulate = expiring
     return calls

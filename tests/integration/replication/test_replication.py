@@ -40,9 +40,9 @@ def _copies(region) -> dict[int, list]:
 
 def _read_copy(region, place) -> bytes:
     """The whole extent of one copy, read from its own server over tcp."""
-    session = region._dataplane.coordination(place)
+    session = region.route.coordination(place)
     out = bytearray(place.length)
-    session.read_into(region._ticket, place.extent_id, 0, [memoryview(out)])
+    session.read_into(region.route.ticket, place.extent_id, 0, [memoryview(out)])
     return bytes(out)
 
 
@@ -50,7 +50,7 @@ def assert_copies_identical(region) -> None:
     """Every in-sync copy of every slot holds the same bytes, once the region is ``ready``
     (on a starved machine, the emulated VM's, a backup may be dropped for a missed
     dead-peer time and filled again meanwhile: a copy being filled is not in step yet)."""
-    wait_state(region._client, region.name, "ready", timeout=120)
+    wait_state(region.client, region.name, "ready", timeout=120)
     region.refresh()
     for slot, places in _copies(region).items():
         assert len(places) == region.replicas, f"slot {slot}: {places}"
