@@ -26,7 +26,8 @@ and the next operation connects again (once transparently, for errors a new
 with back-off rather than blocking on completion events.
 
 Modules: :mod:`.device` (the process's devices), :mod:`.registration` (the cache),
-:mod:`.connection` (one queue pair), :mod:`.session` (the :class:`Session`).
+:mod:`.connection` (one queue pair; :mod:`.peer`: what it knows of its server),
+:mod:`.session` (the :class:`Session`).
 """
 from __future__ import annotations
 
@@ -44,7 +45,8 @@ __all__ = ["RegistrationCache"]
 # (pure bookkeeping) stays importable, and testable, without it.
 if verbs.pyverbs_available():
     from .. import register
-    from .connection import Broken, RdmaConnection, RemoteExtent
+    from .connection import RdmaConnection
+    from .peer import Broken, RemoteExtent
     from .session import RdmaSession
 
     __all__ += ["RdmaSession", "RdmaConnection", "RemoteExtent", "Broken"]

@@ -17,7 +17,6 @@ import mmap
 import struct
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from smb_protocol import rdma_wire, rpc
@@ -28,13 +27,14 @@ from smb_protocol.errors import (
     ReadOnly,
     ServerError,
     ServerUnavailable,
-    SMBError,
     Timeout,
     status_error,
 )
 from smb_protocol.rdma import verbs
 from smb_protocol.rdma.endpoint import RcEndpoint
 from smb_protocol.rdma_wire import MSG_BYTES, MsgOp
+
+from .peer import Broken, Peer, RemoteExtent, TicketKeys
 
 log = logging.getLogger(__name__)
 
@@ -55,48 +55,6 @@ ATOMIC_SLOTS = PAGE // 8  # 8-byte result slots for atomics in flight (one page 
 RECV_WR_BASE = 1 << 40    # wr_id of receive slot i: RECV_WR_BASE + i (sends use sequence numbers)
 _I64 = struct.Struct("<q")
 _U64_MASK = (1 << 64) - 1
-
-
-class Broken(Exception):
-    """An error completion: the QP is unusable. ``error`` is what the caller sees;
-    ``reconnect`` says whether a fresh Connect may fix it (retry once)."""
-
-    def __init__(self, error: SMBError, reconnect: bool) -> None:
-        super().__init__(str(error))
-        self.error = error
-        self.reconnect = reconnect
-
-
-@dataclass(frozen=True)
-class RemoteExtent:
-    address: int
-    rkey: int
-    length: int          # bytes
-
-
-@dataclass(frozen=True)
-class TicketKeys:
-    """What one ticket opened on a queue pair: its extents here, and write rights."""
-
-    extents: dict[int, RemoteExtent]
-    writable: bool
-
-
-@dataclass(frozen=True)
-class Peer:
-    """What a queue pair needs of the session that makes it: the server (``where``, for
-    messages), the shared device, the gRPC channel of the server's ``Connect`` (a
-    callable: opened on first use, owned by the session), the bearer token, the seconds
-    ``Connect`` may take, the largest message (bytes; 0: the device's) and the client id
-    that numbers requests."""
-
-    where: str
-    device: Any
-    channel: Callable[[], Any]
-    token: str | None
-    connect_timeout: float
-    max_message: int
-    client_id: int
 
 
 class RdmaConnection:

@@ -15,8 +15,9 @@ from smb_protocol.rdma_wire import MsgOp
 
 from .. import Session
 from ..pool import ConnectionPool
-from .connection import BOUNCE_BYTES, Broken, Peer, RdmaConnection, RemoteExtent, TicketKeys
+from .connection import BOUNCE_BYTES, RdmaConnection
 from .device import SharedDevice
+from .peer import Broken, Peer, RemoteExtent, TicketKeys
 from .registration import address_of, owner_of
 
 log = logging.getLogger(__name__)
