@@ -78,6 +78,7 @@ bench: deps
 	$(PY) bench/dataplane.py
 	$(PY) bench/notify.py
 	$(PY) bench/replication.py
+	$(PY) bench/persistence.py
 
 bench-rdma: deps
 	SMB_VM_BENCH=1 tests/rdma/run_vm.sh

@@ -45,6 +45,7 @@ from smb_server.runtime.rpc_metrics import RpcMetrics
 
 from .arena import Arena
 from .controller_link import ControllerLink, Controllers
+from .keeper_link import ExtentKeeper
 from .memmap import raise_fd_limit
 from .metrics import add_server_metrics
 from .node import Node
@@ -85,6 +86,7 @@ class MemoryServer(Daemon):
         self.stats = PlaneStats()
         self.node: Node | None = None   # what the planes and the servicer share
         self.arena: Arena | None = None
+        self.keeper: ExtentKeeper | None = None   # holds persistent extents' memory across a crash
         self.tcp: TcpPlane | None = None
         self.shm: ShmPlane | None = None
         self.rdma: RdmaPlane | None = None
@@ -121,7 +123,11 @@ class MemoryServer(Daemon):
         self.server_id = cfg.server_id or self._load_server_id()
         soft, _hard = raise_fd_limit()   # each extent and each connection takes a descriptor
         log.info("descriptor limit: %d", soft)
+        if cfg.data_dir and cfg.persistent_keeper:   # before the arena adopts the files it writes
+            self.keeper = ExtentKeeper(cfg.data_dir)
         self.arena = Arena(cfg.capacity, cfg.data_dir, writeback_seconds=cfg.writeback_seconds)
+        if self.keeper is not None:
+            self.keeper.attach(self.arena)
         host = cfg.advertise_host or cfg.listen_host
         if host in ("0.0.0.0", "::", ""):
             host = socket.gethostname()
@@ -232,11 +238,15 @@ class MemoryServer(Daemon):
             self._grpc.stop(GRPC_GRACE).wait()
         if self._controllers is not None:
             self._controllers.close()
+        if self.keeper is not None:
+            self.keeper.stopping()
         if self.arena is not None:
             held = len(self.arena)
             self.arena.close()
             log.info("released %d extent(s)%s", held,
                      " (file-backed ones are kept in the data directory)" if self.config.data_dir else "")
+        if self.keeper is not None:   # the files are current: the keeper lets go
+            self.keeper.close()
         if self._metrics is not None:
             self._metrics.close()
         for path in self._tmp_dirs:

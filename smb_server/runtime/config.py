@@ -119,6 +119,10 @@ class ServerConfig:
     data_dir: str = _f("", "directory for file-backed (persistent) extents; empty: memory only")
     writeback_seconds: float = _f(10.0, "seconds between write-backs of file-backed extents to "
                                   "data_dir (0: only when the server stops)", minimum=0)
+    persistent_keeper: bool = _f(True, "hand the memory of file-backed extents to a keeper process "
+                                 "so that a crash of the server (kill -9, OOM) loses no "
+                                 "acknowledged write; off: a crash loses what was written since "
+                                 "the last write-back")
     transports: list[str] = _f(["tcp", "shm"], "data planes to offer: tcp, shm, rdma", choices=TRANSPORTS)
     rdma_device: str = _f("", "RDMA device to use (default: the first active one)")
     heartbeat_seconds: float = _f(1.0, "seconds between heartbeats to the controller", positive=True,
