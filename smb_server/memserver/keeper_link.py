@@ -185,6 +185,7 @@ class ExtentKeeper:
     what a crashed predecessor left (so the arena adopts current files), then
     :meth:`attach` the arena. At a clean stop: :meth:`stopping` before the arena closes
     (its extents are written back, not released), :meth:`close` after.
+    :func:`open_arena` and :func:`close_arena` do both in that order.
     """
 
     def __init__(self, data_dir: str, check_seconds: float = CHECK_SECONDS,
@@ -269,3 +270,25 @@ class ExtentKeeper:
         """After the arena closed (files current): the keeper lets go and exits."""
         self.stopping()
         self.link.quit()
+
+
+def open_arena(capacity: int, data_dir: str, writeback_seconds: float,
+               keeper: bool = True) -> tuple[Arena, ExtentKeeper | None]:
+    """A memory server's arena (``capacity`` bytes), with the keeper of its persistent
+    extents when it has a ``data_dir`` and ``keeper`` is on. The keeper is reached (or
+    started) first, so that the arena adopts files it finished writing back."""
+    kept = ExtentKeeper(data_dir) if data_dir and keeper else None
+    arena = Arena(capacity, data_dir, writeback_seconds=writeback_seconds)
+    if kept is not None:
+        kept.attach(arena)
+    return arena, kept
+
+
+def close_arena(arena: Arena, keeper: ExtentKeeper | None) -> None:
+    """Close ``arena`` (its persistent extents are written back, not released), then
+    let the keeper go."""
+    if keeper is not None:
+        keeper.stopping()
+    arena.close()
+    if keeper is not None:
+        keeper.close()

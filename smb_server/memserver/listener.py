@@ -13,7 +13,7 @@ counted as ``refused`` in the plane's stats; warnings about refusals are rate-li
 
 Unauthenticated connections (``max_unauthenticated`` set, as the tcp and shm planes do):
 a connection counts against those limits only once its plane says it authenticated
-(:meth:`Admission.authenticated`, called on the connection's own thread: the tcp plane's
+(:meth:`.admission.Admission.authenticated`, called on the connection's own thread: the tcp plane's
 first valid ``HELLO``, the shm plane's first valid ticket). Until then it counts only
 against a budget of its own, ``max_unauthenticated`` connections in all: one more
 evicts the oldest unauthenticated connection of the peer holding the most of them (it
@@ -23,7 +23,8 @@ authenticate, even from the client's own address, so delays but never locks out 
 client that completes its greeting; a new connection is still refused at once while the
 authenticated ones of its peer, or of the whole listener, are at their limit, and one
 that authenticates past a limit gets :class:`ServerBusy` from ``authenticated()``.
-Without ``max_unauthenticated`` every connection counts from its accept.
+Without ``max_unauthenticated`` every connection counts from its accept. The counting
+is :class:`.admission.Ledger`'s.
 
 The accept loop survives EMFILE/ENFILE: it keeps a spare descriptor, closes it to
 accept and refuse the waiting connection, then takes it back; other accept failures
@@ -39,12 +40,12 @@ import socket
 import struct
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 from smb_protocol.errors import ServerBusy, SMBError
 
+from .admission import Admission, Ledger
 from .stats import PlaneStats
 
 log = logging.getLogger(__name__)
@@ -80,34 +81,6 @@ def _no_refusal(err: SMBError) -> bytes:
     return b""
 
 
-PENDING = "pending"          # admitted, not yet authenticated: counts against max_unauthenticated
-COUNTED = "counted"          # counts against max_connections and max_per_peer
-EVICTED = "evicted"          # shed to make room for a newer unauthenticated connection
-
-
-class Admission:
-    """One connection a :class:`Listener` admitted: its socket, peer key (what the
-    per-peer limit counts), peer name (for logs), and where it is counted. The plane
-    gets it from :meth:`Listener.current` on the connection's thread."""
-
-    __slots__ = ("sock", "key", "peer", "state", "_listener")
-
-    def __init__(self, listener: Listener, sock: socket.socket, key: str, peer: str,
-                 state: str) -> None:
-        self.sock = sock
-        self.key = key
-        self.peer = peer
-        self.state = state
-        self._listener = listener
-
-    def authenticated(self) -> None:
-        """Count this connection as authenticated from now on (idempotent). Raises
-        :class:`ServerBusy` when its peer's or the listener's authenticated connections
-        are at their limit, or when it was evicted meanwhile; the plane answers with it
-        and closes the connection."""
-        self._listener._authenticate(self)
-
-
 class Listener:
     """Listens on ``address`` (``(host, port)``, port 0 for any free one; or a Unix
     socket path) and serves each admitted connection with ``serve`` on its own thread.
@@ -134,15 +107,10 @@ class Listener:
         self._serve_fn = serve
         self._refusal = refusal
         self._admit_fn = admit
-        self._max_setting = max_setting
-        self._per_peer_setting = per_peer_setting
-        self._unauthenticated_setting = unauthenticated_setting
+        self._ledger = Ledger(max_connections, max_per_peer, max_unauthenticated, max_setting,
+                              per_peer_setting, unauthenticated_setting)
         self._lock = threading.Lock()
         self._conns: dict[socket.socket, threading.Thread] = {}
-        self._per_peer: dict[str, int] = {}          # counted connections by peer key
-        self._counted = 0                            # counted connections in all
-        self._pending: dict[str, OrderedDict[socket.socket, Admission]] = {}  # by peer, oldest first
-        self._pending_count = 0
         self._local = threading.local()              # .admission: the connection this thread serves
         self._refused_since_log = 0
         self._refusal_logged = -REFUSAL_LOG_EVERY
@@ -200,7 +168,7 @@ class Listener:
     def unauthenticated(self) -> int:
         """Connections admitted that have not authenticated (nor been evicted) yet."""
         with self._lock:
-            return self._pending_count
+            return self._ledger.pending
 
     def current(self) -> Admission:
         """The connection served on the calling thread (a thread running ``serve``);
@@ -281,18 +249,7 @@ class Listener:
         """Why a connection from ``key`` is not counted now, or None. Holds the lock."""
         if self.closing:
             return ServerBusy("the memory server is stopping")
-        if self._counted >= self.max_connections:
-            setting = f" ({self._max_setting})" if self._max_setting else ""
-            return ServerBusy(
-                f"the memory server is full: {self._counted} data-plane connections "
-                f"open, the limit{setting}; retry later, close idle clients, "
-                f"or raise it")
-        if self.max_per_peer is not None and self._per_peer.get(key, 0) >= self.max_per_peer:
-            setting = f" ({self._per_peer_setting})" if self._per_peer_setting else ""
-            return ServerBusy(
-                f"{self._per_peer[key]} data-plane connections are open from {key}, the per-peer "
-                f"limit{setting}; close idle connections or raise it")
-        return None
+        return self._ledger.refusal(key)
 
     def _admit(self, sock: socket.socket, addr: Any) -> None:
         key, peer = self._peer(addr, sock)
@@ -302,59 +259,26 @@ class Listener:
             with self._lock:
                 refusal = self._limit_refusal(key)
                 if refusal is None:
-                    pending = self.max_unauthenticated is not None
-                    admission = Admission(self, sock, key, peer, PENDING if pending else COUNTED)
+                    admission = Admission(sock, key, peer, self._authenticate)
                     thread = threading.Thread(target=self._run, args=(admission,),
                                               name=f"{self.name}-{peer}", daemon=True)
                     self._conns[sock] = thread
-                    if pending:
-                        assert self.max_unauthenticated is not None
-                        if self._pending_count >= self.max_unauthenticated:
-                            evicted = self._evict()
-                        self._pending.setdefault(key, OrderedDict())[sock] = admission
-                        self._pending_count += 1
-                    else:
-                        self._count(admission)
+                    evicted = self._ledger.add(admission)
+                    if evicted is not None:   # its socket is still open: its thread holds the lock to end
+                        self._evict(evicted)
         if refusal is not None:
             self._refuse(sock, peer, refusal)
             return
         if evicted is not None:
-            self._log_shed(evicted.peer, "evicted", self._eviction_error())
+            self._log_shed(evicted.peer, "evicted", self._ledger.eviction_error())
         thread.start()
 
-    # -- authentication -------------------------------------------------------------
-    def _count(self, admission: Admission) -> None:
-        """Count ``admission`` against the limits. Holds the lock."""
-        admission.state = COUNTED
-        self._counted += 1
-        self._per_peer[admission.key] = self._per_peer.get(admission.key, 0) + 1
-
-    def _unpend(self, admission: Admission) -> None:
-        """Take a pending ``admission`` out of the unauthenticated budget. Holds the lock."""
-        queue = self._pending.get(admission.key)
-        if queue is not None and queue.pop(admission.sock, None) is not None:
-            self._pending_count -= 1
-            if not queue:
-                del self._pending[admission.key]
-
-    def _eviction_error(self) -> ServerBusy:
-        setting = f" ({self._unauthenticated_setting})" if self._unauthenticated_setting else ""
-        return ServerBusy(
-            f"the memory server closed this connection before it authenticated: "
-            f"{self.max_unauthenticated} connections are waiting to authenticate, the limit"
-            f"{setting}, and this was the oldest of the peer holding the most; retry")
-
-    def _evict(self) -> Admission:
-        """Shed the oldest pending connection of the peer with the most pending ones: it
-        gets the plane's refusal (sent without blocking), then its socket is shut down,
-        which ends its thread. Holds the lock (so the socket is still open)."""
-        key = max(self._pending, key=lambda k: len(self._pending[k]))
-        victim = next(iter(self._pending[key].values()))
-        self._unpend(victim)
-        victim.state = EVICTED
+    def _evict(self, victim: Admission) -> None:
+        """An evicted connection gets the plane's refusal (sent without blocking), then its
+        socket is shut down, which ends its thread. Holds the lock."""
         self.stats.add(evicted=1)
         try:
-            frame = self._refusal(self._eviction_error())
+            frame = self._refusal(self._ledger.eviction_error())
             if frame:
                 victim.sock.send(frame, socket.MSG_DONTWAIT)
         except OSError:
@@ -363,18 +287,10 @@ class Listener:
             victim.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
-        return victim
 
     def _authenticate(self, admission: Admission) -> None:
         with self._lock:
-            if admission.state == COUNTED:
-                return
-            if admission.state == EVICTED:
-                raise self._eviction_error()
-            refusal = self._limit_refusal(admission.key)
-            if refusal is None:
-                self._unpend(admission)
-                self._count(admission)
+            refusal = self._ledger.authenticate(admission)
         if refusal is not None:   # stays pending (and evictable) until the plane closes it
             self._log_shed(admission.peer, "refused after authenticating", refusal)
             self.stats.add(refused=1)
@@ -411,7 +327,7 @@ class Listener:
 
     # -- serving --------------------------------------------------------------------
     def _run(self, admission: Admission) -> None:
-        sock, key, peer = admission.sock, admission.key, admission.peer
+        sock, peer = admission.sock, admission.peer
         self._local.admission = admission
         self.stats.add(sessions=1)
         try:
@@ -427,15 +343,7 @@ class Listener:
             self._local.admission = None
             with self._lock:
                 self._conns.pop(sock, None)
-                if admission.state == PENDING:
-                    self._unpend(admission)
-                elif admission.state == COUNTED:
-                    self._counted -= 1
-                    left = self._per_peer.get(key, 1) - 1
-                    if left > 0:
-                        self._per_peer[key] = left
-                    else:
-                        self._per_peer.pop(key, None)
+                self._ledger.remove(admission)
             sock.close()
             log.debug("%s %s: closed", self.name, peer)
 

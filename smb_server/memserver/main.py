@@ -45,7 +45,7 @@ from smb_server.runtime.rpc_metrics import RpcMetrics
 
 from .arena import Arena
 from .controller_link import ControllerLink, Controllers
-from .keeper_link import ExtentKeeper
+from .keeper_link import ExtentKeeper, close_arena, open_arena
 from .memmap import raise_fd_limit
 from .metrics import add_server_metrics
 from .node import Node
@@ -123,11 +123,7 @@ class MemoryServer(Daemon):
         self.server_id = cfg.server_id or self._load_server_id()
         soft, _hard = raise_fd_limit()   # each extent and each connection takes a descriptor
         log.info("descriptor limit: %d", soft)
-        if cfg.data_dir and cfg.persistent_keeper:   # before the arena adopts the files it writes
-            self.keeper = ExtentKeeper(cfg.data_dir)
-        self.arena = Arena(cfg.capacity, cfg.data_dir, writeback_seconds=cfg.writeback_seconds)
-        if self.keeper is not None:
-            self.keeper.attach(self.arena)
+        self.arena, self.keeper = open_arena(cfg.capacity, cfg.data_dir, cfg.writeback_seconds, cfg.persistent_keeper)
         host = cfg.advertise_host or cfg.listen_host
         if host in ("0.0.0.0", "::", ""):
             host = socket.gethostname()
@@ -238,15 +234,11 @@ class MemoryServer(Daemon):
             self._grpc.stop(GRPC_GRACE).wait()
         if self._controllers is not None:
             self._controllers.close()
-        if self.keeper is not None:
-            self.keeper.stopping()
         if self.arena is not None:
             held = len(self.arena)
-            self.arena.close()
+            close_arena(self.arena, self.keeper)
             log.info("released %d extent(s)%s", held,
                      " (file-backed ones are kept in the data directory)" if self.config.data_dir else "")
-        if self.keeper is not None:   # the files are current: the keeper lets go
-            self.keeper.close()
         if self._metrics is not None:
             self._metrics.close()
         for path in self._tmp_dirs:
