@@ -13,9 +13,10 @@ file ``<data_dir>/<extent_id>.extent`` (mode 0600, same layout) that no client e
 gets a descriptor of: the server writes the memfd back into it every
 ``writeback_seconds`` (a background thread) and when it stops, and copies the file
 into a fresh memfd when a restarted server adopts it. Only the parts holding data are
-copied (``SEEK_DATA``), so untouched memory stays unallocated. A server that is
-killed loses what was written since the last write-back; a clean stop (SIGTERM)
-loses nothing. An extent costs one file descriptor (its memfd): the mapping
+copied (``SEEK_DATA``), so untouched memory stays unallocated. A clean stop (SIGTERM)
+loses nothing; a killed server loses nothing either while its keeper (:mod:`.keeper`)
+holds the memfd, and what was written since the last write-back when the keeper
+dies with it. An extent costs one file descriptor (its memfd): the mapping
 (:class:`Mapping`) keeps none of its own, and the file is opened only while it is
 written or read. The arena refuses a new extent with :class:`OutOfMemory` while fewer than
 ``fd_reserve`` descriptors are left under the process's ``RLIMIT_NOFILE`` (sockets and
