@@ -41,11 +41,12 @@ _Response = TypeVar("_Response")
 
 
 class BearerAuth(ServerInterceptor):
-    """Refuse calls without ``authorization: Bearer <token>``, except ``exempt`` methods,
-    from the metadata alone (a refused call's body is never deserialized).
+    """Refuse calls without ``authorization: Bearer <token>``, from the metadata alone (a
+    refused call's body is never deserialized).
 
     ``exempt`` holds full method names (``/smb.v1.MemoryServer/ReserveExtent``) whose
-    handlers check a ticket instead. With ``token`` empty, every call is allowed.
+    handlers check a ticket instead: they may come without a credential, but one that is
+    presented must be right. With ``token`` empty, every call is allowed.
     """
 
     def __init__(self, token: str, exempt: Iterable[str] = ()) -> None:
@@ -61,12 +62,14 @@ class BearerAuth(ServerInterceptor):
         self._deny = grpc.unary_unary_rpc_method_handler(deny)
 
     def intercept_service(self, continuation: Continuation, details: grpc.HandlerCallDetails) -> Handler | None:
-        if not self._expected or details.method in self._exempt:
+        if not self._expected:
             return continuation(details)
-        for key, value in details.invocation_metadata or ():
-            if key == "authorization" and isinstance(value, str) \
-                    and hmac.compare_digest(value.encode(), self._expected):
-                return continuation(details)
+        presented = [value for key, value in details.invocation_metadata or () if key == "authorization"]
+        if any(isinstance(value, str) and hmac.compare_digest(value.encode(), self._expected)
+               for value in presented):
+            return continuation(details)
+        if details.method in self._exempt and not presented:
+            return continuation(details)   # the ticket in the body decides
         return self._deny
 
 

@@ -57,6 +57,13 @@ def test_memory_server_refuses_garbage_with_a_wrong_credential_before_parsing_it
         assert code == grpc.StatusCode.UNAUTHENTICATED, (token, code)
     code = raw_call(address, "/smb.v1.MemoryServer/Stats", b"", cluster.token)
     assert code == grpc.StatusCode.OK
+    # methods that check a ticket in their body may come without a credential, but a
+    # wrong one is refused before the body is parsed
+    for method in ("ReserveExtent", "ReleaseExtent", "Connect", "ConfigureReplicas"):
+        code = raw_call(address, f"/smb.v1.MemoryServer/{method}", GARBAGE, "wrong-token")
+        assert code == grpc.StatusCode.UNAUTHENTICATED, (method, code)
+    code = raw_call(address, "/smb.v1.MemoryServer/ReserveExtent", GARBAGE, None)
+    assert code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.INVALID_ARGUMENT)
 
 
 @pytest.mark.parametrize("token", ["wrong-token", None])
