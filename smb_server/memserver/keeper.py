@@ -44,6 +44,7 @@ import json
 import logging
 import mmap
 import os
+import select
 import signal
 import socket
 import struct
@@ -223,10 +224,15 @@ class Keeper:
         return True
 
     def _serve(self, conn: socket.socket) -> bool:
-        """Serve one server's requests; True when it said quit."""
+        """Serve one server's requests; True when it said quit. A second server that
+        connects meanwhile is told that this one holds ``data_dir``."""
         conn.settimeout(None)
         self._dirty = True
         while True:
+            ready, _, _ = select.select([conn, self.sock], [], [])
+            if conn not in ready:          # only a newcomer: the served one has not gone
+                self._refuse_second(conn)
+                continue
             try:
                 raw, fds, _flags, _addr = socket.recv_fds(conn, MESSAGE_BYTES, 1)
             except OSError:
@@ -270,6 +276,22 @@ class Keeper:
             if op == "quit":
                 self._dirty = False
                 return True
+
+    def _refuse_second(self, served: socket.socket) -> None:
+        try:
+            other, _ = self.sock.accept()
+        except OSError:
+            return
+        with other:
+            pid = PEERCRED.unpack(served.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                    PEERCRED.size))[0]
+            error = (f"memory server pid {pid} uses {self.data_dir} already; give each memory "
+                     f"server a data_dir of its own")
+            log.warning("keeper: refused a second memory server: %s", error)
+            with contextlib.suppress(OSError):
+                other.settimeout(1.0)
+                other.recv(MESSAGE_BYTES)          # its first request, then the refusal
+                other.send(json.dumps({"ok": False, "error": error}).encode())
 
     def _keep(self, extent_id: int, held: _Held) -> None:
         old = self.held.pop(extent_id, None)

@@ -199,9 +199,17 @@ class ExtentKeeper:
         self._thread: threading.Thread | None = None
 
     def attach(self, arena: Arena) -> None:
-        """Hand the keeper ``arena``'s persistent extents, now and from now on."""
+        """Hand the keeper ``arena``'s persistent extents, now and from now on; it lets go
+        of what else it held (extents whose files were not adopted)."""
         self._arena = arena
         arena.add_listener(self)
+        held = {e.extent_id for e in arena.extents() if e.path}
+        for extent_id, (fd, _length, _uid) in self.link.take().items():
+            os.close(fd)
+            if extent_id not in held:
+                log.warning("the keeper held extent %d, whose file was not adopted; dropping it",
+                            extent_id)
+                self.link.drop(extent_id)
         self._thread = threading.Thread(target=self._check_loop, name="keeper-check", daemon=True)
         self._thread.start()
 

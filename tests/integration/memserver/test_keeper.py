@@ -10,11 +10,12 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from smb_server.memserver.arena import HEADER, HEADER_BYTES, HEADER_MAGIC
 from smb_server.memserver.keeper import KeeperError
-from smb_server.memserver.keeper_link import KeeperLink
+from smb_server.memserver.keeper_link import KeeperLink, close_arena, open_arena
 
 WAIT = 10.0   # seconds any one condition below may take
 LENGTH = 3 * 4096 + 100
@@ -159,3 +160,35 @@ def test_the_keeper_runs_as_a_module(data_dir):
     out = subprocess.run([sys.executable, "-m", "smb_server.memserver.keeper", "--help"],
                          capture_output=True, text=True, timeout=WAIT)
     assert out.returncode == 0 and "data_dir" in out.stdout
+
+
+def test_a_second_server_on_the_same_data_dir_is_refused_clearly(data_dir):
+    first = KeeperLink(str(data_dir))
+    try:
+        second = KeeperLink(str(data_dir))
+        with pytest.raises(KeeperError, match="already; give each memory server a data_dir"):
+            second.sync()
+        second.close()
+        assert first.ping()                       # the first one is still served
+    finally:
+        first.quit()
+
+
+def test_an_arena_opened_after_a_crash_adopts_what_the_keeper_wrote_back(data_dir):
+    arena, keeper = open_arena(16 << 20, str(data_dir), writeback_seconds=0)
+    assert keeper is not None
+    extent = arena.reserve(1, "uid-1", 1 << 20, persistent=True)
+    extent.array("int64")[:] = np.arange((1 << 20) // 8)
+    keeper.stopping()                             # as if the server died: the connection goes,
+    keeper.link.close()                           # its memory stays with the keeper
+    again, keeper2 = open_arena(16 << 20, str(data_dir), writeback_seconds=0)
+    try:
+        assert keeper2 is not None and keeper2.link._proc is None   # the same keeper
+        np.testing.assert_array_equal(again.get(1).array("int64"), np.arange((1 << 20) // 8))
+        taken = keeper2.link.take()
+        assert sorted(taken) == [1]
+        for fd, _length, _uid in taken.values():
+            os.close(fd)
+    finally:
+        close_arena(again, keeper2)
+        arena.close()
