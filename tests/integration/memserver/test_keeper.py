@@ -192,3 +192,19 @@ def test_an_arena_opened_after_a_crash_adopts_what_the_keeper_wrote_back(data_di
     finally:
         close_arena(again, keeper2)
         arena.close()
+
+
+def test_attaching_an_arena_drops_what_it_did_not_adopt(data_dir):
+    link = KeeperLink(str(data_dir))
+    fd, _path = extent(data_dir, 9, b"stale")     # 9.extent: zeros, no valid header
+    odd = str(data_dir / "x9.extent")             # a file the arena will not adopt
+    open(odd, "wb").close()
+    link.keep(9, LENGTH, "uid-9", odd, fd)
+    os.close(fd)
+    link.close()
+    arena, keeper = open_arena(16 << 20, str(data_dir), writeback_seconds=0)
+    try:
+        assert keeper is not None and len(arena) == 0
+        assert keeper.link.take() == {}
+    finally:
+        close_arena(arena, keeper)
