@@ -149,12 +149,17 @@ class DataPlane:
 
     def _coordination_of(self, server_id: str) -> Session:
         """The tcp session of server ``server_id`` at the endpoint learned last (what an
-        shm session borrows for arithmetic, looked up on every use)."""
-        with self._lock:
-            place = self._served.get(server_id)
+        shm session borrows for arithmetic, looked up on every use: no lock, no call on
+        the common path)."""
+        uri = self._coordinating.get(server_id)
+        if uri is not None:
+            s = self._sessions.get(uri)
+            if s is not None:
+                return s
+        place = self._served.get(server_id)
         if place is None:
             raise ServerUnavailable(f"server {server_id}: no endpoint known")
-        return self.coordination(place)
+        return self._open(place, coordination=True)
 
     def sessions(self) -> dict[str, Session]:
         """A snapshot of the open sessions by endpoint URI."""
