@@ -336,7 +336,9 @@ class ParameterStore:
             raise InvalidArgument(f"parameter store {self.prefix!r} has no {kind} region "
                                   f"(create it with {kind.rstrip('s')}_slots=...)") from None
 
-    def _count(self, sent: int = 0, received: int = 0) -> None:
+    def count_traffic(self, sent: int = 0, received: int = 0) -> None:
+        """Add one operation of ``sent`` and ``received`` bytes to :attr:`traffic`
+        (the exchanges of :mod:`.sync` count theirs here too)."""
         with self._traffic_lock:
             self.traffic.sent += sent
             self.traffic.received += received
@@ -351,25 +353,25 @@ class ParameterStore:
 
     def read_into(self, kind: str, offset: int, out: torch.Tensor) -> torch.Tensor:
         self.region(kind).read_into(offset, _raw(out))
-        self._count(received=_nbytes(out))
+        self.count_traffic(received=_nbytes(out))
         return out
 
     def write(self, kind: str, offset: int, data: Any) -> None:
         self.region(kind).write(offset, _raw(data))
-        self._count(sent=_nbytes(data))
+        self.count_traffic(sent=_nbytes(data))
 
     def accumulate(self, kind: str, offset: int, data: torch.Tensor) -> None:
         self.region(kind).accumulate(offset, data)
-        self._count(sent=_nbytes(data))
+        self.count_traffic(sent=_nbytes(data))
 
     def accumulate_async(self, kind: str, offset: int, data: torch.Tensor) -> Future[Any]:
         fut: Future[Any] = self.region(kind).accumulate_async(offset, data)
-        self._count(sent=_nbytes(data))
+        self.count_traffic(sent=_nbytes(data))
         return fut
 
     def write_async(self, kind: str, offset: int, data: Any) -> Future[Any]:
         fut: Future[Any] = self.region(kind).write_async(offset, _raw(data))
-        self._count(sent=_nbytes(data))
+        self.count_traffic(sent=_nbytes(data))
         return fut
 
     def accumulate_flat(self, kind: str, base: int, flat: torch.Tensor, offset: int = 0,
@@ -389,7 +391,7 @@ class ParameterStore:
         while pos < end:
             n = min(len(zeros), end - pos)
             region.write(pos, memoryview(zeros)[:n])
-            self._count(sent=n)
+            self.count_traffic(sent=n)
             pos += n
 
     # -- whole-model moves --------------------------------------------------------
@@ -417,8 +419,10 @@ class ParameterStore:
             raise InvalidArgument(f"buffer slot {slot} out of range: the store has {BUFFER_SLOTS}")
         return slot * self.buffer_layout.slot_bytes
 
-    def _buffer_items(self, slot: int, tensors: list[torch.Tensor] | None = None,
-                      floating_only: bool = False) -> list[tuple[int, torch.Tensor]]:
+    def buffer_items(self, slot: int, tensors: list[torch.Tensor] | None = None,
+                     floating_only: bool = False) -> list[tuple[int, torch.Tensor]]:
+        """(region offset, tensor) of each non-empty model buffer of buffer ``slot`` (of
+        ``tensors`` instead of the model's when given; floating ones only if asked)."""
         assert self.buffer_layout is not None
         base = self.buffer_offset(slot)
         src = self.buffers if tensors is None else tensors
@@ -429,19 +433,19 @@ class ParameterStore:
         """Write the model's buffers into buffer ``slot`` (nothing without buffers)."""
         if self.buffer_layout is None:
             return
-        items = [(off, b.detach().contiguous()) for off, b in self._buffer_items(slot)]
+        items = [(off, b.detach().contiguous()) for off, b in self.buffer_items(slot)]
         self.region("buffers").write_many(items)
-        self._count(sent=sum(_nbytes(b) for _, b in items))
+        self.count_traffic(sent=sum(_nbytes(b) for _, b in items))
 
     def pull_buffers(self, slot: int = 0, into: list[torch.Tensor] | None = None) -> None:
         """Read buffer ``slot`` into the model's buffers (or into ``into``, in the
         order of ``named_buffers()``), in place."""
         if self.buffer_layout is None:
             return
-        items = self._buffer_items(slot, into)
+        items = self.buffer_items(slot, into)
         with torch.no_grad():
             self.region("buffers").read_many(items)
-        self._count(received=sum(_nbytes(b) for _, b in items))
+        self.count_traffic(received=sum(_nbytes(b) for _, b in items))
 
     def load_into(self, model: Any) -> None:
         """Copy the stored parameters (and buffers, if the store holds them) into another

@@ -232,7 +232,7 @@ class SyncDataParallel:
         out: list[Future[Any]] = []
         sent = 0
         if self.rank == 0:
-            written = [(off, b.detach().contiguous()) for off, b in store._buffer_items(slot)
+            written = [(off, b.detach().contiguous()) for off, b in store.buffer_items(slot)
                        if self.buffers == "broadcast" or not b.is_floating_point()]
             if written:
                 out.append(region.write_many_async(written))
@@ -243,12 +243,12 @@ class SyncDataParallel:
                 out.append(region.write_async(nxt, self._zeros(store.buffer_layout.slot_bytes)))
                 sent += store.buffer_layout.slot_bytes
         if self.buffers == "average":
-            summed = [(off, b.detach().contiguous()) for off, b in store._buffer_items(slot, floating_only=True)]
+            summed = [(off, b.detach().contiguous()) for off, b in store.buffer_items(slot, floating_only=True)]
             if summed:
                 out.append(region.accumulate_many_async(summed))
                 sent += sum(b.numel() * b.element_size() for _, b in summed)
         if out:
-            store._count(sent=sent)
+            store.count_traffic(sent=sent)
         return out
 
     def _pull_buffers(self) -> None:
@@ -295,7 +295,7 @@ class SyncDataParallel:
         out = [self.store.write_async("params", off, self.flat.byte_range(data, off, n))
                for off, n in self._share]
         if self.rank == 0 and self.store.buffer_layout is not None:
-            items = [(off, b.detach().clone()) for off, b in self.store._buffer_items(0)]
+            items = [(off, b.detach().clone()) for off, b in self.store.buffer_items(0)]
             out.append(self.store.region("buffers").write_many_async(items))
         return out
 
@@ -378,7 +378,7 @@ class SyncDataParallel:
                     rnd.ready(off, n)
         finally:
             rnd.finish()
-        self.store._count(sent=sum(n for _, n in self._runs), received=sum(n for _, n in self._runs))
+        self.store.count_traffic(sent=sum(n for _, n in self._runs), received=sum(n for _, n in self._runs))
         self.flat.scale_(self.flat.flat_grads, 1.0 / self.world)
         futures.extend(self._push_buffers())
         self._wait(futures)
