@@ -112,8 +112,8 @@ class DataPlane:
         with self._lock:
             for place in places:
                 known = self._served.get(place.server_id)
-                if known is not None and _where(known) == _where(place):
-                    continue
+                if not place.endpoints or (known is not None and _where(known) == _where(place)):
+                    continue   # nothing new (a server listed without endpoints says nothing of them)
                 self._served[place.server_id] = place
                 self._chosen.pop(place.server_id, None)
                 self._coordinating.pop(place.server_id, None)

@@ -142,3 +142,27 @@ def test_same_incarnation_at_new_endpoints_is_followed(controller):
     stale = _info("old", port=1)   # a place described before still reaches the server where it is now
     assert controller.dataplane.session(ExtentPlace.from_message(stale.extents[0])) is after
     assert route.run(lambda: 42) == 42
+
+
+def test_shm_arithmetic_follows_its_server_to_the_tcp_endpoint_listed_now():
+    """The shm session of a server that restarted on a new tcp port (same socket path)
+    stays; its arithmetic goes to the new port, and the old tcp session is closed."""
+    dp = DataPlane("shm", "hostA", connections=1)
+    try:
+        def place(port: int) -> ExtentPlace:
+            return ExtentPlace(7, "s1", SIZE, "h:9", "hostA", (f"tcp://127.0.0.1:{port}", "shm:///nowhere.sock"),
+                               "up")
+        dp.learn([place(1)])
+        shm = dp.session(place(1))
+        old_tcp = dp.coordination(place(1))
+        with pytest.raises(errors.ServerUnavailable, match=r"127\.0\.0\.1:1\b"):
+            shm.fetch_add("t", 7, 0, 1)
+        dp.learn([place(3)])
+        dp.learn([ExtentPlace(7, "s1", SIZE, "h:9", "hostA", (), "down")])   # says nothing of endpoints
+        assert dp.session(place(1)) is shm
+        assert set(dp.sessions()) == {"shm:///nowhere.sock"} and old_tcp.pool.closed
+        with pytest.raises(errors.ServerUnavailable, match=r"127\.0\.0\.1:3\b"):
+            shm.fetch_add("t", 7, 0, 1)
+        assert set(dp.sessions()) == {"shm:///nowhere.sock", "tcp://127.0.0.1:3"}
+    finally:
+        dp.close()
