@@ -77,7 +77,7 @@ def _check_parties(parties: object) -> None:
         raise InvalidArgument(f"parties must be a positive number, not {parties!r}")
 
 
-class _Chunk:
+class Chunk:
     """Where chunk ``index`` lives: its layout slot and server (``place``, as the region
     was described when the collective was made), the extent offsets of its two slots and
     of their count words, and its byte range in the caller's buffer."""
@@ -113,12 +113,12 @@ class Collective:
         self.region = region
         self.parties = parties
         self.timeout = float(timeout)
-        self.chunks: list[_Chunk] = []
+        self.chunks: list[Chunk] = []
         start = 0
         for i, (seg_off, size) in enumerate(zip(layout.segment_offsets(), layout.segment_sizes, strict=True)):
             (piece,) = layout.map(seg_off, size)
             length = (size - TAIL) // 2
-            self.chunks.append(_Chunk(i, piece.extent, region.extents[piece.extent], piece.extent_offset,
+            self.chunks.append(Chunk(i, piece.extent, region.extents[piece.extent], piece.extent_offset,
                                       seg_off, start, length))
             start += length
         self.nbytes = start
@@ -248,14 +248,14 @@ class Collective:
         self.close()
 
     # -- requests ---------------------------------------------------------------------
-    def _push(self, chunk: _Chunk, slot: int, base: int, data: list[memoryview], dt: DType) -> None:
+    def _push(self, chunk: Chunk, slot: int, base: int, data: list[memoryview], dt: DType) -> None:
         route = self.region.route
         seq = route.next_seq()
         route.coordinate(chunk.slot, lambda s, place: s.push(
             route.ticket, place.extent_id, chunk.slots[slot], data, dt,
             chunk.words[slot], base, self.timeout, seq))
 
-    def _pull(self, chunk: _Chunk, slot: int, target: int, out: list[memoryview]) -> None:
+    def _pull(self, chunk: Chunk, slot: int, target: int, out: list[memoryview]) -> None:
         route = self.region.route
         seq = route.next_seq()
         route.coordinate(chunk.slot, lambda s, place: s.pull(
@@ -278,7 +278,7 @@ class Collective:
         all; raise the first error."""
         wait_all([pool.submit(fn) for pool, fn in jobs])
 
-    def plan_round(self, nbytes: int) -> tuple[int, list[tuple[_Chunk, int, int]]]:
+    def plan_round(self, nbytes: int) -> tuple[int, list[tuple[Chunk, int, int]]]:
         """Start the next all-reduce round (hold :attr:`lock`): its slot, and the chunks
         a packed buffer of ``nbytes`` covers, each with the bytes of it used and its base
         count (every party's counts move on by ``2 × parties``)."""
@@ -291,14 +291,14 @@ class Collective:
         self.round += 1
         return slot, planned
 
-    def exchange(self, chunk: _Chunk, slot: int, base: int, parts: list[memoryview],
+    def exchange(self, chunk: Chunk, slot: int, base: int, parts: list[memoryview],
                  dt: DType) -> list[Future[None]]:
         """Push ``parts`` as ``chunk``'s share of a round that starts at count ``base``,
         and pull the sum into them once every party pushed; the two futures."""
         return [self._pushes.submit(self._push, chunk, slot, base, parts, dt),
                 self._pulls.submit(self._pull, chunk, slot, base + self.parties, parts)]
 
-    def _used(self, nbytes: int) -> list[tuple[_Chunk, int]]:
+    def _used(self, nbytes: int) -> list[tuple[Chunk, int]]:
         """The chunks a buffer of ``nbytes`` covers, with the bytes of each it uses."""
         out = []
         for c in self.chunks:
@@ -385,7 +385,7 @@ class AllReduce:
         if packed > coll.nbytes:
             raise InvalidArgument(f"{packed} bytes do not fit collective {coll.region.name} ({coll.nbytes} bytes)")
         self.futures: list[Future[None]] = []
-        self._todo: dict[int, tuple[_Chunk, int]] = {}
+        self._todo: dict[int, tuple[Chunk, int]] = {}
         self._missing: dict[int, int] = {}      # chunk index -> bytes not final yet
         self._held: int | None = None
         held = self._packed(hold) if hold is not None else None
