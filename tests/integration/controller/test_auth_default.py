@@ -71,7 +71,7 @@ def test_smb_train_passes_the_token_in_the_environment(tmp_path):
     probe = ("import sys, os\n"
              "from smb_train import digits\n"
              "digits.main = lambda argv: print('ARGV', argv, 'ENV', os.environ.get('SMB_TOKEN')) or 0\n"
-             "from smb_server import cli\n"
+             "from smb_server.commands import cli\n"
              "sys.exit(cli.main(['train', '--controller', '127.0.0.1:1', '--scheme', 'sync']))\n")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=WAIT,
                          env=_env(SMB_TOKEN="s3cret-token"))
