@@ -18,6 +18,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import queue
 import socket
 import statistics
 import sys
@@ -48,7 +49,7 @@ def worker(rank: int, env: dict[str, str], n: int, name: str, parties: int, roun
             deadline = time.monotonic() + 60
             while coll is None:
                 try:
-                    coll = smb_client.Collective.open(c, name, parties)
+                    coll = smb_client.Collective.open(c, name, parties, fresh=True)   # just created
                 except smb_client.errors.RegionNotFound:
                     if time.monotonic() > deadline:
                         raise
@@ -111,7 +112,14 @@ def main() -> int:
                  for r in range(args.workers)]
         for p in procs:
             p.start()
-        results = [out.get(timeout=600) for _ in procs]
+        results = []
+        while len(results) < len(procs):
+            try:
+                results.append(out.get(timeout=1.0))
+            except queue.Empty:
+                failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if failed:
+                    raise SystemExit(f"a worker failed (exit codes {failed}); see its traceback above") from None
         for p in procs:
             p.join(60)
     per_round = [max(r[i] for r in results) for i in range(args.rounds)][1:]   # the first round warms up
