@@ -50,6 +50,7 @@ from typing import Any, Protocol, TypeVar
 from smb_protocol import errors
 from smb_protocol.errors import InvalidArgument, Misaligned, ReadOnly, RegionNotFound, TicketExpired, Timeout
 from smb_protocol.placement import ExtentPlace, Layout, Run, split_runs
+from smb_protocol.replicas import ReplicaRole
 from smb_protocol.retry import Backoff, Retry
 from smb_protocol.tickets import TicketMode
 
@@ -166,7 +167,7 @@ class Route:
         primary = self.extents[slot]
         if self.replicas == 1:
             return primary
-        backups = [c for c in self.copies if c.index == slot and c.role == "backup"]
+        backups = [c for c in self.copies if c.index == slot and c.role == ReplicaRole.BACKUP]
         here = self.dataplane.here
         avoid = self._avoid
         now = time.monotonic()
@@ -224,7 +225,7 @@ class Route:
         """The transport used for each server (opening sessions); for a replicated
         region, the one its reads use (mutations go to the primary's tcp plane)."""
         return {p.server_id: self.session(p).scheme for p in (*self.extents, *self.copies)
-                if p.role != "syncing"}
+                if p.role != ReplicaRole.SYNCING}
 
     def request(self, slot: int, mutate: bool, send: Callable[[Session, ExtentPlace], T]) -> T:
         """Send one request on ``slot`` to the copy :meth:`target` names when it runs."""

@@ -77,7 +77,7 @@ class ExtentPlace:
     server_state: str
     index: int = 0       # the layout slot it holds
     copy: int = 0        # which copy of the slot (replicated regions)
-    role: str = ""       # primary | backup | syncing ("" unreplicated)
+    role: str = ""       # a ReplicaRole value (smb_protocol.replicas), kept as text: a newer role reads as itself
 
     @classmethod
     def from_message(cls, e: Any) -> ExtentPlace:
