@@ -49,9 +49,9 @@ def build_wheel(tmp_path: Path) -> Path:
     src.mkdir()
     shutil.copy(ROOT / "pyproject.toml", src)
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
-    for pkg in ("smb_client", "smb_server"):
+    for pkg in ("smb_protocol", "smb_client", "smb_server", "smb_train"):
         shutil.copytree(ROOT / pkg, src / pkg, ignore=ignore)
-    assert (src / "smb_client" / "_proto" / "smb" / "v1" / "controller_pb2.py").exists(), "run make proto"
+    assert (src / "smb_protocol" / "_proto" / "smb" / "v1" / "controller_pb2.py").exists(), "run make proto"
     dist = tmp_path / "dist"
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
                     "--disable-pip-version-check", "-w", str(dist), str(src)],
