@@ -3,9 +3,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
-import time
 from collections.abc import Sequence
 from importlib import metadata
 from typing import Any
@@ -14,7 +12,7 @@ from smb_client import Client
 from smb_protocol import errors
 from smb_protocol.tls import TLSConfig
 from smb_protocol.units import format_bytes, parse_size
-from smb_server.commands import doctor
+from smb_server.commands import doctor, up
 from smb_server.commands.tokens import admin_token, client_token, warn_token_flag
 from smb_server.runtime import logs
 from smb_server.runtime.config import (
@@ -137,32 +135,6 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_up(args: argparse.Namespace) -> int:
-    from .local_cluster import LocalCluster
-    cluster = LocalCluster(args.memory_servers, args.capacity, workdir=args.workdir,
-                           controller_port=args.port, tls=args.tls,
-                           tls_client_auth=args.tls_client_auth)
-    stop = False
-
-    def on_signal(signum: int, frame: object) -> None:
-        nonlocal stop
-        stop = True
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    cluster.start()
-    try:
-        print(f"Soft Memory Box: controller at {cluster.address}, {args.memory_servers} memory servers "
-              f"of {format_bytes(cluster.capacity)} (logs in {cluster.workdir})")
-        print("Use it from another shell with (new credentials for this cluster; keep them "
-              "private):\n" + cluster.describe(), flush=True)
-        while not stop:
-            time.sleep(0.2)
-    finally:
-        print("stopping local cluster", flush=True)
-        cluster.stop()
-    return 0
-
-
 def cmd_certs(args: argparse.Namespace) -> int:
     from smb_server.runtime.certs import make_cluster_certs
     made = make_cluster_certs(args.directory, args.host, args.days)
@@ -180,7 +152,12 @@ def cmd_status(args: argparse.Namespace) -> int:
     from smb_server.commands import status
     with Client(args.controller, client_token(args)) as c:
         report = status.gather(c, metrics=args.metrics)
-    print(json.dumps(report, indent=2) if args.json else status.render(report))
+    if args.json:
+        print(json.dumps(report, indent=2))
+        if args.metrics and not status.serves_metrics(report):
+            print(f"smb status: {status.NO_METRICS}", file=sys.stderr)
+    else:
+        print(status.render(report, metrics=args.metrics))
     return 0
 
 
@@ -266,18 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--env", action="store_true", help="apply this environment's SMB_* variables too")
     p.set_defaults(fn=cmd_check_config)
 
-    p = sub.add_parser("up", help="run a local cluster (controller + memory servers) in the foreground")
-    p.add_argument("--memory-servers", "--servers", dest="memory_servers", type=int, default=2,
-                   help="memory servers to start (default 2)")
-    p.add_argument("--capacity", default="1G", help="RAM each memory server offers (default 1G)")
-    p.add_argument("--port", type=int, default=7700, help="controller port (default 7700; 0: any)")
-    p.add_argument("--workdir", default=None, help="logs, state and database (default: a new temporary one)")
-    p.add_argument("--tls", action="store_true",
-                   help="serve gRPC and the TCP data plane over TLS with a throw-away CA made in "
-                        "the work directory (tls/); prints the SMB_TLS_* lines clients need")
-    p.add_argument("--tls-client-auth", action="store_true",
-                   help="like --tls, and refuse clients without a certificate of that CA")
-    p.set_defaults(fn=cmd_up)
+    up.add_parsers(sub)
 
     p = sub.add_parser("certs", help="make a CA and TLS certificates for a small cluster",
                        description="Writes ca.pem/ca.key, server.pem/server.key (for every daemon: "

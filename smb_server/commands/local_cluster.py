@@ -97,7 +97,7 @@ class LocalCluster(Daemon):
                  lease_seconds: float = 3.0, heartbeat_seconds: float = 0.5,
                  orphan_grace_seconds: float = 5.0, persistent: bool = False,
                  env: dict[str, str] | None = None, log_level: str = "INFO",
-                 tls: bool = False, tls_client_auth: bool = False) -> None:
+                 tls: bool = False, tls_client_auth: bool = False, metrics: bool = False) -> None:
         super().__init__()
         self.num_servers = servers
         self.capacity = parse_size(capacity)
@@ -118,6 +118,8 @@ class LocalCluster(Daemon):
         self.tls = tls or tls_client_auth
         self.tls_client_auth = tls_client_auth
         self.certs: ClusterCerts | None = None
+        # every daemon serves Prometheus /metrics on a free loopback port of its own
+        self.metrics = metrics
         self.controller: subprocess.Popen[bytes] | None = None
         self.servers: list[subprocess.Popen[bytes] | None] = []
         self.address = ""
@@ -193,6 +195,16 @@ class LocalCluster(Daemon):
         args = ["--tls-ca", daemon.ca, "--tls-cert", daemon.cert, "--tls-key", daemon.key]
         return args + ["--tls-client-auth", "true"] if self.tls_client_auth else args
 
+    def _metrics_args(self) -> list[str]:
+        """The metrics flags of a daemon of this cluster: a free loopback port when
+        :attr:`metrics` is on (a daemon that then cannot bind it says so in its log)."""
+        if not self.metrics:
+            return []
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((LOOPBACK, 0))
+            port = sock.getsockname()[1]
+        return ["--metrics-port", str(port), "--metrics-host", LOOPBACK]
+
     def _wait_file(self, path: Path, proc: subprocess.Popen[bytes], what: str) -> dict[str, Any]:
         try:
             doc: dict[str, Any] = wait_for_json(path, start_timeout(), proc)
@@ -238,7 +250,7 @@ class LocalCluster(Daemon):
             "--db", str(self.workdir / "controller.db"),
             "--secret-file", str(self.secret_file), "--ready-file", str(ready),
             "--lease", str(self.lease_seconds), "--orphan-grace", str(self.orphan_grace_seconds),
-            *self._tls_args()])
+            *self._tls_args(), *self._metrics_args()])
         self.address = self._wait_file(ready, self.controller, "controller")["address"]
 
     def start_server(self, i: int, wait: bool = True) -> None:
@@ -250,7 +262,7 @@ class LocalCluster(Daemon):
         args = ["server", "--controller", self.address, "--capacity", str(self.capacity),
                 "--state-dir", str(state), "--secret-file", str(self.secret_file),
                 "--ready-file", str(ready), "--transports", self.transports,
-                "--heartbeat", str(self.heartbeat_seconds), *self._tls_args()]
+                "--heartbeat", str(self.heartbeat_seconds), *self._tls_args(), *self._metrics_args()]
         if self.persistent:
             args += ["--data-dir", str(state / "data")]
         proc = self._spawn(name, args)

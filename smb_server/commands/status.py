@@ -28,6 +28,14 @@ log = logging.getLogger(__name__)
 CALL_TIMEOUT = 2.0        # seconds per memory-server call (Stats, health, /metrics)
 LATENCY_METRIC = "smb_server_operation_seconds"
 QUANTILES = (0.5, 0.99)
+NO_METRICS = ("no memory server serves /metrics, so there are no latencies to show; set "
+              "metrics_port on the servers (--metrics-port, SMB_METRICS_PORT), or start a local "
+              "cluster with `smb up --metrics`")
+
+
+def serves_metrics(status: dict[str, Any]) -> bool:
+    """Whether any memory server of a :func:`gather` report (with ``metrics``) was read."""
+    return any("metrics_url" in s for s in status["servers"])
 
 
 def gather(client: Client, metrics: bool = False, timeout: float = CALL_TIMEOUT) -> dict[str, Any]:
@@ -127,8 +135,9 @@ def _seconds(value: float | None) -> str:
     return f"{value * 1e6:.0f}us" if value < 1e-3 else f"{value * 1e3:.1f}ms"
 
 
-def render(status: dict[str, Any]) -> str:
-    """The text tables of ``smb status``."""
+def render(status: dict[str, Any], metrics: bool = False) -> str:
+    """The text tables of ``smb status``; ``metrics``: latencies were asked for (a
+    hint, not an empty table, when no server serves them)."""
     ctl = status["controller"]
     controllers = status.get("controllers") or [ctl]
     if len(controllers) == 1:
@@ -151,7 +160,12 @@ def render(status: dict[str, Any]) -> str:
     if draining:
         lines.append(f"draining (no new extents): {', '.join(draining)}")
     latency = [(s["server_id"], e) for s in servers for e in (s.get("latency_seconds") or [])]
-    if any("metrics_url" in s for s in servers):
+    if metrics and not serves_metrics(status):
+        lines += ["", NO_METRICS]
+    elif metrics and not latency:
+        lines += ["", "operation latency: no operation served yet (the memory servers' /metrics "
+                      "count data-plane requests)"]
+    elif serves_metrics(status):
         lines += ["", "operation latency (server side, from /metrics):"]
         lines.append(_table([[sid, e["op"], e["transport"], str(e["count"]), _seconds(e["p50"]),
                               _seconds(e["p99"])] for sid, e in latency],
