@@ -90,7 +90,11 @@ class Client:
                  reconnect_timeout: float = 5.0,
                  transport_options: dict[str, Any] | None = None,
                  tls: TLSConfig | None = None) -> None:
-        self.address = address or os.environ.get("SMB_CONTROLLER", DEFAULT_CONTROLLER)
+        self.address = address or os.environ.get("SMB_CONTROLLER", "") or DEFAULT_CONTROLLER
+        # where the address came from, for the error that says it cannot be reached
+        self._address_origin = ("as given" if address else "from SMB_CONTROLLER"
+                                if os.environ.get("SMB_CONTROLLER") else
+                                "the default: SMB_CONTROLLER is not set")
         self.token = token if token is not None else os.environ.get("SMB_TOKEN", "")
         self.transport = (transport or os.environ.get("SMB_TRANSPORT", "") or "auto").lower()
         if self.transport not in TRANSPORT_POLICIES:
@@ -165,7 +169,22 @@ class Client:
         patience = self.reconnect_timeout if reconnect_timeout is None else reconnect_timeout
         retry = Retry(on=(ControllerUnavailable,), timeout=patience,
                       backoff=Backoff(first=RECONNECT_FIRST, cap=RECONNECT_CAP))
-        return retry(lambda: self._call_once(method, request, deadline), what=f"controller {method}")
+        try:
+            return retry(lambda: self._call_once(method, request, deadline), what=f"controller {method}")
+        except ControllerUnavailable as exc:
+            if type(exc) is not ControllerUnavailable or self._closed:
+                raise     # ControllerBusy answered; a closed client says so itself
+            raise ControllerUnavailable(self._unreachable(exc, patience)) from None
+
+    def _unreachable(self, exc: ControllerUnavailable, patience: float) -> str:
+        """The message of a controller that did not answer: the address tried, where it
+        came from, and what to check."""
+        detail = str(exc)
+        if "failed to connect" in detail.lower():   # gRPC's words; the reason is at the end
+            detail = detail.rpartition(": ")[2] or detail
+        return (f"cannot reach the controller at {self.address} ({self._address_origin}) within "
+                f"{patience:g} s: {detail}; check that the controller runs there and that "
+                "SMB_CONTROLLER (or the address passed) names its host:port")
 
     def _call_once(self, method: str, request: Any, deadline: float | None) -> Any:
         index = self._leader

@@ -98,6 +98,14 @@ def layout_of(info: Any) -> Layout:
     return layout
 
 
+def name_server(exc: errors.ServerUnavailable, server_id: str) -> None:
+    """Put memory server ``server_id`` and where to look (``smb status``) into the
+    message of ``exc`` (same class, same traceback), unless it names the server already."""
+    text = str(exc)
+    if server_id and server_id not in text:
+        exc.args = (f"memory server {server_id}: {text}; `smb status` shows its state",)
+
+
 def until(timeout: float | None) -> float:
     """The monotonic deadline ``timeout`` seconds from now (None: infinity)."""
     if timeout is None:
@@ -232,8 +240,9 @@ class Route:
         session, place = self.target(slot, mutate)
         try:
             return send(session, place)
-        except errors.ServerUnavailable:
+        except errors.ServerUnavailable as exc:
             self._failed(place)
+            name_server(exc, place.server_id)
             raise
 
     def coordinate(self, slot: int, send: Callable[[Session, ExtentPlace], T]) -> T:
@@ -243,7 +252,11 @@ class Route:
         attempt, so a retry after a failover reaches the new primary."""
         def attempt() -> T:
             place = self.extents[slot]
-            return send(self.dataplane.coordination(place), place)
+            try:
+                return send(self.dataplane.coordination(place), place)
+            except errors.ServerUnavailable as exc:
+                name_server(exc, place.server_id)
+                raise
         return self.run(attempt)
 
     def _failed(self, place: ExtentPlace) -> None:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import InvalidArgument, OutOfMemory, OutOfRange
+from .units import format_bytes
 
 MAX_BYTES = (1 << 63) - 1   # the largest size, offset or capacity: 64-bit on the wire and in SQLite
 
@@ -283,7 +284,8 @@ def plan(size: int, placement: str, free: Mapping[str, int], *,
     if num_servers < 0:
         raise InvalidArgument("num_servers must not be negative")
     if not free:
-        raise OutOfMemory(f"no memory server is available for a region of {size} bytes")
+        raise OutOfMemory(f"no memory server is available for a region of {format_bytes(size)}; "
+                          "`smb status` shows the servers and their state")
     by_free = sorted(free, key=lambda s: (-free[s], s))
     if num_servers > len(by_free):
         raise OutOfMemory(f"{num_servers} servers asked for, only {len(by_free)} available")
@@ -306,11 +308,20 @@ def plan(size: int, placement: str, free: Mapping[str, int], *,
     short = [(servers[e], layout.extent_lengths[e], free[servers[e]])
              for e in order if layout.extent_lengths[e] > free[servers[e]]]
     if short:
-        detail = "; ".join(f"server {s} needs {need} bytes, has {have} free" for s, need, have in short)
+        detail = "; ".join(_shortfall(s, need, have) for s, need, have in short)
         raise OutOfMemory(
-            f"region of {size} bytes does not fit ({placement} over {len(order)} servers): {detail}; "
-            f"total free {sum(free.values())} bytes")
+            f"region of {format_bytes(size)} does not fit ({placement} over {len(order)} servers): "
+            f"{detail}; total free {format_bytes(sum(free.values()))}; ask for less, spread it "
+            "over more servers, or free memory (`smb region ls`, `smb region rm`)")
     return layout, servers
+
+
+def _shortfall(server: str, need: int, have: int) -> str:
+    """"server s needs 8.0 MiB, has 6.0 MiB free", in bytes where the units round the
+    difference away."""
+    if format_bytes(need) == format_bytes(have):
+        return f"server {server} needs {need} bytes, has {have} bytes free"
+    return f"server {server} needs {format_bytes(need)}, has {format_bytes(have)} free"
 
 
 def _plan_weighted(size: int, weights: Mapping[str, float], free: Mapping[str, int],
@@ -336,8 +347,8 @@ def _plan_weighted(size: int, weights: Mapping[str, float], free: Mapping[str, i
     servers = [ids[j] for j in used]
     short = [(sid, n, free[sid]) for sid, n in zip(servers, layout.extent_lengths, strict=True) if n > free[sid]]
     if short:
-        detail = "; ".join(f"server {s} needs {need} bytes, has {have} free" for s, need, have in short)
-        raise OutOfMemory(f"region of {size} bytes does not fit (layered, weighted over {len(servers)} "
+        detail = "; ".join(_shortfall(s, need, have) for s, need, have in short)
+        raise OutOfMemory(f"region of {format_bytes(size)} does not fit (layered, weighted over {len(servers)} "
                           f"servers): {detail}")
     return layout, servers
 
@@ -496,9 +507,10 @@ def plan_replicated(size: int, placement: str, free: Mapping[str, int], replicas
             if not fits:
                 most = max((left[s] for s in left if s not in taken), default=0)
                 raise OutOfMemory(
-                    f"region of {size} bytes with {replicas} copies does not fit ({placement} over "
-                    f"{len(primaries)} servers): a copy of {length} bytes finds at most {most} bytes "
-                    f"free on a server without a copy of it; total free {sum(free.values())} bytes")
+                    f"region of {format_bytes(size)} with {replicas} copies does not fit ({placement} "
+                    f"over {len(primaries)} servers): a copy of {format_bytes(length)} finds at most "
+                    f"{format_bytes(most)} free on a server without a copy of it; total free "
+                    f"{format_bytes(sum(free.values()))}")
             best = min(fits, key=lambda s: (hosts.get(s, s) in taken_hosts, -left[s], s))
             left[best] -= length
             copies[e].append(best)

@@ -31,8 +31,9 @@ GLOBAL_SETTINGS = ("log_level", "log_format")
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--controller", default=os.environ.get("SMB_CONTROLLER", "127.0.0.1:7700"),
-                   help="controller host:port (env SMB_CONTROLLER)")
+    # None: the client takes $SMB_CONTROLLER (or its default) and says which in its errors
+    p.add_argument("--controller", default=None,
+                   help="controller host:port (default: env SMB_CONTROLLER, else 127.0.0.1:7700)")
     p.add_argument("--token", default=None,
                    help="bearer token (default: env SMB_TOKEN, which is better: a flag shows in ps)")
 
@@ -166,9 +167,13 @@ def cmd_region(args: argparse.Namespace) -> int:
         if args.action == "create":
             segments = [parse_size(s) for s in args.segments.split(",")] if args.segments else []
             size = parse_size(args.size) if args.size else sum(segments)
-            r = c.create_region(args.name, size, placement=args.placement,
-                                stripe_unit=parse_size(args.stripe_unit), num_servers=args.num_servers,
-                                segment_sizes=segments, persistent=args.persistent, replicas=args.replicas)
+            try:
+                r = c.create_region(args.name, size, placement=args.placement,
+                                    stripe_unit=parse_size(args.stripe_unit), num_servers=args.num_servers,
+                                    segment_sizes=segments, persistent=args.persistent, replicas=args.replicas)
+            except errors.RegionExists:
+                raise errors.RegionExists(f"region {args.name!r} already exists; delete it first with "
+                                          f"`smb region rm {args.name}`, or pick another name") from None
             print(f"created {r.name}: {format_bytes(r.size)} {r.placement} over {len(r.extents)} servers")
             r.close()
         elif args.action == "ls":
@@ -205,6 +210,43 @@ def _version() -> str:
         return metadata.version("soft-memory-box")
     except metadata.PackageNotFoundError:
         return "unknown (not installed)"
+
+
+def _region_parsers(sub: Any) -> None:
+    """``smb region create|ls|rm``, each with its own help."""
+    region = sub.add_parser("region", help="create, list or delete regions",
+                            description="smb region create NAME SIZE | ls [PREFIX] | rm NAME | "
+                                        "rm --prefix PREFIX; `smb region create --help` and the "
+                                        "like list each one's options.")
+    actions = region.add_subparsers(dest="action", required=True, metavar="{create,ls,rm}")
+    p = actions.add_parser("create", help="create a region (striped over all servers by default)",
+                           description="Create region NAME of SIZE bytes (e.g. 256M, 2G), e.g. "
+                                       "`smb region create job/params 256M`; layered regions may "
+                                       "give --segments instead of SIZE.")
+    _common(p)
+    p.add_argument("name", nargs="?", help="region name, e.g. job/params")
+    p.add_argument("size", nargs="?", help="bytes, e.g. 64M (layered: default the segments' sum)")
+    p.add_argument("--placement", default="striped", choices=["striped", "layered", "single"],
+                   help="how extents are laid over servers (default striped)")
+    p.add_argument("--stripe-unit", default="0", help="striped: bytes per stripe (default 0: the controller's)")
+    p.add_argument("--num-servers", type=int, default=0,
+                   help="memory servers to spread the region over (default 0: all that fit)")
+    p.add_argument("--segments", default="", help="layered: comma-separated segment sizes")
+    p.add_argument("--persistent", action="store_true", help="file-backed extents (servers with data_dir)")
+    p.add_argument("--replicas", type=int, default=1, help="copies of every byte (1 to 3)")
+    p.set_defaults(fn=cmd_region, prefix="")
+    p = actions.add_parser("ls", help="list regions (sizes in KiB/MiB/GiB)",
+                           description="List the regions whose names start with PREFIX (all without).")
+    _common(p)
+    p.add_argument("name", nargs="?", metavar="PREFIX", help="a name prefix, e.g. job/")
+    p.set_defaults(fn=cmd_region, prefix="")
+    p = actions.add_parser("rm", help="delete a region, or every region under --prefix",
+                           description="Delete region NAME, or with --prefix every region whose "
+                                       "name starts with PREFIX (e.g. what a job left behind).")
+    _common(p)
+    p.add_argument("name", nargs="?", help="region name")
+    p.add_argument("--prefix", default="", help="delete every region whose name starts with this, e.g. job/")
+    p.set_defaults(fn=cmd_region)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -266,21 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON document")
     p.set_defaults(fn=cmd_status)
 
-    p = sub.add_parser("region", help="create, list or delete regions")
-    _common(p)
-    p.add_argument("action", choices=["create", "ls", "rm"], help="what to do")
-    p.add_argument("name", nargs="?", help="region name (ls: a name prefix)")
-    p.add_argument("size", nargs="?", help="create: bytes, e.g. 64M (layered: default the segments' sum)")
-    p.add_argument("--placement", default="striped", choices=["striped", "layered", "single"],
-                   help="how extents are laid over servers (default striped)")
-    p.add_argument("--stripe-unit", default="0", help="striped: bytes per stripe (default 0: the controller's)")
-    p.add_argument("--num-servers", type=int, default=0,
-                   help="memory servers to spread the region over (default 0: all that fit)")
-    p.add_argument("--segments", default="", help="layered: comma-separated segment sizes")
-    p.add_argument("--persistent", action="store_true", help="file-backed extents (servers with data_dir)")
-    p.add_argument("--replicas", type=int, default=1, help="create: copies of every byte (1 to 3)")
-    p.add_argument("--prefix", default="", help="rm: delete every region whose name starts with this, e.g. job/")
-    p.set_defaults(fn=cmd_region)
+    _region_parsers(sub)
 
     p = sub.add_parser("train", help="train an example model (digits) through the memory box",
                        description="Trains a small network on scikit-learn's digits: a local cluster "
@@ -322,6 +350,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.command == "region" and args.action == "rm" and args.name and args.prefix:
         print("smb region rm: give a region name or --prefix, not both", file=sys.stderr)
+        return 2
+    if args.command == "region" and args.action == "create" and not args.size and not args.segments:
+        print(f"smb region create: a size is required, e.g. `smb region create {args.name} 256M` "
+              "(or, layered, --segments 128M,128M)", file=sys.stderr)
         return 2
     try:
         code: int = args.fn(args)

@@ -204,7 +204,12 @@ def run_doctor(args: argparse.Namespace, out: TextIO | None = None) -> int:
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     """Add ``smb doctor`` to the CLI's subcommands."""
     p = subparsers.add_parser("doctor", help="check this host's RDMA setup (device, port, GID, MTU, "
-                                             "ulimit -l, loopback self-test)")
+                                             "ulimit -l, loopback self-test)",
+                                 description="Checks what one-sided RDMA needs on this host: an RDMA "
+                                             "device and an active port, a usable GID, the MTU, the "
+                                             "memlock limit (ulimit -l) and a loopback self-test. Each "
+                                             "check prints OK or FAIL with the fix; exit 0 when all pass, "
+                                             "1 otherwise.")
     p.add_argument("--device", default="", help="check only this RDMA device (default: all)")
     p.set_defaults(fn=run_doctor)
     return p

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from smb_protocol.errors import ExtentNotFound, InvalidArgument, OutOfMemory
+from smb_protocol.units import format_bytes
 
 from .extent import FILE_SUFFIX, encode_uid
 from .extent import HEADER as HEADER  # the header format, where callers have always found it
@@ -156,8 +157,9 @@ class Arena:
                     f"({held.length} bytes); asked for region {region_uid!r} ({length} bytes)")
             if self._used + length > self.capacity:
                 raise OutOfMemory(
-                    f"cannot reserve {length} bytes for extent {extent_id}: {self._used} of "
-                    f"{self.capacity} bytes in use, {self.capacity - self._used} free")
+                    f"cannot reserve {format_bytes(length)} for extent {extent_id}: "
+                    f"{format_bytes(self._used)} of {format_bytes(self.capacity)} in use, "
+                    f"{format_bytes(self.capacity - self._used)} free")
             self._check_fds(extent_id)
             self._used += length  # claim the budget before the (slow) allocation
         try:

@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 from smb_protocol import errors
 from smb_protocol.placement import Layout, Run, assign_segments, plan, plan_replicated, split_runs
+from smb_protocol.units import format_bytes
 
 settings.register_profile("smb", max_examples=150, deadline=None)
 settings.load_profile("smb")
@@ -131,7 +132,7 @@ def test_plan_fits_or_raises_out_of_memory(size: int, placement: str, free: dict
     try:
         layout, servers = plan(size, placement, free, stripe_unit=unit)
     except errors.OutOfMemory as exc:
-        assert str(size) in str(exc) and "free" in str(exc)
+        assert format_bytes(size) in str(exc) and "free" in str(exc)   # sizes readable
         return
     assert layout.size == size
     assert len(servers) == len(layout.extent_lengths) == len(set(servers))
@@ -214,7 +215,7 @@ def test_replicated_plans_keep_copies_apart_and_fit(cluster, replicas, size, pla
     try:
         layout, copies = plan_replicated(size, placement, free, replicas, hosts, **kw)
     except errors.OutOfMemory as exc:
-        assert "bytes" in str(exc) or replicas > len(free)     # says why, with the numbers
+        assert "free" in str(exc) or replicas > len(free)     # says why, with the sizes
         return
     assert replicas <= len(free)
     primaries_only, servers = plan(size, placement, free, **kw)
@@ -245,7 +246,7 @@ def test_replicated_plan_errors_have_numbers():
         plan_replicated(10, "single", {"a": 100}, 4)
     with pytest.raises(errors.OutOfMemory, match="2 copies of every byte need 2 memory servers, only 1"):
         plan_replicated(10, "single", {"a": 100}, 2)
-    with pytest.raises(errors.OutOfMemory, match="a copy of 60 bytes finds at most 50 bytes"):
+    with pytest.raises(errors.OutOfMemory, match="a copy of 60 B finds at most 50 B"):
         plan_replicated(60, "single", {"a": 100, "b": 50}, 2)
     # hosts unknown: distinct servers still
     _, copies = plan_replicated(60, "single", {"a": 100, "b": 100, "c": 100}, 3)
@@ -292,7 +293,7 @@ def test_plan_weighted_puts_segments_on_the_named_servers_in_proportion():
         plan(100, "layered", free, segment_sizes=[100], weights={"x": 1})
     with pytest.raises(errors.InvalidArgument, match="exclude"):
         plan(100, "layered", free, segment_sizes=[100], num_servers=1, weights={"a": 1})
-    with pytest.raises(errors.OutOfMemory, match="needs 200 bytes"):
+    with pytest.raises(errors.OutOfMemory, match="needs 200 B,"):
         plan(200, "layered", {"a": 100}, segment_sizes=[200], weights={"a": 1})
     with pytest.raises(errors.InvalidArgument, match="layered"):
         plan(200, "striped", free, weights={"a": 1})

@@ -64,8 +64,8 @@ def test_out_of_memory_names_the_numbers(arena):
     with pytest.raises(OutOfMemory) as info:
         arena.reserve(2, "uid", 8 * MiB)
     text = str(info.value)
-    for number in (8 * MiB, 10 * MiB, 16 * MiB, 6 * MiB):
-        assert str(number) in text
+    for number in ("8.0 MiB", "10.0 MiB", "16.0 MiB", "6.0 MiB"):    # in readable units
+        assert number in text
     assert arena.used == 10 * MiB               # a failed reservation claims nothing
     arena.reserve(2, "uid", 6 * MiB)             # exactly fills the budget
 
