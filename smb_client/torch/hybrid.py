@@ -5,6 +5,10 @@ their gradients with all-reduce every step, so they hold one replica. One *leade
 per node runs :class:`~smb_client.torch.seasgd.SEASGD` against the memory box every
 ``update_interval`` steps (the leader's ``SEASGD.update_interval``, told to the whole
 node) and broadcasts the updated weights to its group. Nodes never wait for each other.
+
+Buffers (batch-norm statistics) stay each worker's own; the leader of node 0 (SEASGD's
+rank 0) publishes its buffers into the store with every update and when it closes, so
+``store.load_into`` and ``store.save`` give the global weights with fitting statistics.
 """
 from __future__ import annotations
 

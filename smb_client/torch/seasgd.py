@@ -13,6 +13,12 @@ The ``params`` region of the store holds the *global* weights; every worker owns
 
 Workers never wait for each other. The elastic force pulls the workers towards the
 global weights and the global weights towards the workers.
+
+Buffers (batch-norm statistics) are not trained, so they take no part in the elastic
+average: each replica keeps its own, and rank 0 publishes its buffers into the store's
+published buffer slot with every update and in :meth:`SEASGD.finish`, so that
+``store.load_into`` and ``store.save`` give the global weights with statistics that
+fit them (not the initial ones).
 """
 from __future__ import annotations
 
@@ -38,10 +44,13 @@ class SEASGD:
 
     Call :meth:`after_step` after every local optimizer step. :meth:`close` waits for
     the last push and stops the background thread; the store stays the caller's.
+
+    ``publish_buffers`` (default True): rank 0 writes its model's buffers into the
+    store (see the module's notes) when the store holds buffers.
     """
 
     def __init__(self, store: ParameterStore, rank: int, world: int, *, moving_rate: float | None = None,
-                 update_interval: int = 4, keep_deltas: bool = True) -> None:
+                 update_interval: int = 4, keep_deltas: bool = True, publish_buffers: bool = True) -> None:
         if world < 1 or not 0 <= rank < world:
             raise InvalidArgument(f"rank {rank} outside 0..{world - 1}")
         if update_interval < 1:
@@ -60,6 +69,8 @@ class SEASGD:
         self.moving_rate = alpha
         self.update_interval = update_interval
         self.keep_deltas = keep_deltas
+        self.publish_buffers = publish_buffers and rank == 0 and store.buffer_layout is not None
+        self._buffers: list[tuple[int, torch.Tensor]] = []   # rank 0's, as of the last update
         self.global_weights = store.flat.new_flat()   # last global weights read
         self.delta = store.flat.new_flat()            # last delta pushed
         self.step = 0
@@ -95,6 +106,8 @@ class SEASGD:
                                                   self.flat.typed(self.global_weights, 0, n),
                                                   self.flat.typed(self.delta, 0, n), strict=True):
                     self._elastic(w, g, d)
+        if self.publish_buffers:   # a copy: the next forward passes change them meanwhile
+            self._buffers = [(off, b.detach().clone()) for off, b in self.store.buffer_items(0)]
         self._pending = self._pusher.submit(self._push)
         self.updates += 1
 
@@ -108,6 +121,10 @@ class SEASGD:
             self.store.write("deltas", self.store.slot_offset("deltas", self.rank), self.delta)
         for fut in self.store.accumulate_flat("params", 0, self.delta):
             fut.result()
+        if self._buffers:
+            items, self._buffers = self._buffers, []
+            self.store.region("buffers").write_many(items)
+            self.store.count_traffic(sent=sum(b.numel() * b.element_size() for _, b in items))
 
     def _wait_push(self) -> None:
         if self._pending is not None:
@@ -115,9 +132,12 @@ class SEASGD:
             pending.result()
 
     def finish(self) -> None:
-        """Wait until the last delta has reached the global weights."""
+        """Wait until the last delta has reached the global weights; rank 0 then
+        publishes its current buffers."""
         t0 = time.perf_counter()
         self._wait_push()
+        if self.publish_buffers:
+            self.store.push_buffers(0)
         self.push_wait += time.perf_counter() - t0
 
     def close(self) -> None:
