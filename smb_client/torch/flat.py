@@ -170,6 +170,12 @@ class FlatModel:
         return torch.zeros_like(self.flat_params)
 
 
+def queue_callback(fn: Callable[[], None]) -> None:
+    """Run ``fn`` when the running backward pass ends (from inside a hook)."""
+    engine = cast(Any, torch.autograd.Variable)._execution_engine
+    engine.queue_callback(fn)
+
+
 def torch_dtype(name: str) -> torch.dtype:
     """``"bfloat16"`` -> ``torch.bfloat16``."""
     dt = getattr(torch, name)
@@ -190,13 +196,20 @@ class GradientHooks:
 
     :meth:`finish` launches what is left (parameters that got no gradient), returns
     the values ``launch`` returned, in bucket order, and re-arms for the next pass.
+
+    ``after_backward`` (optional) is called once at the end of every backward pass that
+    fired a hook while not paused (queued on the autograd engine, as DDP finishes its
+    reduction there); it is expected to call :meth:`finish`.
     """
 
-    def __init__(self, flat: FlatModel, bucket_bytes: int, launch: Callable[[Bucket], Any]) -> None:
+    def __init__(self, flat: FlatModel, bucket_bytes: int, launch: Callable[[Bucket], Any],
+                 after_backward: Callable[[], None] | None = None) -> None:
         self.flat = flat
         self.buckets = flat.buckets(bucket_bytes)
         self.paused = False
         self._launch = launch
+        self._after_backward = after_backward
+        self._queued = False
         self._bucket_of: dict[int, int] = {}
         for b, bucket in enumerate(self.buckets):
             for i in range(bucket.first, bucket.last + 1):
@@ -211,6 +224,7 @@ class GradientHooks:
         self._pending = [b.last - b.first + 1 for b in self.buckets]
         self._next = 0
         self._results: list[Any] = []
+        self._queued = False
 
     def _hook(self, i: int) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:
@@ -224,8 +238,16 @@ class GradientHooks:
             self._fired[i] = True
             self.flat.collect_grad(i)
             self._pending[self._bucket_of[i]] -= 1
+            if self._after_backward is not None and not self._queued:
+                self._queued = True
+                queue_callback(self._end_of_backward)
             self._drain()
         return hook
+
+    def _end_of_backward(self) -> None:
+        self._queued = False
+        assert self._after_backward is not None
+        self._after_backward()
 
     def _drain(self) -> None:
         while self._next < len(self.buckets) and self._pending[self._next] == 0:

@@ -79,6 +79,24 @@ class WorkerEnv:
                    number("TORCHELASTIC_RESTART_COUNT", 0))
 
 
+def check_torchrun(rank: int, world: int, what: str, environ: Mapping[str, str] | None = None) -> None:
+    """Raise InvalidArgument, naming both numbers, when ``rank`` or ``world`` contradict
+    torchrun's ``RANK`` or ``WORLD_SIZE`` (each checked where set; ``LOCAL_RANK`` must fit
+    them, see :meth:`WorkerEnv.from_env`). Nothing is checked outside torchrun."""
+    env = os.environ if environ is None else environ
+    if not any(env.get(k, "") != "" for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")):
+        return
+    got = WorkerEnv.from_env(env)
+    fix = "pass WorkerEnv.from_env().rank and .world_size, or check_env=False if only some of them train together"
+    if env.get("WORLD_SIZE", "") != "" and world != got.world_size:
+        raise InvalidArgument(f"{what}(rank={rank}, world={world}), but torchrun started WORLD_SIZE="
+                              f"{got.world_size} workers: the workers would wait for {world} that never "
+                              f"all come; {fix}")
+    if env.get("RANK", "") != "" and rank != got.rank:
+        raise InvalidArgument(f"{what}(rank={rank}, world={world}), but this worker is RANK={got.rank} of "
+                              f"torchrun's {got.world_size}; {fix}")
+
+
 def open_store(client: Any, env: WorkerEnv, prefix: str, model: Any, *,
                ready_timeout: float = READY_TIMEOUT, members: int | None = None,
                creator: bool | None = None, resume: bool | None = None,

@@ -5,7 +5,8 @@ Regions under a prefix ``job``:
 ==================  ==========================================================
 ``job/meta``        the layout (tensor names and shapes) and slot counts, JSON
 ``job/params``      one slot: the parameters (the global weights for SEASGD)
-``job/grads``       ``grad_slots`` slots: gradient accumulation (synchronous)
+``job/grads``       ``grad_slots`` slots: gradient accumulation (synchronous training
+                    with ``exchange="slots"``; the collective exchange needs none)
 ``job/deltas``      ``delta_slots`` slots: one private delta buffer per worker
 ``job/counters``    int64 words: stop word, total and per-worker iteration counts
 ``job/buffers``     the model's buffers (batch-norm statistics), 4 slots: slot 0
@@ -125,9 +126,13 @@ class ParameterStore:
         """Lay ``model`` out in new regions under ``prefix`` and store its parameters.
 
         ``scheme`` sizes the slots that are not given: ``sync`` (the default when
-        neither count is given) 3 gradient slots and no delta slots; ``seasgd`` and
-        ``hybrid`` one delta slot per worker (``workers``) and no gradient slots. A count
-        that is given wins; when only one is given, the other is 0.
+        neither count is given) the gradient slots :class:`SyncDataParallel`'s default
+        exchange uses, so none is reserved unused: 0 when every parameter has one element
+        type (the collective exchange sums gradients without slots), 3 when the model
+        mixes types (``exchange="slots"``), and no delta slots; ``seasgd`` and ``hybrid``
+        one delta slot per worker (``workers``) and no gradient slots. A count that is
+        given wins (``grad_slots=3`` for ``exchange="slots"`` on a one-type model); when
+        only one is given, the other is 0.
 
         ``placement``: ``striped`` ("memory-based sharding": every slot spread over the
         servers; ``stripe_unit`` bytes, by default one slot divided by the number of
@@ -158,14 +163,14 @@ class ParameterStore:
             raise InvalidArgument(f"workers must be >= 1, got {workers}")
         if scheme is None and grad_slots is None and delta_slots is None:
             scheme = "sync"
-        if grad_slots is None:
-            grad_slots = SYNC_SLOTS if scheme == "sync" else 0
+        flat = model if isinstance(model, FlatModel) else FlatModel(model)
+        layout = flat.layout
+        if grad_slots is None:   # the slots exchange (mixed types) rotates SYNC_SLOTS of them
+            grad_slots = SYNC_SLOTS if scheme == "sync" and layout.uniform is None else 0
         if delta_slots is None:
             delta_slots = workers if scheme in ("seasgd", "hybrid") else 0
         if grad_slots < 0 or delta_slots < 0:
             raise InvalidArgument("grad_slots and delta_slots must be >= 0")
-        flat = model if isinstance(model, FlatModel) else FlatModel(model)
-        layout = flat.layout
         blayout = FlatLayout.of_buffers(flat.model) if buffers else None
         if blayout is not None and not blayout.tensors:
             blayout = None

@@ -6,9 +6,9 @@ gradients back, divides by the number of workers and runs its own (identical)
 optimizer step. All replicas stay equal to a single process training on the union of
 the workers' batches.
 
-Resetting the accumulation slot. The store has three gradient slots used in turn:
-step ``s`` accumulates into slot ``s % 3``. Between the barriers of steps ``s-1`` and
-``s`` every worker zeroes its share of slot ``(s+1) % 3``. That slot was last read in
+Resetting the accumulation slot (``exchange="slots"``). The store has three gradient
+slots used in turn: step ``s`` accumulates into slot ``s % 3``. Between the barriers of
+steps ``s-1`` and ``s`` every worker zeroes its share of slot ``(s+1) % 3``. That slot was last read in
 step ``s-2``, which every worker finished before it pushed in step ``s-1`` (and so
 before barrier ``s-1`` opened); nobody accumulates into it before step ``s+1``, which
 starts only after barrier ``s`` opened, which needs every worker's zeroing done. One
@@ -16,8 +16,12 @@ barrier per step, and the zeroing is spread over all workers.
 
 With ``overlap=True`` gradients are pushed bucket by bucket from backward hooks as
 asynchronous operations, so the communication of the last layers overlaps the backward
-pass of the first ones. Inside :meth:`SyncDataParallel.no_sync` backward passes only
-accumulate locally (gradient accumulation over micro-batches).
+pass of the first ones, and the backward pass ends with the rest of the step's
+synchronization (a callback queued on the autograd engine, as DDP's reducer does): the
+DDP loop ``optimizer.zero_grad(); loss.backward(); optimizer.step()`` runs unchanged,
+and an explicit :meth:`SyncDataParallel.synchronize` after it returns at once. Inside
+:meth:`SyncDataParallel.no_sync` backward passes only accumulate locally (gradient
+accumulation over micro-batches).
 
 The barrier: the first step meets at the controller's ``Barrier`` (rank 0 zeroes the
 barrier word of the ``counters`` region before it); every later step meets on that word
@@ -72,6 +76,7 @@ from ..coord import Barrier
 from ..futures import wait_all
 from .counters import SYNC_BARRIER_WORD, SharedCounters
 from .flat import GradientHooks
+from .launch import check_torchrun
 from .layout import ALIGN, Bucket
 from .store import SYNC_SLOTS, ParameterStore
 
@@ -87,11 +92,17 @@ EXCHANGES = ("auto", "collective", "slots")
 
 
 class SyncDataParallel:
-    """Synchronous SGD over a :class:`ParameterStore` with at least three gradient slots.
+    """Synchronous SGD over a :class:`ParameterStore` (with at least three gradient slots
+    for ``exchange="slots"``; the collective exchange needs none).
 
-    Use::
+    Use it as DDP::
 
-        dp.zero_grad(); loss.backward(); dp.synchronize(); optimizer.step()
+        optimizer.zero_grad(); loss.backward(); optimizer.step()
+
+    With ``overlap=True`` (the default) the backward pass ends by synchronizing the
+    gradients (as DDP's does), so :meth:`synchronize` after it returns at once; with
+    ``overlap=False`` call :meth:`synchronize` between backward and step. Either
+    ``optimizer.zero_grad()`` or :meth:`zero_grad` resets the gradients.
 
     ``rank`` is this worker's index among ``world`` workers. With ``counters`` (a
     lockstep :class:`SharedCounters`) every step is published and :attr:`stop` turns
@@ -109,18 +120,23 @@ class SyncDataParallel:
     (:meth:`~smb_client.collective.Collective.create`); None: gathered once through
     ``torch.distributed`` when it is initialized over ``world`` processes, else
     unknown (chunks dealt evenly over all servers); ``[]``: do not gather.
+
+    ``rank`` and ``world`` must match torchrun's ``RANK`` and ``WORLD_SIZE`` (and fit
+    ``LOCAL_RANK``) where those are set: InvalidArgument naming both numbers at once,
+    instead of a barrier that waits for workers that do not exist. ``check_env=False``
+    skips the check (only some of torchrun's workers train together).
     """
 
     def __init__(self, store: ParameterStore, rank: int, world: int, *, overlap: bool = True,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, counters: SharedCounters | None = None,
                  barrier_timeout: float = BARRIER_TIMEOUT,
                  publish_every: int = DEFAULT_PUBLISH_EVERY, buffers: str = "broadcast",
-                 exchange: str = "auto", worker_hosts: Sequence[str] | None = None) -> None:
-        if store.grad_slots < SYNC_SLOTS:
-            raise InvalidArgument(f"synchronous training needs a store with grad_slots >= {SYNC_SLOTS}, "
-                                  f"{store.prefix!r} has {store.grad_slots}")
+                 exchange: str = "auto", worker_hosts: Sequence[str] | None = None,
+                 check_env: bool = True) -> None:
         if not 0 <= rank < world:
             raise InvalidArgument(f"rank {rank} outside 0..{world - 1}")
+        if check_env:
+            check_torchrun(rank, world, "SyncDataParallel")
         if counters is not None and not counters.lockstep:
             raise InvalidArgument("synchronous workers need SharedCounters(..., lockstep=True)")
         if publish_every < 0:
@@ -130,6 +146,14 @@ class SyncDataParallel:
         if exchange == "collective" and store.flat.dtype is None:
             raise InvalidArgument("exchange='collective' needs parameters of one element type; this model "
                                   "mixes types: use exchange='slots'")
+        if exchange == "auto":
+            exchange = "collective" if store.flat.dtype is not None else "slots"
+        if exchange == "slots" and store.grad_slots < SYNC_SLOTS:
+            raise InvalidArgument(f"exchange='slots' needs a store with grad_slots >= {SYNC_SLOTS}, "
+                                  f"{store.prefix!r} has {store.grad_slots}: create it with "
+                                  f"grad_slots={SYNC_SLOTS}"
+                                  + (" (or use the default collective exchange, which needs none)"
+                                     if store.flat.dtype is not None else ""))
         if buffers not in BUFFER_MODES:
             raise InvalidArgument(f"unknown buffers mode {buffers!r}: expected one of {', '.join(BUFFER_MODES)}")
         if buffers != "none" and store.buffer_layout is None and any(True for _ in store.flat.model.buffers()):
@@ -158,11 +182,11 @@ class SyncDataParallel:
         self._published = 0                        # steps the stored weights reflect
         self._accumulating = False
         self._closed = False
-        self._hooks = GradientHooks(self.flat, bucket_bytes, self._push_bucket) if overlap else None
+        self._synced_in_backward = False           # the last backward pass ended synchronized
+        self._hooks = GradientHooks(self.flat, bucket_bytes, self._push_bucket,
+                                    after_backward=self._after_backward) if overlap else None
         self._barrier = Barrier(store.region("counters"), SYNC_BARRIER_WORD * 8, world)
         self._barrier_ready = False                # the first step zeroes the word (see _meet)
-        if exchange == "auto":
-            exchange = "collective" if self.flat.dtype is not None else "slots"
         self.exchange = exchange
         self._coll: Collective | None = None
         self._round: AllReduce | None = None
@@ -310,9 +334,23 @@ class SyncDataParallel:
     def _wait(futures: list[Future[Any]]) -> None:
         wait_all(futures)
 
+    def _after_backward(self) -> None:
+        """The end of a backward pass outside :meth:`no_sync` (``overlap=True``): the
+        step's gradients are synchronized before ``loss.backward()`` returns, as DDP's."""
+        self._synchronize()
+        self._synced_in_backward = True
+
     def synchronize(self) -> None:
         """Finish pushing this step's gradients, wait for every worker, and replace the
-        local gradients by the average over all workers."""
+        local gradients by the average over all workers. With ``overlap=True`` the
+        backward pass already did (outside :meth:`no_sync`), and this returns at once."""
+        if self._synced_in_backward and not self._accumulating:
+            self._synced_in_backward = False
+            return
+        self._synchronize()
+
+    def _synchronize(self) -> None:
+        self._synced_in_backward = False
         if self._accumulating:
             raise InvalidArgument("synchronize() inside no_sync(): run the last micro-batch's backward "
                                   "pass outside no_sync(), then synchronize")

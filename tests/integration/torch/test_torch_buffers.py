@@ -35,7 +35,7 @@ def buffers_of(model) -> dict[str, torch.Tensor]:
 
 
 def train(cluster, name, mode):
-    """Each worker's buffers just before the last synchronize() and at the end."""
+    """Each worker's buffers just before the last synchronization and at the end."""
     results: dict[int, tuple[dict, dict, torch.Tensor]] = {}
     errors: list[BaseException] = []
     ready = threading.Event()
@@ -58,8 +58,9 @@ def train(cluster, name, mode):
                 for step in range(STEPS):
                     dp.zero_grad()
                     xb, yb = x[step * BATCH:(step + 1) * BATCH], y[step * BATCH:(step + 1) * BATCH]
-                    torch.nn.functional.cross_entropy(model(xb), yb).backward()
-                    before = buffers_of(model)
+                    out = model(xb)                 # the forward pass updates the statistics
+                    before = buffers_of(model)      # before the backward pass synchronizes them
+                    torch.nn.functional.cross_entropy(out, yb).backward()
                     dp.synchronize()
                     opt.step()
                 dp.close()

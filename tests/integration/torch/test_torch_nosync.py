@@ -91,15 +91,21 @@ def test_accumulation_under_no_sync_equals_union_of_micro_batches(cluster, name,
         assert torch.equal(p, q)
 
 
-def test_second_backward_outside_no_sync_is_an_error(client, name):
+def test_every_backward_outside_no_sync_synchronizes(client, name):
+    """As with DDP: each backward pass outside no_sync() is a synchronized step (it used
+    to be an error without synchronize() between them); synchronize() inside no_sync()
+    is an error."""
     model = make_model()
     store = ParameterStore.create(client, name, model, grad_slots=3)
     dp = SyncDataParallel(store, 0, 1)
     try:
         dp.zero_grad()
         model(torch.randn(2, 8)).sum().backward()
-        with pytest.raises(InvalidArgument, match="no_sync"):
-            model(torch.randn(2, 8)).sum().backward()
+        assert dp.step == 1
+        model(torch.randn(2, 8)).sum().backward()
+        assert dp.step == 2
+        dp.synchronize()                              # the backward pass already did
+        assert dp.step == 2
         dp.zero_grad()
         with dp.no_sync():
             model(torch.randn(2, 8)).sum().backward()

@@ -15,12 +15,51 @@ def mlp(seed: int = 0) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(5, 12), torch.nn.Tanh(), torch.nn.Linear(12, 2))
 
 
+def train_one_step(store, model, **kwargs) -> None:
+    with SyncDataParallel(store, 0, 1, **kwargs) as dp:
+        dp.zero_grad()
+        model(torch.ones(3, 5).to(model[0].weight.dtype)).float().sum().backward()
+        dp.synchronize()
+
+
 def test_default_slots_suit_synchronous_training(client, name):
-    store = ParameterStore.create(client, name, mlp())
+    """The collective exchange (the default for a one-type model) uses no gradient slot,
+    so none is reserved: the regions hold the parameters once, and nothing else of the
+    model's size."""
+    model = mlp()
+    store = ParameterStore.create(client, name, model)
+    try:
+        assert (store.grad_slots, store.delta_slots) == (0, 0)
+        slot = store.layout.slot_bytes
+        sizes = {r.name.rsplit("/", 1)[1]: r.size for r in client.list_regions(f"{name}/")}
+        assert set(sizes) == {"meta", "params", "counters"}, sizes
+        assert sizes["params"] == slot
+        train_one_step(store, model)
+        sizes = {r.name.rsplit("/", 1)[1]: r.size for r in client.list_regions(f"{name}/")}
+        assert "grads" not in sizes and "allreduce" in sizes      # the collective's own region
+        with pytest.raises(InvalidArgument, match="grad_slots=3"):
+            SyncDataParallel(store, 0, 1, exchange="slots")
+    finally:
+        store.destroy()
+
+
+def test_the_slot_exchange_gets_its_slots(client, name):
+    model = mlp()
+    store = ParameterStore.create(client, name, model, grad_slots=3)   # asked for: exchange="slots"
+    try:
+        assert store.regions["grads"].size == 3 * store.layout.slot_bytes
+        train_one_step(store, model, exchange="slots")
+    finally:
+        store.destroy()
+    mixed = torch.nn.Sequential(torch.nn.Linear(5, 12).to(torch.bfloat16), torch.nn.Linear(12, 2))
+    store = ParameterStore.create(client, name, mixed)                 # mixed types: "slots" by default
     try:
         assert (store.grad_slots, store.delta_slots) == (3, 0)
-        assert "deltas" not in store.regions
-        SyncDataParallel(store, 0, 1).close()
+        with SyncDataParallel(store, 0, 1) as dp:
+            assert dp.exchange == "slots"
+            dp.zero_grad()
+            mixed[1](mixed[0](torch.ones(3, 5, dtype=torch.bfloat16)).float()).sum().backward()
+            dp.synchronize()
     finally:
         store.destroy()
 
