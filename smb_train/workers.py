@@ -111,7 +111,7 @@ def _sync(ctx: dict[str, Any]) -> dict[str, Any]:
     prefix = f"{args.job}/sync"
     with smb_client.connect() as client:
         model = make_model(args.seed, args.hidden)
-        store = open_store(client, env, prefix, model, placement=args.placement, grad_slots=3,
+        store = open_store(client, env, prefix, model, placement=args.placement, scheme="sync",
                            workers=world, **_replicas(args))
         opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
         steps_per_epoch = len(t["y_train"]) // (world * b)
