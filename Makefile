@@ -8,17 +8,21 @@ PIP      := $(VENV)/bin/pip
 STAMP    := $(VENV)/.installed
 PROTO_SRC := $(wildcard proto/smb/v1/*.proto)
 PROTO_OUT := smb_protocol/_proto/smb/v1
+# etcd's v3 API: stubs generated from the .proto files golang-etcd-server-dev ships
+ETCD_PROTO_OUT := smb_protocol/_proto/etcd
 # base tools; rdma-core, the rxe provider and pyverbs (RDMA data plane, `smb doctor`);
 # perftest (reference for the rdma benchmark); qemu, a Debian kernel with rdma_rxe and
 # busybox (the Soft-RoCE VM that runs the rdma tier); systemd (unit verification);
 # slurmctld/slurmd (the Slurm batch script runs under a one-node Slurm in the tests);
 # python3-apt (Ansible's apt module, for the playbook test); etcd (the replicated
 # controller store; the tests start their own etcd on free loopback ports, so the
-# package's own service, where systemd starts it, is not in their way)
+# package's own service, where systemd starts it, is not in their way); etcd's .proto
+# files (golang-etcd-server-dev: the controller's etcd client is generated from them)
 APT_PKGS := python3-venv python3-dev iproute2 procps \
             rdma-core ibverbs-providers ibverbs-utils python3-pyverbs perftest \
             qemu-system-x86 linux-image-amd64 busybox-static systemd \
-            slurmctld slurmd slurm-client python3-apt etcd-server etcd-client
+            slurmctld slurmd slurm-client python3-apt etcd-server etcd-client \
+            golang-etcd-server-dev
 
 .PHONY: all deps apt venv proto demo lint test test-host test-unit test-integration test-rdma bench bench-rdma bench-cluster clean
 
@@ -45,7 +49,12 @@ $(PROTO_OUT)/.stamp: $(PROTO_SRC) $(STAMP)
 	$(PY) tools/fix_proto_imports.py smb_protocol/_proto
 	@touch $@
 
-proto: $(PROTO_OUT)/.stamp
+$(ETCD_PROTO_OUT)/.stamp: tools/etcd_protos.py tools/fix_proto_imports.py $(STAMP)
+	$(PY) tools/etcd_protos.py smb_protocol/_proto
+	$(PY) tools/fix_proto_imports.py smb_protocol/_proto
+	@touch $@
+
+proto: $(PROTO_OUT)/.stamp $(ETCD_PROTO_OUT)/.stamp
 
 deps: venv proto
 

@@ -14,13 +14,15 @@ import socket
 import subprocess
 import tempfile
 import time
+import urllib.error
+import urllib.request
 import uuid
 
 import pytest
-import requests
 
 ETCD = shutil.which("etcd") or "/usr/bin/etcd"
 START_TIMEOUT = 30.0  # seconds
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: no proxy
 
 
 def _free_port() -> int:
@@ -51,9 +53,10 @@ class EtcdServer:
         deadline = time.monotonic() + START_TIMEOUT
         while True:
             try:
-                if requests.get(f"http://127.0.0.1:{self.port}/health", timeout=1).ok:
-                    break
-            except requests.RequestException:
+                with _DIRECT.open(f"http://127.0.0.1:{self.port}/health", timeout=1) as reply:
+                    if reply.status == 200:
+                        break
+            except (OSError, urllib.error.URLError):
                 pass
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()

@@ -1,38 +1,57 @@
-"""A small etcd v3 key-value client: ranges, transactions with compares, leases.
+"""A small etcd v3 client on etcd's own gRPC API: ranges, transactions with compares,
+leases and watches.
 
-Built on etcd3gw (etcd's v3 JSON gateway over HTTP; see docs/architecture.md for why
-that library). This module adds what the controller needs on top of it: several
-endpoints (the next one is tried when one does not answer), one HTTP session per
-thread (a ``requests.Session`` is not meant to be shared between threads), string
-keys under a prefix, and failures turned into ``ControllerUnavailable``.
+The messages are generated at build time from the .proto files of the distribution's
+etcd (``make proto``: tools/etcd_protos.py); this module binds the methods it calls
+(KV Range and Txn, Lease Grant, Revoke and KeepAlive, Watch) on one gRPC channel to
+every endpoint of the cluster. The channel balances over the endpoints that answer
+(``round_robin``); a call waits for one to answer (up to ``timeout`` seconds) and one
+refused as unavailable is tried again, so a member that dies or has no quorum is passed
+over. Keys are strings under a prefix; failures become ``ControllerUnavailable`` (no
+member answers) or ``ServerError`` (etcd refuses the request itself).
 
 A store URL reads ``etcd://host:port[,host:port...][/prefix]``; the prefix (default
 ``/smb``) lets several clusters share one etcd.
 """
 from __future__ import annotations
 
-import base64
 import json
 import logging
+import socket
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
-from etcd3gw.client import Etcd3Client
-from etcd3gw.exceptions import ConnectionFailedError, ConnectionTimeoutError, Etcd3Exception, InternalServerError
+import grpc
 
 from smb_protocol import errors
+from smb_protocol._proto.etcd.etcdserver.etcdserverpb import rpc_pb2 as pb
+from smb_protocol._proto.etcd.mvcc.mvccpb import kv_pb2
 
 log = logging.getLogger(__name__)
 
 SCHEME = "etcd://"
 DEFAULT_PREFIX = "/smb"
 DEFAULT_PORT = 2379
-REQUEST_TIMEOUT = 5.0   # seconds one HTTP request to one etcd endpoint may take
+REQUEST_TIMEOUT = 5.0   # seconds one call may wait for an etcd member to answer
+WATCH_RETRY = 0.2       # seconds before a broken watch stream is opened again
+# reconnect soon after a member comes back (gRPC's default backoff grows to 120 s)
+CHANNEL_OPTIONS = [("grpc.lb_policy_name", "round_robin"),
+                   ("grpc.enable_http_proxy", 0),            # etcd is reached directly
+                   ("grpc.initial_reconnect_backoff_ms", 100),
+                   ("grpc.min_reconnect_backoff_ms", 100),
+                   ("grpc.max_reconnect_backoff_ms", 1000),
+                   ("grpc.keepalive_time_ms", 10_000),        # find a member that went silent
+                   ("grpc.keepalive_timeout_ms", 5_000),
+                   ("grpc.max_receive_message_length", 64 << 20)]
 
-Op = dict[str, Any]
+Op = pb.RequestOp
+Cmp = pb.Compare
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
 
 
 def is_etcd_url(url: str) -> bool:
@@ -67,9 +86,25 @@ def parse_url(url: str) -> tuple[list[tuple[str, int]], str]:
     return endpoints, prefix
 
 
-def _b64(text: str | bytes) -> str:
-    raw = text.encode() if isinstance(text, str) else text
-    return base64.b64encode(raw).decode()
+def channel_target(endpoints: Sequence[tuple[str, int]]) -> str:
+    """The gRPC target of one channel to every endpoint: ``ipv4:a:p,b:p`` (or ``ipv6:``)
+    with the endpoints' addresses, or ``host:port`` (DNS) for a single endpoint."""
+    if len(endpoints) == 1:
+        host, port = endpoints[0]
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    for family, scheme, fmt in ((socket.AF_INET, "ipv4", "{}:{}"), (socket.AF_INET6, "ipv6", "[{}]:{}")):
+        try:
+            addresses = [fmt.format(info[4][0], port) for host, port in endpoints
+                         for info in socket.getaddrinfo(host, port, family, socket.SOCK_STREAM)]
+        except socket.gaierror:
+            continue
+        return f"{scheme}:" + ",".join(dict.fromkeys(addresses))
+    raise errors.InvalidArgument("etcd endpoints " + ",".join(f"{h}:{p}" for h, p in endpoints)
+                                 + " do not all resolve to addresses of one family (IPv4 or IPv6)")
+
+
+def _bytes(text: str | bytes) -> bytes:
+    return text.encode() if isinstance(text, str) else text
 
 
 @dataclass(frozen=True)
@@ -84,52 +119,48 @@ class KeyValue:
         return json.loads(self.value)
 
 
-def _kv(raw: dict[str, Any]) -> KeyValue:
-    return KeyValue(base64.b64decode(raw["key"]).decode(), base64.b64decode(raw.get("value", "")),
-                    int(raw.get("create_revision", 0)), int(raw.get("mod_revision", 0)),
-                    int(raw.get("lease", 0)))
+def _kv(raw: kv_pb2.KeyValue) -> KeyValue:
+    return KeyValue(raw.key.decode(), raw.value, raw.create_revision, raw.mod_revision, raw.lease)
 
 
-# -- operations and compares (plain dicts, as the gateway takes them) -----------------------
+# -- operations and compares ------------------------------------------------------------------
 def put(key: str, value: str | bytes, lease: int = 0) -> Op:
-    body: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
-    if lease:
-        body["lease"] = str(lease)
-    return {"request_put": body}
+    return pb.RequestOp(request_put=pb.PutRequest(key=_bytes(key), value=_bytes(value), lease=lease))
 
 
 def delete(key: str) -> Op:
-    return {"request_delete_range": {"key": _b64(key)}}
+    return pb.RequestOp(request_delete_range=pb.DeleteRangeRequest(key=_bytes(key)))
 
 
 def delete_range(start: str, end: str) -> Op:
     """Delete the keys in [start, end)."""
-    return {"request_delete_range": {"key": _b64(start), "range_end": _b64(end)}}
+    return pb.RequestOp(request_delete_range=pb.DeleteRangeRequest(key=_bytes(start), range_end=_bytes(end)))
 
 
 def get(key: str) -> Op:
-    return {"request_range": {"key": _b64(key)}}
+    return pb.RequestOp(request_range=pb.RangeRequest(key=_bytes(key)))
 
 
 def get_prefix(prefix: str) -> Op:
-    return {"request_range": {"key": _b64(prefix), "range_end": _b64(_prefix_end(prefix))}}
+    return pb.RequestOp(request_range=pb.RangeRequest(key=_bytes(prefix), range_end=_prefix_end(prefix)))
 
 
-def value_is(key: str, value: str) -> Op:
-    return {"key": _b64(key), "result": "EQUAL", "target": "VALUE", "value": _b64(value)}
+def value_is(key: str, value: str) -> Cmp:
+    return pb.Compare(key=_bytes(key), result=pb.Compare.EQUAL, target=pb.Compare.VALUE, value=_bytes(value))
 
 
-def mod_revision_is(key: str, revision: int) -> Op:
+def mod_revision_is(key: str, revision: int) -> Cmp:
     """True while the key is unchanged since a read at ``revision`` (0: the key is absent)."""
-    return {"key": _b64(key), "result": "EQUAL", "target": "MOD", "mod_revision": str(revision)}
+    return pb.Compare(key=_bytes(key), result=pb.Compare.EQUAL, target=pb.Compare.MOD, mod_revision=revision)
 
 
-def create_revision_is(key: str, revision: int) -> Op:
+def create_revision_is(key: str, revision: int) -> Cmp:
     """True while the key is the one created at ``revision`` (0: the key is absent)."""
-    return {"key": _b64(key), "result": "EQUAL", "target": "CREATE", "create_revision": str(revision)}
+    return pb.Compare(key=_bytes(key), result=pb.Compare.EQUAL, target=pb.Compare.CREATE,
+                      create_revision=revision)
 
 
-def absent(key: str) -> Op:
+def absent(key: str) -> Cmp:
     return create_revision_is(key, 0)
 
 
@@ -146,65 +177,72 @@ class TxnResult:
     ranges: list[list[KeyValue]]  # the kvs of each range request, in order
 
 
+@dataclass(frozen=True)
+class WatchEvent:
+    """One change of a watched key: its new value (``deleted``: its deletion, whose
+    ``mod_revision`` is the revision of the delete)."""
+
+    deleted: bool
+    kv: KeyValue
+
+
 class EtcdKV:
-    """Talks to an etcd cluster through any of ``endpoints``; owns its HTTP sessions."""
+    """Talks to an etcd cluster through one gRPC channel to all ``endpoints``; owns it."""
 
     def __init__(self, endpoints: Sequence[tuple[str, int]], timeout: float = REQUEST_TIMEOUT) -> None:
         if not endpoints:
             raise errors.InvalidArgument("no etcd endpoint given")
         self.endpoints = list(endpoints)
         self.timeout = timeout
-        self._local = threading.local()
-        self._preferred = 0  # index of the endpoint that answered last
+        self.channel = grpc.insecure_channel(channel_target(self.endpoints), options=CHANNEL_OPTIONS)
+        ch = self.channel
+        self._txn = ch.unary_unary("/etcdserverpb.KV/Txn", request_serializer=pb.TxnRequest.SerializeToString,
+                                   response_deserializer=pb.TxnResponse.FromString)
+        self._grant = ch.unary_unary("/etcdserverpb.Lease/LeaseGrant",
+                                     request_serializer=pb.LeaseGrantRequest.SerializeToString,
+                                     response_deserializer=pb.LeaseGrantResponse.FromString)
+        self._revoke = ch.unary_unary("/etcdserverpb.Lease/LeaseRevoke",
+                                      request_serializer=pb.LeaseRevokeRequest.SerializeToString,
+                                      response_deserializer=pb.LeaseRevokeResponse.FromString)
+        self._keepalive = ch.stream_stream("/etcdserverpb.Lease/LeaseKeepAlive",
+                                           request_serializer=pb.LeaseKeepAliveRequest.SerializeToString,
+                                           response_deserializer=pb.LeaseKeepAliveResponse.FromString)
+        self.watch_method = ch.stream_stream("/etcdserverpb.Watch/Watch",
+                                             request_serializer=pb.WatchRequest.SerializeToString,
+                                             response_deserializer=pb.WatchResponse.FromString)
 
     def describe(self) -> str:
         return ",".join(f"{h}:{p}" for h, p in self.endpoints)
 
-    def _client(self, index: int) -> Etcd3Client:
-        clients: dict[int, Etcd3Client] | None = getattr(self._local, "clients", None)
-        if clients is None:
-            clients = self._local.clients = {}
-        client = clients.get(index)
-        if client is None:
-            host, port = self.endpoints[index]
-            client = clients[index] = Etcd3Client(host, port, timeout=self.timeout, api_path="/v3/")
-            # etcd is reached directly: no proxy or netrc look-up in the environment on
-            # every request (a third of the CPU of a call otherwise)
-            client.session.trust_env = False
-        return client
-
-    def _post(self, path: str, body: dict[str, Any]) -> Any:
-        """POST to the first endpoint that answers; raises ControllerUnavailable when none
-        does, ServerError when etcd refuses the request itself (a malformed or too large
-        transaction: trying another member would not help)."""
-        start = self._preferred
-        problems = []
-        for k in range(len(self.endpoints)):
-            index = (start + k) % len(self.endpoints)
-            client = self._client(index)
+    def _call(self, what: str, call: Callable[[float], Resp]) -> Resp:
+        """Run ``call(seconds left)`` until a member answers; raises ControllerUnavailable
+        when none does within ``timeout``, ServerError when etcd refuses the request
+        itself (a malformed or too large transaction: another member would refuse too)."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            left = deadline - time.monotonic()
             try:
-                result = client.post(client.get_url(path), json=body)
-            except (ConnectionFailedError, ConnectionTimeoutError, InternalServerError) as exc:
-                problems.append(f"{self.endpoints[index][0]}:{self.endpoints[index][1]}: "
-                                f"{type(exc).__name__} {exc.detail_text or ''}".strip())
-                continue
-            except Etcd3Exception as exc:
-                raise errors.ServerError(f"etcd at {self.endpoints[index][0]}:{self.endpoints[index][1]} "
-                                         f"refused {path}: {exc.detail_text or type(exc).__name__}") from None
-            self._preferred = index
-            return result
-        raise errors.ControllerUnavailable(
-            f"etcd does not answer at {self.describe()} ({'; '.join(problems)}); "
-            "check that etcd runs and has quorum")
+                return call(max(left, 0.001))
+            except grpc.RpcError as exc:
+                code, detail = exc.code(), exc.details() or ""
+                if code == grpc.StatusCode.UNAVAILABLE and deadline - time.monotonic() > 0:
+                    log.debug("etcd %s: %s; trying again", what, detail)
+                    continue    # another member (round robin), or the same once it is back
+                if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                            grpc.StatusCode.CANCELLED):
+                    raise errors.ControllerUnavailable(
+                        f"etcd does not answer at {self.describe()} within {self.timeout:g} s "
+                        f"({code.name}: {detail}); check that etcd runs and has quorum") from None
+                raise errors.ServerError(f"etcd at {self.describe()} refused {what}: {detail}") from None
 
     # -- key-value -----------------------------------------------------------------------
-    def txn(self, compare: Sequence[Op], success: Sequence[Op], failure: Sequence[Op] = ()) -> TxnResult:
+    def txn(self, compare: Sequence[Cmp], success: Sequence[Op], failure: Sequence[Op] = ()) -> TxnResult:
         """One etcd transaction: ``success`` ops when every compare holds, else ``failure``."""
-        raw = self._post("/kv/txn", {"compare": list(compare), "success": list(success),
-                                     "failure": list(failure)})
-        ranges = [[_kv(kv) for kv in r["response_range"].get("kvs", [])]
-                  for r in raw.get("responses", []) if "response_range" in r]
-        return TxnResult(bool(raw.get("succeeded", False)), int(raw["header"]["revision"]), ranges)
+        request = pb.TxnRequest(compare=compare, success=success, failure=failure)
+        raw = self._call("Txn", lambda t: self._txn(request, timeout=t, wait_for_ready=True))
+        ranges = [[_kv(kv) for kv in r.response_range.kvs]
+                  for r in raw.responses if r.WhichOneof("response") == "response_range"]
+        return TxnResult(raw.succeeded, raw.header.revision, ranges)
 
     def read(self, *ops: Op) -> list[list[KeyValue]]:
         """Several range requests read at one revision (a transaction of reads)."""
@@ -217,23 +255,118 @@ class EtcdKV:
     # -- leases --------------------------------------------------------------------------
     def grant(self, ttl: int) -> int:
         """A new lease of ``ttl`` seconds; returns its id."""
-        return int(self._post("/lease/grant", {"TTL": str(int(ttl))})["ID"])
+        request = pb.LeaseGrantRequest(TTL=int(ttl))
+        raw = self._call("LeaseGrant", lambda t: self._grant(request, timeout=t, wait_for_ready=True))
+        if raw.error:
+            raise errors.ServerError(f"etcd at {self.describe()} refused a lease: {raw.error}")
+        return int(raw.ID)
 
     def keepalive(self, lease: int) -> int:
         """Renew a lease; returns its remaining TTL in seconds (<= 0: it has expired)."""
-        raw = self._post("/lease/keepalive", {"ID": str(lease)})
-        return int(raw.get("result", {}).get("TTL", -1))
+        def once(t: float) -> pb.LeaseKeepAliveResponse:
+            call = self._keepalive(iter([pb.LeaseKeepAliveRequest(ID=lease)]), timeout=t, wait_for_ready=True)
+            try:
+                for response in call:
+                    got: pb.LeaseKeepAliveResponse = response
+                    return got
+                return pb.LeaseKeepAliveResponse(TTL=0)   # the stream ended: no such lease
+            finally:
+                call.cancel()  # type: ignore[no-untyped-call]  # grpc-stubs leaves it untyped
+        return int(self._call("LeaseKeepAlive", once).TTL)
 
     def revoke(self, lease: int) -> None:
         """End a lease now (its keys go); a lease already gone is fine."""
+        request = pb.LeaseRevokeRequest(ID=lease)
         try:
-            self._post("/kv/lease/revoke", {"ID": str(lease)})
+            self._call("LeaseRevoke", lambda t: self._revoke(request, timeout=t, wait_for_ready=True))
         except errors.SMBError as exc:  # gone already, or etcd unreachable: it expires anyway
             log.info("could not revoke etcd lease %x: %s", lease, exc)
 
+    # -- watches -------------------------------------------------------------------------
+    def watch(self, key: str, start_revision: int, on_events: Callable[[list[WatchEvent]], None],
+              prefix: bool = False) -> Watch:
+        """Watch ``key`` (or every key under it, with ``prefix``) from ``start_revision``
+        on (0: from now); see :class:`Watch`. The caller cancels it."""
+        watch = Watch(self, key, start_revision, on_events, prefix)
+        watch.start()
+        return watch
+
     def close(self) -> None:
-        """Close this thread's sessions (others close with their threads)."""
-        clients: dict[int, Etcd3Client] = getattr(self._local, "clients", {}) or {}
-        for client in clients.values():
-            client.session.close()
-        clients.clear()
+        """Close the channel (watches end); idempotent."""
+        self.channel.close()
+
+
+class Watch:
+    """One etcd watch, served by a thread of its own: ``on_events(events)`` runs on that
+    thread for every batch of changes, in revision order.
+
+    A stream that breaks (etcd restarts, a member goes) is opened again from the
+    revision after the last one seen, so no change is missed. If etcd compacted those
+    revisions away, the watch starts again from now and ``on_events([])`` tells the
+    caller to read what it watches afresh.
+    """
+
+    def __init__(self, kv: EtcdKV, key: str, start_revision: int,
+                 on_events: Callable[[list[WatchEvent]], None], prefix: bool = False) -> None:
+        self._kv = kv
+        self._key = _bytes(key)
+        self._end = _prefix_end(key) if prefix else b""
+        self._next = start_revision
+        self._on_events = on_events
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._call: Any = None
+        self._thread = threading.Thread(target=self._run, name=f"etcd-watch {key}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _requests(self, done: threading.Event) -> Iterator[pb.WatchRequest]:
+        yield pb.WatchRequest(create_request=pb.WatchCreateRequest(
+            key=self._key, range_end=self._end, start_revision=self._next))
+        done.wait()   # the stream stays open until it is over
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            done = threading.Event()
+            try:
+                call = self._kv.watch_method(self._requests(done), wait_for_ready=True)
+                with self._lock:
+                    self._call = call
+                if self._stop.is_set():
+                    call.cancel()  # type: ignore[no-untyped-call]
+                for response in call:
+                    if response.compact_revision:
+                        log.warning("etcd watch on %s: revisions up to %d compacted; reading afresh",
+                                    self._key.decode(), response.compact_revision)
+                        self._next = 0
+                        self._on_events([])
+                        break
+                    if response.created and not self._next:
+                        self._next = response.header.revision + 1
+                    if response.events:
+                        self._next = response.events[-1].kv.mod_revision + 1
+                        self._on_events([WatchEvent(e.type == kv_pb2.Event.DELETE, _kv(e.kv))
+                                         for e in response.events])
+                    if response.canceled:
+                        break
+            except grpc.RpcError as exc:
+                if not self._stop.is_set():
+                    log.info("etcd watch on %s broke (%s); opening it again", self._key.decode(),
+                             exc.code())
+            except Exception:
+                log.exception("etcd watch on %s", self._key.decode())
+            finally:
+                done.set()
+            self._stop.wait(WATCH_RETRY)
+
+    def cancel(self) -> None:
+        """End the watch and its thread (idempotent); no callback runs after it returns,
+        unless it is called from one."""
+        self._stop.set()
+        with self._lock:
+            call = self._call
+        if call is not None:
+            call.cancel()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join()

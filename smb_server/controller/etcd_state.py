@@ -72,7 +72,7 @@ FIRST_ID_BASE = 1 << 61  # a new store's first extent id is drawn in [2^61, 2^62
 
 
 class EtcdState(EtcdStore):
-    """Servers, regions and extents in etcd; owns its etcd sessions.
+    """Servers, regions and extents in etcd; owns its etcd channel.
 
     ``url``: ``etcd://host:port[,host:port...][/prefix]``. ``lease_seconds`` and
     ``orphan_grace_seconds`` as for :class:`.state.ControllerState`. ``recover``: remove

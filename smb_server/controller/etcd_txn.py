@@ -78,7 +78,7 @@ class Snapshot:
 
 class EtcdStore:
     """The etcd side of :class:`.etcd_state.EtcdState`: its keys, snapshots read at one
-    revision, fenced commits and the retry of lost races; owns its etcd sessions."""
+    revision, fenced commits and the retry of lost races; owns its etcd channel."""
 
     def __init__(self, url: str, timeout: float = kv.REQUEST_TIMEOUT) -> None:
         endpoints, self.prefix = kv.parse_url(url)
@@ -118,7 +118,7 @@ class EtcdStore:
 
     # -- plumbing ------------------------------------------------------------------------
     def close(self) -> None:
-        """Close this thread's etcd sessions (idempotent)."""
+        """Close the etcd channel (idempotent)."""
         self.kv.close()
 
     @staticmethod
@@ -156,7 +156,7 @@ class EtcdStore:
         item = self.kv.get(self._key(what, name))
         return (None, 0) if item is None else (item.json(), item.mod_revision)
 
-    def _commit(self, compare: list[kv.Op], ops: list[kv.Op]) -> bool:
+    def _commit(self, compare: list[kv.Cmp], ops: list[kv.Op]) -> bool:
         """Apply ``ops`` if ``compare`` and the fence hold; False on a lost race.
 
         Raises ControllerUnavailable when the fence fails (this controller no longer leads).
@@ -182,12 +182,12 @@ class EtcdStore:
                     f"nothing was changed; the leader is {self.describe_leader()}")
         return False
 
-    def _commit_each(self, items: Iterable[tuple[list[kv.Op], list[kv.Op]]]) -> bool:
+    def _commit_each(self, items: Iterable[tuple[list[kv.Cmp], list[kv.Op]]]) -> bool:
         """Commit independent (compares, ops) items, as many per transaction as etcd takes
         (``MAX_TXN_OPS``); False when one lost a race (others may be applied: the caller
         decides again from a fresh read, so each item must be safe to find done)."""
         done = True
-        compare: list[kv.Op] = []
+        compare: list[kv.Cmp] = []
         ops: list[kv.Op] = []
         for c, o in items:
             if ops and (len(compare) + len(c) > MAX_TXN_OPS - 2 or len(ops) + len(o) > MAX_TXN_OPS):

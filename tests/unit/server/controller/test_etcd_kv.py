@@ -3,6 +3,7 @@ errors, against a real etcd server."""
 from __future__ import annotations
 
 import socket
+import threading
 
 import pytest
 
@@ -53,3 +54,32 @@ def test_a_request_etcd_refuses_is_a_server_error(etcd_server: EtcdServer) -> No
     with pytest.raises(errors.ServerError, match="too many operations"):
         client.txn([], too_many)
     assert client.read(kv.get_prefix("/kvtest/many/")) == [[]]
+
+
+def test_a_watch_sees_every_change_in_order(etcd_server: EtcdServer) -> None:
+    client = kv.EtcdKV([("127.0.0.1", etcd_server.port)])
+    start = client.txn([], [kv.put("/kvtest/w/a", "0")]).revision
+    seen: list[kv.WatchEvent] = []
+    three = threading.Event()
+
+    def on_events(events: list[kv.WatchEvent]) -> None:
+        seen.extend(events)
+        if len(seen) >= 3:
+            three.set()
+
+    watch = client.watch("/kvtest/w/", start + 1, on_events, prefix=True)
+    client.txn([], [kv.put("/kvtest/w/a", "1")])
+    client.txn([], [kv.put("/kvtest/w/b", "2")])
+    client.txn([], [kv.delete("/kvtest/w/a")])
+    client.txn([], [kv.put("/kvtest/other", "x")])     # not under the prefix
+    assert three.wait(10)
+    watch.cancel()
+    assert [(e.deleted, e.kv.key, e.kv.value) for e in seen] == [
+        (False, "/kvtest/w/a", b"1"), (False, "/kvtest/w/b", b"2"), (True, "/kvtest/w/a", b"")]
+    client.close()
+
+
+def test_one_channel_balances_over_the_endpoints() -> None:
+    assert kv.channel_target([("127.0.0.1", 1), ("127.0.0.1", 2)]) == "ipv4:127.0.0.1:1,127.0.0.1:2"
+    assert kv.channel_target([("::1", 1), ("::1", 2)]) == "ipv6:[::1]:1,[::1]:2"
+    assert kv.channel_target([("etcd.example", 2379)]) == "etcd.example:2379"
