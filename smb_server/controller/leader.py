@@ -8,11 +8,12 @@ and the leader key's create revision are the new leader's :class:`.etcd_txn.Fenc
 checked by every write it makes; a leader that loses its lease (paused, cut off) cannot
 write again, because a successor's epoch differs.
 
-A standby polls the leader key (every ``POLL`` seconds; a watch would save the polls
-but not the time, which the lease sets) and campaigns once it is gone. A leader that
-has not renewed its lease for a whole lease (by its own monotonic clock) stops serving
-at once, before any renewal tells it so: a leader resumed after a pause never answers
-a single call as leader.
+Every controller watches the leader key (an etcd watch, no polling). A standby
+campaigns the moment the key goes (its leader resigned, or its lease ran out), and
+names the leader the watch last showed when it refuses a call. A leader whose key is
+deleted under it steps down at once. A leader that has not renewed its lease for a
+whole lease (by its own monotonic clock) stops serving at once, before any renewal
+tells it so: a leader resumed after a pause never answers a single call as leader.
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ from .etcd_txn import Fence
 
 log = logging.getLogger(__name__)
 
-POLL = 0.5          # seconds between a standby's looks at the leader key
+RETRY = 0.5         # seconds before the election is tried again after etcd failed it
 MIN_LEASE = 2       # seconds; etcd refuses shorter leases
 
 
@@ -61,18 +62,46 @@ class Election:
         self.lease = 0
         self.fence: Fence | None = None
         self._renewed = 0.0  # monotonic seconds of the last successful grant/renewal
+        self.known: LeaderInfo | None = None  # the leader as last read or watched
+        self.gone_revision = 0   # revision of the last deletion of the leader key seen
 
     def current(self) -> LeaderInfo | None:
-        """The leader now, or None while there is none."""
+        """The leader now, or None while there is none (read from etcd)."""
         item = self.kv.get(self.leader_key)
-        if item is None:
-            return None
-        row = item.json()
-        return LeaderInfo(row["address"], int(row["epoch"]))
+        self.known = None if item is None else _info(item)
+        return self.known
+
+    def describe(self) -> str:
+        """``at host:port (epoch N)`` of the leader as last seen, for messages (no etcd read)."""
+        known = self.known
+        return "not elected yet; retry" if known is None else f"at {known.address} (epoch {known.epoch})"
+
+    def watch(self, wake: Callable[[], None]) -> kv.Watch:
+        """Follow the leader key from now on: ``known`` and ``gone_revision`` stay current,
+        and ``wake()`` runs when the key is deleted (or must be read afresh). The caller
+        cancels the watch."""
+        result = self.kv.txn([], [kv.get(self.leader_key)])
+        (items,) = result.ranges
+        self.known = _info(items[0]) if items else None
+
+        def on_events(events: list[kv.WatchEvent]) -> None:
+            for event in events:
+                if event.deleted:
+                    self.known = None
+                    self.gone_revision = max(self.gone_revision, event.kv.mod_revision)
+                else:
+                    self.known = _info(event.kv)
+            if not events or any(e.deleted for e in events):
+                wake()
+        return self.kv.watch(self.leader_key, result.revision + 1, on_events)
+
+    def deposed(self) -> bool:
+        """True when the leader key this controller wrote has been deleted."""
+        return self.fence is not None and self.gone_revision > self.fence.leader_revision
 
     def campaign(self) -> Fence | None:
         """Try once to lead; returns the fence when this controller won."""
-        if self.kv.get(self.leader_key) is not None:
+        if self.current() is not None:
             return None
         epoch_item = self.kv.get(self.epoch_key)
         epoch = int(epoch_item.value) + 1 if epoch_item is not None else 1
@@ -88,6 +117,7 @@ class Election:
             return None
         self.lease, self._renewed = lease, started
         self.fence = Fence(epoch, result.revision)
+        self.known = LeaderInfo(self.address, epoch)
         log.info("leading the controllers at %s (epoch %d, lease %d s)", self.address, epoch, self.ttl)
         return self.fence
 
@@ -121,6 +151,11 @@ class Election:
         self.kv.revoke(lease)
 
 
+def _info(item: kv.KeyValue) -> LeaderInfo:
+    row = item.json()
+    return LeaderInfo(row["address"], int(row["epoch"]))
+
+
 class LeaderGate(ServerInterceptor):
     """Refuses every call to ``service`` with ControllerUnavailable naming the leader
     unless ``leading()``; other services (health) pass."""
@@ -142,7 +177,8 @@ class LeaderGate(ServerInterceptor):
 
 
 class LeaderLoop:
-    """The thread that campaigns while standing by and renews while leading.
+    """The thread that campaigns while standing by and renews while leading, woken by
+    the watch on the leader key the moment the key goes.
 
     ``on_lead(fence)`` runs when this controller starts to lead (it should hand the fence
     to the state); ``on_lose()`` when it stops.
@@ -154,45 +190,63 @@ class LeaderLoop:
         self.on_lead = on_lead
         self.on_lose = on_lose
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._thread = threading.Thread(target=self._run, name="controller-election", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
+    def _step(self, watch: kv.Watch | None) -> tuple[float, kv.Watch | None]:
+        """One turn of the loop; returns how long to wait for the watch, and the watch."""
+        e = self.election
+        if watch is None:
+            watch = e.watch(self._wake.set)
+        if e.fence is None:
+            fence = e.campaign()
+            if fence is None:
+                return e.ttl, watch   # until the key goes; the lease bounds a missed event
+            try:
+                self.on_lead(fence)
+            except Exception:
+                log.exception("taking over failed; standing by again")
+                e.step_down("taking over failed")
+                self.on_lose()
+                return RETRY, watch
+            return e.ttl / 3, watch
+        if e.deposed():
+            e.step_down("its leader key was deleted")
+        elif e.renew():
+            return e.ttl / 3, watch
+        self.on_lose()
+        return 0.0, watch
+
     def _run(self) -> None:
         e = self.election
-        while not self._stop.is_set():
-            try:
-                if e.fence is None:
-                    fence = e.campaign()
-                    if fence is not None:
-                        try:
-                            self.on_lead(fence)
-                        except Exception:
-                            log.exception("taking over failed; standing by again")
-                            e.step_down("taking over failed")
-                            self.on_lose()
-                            continue
-                    wait = e.ttl / 3 if fence is not None else POLL
-                elif e.renew():
-                    wait = e.ttl / 3
-                else:
-                    self.on_lose()
-                    wait = POLL
-            except errors.SMBError as exc:
-                log.warning("election: %s", exc)
-                if e.fence is not None and not e.leading():
-                    e.step_down("etcd unreachable for a whole lease")
-                    self.on_lose()
-                wait = POLL
-            except Exception:
-                log.exception("election")
-                wait = POLL
-            self._stop.wait(wait)
+        watch: kv.Watch | None = None
+        try:
+            while not self._stop.is_set():
+                self._wake.clear()   # before reading: a change from here on wakes the wait
+                try:
+                    wait, watch = self._step(watch)
+                except errors.SMBError as exc:
+                    log.warning("election: %s", exc)
+                    if e.fence is not None and not e.leading():
+                        e.step_down("etcd unreachable for a whole lease")
+                        self.on_lose()
+                    wait = RETRY
+                except Exception:
+                    log.exception("election")
+                    wait = RETRY
+                if wait > 0:
+                    self._wake.wait(wait)
+        finally:
+            if watch is not None:
+                watch.cancel()
 
     def stop(self, resign: bool = True) -> None:
         """End the thread; with ``resign``, give up the lead so a standby takes over now."""
         self._stop.set()
+        self._wake.set()
         if self._thread.is_alive():
             self._thread.join()
         if resign and self.election.fence is not None:

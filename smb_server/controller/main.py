@@ -172,8 +172,8 @@ class Controller(Daemon):
         self._leader_loop.start()
 
     def _describe_leader(self) -> str:
-        state = self.state
-        return state.describe_leader() if isinstance(state, EtcdState) else f"at {self.address}"
+        """The leader as the election's watch last showed it (a refusal reads no etcd)."""
+        return self.election.describe() if self.election is not None else f"at {self.address}"
 
     def _lease_loop(self) -> None:
         assert self.state is not None and self.servicer is not None

@@ -10,7 +10,8 @@ import pytest
 from smb_protocol import errors
 from smb_server.controller import etcd_kv as kv
 from smb_server.controller.etcd_state import EtcdState
-from smb_server.controller.leader import Election
+from smb_server.controller.etcd_txn import Fence
+from smb_server.controller.leader import Election, LeaderLoop
 from smb_server.controller.records import HeldExtent, RegionRecord
 
 MiB = 1 << 20
@@ -150,3 +151,50 @@ def test_a_create_arriving_during_take_over_is_not_taken_for_a_dead_leaders(etcd
     state.racer.join(30)
     (early,) = state.created
     assert state.commit_region("job/early", early.uid).state == "ready"
+
+
+class _Counting(Election):
+    """An election that says when a campaign of its found a leader in place."""
+
+    lost_once: threading.Event
+
+    def campaign(self) -> Fence | None:
+        fence = super().campaign()
+        if fence is None:
+            self.lost_once.set()
+        return fence
+
+
+def test_a_standby_campaigns_the_moment_the_leader_key_goes(etcd_store: str) -> None:
+    a, b, ea, _ = _pair(etcd_store)
+    assert ea.campaign() is not None
+    eb = _Counting(b.kv, b.prefix, "10.0.0.2:7700", 2)
+    eb.lost_once = threading.Event()
+    led = threading.Event()
+    loop = LeaderLoop(eb, lambda fence: led.set(), lambda: None)
+    loop.start()
+    try:
+        assert eb.lost_once.wait(10)          # b stands by, its campaign lost
+        assert eb.describe() == "at 10.0.0.1:7700 (epoch 1)"
+        gone = time.monotonic()
+        ea.step_down("resigning")             # the key goes with a's lease
+        assert led.wait(10)
+        # woken by the watch: well within the lease (2 s) b would otherwise wait out
+        assert time.monotonic() - gone < 1.0
+        assert eb.fence is not None and eb.fence.epoch == 2
+    finally:
+        loop.stop()
+
+
+def test_a_leader_whose_key_is_deleted_steps_down_at_once(etcd_store: str) -> None:
+    a, _, ea, _ = _pair(etcd_store)
+    led, lost = threading.Event(), threading.Event()
+    loop = LeaderLoop(ea, lambda fence: led.set(), lost.set)
+    loop.start()
+    try:
+        assert led.wait(10)
+        a.kv.txn([], [kv.delete(f"{a.prefix}/leader")])   # by hand; the lease still runs
+        assert lost.wait(1.5)                 # well before its next renewal would tell it
+        assert ea.fence is None or ea.fence.epoch == 2   # it may have won again since
+    finally:
+        loop.stop()
