@@ -43,14 +43,16 @@ import logging
 import secrets
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from smb_protocol import errors
 from smb_protocol.placement import check_bytes
 
 from . import etcd_kv as kv
+from .etcd_create import FIRST_ID_BASE, RegionCreates
 from .etcd_txn import MAX_TXN_OPS as MAX_TXN_OPS  # the limit callers check against
-from .etcd_txn import EtcdStore, Fence, _extent_row
+from .etcd_txn import Fence, _extent_row
 from .records import (
     DELETE_MEMORY_SECONDS,
     ExtentRecord,
@@ -63,15 +65,13 @@ from .records import (
     check_request_id,
     check_slot_change,
     find_orphans,
-    initial_role,
+    region_state,
 )
 
 log = logging.getLogger(__name__)
 
-FIRST_ID_BASE = 1 << 61  # a new store's first extent id is drawn in [2^61, 2^62)
 
-
-class EtcdState(EtcdStore):
+class EtcdState(RegionCreates):
     """Servers, regions and extents in etcd; owns its etcd channel.
 
     ``url``: ``etcd://host:port[,host:port...][/prefix]``. ``lease_seconds`` and
@@ -295,47 +295,9 @@ class EtcdState(EtcdStore):
                             ) -> RegionRecord:
         """Plan a region and record it as ``creating`` (as
         :meth:`.state.ControllerState.begin_create_region`)."""
-        now = self._now(now)
         req = check_create(name, size, placement, stripe_unit, num_servers, segment_sizes, persistent,
                            uid, replicas, server_weights)
-        uid, replicas = req.uid, req.replicas
-
-        def attempt() -> RegionRecord | None:
-            snap = self._snapshot(extra=(self.next_id_key,))
-            existing = snap.regions.get(name)
-            if existing is not None:
-                what = " (being created)" if existing[0]["state"] == "creating" else ""
-                raise errors.RegionExists(f"region {name!r} already exists{what}; open it, delete it, "
-                                          "or pass exist_ok")
-            if any(row["uid"] == uid for row, _ in snap.regions.values()):
-                raise errors.InvalidArgument(f"uid {uid} already names another region; draw a new one")
-            alive = now - self.lease_seconds
-            up = [s for s in snap.server_records() if s.state == "up" and s.last_heartbeat >= alive]
-            layout, copies = req.plan({s.server_id: s.free for s in up}, {s.server_id: s.host_id for s in up})
-            counter = snap.extra[self.next_id_key]
-            first = int(counter.value) if counter is not None else FIRST_ID_BASE + secrets.randbits(61)
-            extents: list[list[Any]] = []
-            for idx, (length, sids) in enumerate(zip(layout.extent_lengths, copies, strict=True)):
-                for copy, sid in enumerate(sids):
-                    role, view = initial_role(replicas, copy)
-                    extents.append([first + len(extents), idx, sid, length, copy, role, view])
-            row: dict[str, Any] = {
-                "name": name, "uid": uid, "size": layout.size, "placement": layout.kind,
-                "stripe_unit": layout.stripe_unit, "segment_sizes": list(layout.segment_sizes),
-                "segment_extents": list(layout.segment_extents), "persistent": bool(persistent),
-                "created_at": now, "state": "creating", "replicas": replicas, "extents": extents}
-            key = self._key("regions", name)
-            compare = [kv.absent(key),
-                       kv.mod_revision_is(self.next_id_key, counter.mod_revision if counter else 0)]
-            ops = [kv.put(key, json.dumps(row)), kv.put(self.next_id_key, str(first + len(extents)))]
-            ops += [kv.put(self._key("placed", sid, eid), json.dumps({"uid": row["uid"], "name": name,
-                                                                       "length": length}))
-                    for eid, _, sid, length, *_ in row["extents"]]
-            if not self._commit(compare, ops):
-                return None
-            snap.regions[name] = (row, 0)
-            return snap.region(row)
-        region = self._retry(attempt, f"creating region {name}")
+        region = self._creates.run((req, self._now(now)))
         log.info("planned region %s (%s, %d bytes) on %d extent(s)", name, region.placement,
                  region.size, len(region.extents))
         return region
@@ -346,7 +308,23 @@ class EtcdState(EtcdStore):
             kv.delete(self._key("placed", sid, eid)) for eid, _, sid, *_ in row["extents"]]
 
     def commit_region(self, name: str, uid: str | None = None) -> RegionRecord:
-        """Mark a ``creating`` region ``ready`` (idempotent); raises RegionNotFound."""
+        """Mark a ``creating`` region ``ready`` (idempotent); raises RegionNotFound.
+
+        A region this controller began is committed in one transaction, without a read:
+        the compare on its key's revision says it is still what was written then.
+        Commits, aborts and deletes do not take the region lock: their compares on the
+        region's key are all they decide on (a placement only sees less free space).
+        """
+        begun = self._begun.pop(name)
+        if begun is not None and (uid is None or begun.row["uid"] == uid):
+            key = self._key("regions", name)
+            row = {**begun.row, "state": "ready"}
+            if self._commit([kv.mod_revision_is(key, begun.revision)], [kv.put(key, json.dumps(row))]):
+                region = replace(begun.region, state=region_state("ready", begun.region.extents,
+                                                                   begun.region.replicas))
+                log.info("region %s (uid %s) ready", name, region.uid)
+                return region
+
         def attempt() -> RegionRecord | None:
             snap = self._snapshot(region_prefix=name)
             row, rev = snap.regions.get(name, (None, 0))
@@ -357,7 +335,7 @@ class EtcdState(EtcdStore):
             if not self._commit([kv.mod_revision_is(key, rev)], [kv.put(key, json.dumps(row))]):
                 return None
             return snap.region(row)
-        region = self._retry(attempt, f"committing region {name}")
+        region = self._retry(attempt, f"committing region {name}", regions=False)
         log.info("region %s (uid %s) ready", name, region.uid)
         return region
 
@@ -371,7 +349,8 @@ class EtcdState(EtcdStore):
                 return None
             log.info("creation of region %s aborted", name)
             return list(self._snapshot(regions=False).region(row).extents)
-        return self._retry(attempt, f"aborting region {name}")
+        self._begun.pop(name)
+        return self._retry(attempt, f"aborting region {name}", regions=False)
 
     def get_region(self, name: str) -> RegionRecord:
         """A ready region (state ``ready``, ``degraded`` or ``lost``); raises RegionNotFound."""
@@ -401,7 +380,7 @@ class EtcdState(EtcdStore):
             if not self._commit([kv.mod_revision_is(self._key("regions", name), rev)], ops):
                 return None
             return snap.region(row)
-        region = self._retry(attempt, f"deleting region {name}")
+        region = self._retry(attempt, f"deleting region {name}", regions=False)
         log.info("region %s (uid %s) deleted", name, region.uid)
         return list(region.extents)
 

@@ -10,7 +10,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 from smb_protocol import errors
 from smb_protocol.replicas import ReplicaRole
@@ -24,6 +24,63 @@ MAX_TXN_OPS = 128        # etcd's default --max-txn-ops: operations (or compares
 COMMIT_ATTEMPTS = 32   # fresh decisions after lost races before giving up
 
 T = TypeVar("T")
+Q = TypeVar("Q")
+
+
+class Pending(Generic[Q, T]):
+    """One request of a :class:`GroupCommit` and, once decided, its answer."""
+
+    def __init__(self, request: Q) -> None:
+        self.request = request
+        self.done = False
+        self._result: T | None = None
+        self._error: BaseException | None = None
+
+    def answer(self, result: T) -> None:
+        self._result, self.done = result, True
+
+    def fail(self, error: BaseException) -> None:
+        self._error, self.done = error, True
+
+    def outcome(self) -> T:
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
+
+
+class GroupCommit(Generic[Q, T]):
+    """Requests that arrive while a batch is being written are written together, by the
+    first of their callers, with ``write(batch)`` (which answers or fails every one of
+    them): one read and one transaction for many, where one at a time would queue
+    behind each other's round trips to etcd."""
+
+    def __init__(self, write: Callable[[list[Pending[Q, T]]], None]) -> None:
+        self._write = write
+        self._cond = threading.Condition()
+        self._queue: list[Pending[Q, T]] = []
+        self._busy = False
+
+    def run(self, request: Q) -> T:
+        mine: Pending[Q, T] = Pending(request)
+        with self._cond:
+            self._queue.append(mine)
+            self._cond.wait_for(lambda: mine.done or not self._busy)
+            if mine.done:
+                return mine.outcome()
+            self._busy = True
+            batch, self._queue = self._queue, []
+        try:
+            self._write(batch)
+        except BaseException as exc:
+            for item in batch:
+                if not item.done:
+                    item.fail(exc)
+        finally:
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
+        return mine.outcome()
 
 
 @dataclass(frozen=True)
@@ -156,8 +213,9 @@ class EtcdStore:
         item = self.kv.get(self._key(what, name))
         return (None, 0) if item is None else (item.json(), item.mod_revision)
 
-    def _commit(self, compare: list[kv.Cmp], ops: list[kv.Op]) -> bool:
-        """Apply ``ops`` if ``compare`` and the fence hold; False on a lost race.
+    def _commit(self, compare: list[kv.Cmp], ops: list[kv.Op]) -> int:
+        """Apply ``ops`` if ``compare`` and the fence hold; returns the revision they were
+        written at (the mod revision of every key they put), 0 on a lost race.
 
         Raises ControllerUnavailable when the fence fails (this controller no longer leads).
         """
@@ -171,7 +229,7 @@ class EtcdStore:
                        kv.create_revision_is(self.leader_key, fence.leader_revision)]
         result = self.kv.txn(checks, ops, [kv.get(self.epoch_key), kv.get(self.leader_key)])
         if result.succeeded:
-            return True
+            return result.revision
         if fence is not None:
             epoch_kvs, leader_kvs = result.ranges
             epoch = int(epoch_kvs[0].value) if epoch_kvs else 0
@@ -180,7 +238,7 @@ class EtcdStore:
                 raise errors.ControllerUnavailable(
                     f"this controller no longer leads (its epoch {fence.epoch}, now {epoch}); "
                     f"nothing was changed; the leader is {self.describe_leader()}")
-        return False
+        return 0
 
     def _commit_each(self, items: Iterable[tuple[list[kv.Cmp], list[kv.Op]]]) -> bool:
         """Commit independent (compares, ops) items, as many per transaction as etcd takes
@@ -191,12 +249,12 @@ class EtcdStore:
         ops: list[kv.Op] = []
         for c, o in items:
             if ops and (len(compare) + len(c) > MAX_TXN_OPS - 2 or len(ops) + len(o) > MAX_TXN_OPS):
-                done = self._commit(compare, ops) and done
+                done = bool(self._commit(compare, ops)) and done
                 compare, ops = [], []
             compare += c
             ops += o
         if ops:
-            done = self._commit(compare, ops) and done
+            done = bool(self._commit(compare, ops)) and done
         return done
 
     def _retry(self, attempt: Callable[[], T | None], what: str, regions: bool = True) -> T:
