@@ -50,21 +50,23 @@ from typing import Any
 
 from smb_protocol import wire
 from smb_protocol.dtypes import DType, itemsize, resolve
-from smb_protocol.errors import DtypeError, InvalidArgument, Misaligned
-from smb_protocol.placement import ExtentPlace, check_weights, chunk_shares
+from smb_protocol.errors import DtypeError, InvalidArgument, Misaligned, SMBError
+from smb_protocol.placement import check_weights, chunk_shares
 
 from .buffers import as_view
 from .client import Client
-from .futures import wait_all
+from .exchange import Chunk, Exchanger
+from .futures import wait_all, wait_failing_fast
 from .region import Region
 
 log = logging.getLogger(__name__)
 
 __all__ = ["Collective", "CHUNK_BYTES"]
 
-CHUNK_BYTES = wire.MAX_CHUNK   # largest default chunk, bytes (BytePS found ~4 MB pieces best)
+CHUNK_BYTES = 512 << 10        # largest default chunk, bytes: see default_chunk
 MIN_CHUNK = 64 << 10           # smallest default chunk, bytes
 CHUNKS_PER_SERVER = 4          # default chunks per server at least, for overlap and balance
+WINDOW_CHUNKS = 4              # default window: bytes in flight, in chunks
 TAIL = 64                      # bytes after a chunk's two slots: two count words, padding
 DEFAULT_TIMEOUT = 300.0        # seconds a push or pull waits for the other parties
 MAX_THREADS = 8                # pushes (and pulls) in flight per collective
@@ -77,23 +79,6 @@ def _check_parties(parties: object) -> None:
         raise InvalidArgument(f"parties must be a positive number, not {parties!r}")
 
 
-class Chunk:
-    """Where chunk ``index`` lives: its layout slot and server (``place``, as the region
-    was described when the collective was made), the extent offsets of its two slots and
-    of their count words, and its byte range in the caller's buffer."""
-
-    def __init__(self, index: int, slot: int, place: ExtentPlace, extent_offset: int, region_offset: int,
-                 start: int, length: int) -> None:
-        self.index = index
-        self.slot = slot
-        self.place = place
-        self.start = start
-        self.length = length
-        self.slots = (extent_offset, extent_offset + length)
-        self.words = (extent_offset + 2 * length, extent_offset + 2 * length + 8)
-        self.region_words = region_offset + 2 * length   # region offset of the two count words
-
-
 class Collective:
     """All-reduce and broadcast among ``parties`` processes over the region ``region``
     (made by :meth:`create`, opened by :meth:`open`). Borrows the region's client;
@@ -104,7 +89,7 @@ class Collective:
     """
 
     def __init__(self, region: Region, parties: int, *, timeout: float = DEFAULT_TIMEOUT,
-                 fresh: bool = False) -> None:
+                 fresh: bool = False, window: int | None = None, priority: bool = True) -> None:
         _check_parties(parties)
         layout = region.layout
         if layout.kind != "layered" or any(s <= TAIL or (s - TAIL) % 2 for s in layout.segment_sizes):
@@ -114,6 +99,7 @@ class Collective:
         self.parties = parties
         self.timeout = float(timeout)
         self.chunks: list[Chunk] = []
+        self.failed: SMBError | None = None   # a round failed: the counts are not known any more
         start = 0
         for i, (seg_off, size) in enumerate(zip(layout.segment_offsets(), layout.segment_sizes, strict=True)):
             (piece,) = layout.map(seg_off, size)
@@ -133,6 +119,15 @@ class Collective:
         threads = max(1, min(len(self.chunks), MAX_THREADS))
         self._pushes = ThreadPoolExecutor(threads, thread_name_prefix="smb-push")
         self._pulls = ThreadPoolExecutor(threads, thread_name_prefix="smb-pull")
+        longest = max(c.length for c in self.chunks)
+        self.window = WINDOW_CHUNKS * longest if window is None else int(window)
+        if self.window < 1:
+            raise InvalidArgument(f"window must be a positive number of bytes, not {window!r}")
+        # pipelined streams where every server's session has one (not over TLS, whose
+        # collectives push and pull on pooled connections)
+        self.streaming = all(region.route.dataplane.coordination(c.place).reductions() is not None
+                             for c in {c.place.server_id: c for c in self.chunks}.values())
+        self.exchanger = Exchanger(self, self.window, priority) if self.streaming else None
         #: held by one round at a time (an AllReduce holds it until it finishes)
         self.lock = threading.Lock()
 
@@ -165,7 +160,8 @@ class Collective:
     def create(cls, client: Client, name: str, nbytes: int, parties: int, *,
                chunk_bytes: int | None = None, num_servers: int = 0,
                timeout: float = DEFAULT_TIMEOUT, worker_hosts: Sequence[str] | None = None,
-               servers: Sequence[str] | Mapping[str, float] | None = None) -> Collective:
+               servers: Sequence[str] | Mapping[str, float] | None = None,
+               window: int | None = None, priority: bool = True) -> Collective:
         """Create the region ``name`` for collectives of up to ``nbytes`` bytes, chunks
         of ``chunk_bytes`` (default :meth:`default_chunk`) dealt over ``num_servers``
         servers (0: all that are up).
@@ -192,7 +188,7 @@ class Collective:
         region = client.create_region(name, sum(sizes), placement="layered", segment_sizes=sizes,
                                       num_servers=num_servers, server_weights=weights)
         try:
-            return cls(region, parties, timeout=timeout, fresh=True)
+            return cls(region, parties, timeout=timeout, fresh=True, window=window, priority=priority)
         except BaseException:
             client.delete_region(name)
             raise
@@ -224,15 +220,18 @@ class Collective:
 
     @classmethod
     def open(cls, client: Client, name: str, parties: int, *, timeout: float = DEFAULT_TIMEOUT,
-             fresh: bool = False) -> Collective:
+             fresh: bool = False, window: int | None = None, priority: bool = True) -> Collective:
         """Open the collective ``name`` that another party created. ``fresh``: it was
         just created and has not been used by this party's group before (its counts are
         taken as zero, which stays right even if a faster party already pushed); else its
         counts are read, so open it when no party is inside a collective on it."""
-        return cls(client.open_region(name), parties, timeout=timeout, fresh=fresh)
+        return cls(client.open_region(name), parties, timeout=timeout, fresh=fresh, window=window,
+                   priority=priority)
 
     def close(self) -> None:
         """Stop this party's threads (after the work in flight); the region stays."""
+        if self.exchanger is not None:
+            self.exchanger.close()
         self._pushes.shutdown(wait=True)
         self._pulls.shutdown(wait=True)
 
@@ -294,9 +293,18 @@ class Collective:
     def exchange(self, chunk: Chunk, slot: int, base: int, parts: list[memoryview],
                  dt: DType) -> list[Future[None]]:
         """Push ``parts`` as ``chunk``'s share of a round that starts at count ``base``,
-        and pull the sum into them once every party pushed; the two futures."""
+        and have the sum in them once every party pushed: streamed back on a pipelined
+        connection (:mod:`.exchange`), or pulled; the futures."""
+        if self.exchanger is not None:
+            return [self.exchanger.submit(chunk, slot, base, parts, dt)]
         return [self._pushes.submit(self._push, chunk, slot, base, parts, dt),
                 self._pulls.submit(self._pull, chunk, slot, base + self.parties, parts)]
+
+    def _check_usable(self) -> None:
+        """A collective whose round failed part way cannot go on: its counts are unknown."""
+        if self.failed is not None:
+            raise type(self.failed)(f"collective {self.region.name} failed in round {self.round - 1} "
+                                    f"({self.failed}); every party must make a new one")
 
     def _used(self, nbytes: int) -> list[tuple[Chunk, int]]:
         """The chunks a buffer of ``nbytes`` covers, with the bytes of each it uses."""
@@ -328,6 +336,7 @@ class Collective:
         view, dt = self._typed(data, dtype)
         self.lock.acquire()
         try:
+            self._check_usable()
             return AllReduce(self, view, dt, runs, hold)
         except BaseException:
             self.lock.release()
@@ -442,6 +451,11 @@ class AllReduce:
         try:
             for index in sorted(self._todo):
                 self._launch(index)
-            wait_all(self.futures)
+            exchanger = self.coll.exchanger
+            try:
+                wait_failing_fast(self.futures, exchanger.abandon if exchanger is not None else None)
+            except SMBError as exc:
+                self.coll.failed = exc
+                raise
         finally:
             self.coll.lock.release()

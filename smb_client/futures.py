@@ -1,13 +1,13 @@
 """Waiting for a batch of futures: every one ends before the first error is raised."""
 from __future__ import annotations
 
-from collections.abc import Iterable
-from concurrent.futures import Future
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from typing import TypeVar
 
 T = TypeVar("T")
 
-__all__ = ["wait_all"]
+__all__ = ["wait_all", "wait_failing_fast"]
 
 
 def wait_all(futures: Iterable[Future[T]]) -> list[T]:
@@ -24,3 +24,14 @@ def wait_all(futures: Iterable[Future[T]]) -> list[T]:
     if error is not None:
         raise error
     return results
+
+
+def wait_failing_fast(futures: Sequence[Future[T]], abandon: Callable[[], None] | None) -> list[T]:
+    """:func:`wait_all`, but once one future failed call ``abandon()`` (which must make
+    the others end soon) instead of waiting for the others to end on their own; then
+    raise the first error."""
+    if abandon is not None:
+        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        if any(f.exception() is not None for f in done):
+            abandon()
+    return wait_all(futures)

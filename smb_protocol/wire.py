@@ -5,10 +5,10 @@ request that needs each (and again with a renewed ticket); the server verifies e
 records it by the extent ids it names, a later ticket for an extent replacing the
 earlier one. Every request is checked against the ticket naming its extent. A request
 is a fixed 72-byte header and, for ``WRITE``/``ACCUMULATE``/``AXPY``, ``length``
-payload bytes. The server answers every request in order with a 16-byte header and, for ``READ`` and the
-atomics, a payload; an error answer carries a UTF-8 message as payload. All integers
-are little-endian. A header with a wrong magic, an unknown opcode or an oversized
-length closes the connection.
+payload bytes. The server answers every request with a 16-byte header (in order, but
+for ``REDUCE``: see below) and, for ``READ`` and the atomics, a payload; an error
+answer carries a UTF-8 message as payload. All integers are little-endian. A header
+with a wrong magic, an unknown opcode or an oversized length closes the connection.
 
 A server refuses a connection it cannot take (full, too many from one peer address,
 out of descriptors) with one unsolicited error answer, ``req_id`` 0 and status
@@ -56,7 +56,7 @@ it is.
 
 Request:  magic u16 | op u8 | dtype u8 | req_id u32 | extent_id u64 | offset u64 |
           length u64 | arg0 i64 | arg1 i64 | alpha f64 | client u64 | seq u64
-Response: magic u16 | status u8 | pad u8 | req_id u32 | length u64
+Response: magic u16 | status u8 | kind u8 | req_id u32 | length u64
 """
 from __future__ import annotations
 
@@ -95,6 +95,7 @@ class Op(enum.IntEnum):
     PUSH = 13          # a collective's push: store or add a chunk, count the arrival
     PULL = 14          # a collective's pull: wait for the count, read the chunk, count the read
     SEED = 15          # memory servers only: a primary's exactly-once entries for a copy it filled
+    REDUCE = 16        # a collective's push whose sum the server streams back (see REDUCE below)
 
 
 class WaitCond(enum.IntEnum):
@@ -110,10 +111,10 @@ class WaitCond(enum.IntEnum):
 
 
 #: operations whose request carries ``length`` payload bytes
-PAYLOAD_OPS = frozenset({Op.HELLO, Op.WRITE, Op.ACCUMULATE, Op.AXPY, Op.PUSH, Op.SEED})
+PAYLOAD_OPS = frozenset({Op.HELLO, Op.WRITE, Op.ACCUMULATE, Op.AXPY, Op.PUSH, Op.SEED, Op.REDUCE})
 #: operations that change extent memory (refused on read-only tickets)
 WRITE_OPS = frozenset({Op.WRITE, Op.ACCUMULATE, Op.SCALE, Op.AXPY, Op.FETCH_ADD, Op.COMPARE_SWAP,
-                       Op.LOCK, Op.UNLOCK, Op.PUSH, Op.PULL})
+                       Op.LOCK, Op.UNLOCK, Op.PUSH, Op.PULL, Op.REDUCE})
 #: coordination requests (one int64 word; served by ``smb_server/memserver/coord_ops.py``):
 #: WAIT: dtype = WaitCond, arg0 = value, alpha = timeout (s); LOCK: arg0 = holder id,
 #: arg1 = lease (ms), alpha = timeout (s); UNLOCK: arg0 = holder id. Each answers the
@@ -128,8 +129,32 @@ COORD_OPS = frozenset({Op.WAIT, Op.LOCK, Op.UNLOCK})
 #: (the chunk may be overwritten once every party pulled it). ``alpha``: the wait's
 #: timeout (s). Both are numbered (exactly once, a repeated PULL sends the bytes again
 #: and counts nothing).
-COLLECTIVE_OPS = frozenset({Op.PUSH, Op.PULL})
-MAX_CHUNK = 4 << 20         # bytes of one PUSH or PULL
+#:
+#: REDUCE is a PUSH and its PULL in one request, for connections that pipeline
+#: (``smb_client/transports/stream.py``): ``arg0`` packs the count word's offset (low 48
+#: bits) and the number of parties (high 16 bits), ``arg1`` is the round's base. The
+#: server answers twice, under the request's ``req_id``: once the push is applied, an
+#: answer of kind :data:`PUSHED` (8 bytes: the count before); then, as soon as the count
+#: reaches base + parties (every party's push landed), the chunk's sum (kind
+#: :data:`FINAL`), and counts the pull. The pull is numbered ``seq + 1`` (a client spaces
+#: its numbers). Answers of different requests on one connection may interleave at
+#: frame boundaries; an error is always a final answer.
+COLLECTIVE_OPS = frozenset({Op.PUSH, Op.PULL, Op.REDUCE})
+MAX_CHUNK = 4 << 20         # bytes of one PUSH, PULL or REDUCE
+REDUCE_WORD_BITS = 48       # bits of a REDUCE's arg0 that hold the count word's offset
+MAX_PARTIES = (1 << 15) - 1  # parties a REDUCE can name
+FINAL = 0                   # answer kind (the response's fourth byte): the request's last answer
+PUSHED = 1                  # answer kind: a REDUCE's push took effect; its sum follows
+
+
+def pack_reduce_word(word: int, parties: int) -> int:
+    """A REDUCE's ``arg0``: the count word's offset and the number of parties."""
+    return word | (parties << REDUCE_WORD_BITS)
+
+
+def unpack_reduce_word(arg0: int) -> tuple[int, int]:
+    """(word offset, parties) of a REDUCE's ``arg0``."""
+    return arg0 & ((1 << REDUCE_WORD_BITS) - 1), (arg0 >> REDUCE_WORD_BITS) & 0xFFFF
 
 
 def pack_request(op: int, req_id: int = 0, extent_id: int = 0, offset: int = 0, length: int = 0,
@@ -139,8 +164,8 @@ def pack_request(op: int, req_id: int = 0, extent_id: int = 0, offset: int = 0, 
                         arg0, arg1, alpha, client, seq)
 
 
-def pack_response(status: int, req_id: int, length: int) -> bytes:
-    return RESPONSE.pack(MAGIC, status, 0, req_id & 0xFFFFFFFF, length)
+def pack_response(status: int, req_id: int, length: int, kind: int = FINAL) -> bytes:
+    return RESPONSE.pack(MAGIC, status, kind, req_id & 0xFFFFFFFF, length)
 
 
 def sendmsg_all(sock: socket.socket, buffers: Sequence[memoryview | bytes]) -> None:
@@ -200,7 +225,14 @@ def recv_exact(sock: socket.socket, n: int) -> bytearray:
 
 def unpack_response(data: bytes | bytearray) -> tuple[int, int, int]:
     """(status, req_id, length) of a response header."""
-    magic, status, _pad, req_id, length = RESPONSE.unpack(data)
+    status, _kind, req_id, length = unpack_answer(data)
+    return status, req_id, length
+
+
+def unpack_answer(data: bytes | bytearray | memoryview) -> tuple[int, int, int, int]:
+    """(status, kind, req_id, length) of a response header (kind: :data:`FINAL` or
+    :data:`PUSHED`)."""
+    magic, status, kind, req_id, length = RESPONSE.unpack(data)
     if magic != MAGIC:
         raise ProtocolError(f"bad response magic {magic:#x}")
-    return status, req_id, length
+    return status, kind, req_id, length

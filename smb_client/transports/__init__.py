@@ -11,11 +11,14 @@ from __future__ import annotations
 import abc
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from smb_protocol.addressing import Endpoint
 from smb_protocol.dtypes import DType
 from smb_protocol.errors import InvalidArgument
+
+if TYPE_CHECKING:
+    from .stream import ReduceStream
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +110,12 @@ class Session(abc.ABC):
         ``target``, waiting up to ``timeout`` seconds (see
         :data:`smb_protocol.wire.COLLECTIVE_OPS`)."""
         raise self._no_coordination("pull")
+
+    def reductions(self) -> ReduceStream | None:
+        """The pipelined stream for a collective's ``REDUCE`` requests to this server
+        (:mod:`.stream`), or None where the session has none (a collective then pushes
+        and pulls)."""
+        return None
 
     def _no_coordination(self, what: str) -> InvalidArgument:
         return InvalidArgument(f"a {self.scheme or type(self).__name__} session does not serve {what}: "

@@ -31,6 +31,7 @@ import logging
 import socket
 import ssl
 import struct
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -49,7 +50,9 @@ from smb_protocol.errors import (
 from smb_protocol.tls import TLS_SCHEME, TLSConfig, is_trust_failure, untrusted
 
 from . import Session, register
+from .errors import ConnectionBroken
 from .pool import ConnectionPool
+from .stream import ReduceStream
 
 log = logging.getLogger(__name__)
 
@@ -64,10 +67,6 @@ PARTING_TIMEOUT = 0.5   # seconds to read a closing server's parting answer afte
 MAX_PRESENTED = 1024    # tickets a connection remembers having presented before forgetting them all
 _WORD = struct.Struct("<q")
 RETRIES = 1             # extra attempts of a request whose connection broke
-
-
-class ConnectionBroken(ServerUnavailable):
-    """The connection failed under a request (reset, closed): the server may be fine."""
 
 
 def set_dead_peer_timeout(sock: socket.socket, seconds: float) -> None:
@@ -259,6 +258,8 @@ class TcpSession(Session):
         # request holds its connection until it is answered
         self.waits: ConnectionPool[TcpConnection] = ConnectionPool(
             self._connect, int(options.get("wait_connections", WAIT_CONNECTIONS)), name=f"{endpoint} waits")
+        self._stream: ReduceStream | None = None
+        self._stream_lock = threading.Lock()
 
     def _connect(self) -> TcpConnection:
         return TcpConnection(self.endpoint.host, self.endpoint.port, self.io_timeout,
@@ -344,9 +345,23 @@ class TcpSession(Session):
         self._do(ticket, wire.Op.PULL, extent_id, offset, sum(len(b) for b in buffers), arg0=word,
                  arg1=target, alpha=timeout, into=buffers, seq=seq, waits=timeout)
 
+    def reductions(self) -> ReduceStream | None:
+        """The pipelined ``REDUCE`` stream to this server (made on first use; one per
+        session), or None over TLS (whose collectives push and pull)."""
+        if self.tls is not None:
+            return None
+        with self._stream_lock:
+            if self._stream is None:
+                self._stream = ReduceStream(self._connect, f"{self.endpoint} (reduce)")
+            return self._stream
+
     def close(self) -> None:
         self.pool.close()
         self.waits.close()
+        with self._stream_lock:
+            stream, self._stream = self._stream, None
+        if stream is not None:
+            stream.close()
 
 
 register("tcp", TcpSession)

@@ -1,4 +1,4 @@
-"""A collective's chunk requests on a memory server (``PUSH`` and ``PULL``, formats in
+"""A collective's chunk requests on a memory server (``PUSH``, ``PULL`` and ``REDUCE``, formats in
 :mod:`smb_protocol.wire`; the client side is ``smb_client/collective.py``).
 
 A chunk has an int64 count word beside it in the same extent. A push waits until the
@@ -7,8 +7,10 @@ round's first arrival) or adds it, and counts the arrival; the decision and the 
 change under one lock, so concurrent pushes of a round never lose a contribution. A
 pull waits until the count reaches its target, sends the chunk, then counts the pull
 (once per numbered request: a repeat gets the bytes again and counts nothing), so the
-chunk may be overwritten once every party pulled it. Collectives use regions of their
-own: replicated extents refuse both.
+chunk may be overwritten once every party pulled it. A ``REDUCE`` is a push (here) and
+its pull, which the plane queues and serves when the chunk is complete
+(:mod:`.deliveries`). Collectives use regions of their own: replicated extents refuse
+them.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from .dedup import Entry
 from .kernels import Arith
 from .node import Node
 from .peer import Peer
-from .requests import Pull, Push
+from .requests import Pull, Push, Reduce
 
 _OLD = struct.Struct("<q")
 
@@ -46,6 +48,8 @@ def push(node: Node, peer: Peer, extent: Extent, req: Push, entry: Entry | None)
     """Receive the chunk whole, wait until the count reaches ``req.base``, then store or
     add it and count the arrival; answers the count before."""
     check_chunk(req, extent)
+    if isinstance(req, Reduce) and not 1 <= req.parties <= wire.MAX_PARTIES:
+        raise InvalidArgument(f"reduce: parties must lie in 1..{wire.MAX_PARTIES}, not {req.parties}")
     dt = kernels.check_arith(Arith.ACCUMULATE, req.dtype, req.offset, req.length)
     with extent.pin(), peer.payload(req.length) as src:
         chunk = src.take(req.length) if req.length else memoryview(b"")

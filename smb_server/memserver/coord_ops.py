@@ -63,5 +63,7 @@ def peer_closed(sock: socket.socket) -> bool:
         # the plain socket's recv: a TLS socket refuses flags; a peek at its raw bytes
         # tells end of file all the same
         return socket.socket.recv(sock, 1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:   # another thread of the connection read what was there
+        return False
     except (OSError, ValueError):
         return True

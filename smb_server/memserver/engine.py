@@ -58,6 +58,11 @@ class Engine:
             self.node.waiters.touched(req.extent_id, req.offset, req.length)
         return body
 
+    def deliver(self, peer: Peer, pull: Pull) -> None:
+        """Send a ``REDUCE``'s sum once its chunk is complete and count the pull
+        (:meth:`.requests.Reduce.pull`; the plane queues it, :mod:`.deliveries`)."""
+        collective_ops.pull(self.node, peer, pull)
+
     def _once(self, peer: Peer, req: Request) -> bytes | None:
         """Serve a numbered mutating request at most once (see :mod:`.dedup`).
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from smb_protocol.rdma_wire import MsgOp
-from smb_protocol.wire import Op
+from smb_protocol.wire import Op, unpack_reduce_word
 
 from .kernels import Arith
 
@@ -178,6 +178,19 @@ class Pull(Request):
 
 
 @dataclass(slots=True)
+class Reduce(Push):
+    """A push whose sum the server streams back once every one of ``parties`` pushed
+    (``REDUCE``): the push as :class:`Push`, then :meth:`pull`."""
+    parties: int = 0
+
+    def pull(self) -> Pull:
+        """The pull that delivers the chunk's sum, numbered ``seq + 1``."""
+        return Pull(Op.PULL, self.req_id, self.extent_id, self.offset, self.length, self.client,
+                    self.seq + 1 if self.seq else 0, word=self.word, target=self.base + self.parties,
+                    timeout=self.timeout)
+
+
+@dataclass(slots=True)
 class Seed(Request):
     """Exactly-once entries a primary hands a copy it filled (the payload)."""
     payload: ClassVar[bool] = True
@@ -215,6 +228,9 @@ def from_frame(op: Op, dtype: int, req_id: int, extent_id: int, offset: int, len
         return Push(*head, dtype=dtype, word=arg0, base=arg1, timeout=alpha)
     if op is Op.PULL:
         return Pull(*head, word=arg0, target=arg1, timeout=alpha)
+    if op is Op.REDUCE:
+        word, parties = unpack_reduce_word(arg0)
+        return Reduce(*head, dtype=dtype, word=word, base=arg1, timeout=alpha, parties=parties)
     if op is Op.SEED:
         return Seed(*head)
     if op is Op.HELLO:

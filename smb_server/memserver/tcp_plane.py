@@ -45,17 +45,27 @@ from __future__ import annotations
 import logging
 import socket
 import ssl
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 
 from smb_protocol import wire
-from smb_protocol.errors import InvalidTicket, ServerError, SMBError, Status, Timeout, error_status
+from smb_protocol.errors import (
+    InvalidArgument,
+    InvalidTicket,
+    ServerError,
+    SMBError,
+    Status,
+    Timeout,
+    error_status,
+)
 from smb_protocol.tickets import TicketMode, verify
 from smb_protocol.wire import Op
 
 from . import coord_ops, requests
 from .access import TicketBook
+from .deliveries import Deliveries
 from .engine import Engine
 from .listener import BACKLOG, Listener
 from .node import Node
@@ -105,6 +115,10 @@ class _Connection:
         self.hello_deadline = time.monotonic() + plane.hello_timeout
         self.deadline = self.hello_deadline   # monotonic time the current frame must be in by
         self._header = bytearray(wire.REQUEST.size)
+        self._sending = threading.Lock()      # one answer frame at a time (two threads send)
+        self._deliveries: Deliveries | None = None   # REDUCE sums owed, made on the first
+        self.ended = False                    # the reading loop is over
+        self._reader = 0                      # the reading thread's ident
 
     # -- socket helpers -------------------------------------------------------------
     @contextmanager
@@ -189,17 +203,30 @@ class _Connection:
                 self._recv(scratch[:min(self.pending, len(scratch))])
 
     def _send(self, buffers: list[memoryview | bytes]) -> None:
+        """Send one whole answer frame (the reading thread and the deliveries' thread
+        both answer, one frame at a time)."""
         try:
-            self.sock.settimeout(self.plane.frame_timeout)
-            wire.sendmsg_all(self.sock, buffers)
+            with self._sending:
+                self.sock.settimeout(self.plane.frame_timeout)
+                wire.sendmsg_all(self.sock, buffers)
         except OSError as exc:
             raise _Drop(f"send: {exc}") from None
 
-    def _reply(self, req_id: int, body: bytes = b"", status: int = Status.OK) -> None:
-        self._send([wire.pack_response(status, req_id, len(body)), body])
+    def _reply(self, req_id: int, body: bytes = b"", status: int = Status.OK,
+               kind: int = wire.FINAL) -> None:
+        self._send([wire.pack_response(status, req_id, len(body), kind), body])
 
     # -- main loop ------------------------------------------------------------------
     def serve(self) -> None:
+        self._reader = threading.get_ident()
+        try:
+            self._serve_frames()
+        finally:
+            self.ended = True
+            if self._deliveries is not None:
+                self._deliveries.stop()
+
+    def _serve_frames(self) -> None:
         try:
             while self._recv_header():
                 if not self._request():
@@ -225,9 +252,10 @@ class _Connection:
         body = str(err).encode()
         linger = GOODBYE_LINGER if self.tickets else 0.0
         try:
-            self.sock.settimeout(0.0)
-            self.sock.send(wire.pack_response(error_status(err), 0, len(body)) + body)
-            self.sock.shutdown(socket.SHUT_WR)
+            with self._sending:
+                self.sock.settimeout(0.0)
+                self.sock.send(wire.pack_response(error_status(err), 0, len(body)) + body)
+                self.sock.shutdown(socket.SHUT_WR)
             end = time.monotonic() + linger
             while True:
                 left = end - time.monotonic()
@@ -265,6 +293,9 @@ class _Connection:
         req = requests.from_frame(op, dtype, req_id, extent_id, offset, length, arg0, arg1, alpha,
                                   client, seq, forwarded)
         try:
+            if isinstance(req, requests.Reduce) and self.plane.tls is not None:
+                raise InvalidArgument("reduce is not served over TLS (one thread both reads and "
+                                      "writes a TLS stream): use push and pull")
             body = self.plane.engine.handle(self, req)
         except Repeat as rep:           # a retry of a request that failed the first time
             self._drain()
@@ -277,11 +308,37 @@ class _Connection:
             self._reply(req_id, str(exc).encode(), error_status(exc))
         else:
             self._drain()               # a repeat's payload: read and dropped
-            if body is not None:        # else already answered (and counted) by the operation
+            if isinstance(req, requests.Reduce):   # pushed: say so; the sum follows when complete
+                self.plane.stats.add(operations=1)
+                self._reply(req_id, body or b"", kind=wire.PUSHED)
+                self._owed().put(req.pull())
+            elif body is not None:      # else already answered (and counted) by the operation
                 self.plane.stats.add(operations=1)
                 self._reply(req_id, body)
         self.plane.stats.observe(op.name.lower(), time.perf_counter() - start)
         return True
+
+    def _owed(self) -> Deliveries:
+        """The queue of sums this connection owes (made on its first REDUCE)."""
+        if self._deliveries is None:
+            self._deliveries = Deliveries(
+                lambda pull: self.plane.engine.deliver(self, pull),
+                lambda pull, err: self._reply(pull.req_id, str(err).encode(), error_status(err)),
+                self._broken, self.peer)
+        return self._deliveries
+
+    def _broken(self, exc: BaseException) -> None:
+        """The deliveries' thread failed to answer: close the connection (the reading
+        thread sees it end; the client sends what it misses again)."""
+        self.plane.stats.add(errors=1)
+        if isinstance(exc, (_Drop, SMBError)):
+            log.info("tcp %s: closing connection: %s", self.peer, exc)
+        else:
+            log.error("tcp %s: failed sending a sum; closing connection", self.peer, exc_info=exc)
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
     def _hello(self, req_id: int, length: int) -> bool:
         if length > wire.MAX_TICKET:
@@ -336,8 +393,13 @@ class _Connection:
         self._send([wire.pack_response(Status.OK, req_id, len(view)), view])
 
     def cancelled(self) -> bool:
-        """Whether a waiting request should stop: the plane closes or the peer left."""
-        return self.plane.closing or coord_ops.peer_closed(self.sock)
+        """Whether a waiting request should stop: the plane closes or the peer left. Only
+        the reading thread looks at the socket (it reads nothing while it waits); the
+        deliveries' thread learns that the peer left from the reading thread (``ended``),
+        as a look at a socket another thread reads from may see its bytes go, or block."""
+        if self.ended or self.plane.closing:
+            return True
+        return threading.get_ident() == self._reader and coord_ops.peer_closed(self.sock)
 
 
 class _SocketPayload:

@@ -1,0 +1,218 @@
+"""The order a collective's chunks travel in: one sending thread, a window of bytes in
+flight across all servers, the chunks the next forward pass needs first.
+
+An :class:`Exchanger` belongs to one :class:`~smb_client.collective.Collective`. A round
+hands it each chunk as the chunk's bytes become final (:meth:`Exchanger.submit`); its
+thread sends the waiting chunk of highest priority as a ``REDUCE`` on the pipelined
+stream of the chunk's server (:mod:`smb_client.transports.stream`) as soon as the bytes
+in flight leave room: a chunk is in flight from its send until the server says its push
+took effect. The sums come back on the same streams as they complete, straight into the
+caller's buffer. So:
+
+* every party sends its chunks in the same order (priority: the lowest chunk index,
+  which holds the first layers' gradients, first; or the order they became ready), one
+  window at a time, so chunks complete in that order and their sums stream back while
+  later chunks are still going out;
+* the window is counted against pushes taking effect, never against sums: those need
+  the other parties' pushes, and a window that waited on them could wait forever for a
+  party whose own window waits on this one;
+* no thread per chunk and no round trip per chunk: one sender per collective, one
+  receiving thread per server stream.
+
+A chunk whose connection broke, or whose ticket expired, is sent again once, with the
+same sequence number (after renewing the ticket): the server applies its push and counts
+its pull at most once and answers the repeat with the sum. Any other failure is the
+chunk's error; :meth:`Exchanger.abandon` then stops what is still in flight.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future, InvalidStateError
+from typing import Protocol
+
+from smb_protocol.dtypes import DType
+from smb_protocol.errors import ServerUnavailable, SMBError, TicketExpired
+from smb_protocol.placement import ExtentPlace
+
+from .region import Region
+from .transports.errors import ConnectionBroken
+from .transports.stream import ReduceStream, Reduction
+
+log = logging.getLogger(__name__)
+
+RETRIES = 1        # extra sends of a chunk whose connection broke or whose ticket expired
+
+
+class Chunk:
+    """Where chunk ``index`` lives: its layout slot and server (``place``, as the region
+    was described when the collective was made), the extent offsets of its two slots and
+    of their count words, and its byte range in the caller's buffer."""
+
+    def __init__(self, index: int, slot: int, place: ExtentPlace, extent_offset: int, region_offset: int,
+                 start: int, length: int) -> None:
+        self.index = index
+        self.slot = slot
+        self.place = place
+        self.start = start
+        self.length = length
+        self.slots = (extent_offset, extent_offset + length)
+        self.words = (extent_offset + 2 * length, extent_offset + 2 * length + 8)
+        self.region_words = region_offset + 2 * length   # region offset of the two count words
+
+
+class Owner(Protocol):
+    """What an exchanger needs of its collective."""
+
+    region: Region
+    parties: int
+    timeout: float
+
+
+
+class _Task:
+    __slots__ = ("chunk", "slot", "base", "parts", "dt", "seq", "nbytes", "future", "in_flight",
+                 "attempts", "ticket", "stream")
+
+    def __init__(self, chunk: Chunk, slot: int, base: int, parts: Sequence[memoryview], dt: DType,
+                 seq: int) -> None:
+        self.chunk = chunk
+        self.slot = slot
+        self.base = base
+        self.parts = list(parts)
+        self.dt = dt
+        self.seq = seq
+        self.nbytes = sum(len(p) for p in self.parts)
+        self.future: Future[None] = Future()
+        self.in_flight = False
+        self.attempts = 0
+        self.ticket = ""
+        self.stream: ReduceStream | None = None
+
+
+class Exchanger:
+    """Sends a collective's chunks through a window of ``window`` bytes; ``priority``:
+    lowest chunk index first (else in the order they were submitted)."""
+
+    def __init__(self, coll: Owner, window: int, priority: bool = True) -> None:
+        self.coll = coll
+        self.window = window
+        self.priority = priority
+        self._cond = threading.Condition()
+        self._queue: list[tuple[int, int, _Task]] = []
+        self._order = itertools.count()
+        self._bytes = 0                      # bytes sent whose push has not taken effect
+        self._sent: set[_Task] = set()       # sent, sum not in yet
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=f"smb-exchange {coll.region.name}",
+                                        daemon=True)
+        self._thread.start()
+
+    # -- the round's side -------------------------------------------------------------
+    def submit(self, chunk: Chunk, slot: int, base: int, parts: Sequence[memoryview],
+               dt: DType) -> Future[None]:
+        """Queue ``chunk``'s share of the round that starts at count ``base`` (slot
+        ``slot``); the future ends once its sum is in ``parts``."""
+        task = _Task(chunk, slot, base, parts, dt, self.coll.region.route.next_seq())
+        self._queue_task(task)
+        return task.future
+
+    def _queue_task(self, task: _Task) -> None:
+        with self._cond:
+            if self._closed:
+                task.future.set_exception(ServerUnavailable(
+                    f"collective {self.coll.region.name} is closed"))
+                return
+            key = task.chunk.index if self.priority else 0
+            heapq.heappush(self._queue, (key, next(self._order), task))
+            self._cond.notify_all()
+
+    def abandon(self) -> None:
+        """Fail what is queued, and close the streams of what is in flight (their
+        futures then fail too), so that nothing writes into the caller's buffer after
+        the round gave up."""
+        with self._cond:
+            queued, self._queue = self._queue, []
+            streams = {id(t.stream): t.stream for t in self._sent if t.stream is not None}
+        for _, _, task in queued:
+            _settle(task.future, ServerUnavailable("the round failed elsewhere"))
+        for stream in streams.values():
+            if stream is not None:
+                stream.abandon()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self.abandon()
+        self._thread.join()
+
+    # -- the sending thread -----------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closed and not (
+                        self._queue and (self._bytes == 0
+                                         or self._bytes + self._queue[0][2].nbytes <= self.window)):
+                    self._cond.wait()
+                if self._closed:
+                    return
+                _, _, task = heapq.heappop(self._queue)
+                self._bytes += task.nbytes
+                task.in_flight = True
+                self._sent.add(task)
+            try:
+                self._send(task)
+            except BaseException as exc:   # nothing must end this thread with work queued
+                log.exception("collective %s: sending chunk %d failed", self.coll.region.name,
+                              task.chunk.index)
+                self._done(task, exc if isinstance(exc, SMBError) else ServerUnavailable(str(exc)))
+
+    def _send(self, task: _Task) -> None:
+        route = self.coll.region.route
+        if task.attempts and task.ticket == route.ticket:
+            route.refresh()   # TicketExpired: a fresh ticket (RegionNotFound once it is gone)
+        place = route.extents[task.chunk.slot]
+        stream = route.dataplane.coordination(place).reductions()
+        if stream is None:
+            raise ServerUnavailable(f"server {place.server_id} has no pipelined stream")
+        task.stream = stream
+        task.ticket = route.ticket
+        c = task.chunk
+        stream.send(task.ticket, Reduction(
+            place.extent_id, c.slots[task.slot], task.parts, task.dt, c.words[task.slot], task.base,
+            self.coll.parties, self.coll.timeout, task.seq,
+            pushed=lambda: self._pushed(task), done=lambda err: self._done(task, err)))
+
+    def _pushed(self, task: _Task) -> None:
+        with self._cond:
+            if task.in_flight:
+                task.in_flight = False
+                self._bytes -= task.nbytes
+                self._cond.notify_all()
+
+    def _done(self, task: _Task, err: BaseException | None) -> None:
+        self._pushed(task)
+        with self._cond:
+            self._sent.discard(task)
+        if err is not None and isinstance(err, (ConnectionBroken, TicketExpired)) \
+                and task.attempts < RETRIES and not task.future.done():
+            task.attempts += 1
+            log.info("collective %s: chunk %d again: %s", self.coll.region.name, task.chunk.index, err)
+            self._queue_task(task)
+            return
+        _settle(task.future, err)
+
+
+def _settle(future: Future[None], err: BaseException | None) -> None:
+    """End ``future`` unless it already ended (a chunk abandoned while its answer came)."""
+    try:
+        if err is None:
+            future.set_result(None)
+        else:
+            future.set_exception(err)
+    except InvalidStateError:
+        pass

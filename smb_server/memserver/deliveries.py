@@ -1,0 +1,94 @@
+"""The sums a pipelining connection owes its client (``REDUCE``, see :mod:`smb_protocol.wire`).
+
+A ``REDUCE`` is served in two halves. The connection's own thread receives the chunk,
+applies the push (exactly once) and answers that it did; the pull that sends the sum
+back is queued here, and one thread per connection serves the queue in order: it waits
+until the chunk's count shows every party's push, sends the sum under the request's
+``req_id`` and counts the pull (:func:`.collective_ops.pull`, exactly once under
+``seq + 1``). The reading thread is never held by a chunk whose sum is not complete,
+so a client keeps a window of pushes in flight on one connection while the sums stream
+back as they complete.
+
+In order is as soon as possible: every party sends its chunks to a server in one
+order on one connection, and the server applies them in that order, so a server's
+chunks complete in that order too.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+
+from smb_protocol.errors import SMBError
+
+from .requests import Pull
+
+log = logging.getLogger(__name__)
+
+STOP_WAIT = 5.0   # seconds :meth:`Deliveries.stop` waits for the thread (it notices within RECHECK)
+
+
+class Deliveries:
+    """A FIFO of pulls served by a thread of its own.
+
+    ``serve(pull)`` sends a pull's answer (blocking while its count is short);
+    ``fail(pull, err)`` answers a typed error instead; ``broken(exc)`` is called once if
+    serving raised anything else (the connection cannot go on: its owner closes it)."""
+
+    def __init__(self, serve: Callable[[Pull], None], fail: Callable[[Pull, SMBError], None],
+                 broken: Callable[[BaseException], None], name: str) -> None:
+        self._serve = serve
+        self._fail = fail
+        self._broken = broken
+        self._queue: deque[Pull] = deque()
+        self._cond = threading.Condition()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name=f"smb-deliver {name}", daemon=True)
+        self._thread.start()
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped
+
+    def put(self, pull: Pull) -> None:
+        with self._cond:
+            self._queue.append(pull)
+            self._cond.notify()
+
+    def pending(self) -> int:
+        with self._cond:
+            return len(self._queue)
+
+    def stop(self) -> None:
+        """Drop what is queued (the client sends those requests again on a new
+        connection) and end the thread; a pull being served notices through its
+        ``cancelled`` check."""
+        with self._cond:
+            self._stopped = True
+            self._queue.clear()
+            self._cond.notify()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(STOP_WAIT)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._stopped:
+                    self._cond.wait()
+                if self._stopped:
+                    return
+                pull = self._queue.popleft()
+            try:
+                self._serve(pull)
+            except SMBError as exc:
+                if self._stopped:
+                    return
+                try:
+                    self._fail(pull, exc)
+                except BaseException as why:   # the answer could not go out either
+                    self._broken(why)
+                    return
+            except BaseException as exc:
+                self._broken(exc)
+                return
