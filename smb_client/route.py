@@ -340,13 +340,18 @@ class Route:
         """After a server was unreachable or no longer held an extent, ask the controller
         what became of the region: a region that is ``lost`` (its server came back
         without its memory) raises :class:`~smb_protocol.errors.RegionLost` instead,
-        chained to ``exc``; one whose name now belongs to another incarnation raises
-        RegionNotFound; a deleted one keeps ``exc`` (ExtentNotFound is a RegionNotFound).
-        The operation is not run again (part of it may have taken effect)."""
+        chained to ``exc``; one whose name now belongs to another incarnation, or that
+        was deleted, raises RegionNotFound (and so does every later operation), even
+        while its server is unreachable. The operation is not run again (part of it may
+        have taken effect)."""
         try:
             info, ticket = self.source.open_info(self.name, self.mode, reconnect_timeout=EXPLAIN_PATIENCE)
         except errors.RegionLost as why:
             raise why from exc
+        except RegionNotFound as why:
+            with self._lock:
+                self._gone = f"region {self.name} (uid {self.uid}) was deleted ({why})"
+            raise RegionNotFound(self._gone) from exc
         except errors.SMBError:
             log.debug("region %s: controller not reachable to explain %r", self.name, exc)
             return

@@ -88,3 +88,19 @@ def test_an_old_collective_never_reaches_the_new_one(cluster, name, transport):
         assert np.array_equal(new.all_reduce(data.copy()), data)   # its rounds start where they should
         old.close()
         new.destroy()
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_an_old_handle_of_a_deleted_region_whose_server_died_says_not_found(fresh_cluster, transport):
+    """The region was deleted, then its server died: the controller knows it is gone, so
+    the handle says RegionNotFound (not ServerUnavailable, which invites retries), at
+    once and for every later operation. (Found by the soak, bench/soak.py.)"""
+    with fresh_cluster.client(transport=transport) as c:
+        old = c.create_region("t/deleted", 4096, placement="single")
+        old.write(0, b"old!")
+        victim = old.extents[0].server_id
+        c.delete_region("t/deleted")
+        fresh_cluster.kill_server([i for i in range(2) if fresh_cluster.server_id(i) == victim][0])
+        for op in ("write", "fetch_add", "read", "accumulate"):
+            with pytest.raises(errors.RegionNotFound):
+                OPS[op](old)
