@@ -1,8 +1,16 @@
 """Named, reusable, in-memory barriers for the controller's ``Barrier`` call.
 
 Pure (no gRPC): the servicer passes the caller's ``is_active`` so that a caller that
-went away is forgotten. Barriers do not survive a controller restart; callers retry on
-``Unavailable``.
+went away is forgotten.
+
+With a replicated store (etcd) a barrier's generation (how many times it opened) lives
+in the store (:class:`GenerationStore`): it is written, fenced by the leader epoch, before
+a barrier opens, and read by a new leader. Arrivals stay in the leader's memory: when a
+leader dies or stops leading, its waiters' calls fail with ControllerUnavailable
+(:meth:`Barriers.reset`), and the client retries them at the new leader, where they
+arrive again in the same generation. (A caller is not told apart from its retry, so
+arrivals written to the store would be counted twice.) With SQLite the generations are
+in memory and a restart starts them again at 0.
 """
 from __future__ import annotations
 
@@ -10,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from smb_protocol import errors
 from smb_protocol.names import check_barrier_name
@@ -19,11 +28,26 @@ MAX_WAITERS = 64    # callers that may wait in barriers at once, all barriers to
 MAX_WAITERS_PER_CALLER = 16  # of those, from one caller (one client connection)
 
 
+class GenerationStore(Protocol):
+    """Where barriers' generations outlive a leader (:class:`.etcd_state.EtcdState`)."""
+
+    def barrier_generation(self, name: str) -> int:
+        """How many times barrier ``name`` has opened (0: never)."""
+        ...
+
+    def open_barrier(self, name: str, generation: int) -> None:
+        """Record that barrier ``name`` opens for the ``generation``-th time (it opened
+        ``generation - 1`` times before); raises ControllerUnavailable when this
+        controller no longer leads."""
+        ...
+
+
 @dataclass
 class _Waiter:
     generation: int = -1
     arrival: int = -1
     done: bool = False
+    error: errors.SMBError | None = None   # set with ``done`` when the call fails instead
 
 
 @dataclass
@@ -47,8 +71,9 @@ class Barriers:
     """
 
     def __init__(self, max_waiters: int = MAX_WAITERS,
-                 max_per_caller: int = MAX_WAITERS_PER_CALLER) -> None:
+                 max_per_caller: int = MAX_WAITERS_PER_CALLER, store: GenerationStore | None = None) -> None:
         self._cond = threading.Condition()
+        self.store = store
         self._barriers: dict[str, _Barrier] = {}
         self._closed = False
         self.max_waiters = max_waiters
@@ -72,7 +97,10 @@ class Barriers:
         with self._cond:
             if self._closed:
                 raise errors.ControllerUnavailable("the controller is shutting down")
-            barrier = self._barriers.setdefault(name, _Barrier(waiters=[]))
+            barrier = self._barriers.get(name)
+            if barrier is None:
+                generation = self.store.barrier_generation(name) if self.store is not None else 0
+                barrier = self._barriers[name] = _Barrier(generation=generation, waiters=[])
             assert barrier.waiters is not None
             if barrier.waiters and barrier.parties != parties:
                 raise errors.InvalidArgument(
@@ -92,7 +120,7 @@ class Barriers:
             me = _Waiter()
             barrier.waiters.append(me)
             if opens:
-                self._open(barrier)
+                self._open(name, barrier)
                 return me.generation, me.arrival
             self._waiting += 1
             self._by_caller[caller] = mine + 1
@@ -123,15 +151,41 @@ class Barriers:
                 barrier.waiters.remove(me)
                 raise problem
             self._cond.wait(BARRIER_POLL if remaining is None else min(remaining, BARRIER_POLL))
+        if me.error is not None:
+            raise me.error
         return me.generation, me.arrival
 
-    def _open(self, barrier: _Barrier) -> None:
+    def _open(self, name: str, barrier: _Barrier) -> None:
+        """Release the barrier's waiters, once the store (if any) has its new generation;
+        if it cannot be written, every waiter fails (and retries at the leader)."""
         assert barrier.waiters is not None
+        if self.store is not None:
+            try:
+                self.store.open_barrier(name, barrier.generation + 1)
+            except errors.SMBError as exc:
+                self._fail(barrier, exc)
+                self._barriers.pop(name, None)
+                raise
         for arrival, waiter in enumerate(barrier.waiters):
             waiter.generation, waiter.arrival, waiter.done = barrier.generation, arrival, True
         barrier.generation += 1
         barrier.waiters = []
         self._cond.notify_all()
+
+    def _fail(self, barrier: _Barrier, error: errors.SMBError) -> None:
+        for waiter in barrier.waiters or ():
+            waiter.error, waiter.done = error, True
+        barrier.waiters = []
+        self._cond.notify_all()
+
+    def reset(self, reason: str) -> None:
+        """Fail every waiter with ControllerUnavailable(``reason``) and forget every
+        barrier (a leader that stops leading: its callers retry at the new one, which
+        reads the generations from the store)."""
+        with self._cond:
+            for barrier in self._barriers.values():
+                self._fail(barrier, errors.ControllerUnavailable(reason))
+            self._barriers.clear()
 
     def close(self) -> None:
         """Wake every waiter with ControllerUnavailable; later calls fail the same way."""

@@ -493,6 +493,20 @@ class EtcdState(RegionCreates):
         (kvs,) = self.kv.read(kv.get_prefix(self._key("done_deletes", "")))
         return any(item.key.endswith("/" + request_id) and item.value.decode() == name for item in kvs)
 
+    # -- barriers' generations (:class:`.barriers.GenerationStore`) ---------------------------
+    def barrier_generation(self, name: str) -> int:
+        """How many times barrier ``name`` has opened (0: never)."""
+        item = self.kv.get(self._key("barriers", name))
+        return int(item.value) if item is not None else 0
+
+    def open_barrier(self, name: str, generation: int) -> None:
+        """Record the ``generation``-th opening of barrier ``name`` (one fenced transaction
+        that compares the generation before it)."""
+        key = self._key("barriers", name)
+        before = kv.value_is(key, str(generation - 1)) if generation > 1 else kv.absent(key)
+        if not self._commit([before], [kv.put(key, str(generation))]):
+            raise errors.ControllerUnavailable(f"barrier {name!r} opened elsewhere meanwhile; retry")
+
     def list_regions(self, prefix: str = "") -> list[RegionRecord]:
         """Ready regions whose name starts with ``prefix``, by name."""
         snap = self._snapshot(region_prefix=prefix)

@@ -160,13 +160,19 @@ class Controller(Daemon):
         election = self.election = Election(state.kv, state.prefix, self.address,
                                             self.config.leader_lease_seconds)
 
+        if self.servicer is not None:  # barriers' generations outlive a leader
+            self.servicer.barriers.store = state
+
         def on_lead(fence: Fence) -> None:
             if self.servicer is not None:  # memory servers refuse older epochs' admin tickets
                 self.servicer.memservers.epoch = fence.epoch
+                self.servicer.barriers.reset("a new leader took over; retry")
             state.take_over(fence)
 
         def on_lose() -> None:
             state.fence = None
+            if self.servicer is not None:  # its barrier waiters retry at the new leader
+                self.servicer.barriers.reset("this controller no longer leads; retry at the leader")
 
         self._leader_loop = LeaderLoop(election, on_lead, on_lose)
         self._leader_loop.start()
