@@ -44,6 +44,9 @@ Invariants (a violation makes the exit status 1):
 * a handle never reaches another incarnation of its name;
 * only typed errors (:class:`~smb_protocol.errors.SMBError`); anything else is a
   violation;
+* nothing hangs: a worker's step (an operation, and learning the outcome of one that
+  raised) ends within :data:`STEP_BOUND`, an ``all_reduce`` within
+  :data:`ALL_REDUCE_BOUND`;
 * the daemons' memory and descriptors stay flat: RSS and open descriptors of every
   controller and memory server process are sampled every second; for each process
   that lived long enough, the mean of the last quarter of its samples after
@@ -124,6 +127,8 @@ RSS_MARGIN = 0.20               # last-quarter mean RSS may exceed the first qua
 RSS_SLACK = 24 * MiB            # ... plus this
 FD_MARGIN = 0.25                # likewise open descriptors: 25 %
 FD_SLACK = 24                   # ... plus this many
+STEP_BOUND = 180.0               # seconds one worker step may take: failover (30) + resolving (60) + slack
+ALL_REDUCE_BOUND = 2 * COLLECTIVE_TIMEOUT + 10.0   # seconds an all_reduce may take before it raised
 MAX_LOGGED = 500                # typed errors kept with their time and message (JSON: error_log)
 MAX_PRINTED = 20                # violations printed as they happen (all are in the summary)
 
@@ -174,6 +179,7 @@ class Tally:
         self.shared_acked = [0] * SHARED_WORDS
         self.shared_unknown = [0] * SHARED_WORDS
         self.stale_checks = 0
+        self.longest: dict[str, float] = {}         # operation kind -> its longest duration, seconds
         self.collective_rounds = 0
         self.collective_builds = 0
 
@@ -205,6 +211,15 @@ class Tally:
             if f.at - 1.0 <= t <= end + FAULT_QUIET:
                 return True
         return False
+
+    def took(self, kind: str, seconds: float, bound: float) -> None:
+        """Record the duration of one operation; longer than ``bound``: a violation (it
+        hung past every timeout that should have ended it)."""
+        with self.lock:
+            if seconds > self.longest.get(kind, 0.0):
+                self.longest[kind] = seconds
+        if seconds > bound:
+            self.violation(f"a {kind} took {seconds:.1f} s, more than its bound of {bound:.0f} s")
 
     def violation(self, text: str) -> None:
         with self.lock:
@@ -576,27 +591,28 @@ class DataWorker:
         self.tally.op("fetch_add" if use_fetch else "accumulate")
 
     def step(self) -> None:
+        """One operation (with what it takes to learn the outcome of one that raised);
+        its time counts against :data:`STEP_BOUND`."""
         empty = [i for i, tr in enumerate(self.slots) if tr is None]
-        if empty:
-            self._create(empty[0])
-            return
-        slot = self.rng.randrange(REGIONS_PER_WORKER)
+        slot = empty[0] if empty else self.rng.randrange(REGIONS_PER_WORKER)
         r = self.rng.random()
-        if r < 0.30:
-            self._write(slot)
-        elif r < 0.55:
-            n = self.rng.randint(1, MAX_WRITE)
-            self._check_read(slot, self.rng.randint(0, REGION_BYTES - n), n, "read")
-        elif r < 0.68:
-            self._accumulate(slot)
-        elif r < 0.78:
-            self._fetch_add(slot)
-        elif r < 0.84:
-            self._compare_swap(slot)
-        elif r < 0.97:
-            self._shared_add()
-        else:
-            self._recycle(slot)
+        kind, op = (("create", self._create) if empty else
+                    ("write", self._write) if r < 0.30 else
+                    ("read", self._read) if r < 0.55 else
+                    ("accumulate", self._accumulate) if r < 0.68 else
+                    ("fetch_add", self._fetch_add) if r < 0.78 else
+                    ("compare_swap", self._compare_swap) if r < 0.84 else
+                    ("shared add", lambda _slot: self._shared_add()) if r < 0.97 else
+                    ("recycle", self._recycle))
+        start = _now()
+        try:
+            op(slot)
+        finally:
+            self.tally.took(kind, _now() - start, STEP_BOUND)
+
+    def _read(self, slot: int) -> None:
+        n = self.rng.randint(1, MAX_WRITE)
+        self._check_read(slot, self.rng.randint(0, REGION_BYTES - n), n, "read")
 
     def run(self) -> None:
         while not self.stop.is_set():
@@ -741,7 +757,11 @@ class CollectiveGroup:
                     for _ in range(COLLECTIVE_BLOCK):
                         rounds += 1
                         data = (base + 7 * rounds) * (rank + 1)
-                        coll.all_reduce(data)
+                        start = _now()
+                        try:
+                            coll.all_reduce(data)
+                        finally:
+                            self.tally.took("all_reduce", _now() - start, ALL_REDUCE_BOUND)
                         want = (base + 7 * rounds) * weight
                         if not np.array_equal(data, want):
                             bad = int(np.argmax(data != want))
@@ -1119,6 +1139,7 @@ def summary(tally: Tally, samples: list[tuple[float, str, int, int, int]], verdi
         "faults": [vars(f) for f in tally.faults],
         "violations": list(tally.violations),
         "stale_handle_checks": tally.stale_checks,
+        "longest_seconds": {k: round(v, 2) for k, v in sorted(tally.longest.items())},
         "collective_rounds": tally.collective_rounds,
         "collective_builds": tally.collective_builds,
         "shared_counters": {"acked": sum(tally.shared_acked), "raised": sum(tally.shared_unknown)},
@@ -1152,6 +1173,8 @@ def print_summary(r: dict[str, Any]) -> None:
           f"stale-handle checks {r['stale_handle_checks']}; shared counters: {r['shared_counters']['acked']:,} "
           f"increments acknowledged, {r['shared_counters']['raised']} raised; "
           f"{r['bytes_checked_at_end'] / MiB:.1f} MiB compared at the end")
+    print("  longest operation (s, with resolving one that raised): "
+          + ", ".join(f"{k} {v:.2f}" for k, v in r["longest_seconds"].items()))
     print("  resources (RSS MiB, descriptors; start -> end, max):")
     for role, v in sorted(r["roles"].items()):
         print(f"    {role:13} RSS {v['rss_start'] / MiB:6.1f} -> {v['rss_end'] / MiB:6.1f} "
