@@ -177,11 +177,19 @@ class DedupTable:
         return seen
 
     def _trim(self, seen: OrderedDict[int, Entry]) -> None:
-        """Forget the oldest finished entries beyond the window (running ones are kept)."""
+        """Forget the oldest finished entries beyond the window (running ones are kept).
+        Looks from the oldest on and stops once it found enough: one or a few entries
+        per request, not the whole window (this runs under the table's lock)."""
         extra = len(seen) - self.window
         if extra <= 0:
             return
-        for seq in [s for s, e in seen.items() if e.done][:extra]:
+        doomed = []
+        for seq, e in seen.items():
+            if e.done:
+                doomed.append(seq)
+                if len(doomed) == extra:
+                    break
+        for seq in doomed:
             del seen[seq]
 
     def export(self, extent_id: int) -> list[Record]:
