@@ -56,6 +56,7 @@ class Controller(Daemon):
         self._grace = STOP_GRACE
         self.state: StateStore | None = None
         self.election: Election | None = None  # with an etcd store
+        self._taken_over = False                # with etcd: this leader's take-over is done
         self._leader_loop: LeaderLoop | None = None
         self.servicer: ControllerServicer | None = None
         self._server: Any = None
@@ -93,8 +94,10 @@ class Controller(Daemon):
         return self.config.store or self.config.db_path
 
     def leading(self) -> bool:
-        """True when this controller serves: always with SQLite, as leader with etcd."""
-        return self.election is None or self.election.leading()
+        """True when this controller serves: always with SQLite, as leader with etcd once
+        its take-over is done (until then its lease loop must not mark down the servers
+        the take-over gives a fresh lease, and calls wait for the take-over anyway)."""
+        return self.election is None or (self.election.leading() and self._taken_over)
 
     def ready_message(self) -> str:
         return f"serving at {self.address}"
@@ -167,9 +170,12 @@ class Controller(Daemon):
             if self.servicer is not None:  # memory servers refuse older epochs' admin tickets
                 self.servicer.memservers.epoch = fence.epoch
                 self.servicer.barriers.reset("a new leader took over; retry")
+            self._taken_over = False
             state.take_over(fence)
+            self._taken_over = True
 
         def on_lose() -> None:
+            self._taken_over = False
             state.fence = None
             if self.servicer is not None:  # its barrier waiters retry at the new leader
                 self.servicer.barriers.reset("this controller no longer leads; retry at the leader")
