@@ -207,15 +207,19 @@ def main() -> int:
     args = parser.parse_args()
     callers, seconds = ([64], 2.0) if args.quick else ([64, 256], 5.0)
     rows: list[dict[str, Any]] = []
+    load_before = os.getloadavg()
     for kind in args.stores.split(","):
         with tempfile.TemporaryDirectory(prefix=f"smb-cp-{kind}-") as tmp:
             rows += run_store(kind, callers, seconds, Path(tmp))
     result = {"rows": rows, "machine": f"{platform.node()} ({os.cpu_count()} cpus)",
-              "clients": CLIENTS, "barrier_rounds": BARRIER_ROUNDS}
+              "clients": CLIENTS, "barrier_rounds": BARRIER_ROUNDS,
+              # the machine may be shared: its 1-minute load average before and after the run
+              "load_average": [round(load_before[0], 1), round(os.getloadavg()[0], 1)]}
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "control_plane.json"), "w") as f:
         json.dump(result, f, indent=2)
-    table = markdown(rows)
+    table = markdown(rows) + (f"\nLoad average (1 min) before / after the run: {result['load_average'][0]} / "
+                              f"{result['load_average'][1]} on {os.cpu_count()} cpus\n")
     with open(os.path.join(args.out, "control_plane.md"), "w") as f:
         f.write(table)
     print(table)

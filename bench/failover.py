@@ -180,6 +180,8 @@ def markdown(r: dict[str, Any]) -> str:
         ("kill to new leader serving: median / max",
          f"{sorted(takeovers)[len(takeovers) // 2]:.2f} s / {max(takeovers):.2f} s" if takeovers else "-"),
         ("data-plane operations / errors", f"{r['data_plane_ops']} / {len(r['data_plane_errors'])}"),
+        ("load average (1 min) before / after the run",
+         " / ".join(map(str, r["load_average"])) if "load_average" in r else "-"),
     ]
     return "\n".join(["| measure | value |", "| --- | --- |", *(f"| {k} | {v} |" for k, v in rows)]) + "\n"
 
@@ -190,8 +192,11 @@ def main() -> int:
     parser.add_argument("--lease", type=int, default=5, help="leader lease, whole seconds (default 5)")
     parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     args = parser.parse_args()
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="smb-failover-") as tmp:
         result = run(args.kills, args.lease, Path(tmp))
+    # the machine may be shared: its 1-minute load average before and after the run
+    result["load_average"] = [round(load_before[0], 1), round(os.getloadavg()[0], 1)]
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "failover.json"), "w") as f:
         json.dump(result, f, indent=2)

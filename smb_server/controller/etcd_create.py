@@ -25,7 +25,7 @@ from smb_protocol import errors
 
 from . import etcd_kv as kv
 from .etcd_txn import COMMIT_ATTEMPTS, MAX_TXN_OPS, EtcdStore, GroupCommit, Pending, Snapshot
-from .records import RegionRecord, RegionRequest, initial_role
+from .records import RegionRecord, RegionRequest, ServerRecord, initial_role
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +64,16 @@ class BegunRegions:
 Create = Pending[tuple[RegionRequest, float], RegionRecord]
 
 
+@dataclass
+class _Seen:
+    """What one pass plans on, read once: the servers, the uids in use, and the bytes
+    each server gave to the regions planned so far in the pass."""
+
+    servers: list[ServerRecord]
+    uids: set[str]
+    taken: dict[str, int]
+
+
 class RegionCreates(EtcdStore):
     """Batched region creates; ``lease_seconds`` is set by the subclass."""
 
@@ -74,23 +84,27 @@ class RegionCreates(EtcdStore):
         self._begun = BegunRegions()
         self._creates: GroupCommit[tuple[RegionRequest, float], RegionRecord] = GroupCommit(self._write_creates)
 
-    def _plan(self, req: RegionRequest, now: float, snap: Snapshot, first: int) -> dict[str, Any]:
-        """The row of a new region planned on ``snap``, its extent ids from ``first``."""
+    def _plan(self, req: RegionRequest, now: float, snap: Snapshot, seen: _Seen, first: int) -> dict[str, Any]:
+        """The row of a new region planned on ``snap`` (and ``seen``: what the plans of
+        this pass took), its extent ids from ``first``."""
         existing = snap.regions.get(req.name)
         if existing is not None:
             what = " (being created)" if existing[0]["state"] == "creating" else ""
             raise errors.RegionExists(f"region {req.name!r} already exists{what}; open it, delete it, "
                                       "or pass exist_ok")
-        if any(row["uid"] == req.uid for row, _ in snap.regions.values()):
+        if req.uid in seen.uids:
             raise errors.InvalidArgument(f"uid {req.uid} already names another region; draw a new one")
         alive = now - self.lease_seconds
-        up = [s for s in snap.server_records() if s.state == "up" and s.last_heartbeat >= alive]
-        layout, copies = req.plan({s.server_id: s.free for s in up}, {s.server_id: s.host_id for s in up})
+        up = [s for s in seen.servers if s.state == "up" and s.last_heartbeat >= alive]
+        layout, copies = req.plan({s.server_id: max(0, s.free - seen.taken.get(s.server_id, 0)) for s in up},
+                                  {s.server_id: s.host_id for s in up})
         extents: list[list[Any]] = []
         for idx, (length, sids) in enumerate(zip(layout.extent_lengths, copies, strict=True)):
             for copy, sid in enumerate(sids):
                 role, view = initial_role(req.replicas, copy)
                 extents.append([first + len(extents), idx, sid, length, copy, role, view])
+                seen.taken[sid] = seen.taken.get(sid, 0) + length
+        seen.uids.add(req.uid)
         return {"name": req.name, "uid": req.uid, "size": layout.size, "placement": layout.kind,
                 "stripe_unit": layout.stripe_unit, "segment_sizes": list(layout.segment_sizes),
                 "segment_extents": list(layout.segment_extents), "persistent": bool(req.persistent),
@@ -118,13 +132,14 @@ class RegionCreates(EtcdStore):
         counter = snap.extra[self.next_id_key]
         next_id = int(counter.value) if counter is not None else FIRST_ID_BASE + secrets.randbits(61)
         counter_rev = counter.mod_revision if counter is not None else 0
+        seen = _Seen(snap.server_records(), {row["uid"] for row, _ in snap.regions.values()}, {})
         chunk: list[tuple[Create, dict[str, Any]]] = []
         compare: list[kv.Cmp] = []
         ops: list[kv.Op] = []
         for k, item in enumerate(items):
             (req, now) = item.request
             try:
-                row = self._plan(req, now, snap, next_id)
+                row = self._plan(req, now, snap, seen, next_id)
             except errors.SMBError as exc:
                 item.fail(exc)
                 continue
@@ -143,7 +158,7 @@ class RegionCreates(EtcdStore):
             compare.append(kv.absent(key))
             ops += mine
             next_id += len(row["extents"])
-            snap.regions[req.name] = (row, 0)   # the next plans see its name and its bytes
+            snap.regions[req.name] = (row, 0)   # the next plans see its name (its bytes: ``seen``)
         if chunk:
             revision = self._commit(compare + [kv.mod_revision_is(self.next_id_key, counter_rev)],
                                     ops + [kv.put(self.next_id_key, str(next_id))])

@@ -101,9 +101,11 @@ class Election:
 
     def campaign(self) -> Fence | None:
         """Try once to lead; returns the fence when this controller won."""
-        if self.current() is not None:
+        leader, epochs = self.kv.read(kv.get(self.leader_key), kv.get(self.epoch_key))
+        self.known = _info(leader[0]) if leader else None
+        if leader:
             return None
-        epoch_item = self.kv.get(self.epoch_key)
+        epoch_item = epochs[0] if epochs else None
         epoch = int(epoch_item.value) + 1 if epoch_item is not None else 1
         started = time.monotonic()
         lease = self.kv.grant(self.ttl)
