@@ -19,8 +19,9 @@ caller's buffer. So:
 * no thread per chunk and no round trip per chunk: one sender per collective, one
   receiving thread per server stream.
 
-A chunk whose connection broke, or whose ticket expired, is sent again once, with the
-same sequence number (after renewing the ticket): the server applies its push and counts
+A chunk whose connection broke, or whose ticket expired, is sent again (up to
+:data:`RETRIES` times), with the same sequence number, on a new connection or after
+renewing the ticket: the server applies its push and counts
 its pull at most once and answers the repeat with the sum. Any other failure is the
 chunk's error; :meth:`Exchanger.abandon` then stops what is still in flight.
 """
@@ -39,12 +40,13 @@ from smb_protocol.errors import ServerUnavailable, SMBError, TicketExpired
 from smb_protocol.placement import ExtentPlace
 
 from .region import Region
+from .route import name_server
 from .transports.errors import ConnectionBroken
 from .transports.stream import ReduceStream, Reduction
 
 log = logging.getLogger(__name__)
 
-RETRIES = 1        # extra sends of a chunk whose connection broke or whose ticket expired
+RETRIES = 3        # extra sends of a chunk whose connection broke (each after a new connection) or whose ticket expired
 
 
 class Chunk:
@@ -107,6 +109,7 @@ class Exchanger:
         self._bytes = 0                      # bytes sent whose push has not taken effect
         self._sent: set[_Task] = set()       # sent, sum not in yet
         self._closed = False
+        self._abandoned = False
         self._thread = threading.Thread(target=self._run, name=f"smb-exchange {coll.region.name}",
                                         daemon=True)
         self._thread.start()
@@ -122,9 +125,10 @@ class Exchanger:
 
     def _queue_task(self, task: _Task) -> None:
         with self._cond:
-            if self._closed:
-                task.future.set_exception(ServerUnavailable(
-                    f"collective {self.coll.region.name} is closed"))
+            if self._closed or self._abandoned:
+                _settle(task.future, ServerUnavailable(
+                    f"collective {self.coll.region.name} is closed" if self._closed else
+                    f"collective {self.coll.region.name}: the round failed elsewhere"))
                 return
             key = task.chunk.index if self.priority else 0
             heapq.heappush(self._queue, (key, next(self._order), task))
@@ -133,8 +137,9 @@ class Exchanger:
     def abandon(self) -> None:
         """Fail what is queued, and close the streams of what is in flight (their
         futures then fail too), so that nothing writes into the caller's buffer after
-        the round gave up."""
+        the round gave up; send nothing more (the collective cannot go on)."""
         with self._cond:
+            self._abandoned = True
             queued, self._queue = self._queue, []
             streams = {id(t.stream): t.stream for t in self._sent if t.stream is not None}
         for _, _, task in queued:
@@ -161,15 +166,25 @@ class Exchanger:
                 if self._closed:
                     return
                 _, _, task = heapq.heappop(self._queue)
+                if self._abandoned:
+                    _settle(task.future, ServerUnavailable("the round failed elsewhere"))
+                    continue
                 self._bytes += task.nbytes
                 task.in_flight = True
                 self._sent.add(task)
             try:
                 self._send(task)
+            except SMBError as exc:   # no session (the server is gone), no ticket
+                self._done(task, exc)
             except BaseException as exc:   # nothing must end this thread with work queued
                 log.exception("collective %s: sending chunk %d failed", self.coll.region.name,
                               task.chunk.index)
-                self._done(task, exc if isinstance(exc, SMBError) else ServerUnavailable(str(exc)))
+                self._done(task, ServerUnavailable(f"{type(exc).__name__}: {exc}"))
+            with self._cond:
+                late = self._abandoned and task.stream is not None and task in self._sent
+            if late:   # abandoned while this one went out: it must not wait for a sum
+                assert task.stream is not None
+                task.stream.abandon()
 
     def _send(self, task: _Task) -> None:
         route = self.coll.region.route
@@ -204,6 +219,8 @@ class Exchanger:
             log.info("collective %s: chunk %d again: %s", self.coll.region.name, task.chunk.index, err)
             self._queue_task(task)
             return
+        if isinstance(err, ServerUnavailable):
+            name_server(err, self.coll.region.route.extents[task.chunk.slot].server_id)
         _settle(task.future, err)
 
 

@@ -29,9 +29,12 @@ def wait_all(futures: Iterable[Future[T]]) -> list[T]:
 def wait_failing_fast(futures: Sequence[Future[T]], abandon: Callable[[], None] | None) -> list[T]:
     """:func:`wait_all`, but once one future failed call ``abandon()`` (which must make
     the others end soon) instead of waiting for the others to end on their own; then
-    raise the first error."""
+    raise the error that came first (the cause, not what abandoning did to the others)."""
     if abandon is not None:
         done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-        if any(f.exception() is not None for f in done):
+        cause = next((f.exception() for f in futures if f in done and f.exception() is not None), None)
+        if cause is not None:
             abandon()
+            wait(futures)
+            raise cause
     return wait_all(futures)

@@ -19,13 +19,17 @@ KiB = 1 << 10
 
 
 def _parties(cluster, name: str, parties: int, nbytes: int, chunk_bytes: int | None, transport: str, body,
-             num_servers: int = 0, **options):
+             num_servers: int = 0, window: int | None = None, priority: bool = True, timeout: float = 60,
+             expect_errors: bool = False, **options) -> list[BaseException]:
     """Run ``body(coll, rank)`` in ``parties`` threads; the first creates the collective
-    (with ``options`` for :meth:`Collective.create`)."""
+    (with ``options`` for :meth:`Collective.create`); every party's sends go through
+    ``window`` bytes, lowest chunk first with ``priority``."""
     clients = [cluster.client(transport=transport) for _ in range(parties)]
     created = Collective.create(clients[0], name, nbytes, parties, chunk_bytes=chunk_bytes,
-                                num_servers=num_servers, timeout=60, **options)
-    colls = [created] + [Collective.open(c, name, parties, timeout=60) for c in clients[1:]]
+                                num_servers=num_servers, timeout=timeout, window=window, priority=priority,
+                                **options)
+    colls = [created] + [Collective.open(c, name, parties, timeout=timeout, window=window, priority=priority)
+                         for c in clients[1:]]
     errors_: list[BaseException] = []
 
     def run(rank: int) -> None:
@@ -39,6 +43,8 @@ def _parties(cluster, name: str, parties: int, nbytes: int, chunk_bytes: int | N
     for t in threads:
         t.join(120)
     try:
+        if errors_ and expect_errors:
+            return errors_
         assert not errors_, errors_
         assert not any(t.is_alive() for t in threads)
     finally:
@@ -47,6 +53,7 @@ def _parties(cluster, name: str, parties: int, nbytes: int, chunk_bytes: int | N
         created.destroy()
         for c in clients:
             c.close()
+    return []
 
 
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
@@ -211,3 +218,97 @@ def test_placement_arguments_are_checked(cluster, name):
             c.create_region(name, 4096, placement="layered", server_weights={"no-such-server": 1})
         with pytest.raises(errors.InvalidArgument, match="layered"):
             c.create_region(name, 4096, server_weights={"x": 1})
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+@pytest.mark.parametrize("window,priority,num_servers", [
+    (1, True, 1),               # one chunk in flight at a time, every chunk on one server
+    (3 * 4096, False, 2),       # three chunks, in the order they were handed in
+    (1 << 30, True, 2),         # everything at once
+    (8192, True, 0),            # every server that is up
+])
+def test_any_window_order_and_placement_sums_exactly(cluster, name, transport, window, priority, num_servers):
+    n = 25 * 512                                  # 25 chunks of 4 KiB
+    _parties(cluster, name, 3, n * 8, 4096, transport, _summing_body(3, n, []), num_servers=num_servers,
+             window=window, priority=priority)
+
+
+def test_sums_stream_back_on_pipelined_connections(cluster, name):
+    """Every chunk travels as one REDUCE on the collective's streams: one connection per
+    server, no pushes and pulls on pooled connections."""
+    def body(coll: Collective, rank: int) -> None:
+        assert coll.streaming and coll.exchanger is not None
+        _summing_body(2, 16 * 512, [])(coll, rank)
+        streams = {id(s): s for s in (coll.region.route.dataplane.coordination(c.place).reductions()
+                                      for c in coll.chunks)}
+        assert len(streams) == len({c.place.server_id for c in coll.chunks}) == 2
+        assert all(s.in_flight() == 0 for s in streams.values())
+    _parties(cluster, name, 2, 16 * 512 * 8, 4096, "tcp", body, num_servers=2)
+
+
+def test_a_round_whose_connections_break_is_sent_again_and_adds_nothing_twice(cluster, name):
+    """Party 0's stream connections are cut three times mid-round, right after a push took
+    effect and with sums still owed: the chunks in flight go again with their numbers,
+    the servers apply none of them twice (the sums would show it: a chunk sent again
+    after its sum came back would add the sum)."""
+    breaks: list[int] = []
+
+    def body(coll: Collective, rank: int) -> None:
+        ex = coll.exchanger
+        assert ex is not None
+        if rank == 0:
+            pushed = ex._pushed
+
+            def cut_after(task) -> None:
+                pushed(task)
+                if len(breaks) < 3 and task.chunk.index % 7 == 3 and task.stream is not None:
+                    breaks.append(task.chunk.index)
+                    task.stream.abandon()
+            ex._pushed = cut_after
+        _summing_body(3, 40 * 512, [])(coll, rank)
+    _parties(cluster, name, 3, 40 * 512 * 8, 4096, "tcp", body, num_servers=2, window=4 * 4096)
+    assert len(breaks) == 3
+
+
+def test_a_server_killed_mid_round_fails_every_party_with_a_typed_error(fresh_cluster, name):
+    """kill -9 of a memory server in the middle of a round: every party gets a typed
+    error (the server is unavailable), well before the collective's own timeout, none
+    hangs, and the collective refuses another round (its counts are unknown)."""
+    killed = threading.Event()
+    killed_at: list[float] = []
+    ended: dict[int, float] = {}
+    seen: dict[int, BaseException] = {}
+
+    def body(coll: Collective, rank: int) -> None:
+        ex = coll.exchanger
+        assert ex is not None
+        if rank == 0:
+            pushed = ex._pushed
+
+            def kill_after(task) -> None:
+                pushed(task)
+                if task.chunk.index == 20 and not killed.is_set():
+                    killed_at.append(time.monotonic())
+                    killed.set()
+                    fresh_cluster.kill_server(0)
+            ex._pushed = kill_after
+        x = np.ones(200 * 512, np.int64)
+        try:
+            for _ in range(3):
+                coll.all_reduce(x)
+        except errors.SMBError as exc:
+            ended[rank] = time.monotonic()
+            seen[rank] = exc
+            with pytest.raises(type(exc), match="failed in round"):
+                coll.all_reduce(x)
+            raise
+    failures = _parties(fresh_cluster, name, 3, 200 * 512 * 8, 4096, "tcp", body, num_servers=2,
+                        window=8 * 4096, timeout=120, expect_errors=True)
+    assert killed.is_set()
+    assert len(failures) == 3 and sorted(seen) == [0, 1, 2], failures
+    for exc in seen.values():
+        assert isinstance(exc, errors.Unavailable) and not isinstance(exc, errors.Timeout), exc
+    # the kernel closes a killed server's connections: no party waits for a timeout
+    assert max(ended.values()) - killed_at[0] < 20, (ended, killed_at)
+    server = fresh_cluster.server_id(0)
+    assert all(server in str(exc) for exc in seen.values()), seen
