@@ -33,14 +33,17 @@ class Pending(Generic[Q, T]):
     def __init__(self, request: Q) -> None:
         self.request = request
         self.done = False
+        self.wake = threading.Event()   # set when answered, or when it is its turn to write
         self._result: T | None = None
         self._error: BaseException | None = None
 
     def answer(self, result: T) -> None:
         self._result, self.done = result, True
+        self.wake.set()
 
     def fail(self, error: BaseException) -> None:
         self._error, self.done = error, True
+        self.wake.set()
 
     def outcome(self) -> T:
         if self._error is not None:
@@ -53,22 +56,25 @@ class GroupCommit(Generic[Q, T]):
     """Requests that arrive while a batch is being written are written together, by the
     first of their callers, with ``write(batch)`` (which answers or fails every one of
     them): one read and one transaction for many, where one at a time would queue
-    behind each other's round trips to etcd."""
+    behind each other's round trips to etcd. Each waiting caller sleeps on an event of
+    its own, so a batch wakes only its own callers and the next writer."""
 
     def __init__(self, write: Callable[[list[Pending[Q, T]]], None]) -> None:
         self._write = write
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
         self._queue: list[Pending[Q, T]] = []
         self._busy = False
 
     def run(self, request: Q) -> T:
         mine: Pending[Q, T] = Pending(request)
-        with self._cond:
+        with self._lock:
             self._queue.append(mine)
-            self._cond.wait_for(lambda: mine.done or not self._busy)
+            writes, self._busy = not self._busy, True
+        if not writes:
+            mine.wake.wait()
             if mine.done:
                 return mine.outcome()
-            self._busy = True
+        with self._lock:   # this caller's turn: it writes what queued, itself included
             batch, self._queue = self._queue, []
         try:
             self._write(batch)
@@ -77,9 +83,11 @@ class GroupCommit(Generic[Q, T]):
                 if not item.done:
                     item.fail(exc)
         finally:
-            with self._cond:
-                self._busy = False
-                self._cond.notify_all()
+            with self._lock:
+                if self._queue:
+                    self._queue[0].wake.set()   # the next writer
+                else:
+                    self._busy = False
         return mine.outcome()
 
 
