@@ -1,8 +1,10 @@
-"""Collective round time on loopback: ``all_reduce`` by push-pull through memory servers
-on this host, next to the raw socket's copy rate measured in the same run.
+"""Collective round time on loopback: ``all_reduce`` through memory servers on this host,
+next to the raw socket's copy rate measured in the same run, and what the servers'
+CPU does per byte.
 
     .venv/bin/python bench/collective_loopback.py                 # 4 workers, 2 servers, 25 MB
     .venv/bin/python bench/collective_loopback.py --workers 2 --mbytes 100
+    .venv/bin/python bench/collective_loopback.py --paths streamed,pushpull --repeat 3
 
 A local cluster (controller + ``--servers`` memory servers, separate processes) and
 ``--workers`` worker processes, each with its own client over tcp, run ``--rounds``
@@ -11,6 +13,13 @@ exactly (integers). Printed: the median round time (s) and the bytes each worker
 per second (push + pull), with the reference: one raw TCP socket pair on loopback
 moving the same bytes in one direction (MB/s). Used to compare two trees of the
 project on one machine (run it in each; nothing else running).
+
+``--paths``: ``streamed`` (``REDUCE`` on pipelined connections, sums streamed back:
+the default) and/or ``pushpull`` (a push and a pull per chunk, as before it: chunks of
+up to 4 MiB, 8 of each in flight); with both, they run alternately, ``--repeat``
+times each, on one cluster. Server CPU: the memory servers' user+system seconds over
+the measured rounds (``/proc``), per GB the servers took in and sent out (every
+worker's pushes and sums), as GB/s per core of the server path.
 """
 from __future__ import annotations
 
@@ -39,32 +48,47 @@ except ImportError:   # an older tree, for A/B runs
 
 
 def worker(rank: int, env: dict[str, str], n: int, name: str, parties: int, rounds: int,
-           out: mp.Queue) -> None:  # type: ignore[type-arg]
+           out: mp.Queue, path: str = "streamed", servers: int = 2) -> None:  # type: ignore[type-arg]
     os.environ.update(env)
+    opts = {} if path == "streamed" else {"pipelined": False}
     with smb_client.connect(transport="tcp") as c:
         if rank == 0:
-            coll = smb_client.Collective.create(c, name, n * 4, parties)
+            old = max(64 << 10, min(4 << 20, -(-n * 4 // (servers * 4 * 4096)) * 4096))   # the former default
+            chunk = None if path == "streamed" else old
+            coll = smb_client.Collective.create(c, name, n * 4, parties, chunk_bytes=chunk, **opts)
         else:
             coll = None
             deadline = time.monotonic() + 60
             while coll is None:
                 try:
-                    coll = smb_client.Collective.open(c, name, parties, fresh=True)   # just created
+                    coll = smb_client.Collective.open(c, name, parties, fresh=True, **opts)   # just created
                 except smb_client.errors.RegionNotFound:
                     if time.monotonic() > deadline:
                         raise
                     time.sleep(0.05)
         data = np.empty(n, np.float32)
         want = float(parties * (parties + 1) // 2)
-        times = []
+        times, spans = [], []
         for _ in range(rounds):
             data.fill(rank + 1)      # all_reduce sums in place
-            start = time.perf_counter()
+            wall, start = time.time(), time.perf_counter()
             got = coll.all_reduce(data)
             times.append(time.perf_counter() - start)
+            spans.append((wall, wall + times[-1]))
             if not (got[0] == want and got[-1] == want):
                 raise AssertionError(f"rank {rank}: sum {got[0]} != {want}")
-        out.put(times)
+        if rank == 0:
+            coll.destroy()
+        else:
+            coll.close()
+        out.put((times, spans))
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (all its threads) so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def raw_socket_rate(nbytes: int) -> float:
@@ -96,39 +120,64 @@ def raw_socket_rate(nbytes: int) -> float:
     return best
 
 
+def run(lc: LocalCluster, env: dict[str, str], n: int, args: argparse.Namespace, path: str,
+        tag: str) -> dict[str, float]:
+    """One measurement of ``path``: the median round and the servers' CPU per byte."""
+    ctx = mp.get_context("spawn")
+    out: mp.Queue = ctx.Queue()  # type: ignore[type-arg]
+    procs = [ctx.Process(target=worker, args=(r, env, n, f"bench/coll-{tag}", args.workers, args.rounds, out,
+                                              path, args.servers))
+             for r in range(args.workers)]
+    pids = [lc.server_pid(i) for i in range(args.servers)]
+    before = sum(cpu_seconds(p) for p in pids)
+    for p in procs:
+        p.start()
+    results = []
+    while len(results) < len(procs):
+        try:
+            results.append(out.get(timeout=1.0))
+        except queue.Empty:
+            failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if failed:
+                raise SystemExit(f"a worker failed (exit codes {failed}); see its traceback above") from None
+    after = sum(cpu_seconds(p) for p in pids)
+    for p in procs:
+        p.join(60)
+    per_round = [max(r[0][i] for r in results) for i in range(args.rounds)][1:]   # the first round warms up
+    median = statistics.median(per_round)
+    served = 2 * n * 4 * args.workers * args.rounds / 1e9   # GB in (pushes) and out (sums), all rounds
+    return {"round_s": median, "worker_MBps": 2 * n * 4 / median / 1e6,
+            "server_cpu_s_per_GB": (after - before) / served,
+            "server_GBps_per_core": served / (after - before) if after > before else float("nan")}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--servers", type=int, default=2)
     ap.add_argument("--mbytes", type=float, default=25.0)
     ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--paths", default="streamed", help="streamed and/or pushpull, comma-separated")
+    ap.add_argument("--repeat", type=int, default=1, help="measurements of each path, alternating")
     args = ap.parse_args()
     n = int(args.mbytes * 1e6) // 4
+    paths = args.paths.split(",")
+    got: dict[str, list[dict[str, float]]] = {p: [] for p in paths}
     with LocalCluster(args.servers, capacity=max(1 << 30, 8 * n * 4)) as lc:
         env = {"SMB_CONTROLLER": lc.address, "SMB_TOKEN": lc.token}
-        ctx = mp.get_context("spawn")
-        out: mp.Queue = ctx.Queue()  # type: ignore[type-arg]
-        procs = [ctx.Process(target=worker, args=(r, env, n, "bench/coll", args.workers, args.rounds, out))
-                 for r in range(args.workers)]
-        for p in procs:
-            p.start()
-        results = []
-        while len(results) < len(procs):
-            try:
-                results.append(out.get(timeout=1.0))
-            except queue.Empty:
-                failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-                if failed:
-                    raise SystemExit(f"a worker failed (exit codes {failed}); see its traceback above") from None
-        for p in procs:
-            p.join(60)
-    per_round = [max(r[i] for r in results) for i in range(args.rounds)][1:]   # the first round warms up
-    median = statistics.median(per_round)
-    moved = 2 * n * 4 / median / 1e6
+        for k in range(args.repeat):
+            for path in paths:
+                got[path].append(run(lc, env, n, args, path, f"{path}{k}"))
     raw = raw_socket_rate(n * 4)
-    print(json.dumps({"workers": args.workers, "servers": args.servers, "mbytes": args.mbytes,
-                      "round_s": round(median, 4), "worker_MBps": round(moved, 1),
-                      "raw_socket_MBps": round(raw, 1), "ratio_to_raw": round(moved / raw, 3)}))
+    for path, runs in got.items():
+        median = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+        print(json.dumps({"path": path, "workers": args.workers, "servers": args.servers, "mbytes": args.mbytes,
+                          "runs": len(runs), "round_s": round(median["round_s"], 4),
+                          "rounds_s": [round(r["round_s"], 4) for r in runs],
+                          "worker_MBps": round(median["worker_MBps"], 1), "raw_socket_MBps": round(raw, 1),
+                          "ratio_to_raw": round(median["worker_MBps"] / raw, 3),
+                          "server_cpu_s_per_GB": round(median["server_cpu_s_per_GB"], 3),
+                          "server_GBps_per_core": round(median["server_GBps_per_core"], 2)}))
     return 0
 
 

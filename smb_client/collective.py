@@ -89,7 +89,8 @@ class Collective:
     """
 
     def __init__(self, region: Region, parties: int, *, timeout: float = DEFAULT_TIMEOUT,
-                 fresh: bool = False, window: int | None = None, priority: bool = True) -> None:
+                 fresh: bool = False, window: int | None = None, priority: bool = True,
+                 pipelined: bool = True) -> None:
         _check_parties(parties)
         layout = region.layout
         if layout.kind != "layered" or any(s <= TAIL or (s - TAIL) % 2 for s in layout.segment_sizes):
@@ -125,8 +126,9 @@ class Collective:
             raise InvalidArgument(f"window must be a positive number of bytes, not {window!r}")
         # pipelined streams where every server's session has one (not over TLS, whose
         # collectives push and pull on pooled connections)
-        self.streaming = all(region.route.dataplane.coordination(c.place).reductions() is not None
-                             for c in {c.place.server_id: c for c in self.chunks}.values())
+        self.streaming = pipelined and all(
+            region.route.dataplane.coordination(c.place).reductions() is not None
+            for c in {c.place.server_id: c for c in self.chunks}.values())
         self.exchanger = Exchanger(self, self.window, priority) if self.streaming else None
         #: held by one round at a time (an AllReduce holds it until it finishes)
         self.lock = threading.Lock()
@@ -161,7 +163,7 @@ class Collective:
                chunk_bytes: int | None = None, num_servers: int = 0,
                timeout: float = DEFAULT_TIMEOUT, worker_hosts: Sequence[str] | None = None,
                servers: Sequence[str] | Mapping[str, float] | None = None,
-               window: int | None = None, priority: bool = True) -> Collective:
+               window: int | None = None, priority: bool = True, pipelined: bool = True) -> Collective:
         """Create the region ``name`` for collectives of up to ``nbytes`` bytes, chunks
         of ``chunk_bytes`` (default :meth:`default_chunk`) dealt over ``num_servers``
         servers (0: all that are up).
@@ -188,7 +190,8 @@ class Collective:
         region = client.create_region(name, sum(sizes), placement="layered", segment_sizes=sizes,
                                       num_servers=num_servers, server_weights=weights)
         try:
-            return cls(region, parties, timeout=timeout, fresh=True, window=window, priority=priority)
+            return cls(region, parties, timeout=timeout, fresh=True, window=window, priority=priority,
+                       pipelined=pipelined)
         except BaseException:
             client.delete_region(name)
             raise
@@ -220,13 +223,14 @@ class Collective:
 
     @classmethod
     def open(cls, client: Client, name: str, parties: int, *, timeout: float = DEFAULT_TIMEOUT,
-             fresh: bool = False, window: int | None = None, priority: bool = True) -> Collective:
+             fresh: bool = False, window: int | None = None, priority: bool = True,
+             pipelined: bool = True) -> Collective:
         """Open the collective ``name`` that another party created. ``fresh``: it was
         just created and has not been used by this party's group before (its counts are
         taken as zero, which stays right even if a faster party already pushed); else its
         counts are read, so open it when no party is inside a collective on it."""
         return cls(client.open_region(name), parties, timeout=timeout, fresh=fresh, window=window,
-                   priority=priority)
+                   priority=priority, pipelined=pipelined)
 
     def close(self) -> None:
         """Stop this party's threads (after the work in flight); the region stays."""

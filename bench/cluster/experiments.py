@@ -19,7 +19,7 @@ from typing import Any
 
 from smb_server.commands.local_cluster import wait_for_json
 
-from . import replica_failure, training
+from . import links, replica_failure, training
 from .cpuload import CpuSampler
 from .testbed import Testbed, TestbedError, live_pids
 
@@ -253,16 +253,22 @@ def _allreduce_points(s: Settings, tick: Tick, cpu: CpuSampler | None, n: int, k
                       "master": tb.workers[0].address, "master_port": MASTER_PORT, "tag": f"ar{size}",
                       "log_level": s.log_level,
                       "worker_hosts": [h.ns for h in tb.workers] if weighted else None} for r in range(n)]
-            runs = tb.run_workers(specs, name=f"ar-{size}-")
+            samples = tb.workdir / f"links-{size}.jsonl"
+            with tb.monitor_links(samples) as sampled:
+                runs = tb.run_workers(specs, name=f"ar-{size}-")
             point: dict[str, Any] = {"bytes": size, "workers": n, "servers": k, "colocated": colocate,
                                      "shared_hosts": tb.shared}
-            systems = ("smb", "collective", "gloo", "weighted") if weighted else ("smb", "collective", "gloo")
+            systems = ("smb", "collective", "pushpull", "gloo") + (("weighted",) if weighted else ())
             for system in systems:
                 per_sync = [max(r[str(size)][system]["times"][i] for r in runs)
                             for i in range(s.syncs)]
-                point[system] = {"seconds": statistics.median(per_sync), "syncs": per_sync,
-                                 "cpu": _usage(cpu, [r[str(size)][system]["window"] for r in runs]),
+                usage = _usage(cpu, [r[str(size)][system]["window"] for r in runs])
+                window = min(r[str(size)][system]["window"][1] for r in runs) - max(
+                    r[str(size)][system]["window"][0] for r in runs)
+                point[system] = {"seconds": statistics.median(per_sync), "syncs": per_sync, "cpu": usage,
+                                 "cpu_per_gb": usage["cores"] * window / (size * s.syncs / 1e9) if usage else None,
                                  "verified": all(r[str(size)][system]["verified"] for r in runs)}
+            point["links"] = _links(samples, s.cap_mbit, sampled, tb, runs, size)
             point["smb"]["phases"] = {   # slowest worker per sync, median over syncs
                 phase: statistics.median(max(r[str(size)]["smb"]["phases"][i][phase] for r in runs)
                                          for i in range(s.syncs))
@@ -270,6 +276,7 @@ def _allreduce_points(s: Settings, tick: Tick, cpu: CpuSampler | None, n: int, k
             point["transports"] = runs[0][str(size)]["smb"]["transports"]
             point["smb_vs_gloo"] = point["gloo"]["seconds"] / point["smb"]["seconds"]
             point["collective_vs_gloo"] = point["gloo"]["seconds"] / point["collective"]["seconds"]
+            point["pushpull_vs_gloo"] = point["gloo"]["seconds"] / point["pushpull"]["seconds"]
             if weighted:
                 point["weighted_vs_gloo"] = point["gloo"]["seconds"] / point["weighted"]["seconds"]
                 point["weighted_bytes_per_server"] = runs[0][str(size)]["weighted"]["bytes_per_server"]
@@ -279,9 +286,26 @@ def _allreduce_points(s: Settings, tick: Tick, cpu: CpuSampler | None, n: int, k
             points.append(point)
             tick(f"aggregation, {n} workers, {k} {where} servers, {size / 1e6:.0f} MB: smb "
                  f"{point['smb']['seconds']:.2f} s, collective {point['collective']['seconds']:.2f} s, "
-                 f"gloo {point['gloo']['seconds']:.2f} s"
+                 f"push-pull {point['pushpull']['seconds']:.2f} s, gloo {point['gloo']['seconds']:.2f} s"
                  + (f", weighted push-pull {point['weighted']['seconds']:.2f} s" if weighted else ""))
     return points
+
+
+def _links(samples: Path, cap_mbit: float, sampled: Sequence[Any], tb: Testbed,
+           runs: Sequence[dict[str, Any]], size: int) -> dict[str, Any] | None:
+    """The link figures of each system's measured rounds (:mod:`.links`): a round spans
+    from the first worker's start to the last worker's end."""
+    if not cap_mbit or not samples.exists():
+        return None
+    spans: dict[str, list[list[float]]] = {}
+    for system in ("collective", "pushpull", "gloo"):
+        per_worker = [r[str(size)][system].get("spans") or [] for r in runs]
+        spans[system] = [[min(w[i][0] for w in per_worker), max(w[i][1] for w in per_worker)]
+                         for i in range(min(len(w) for w in per_worker))]
+    workers = [h.role for h in tb.workers]
+    box = sorted({h.role for h in sampled})
+    return links.summarize(samples, cap_mbit, [h.role for h in sampled], spans,
+                           {"collective": box, "pushpull": box, "gloo": workers})
 
 
 # -- failure ------------------------------------------------------------------------

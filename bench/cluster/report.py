@@ -9,7 +9,7 @@ import logging
 import os
 from typing import Any
 
-from . import training
+from . import links, training
 
 log = logging.getLogger(__name__)
 
@@ -258,7 +258,11 @@ def markdown(results: dict[str, Any]) -> str:
             parts.append(f"**Aggregation, memory servers on hosts of their own**: median of {a['syncs']} "
                          "synchronizations\n")
             parts.append(dedicated_table(a))
-    if results.get("mixed", {}).get("points"):
+        every = a["points"] + a.get("dedicated", []) + results.get("mixed", {}).get("points", [])
+        if any(p.get("links") for p in every):
+            parts.append("**Aggregation, link use** (:mod:`bench.cluster.links`): collective = streamed "
+                         "sums, pushpull = a push and a pull per chunk as before them\n")
+            parts.append(links.table(every, ("collective", "pushpull", "gloo")))
         parts.append(f"**Aggregation, some memory servers on workers' hosts**: median of "
                      f"{results['mixed']['syncs']} synchronizations\n")
         parts.append(mixed_table(results["mixed"]))
@@ -471,6 +475,15 @@ def plots(results: dict[str, Any], png_dir: str, prefix: str = "cluster",
     if "allreduce" in results:
         written.append(os.path.join(png_dir, f"{prefix}-allreduce.png"))
         plot_allreduce(results["allreduce"], written[-1])
+        every = results["allreduce"]["points"] + results["allreduce"].get("dedicated", [])
+        largest = max((p["bytes"] for p in every), default=0)
+        for p in every:   # one plot per placement, at the largest size
+            if p.get("links") and p["bytes"] == largest:
+                where = "colocated" if p.get("colocated") is True else "dedicated"
+                written.append(os.path.join(png_dir, f"{prefix}-links-{p['workers']}x{p['servers']}-{where}.png"))
+                links.plot(p, ("collective", "pushpull", "gloo"), written[-1],
+                           f"{p['workers']} workers, {p['servers']} {where} memory servers, "
+                           f"{p['bytes'] / 1e6:.0f} MB: per-link use over one round")
     if "training" in results:
         written.append(os.path.join(png_dir, f"{prefix}-training.png"))
         training.plot(results["training"], written[-1])

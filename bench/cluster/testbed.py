@@ -38,7 +38,8 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -263,6 +264,24 @@ class Testbed:
 
     def log_path(self, name: str) -> Path:
         return self.workdir / "logs" / f"{name}.log"
+
+    @contextmanager
+    def monitor_links(self, path: Path, interval: float = 0.02) -> Iterator[list[Host]]:
+        """Sample every server's and worker's link (:mod:`.linkmon`, in the switch's
+        namespace) into ``path`` while the block runs; yields the hosts sampled."""
+        hosts = [h for h in self.hosts if h is not self.controller]
+        proc = self.spawn(Host("switch", self.switch, "", ""), f"linkmon-{path.stem}",
+                          ["-m", "bench.cluster.linkmon", "--ports", ",".join(h.port for h in hosts),
+                           "--interval", str(interval), "--out", str(path)])
+        try:
+            yield hosts
+        finally:
+            _signal(proc, signal.SIGTERM)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                _signal(proc, signal.SIGKILL)
+                proc.wait()
 
     def log_tail(self, name: str, lines: int = 25) -> str:
         try:

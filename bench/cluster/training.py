@@ -103,7 +103,7 @@ def plot(r: dict[str, Any], path: str) -> None:
     import matplotlib.pyplot as plt
     names = list(r["systems"])
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
-    ax.bar(names, [r["systems"][n]["steps_per_second"] for n in names], color=["C0", "C1", "C2"][:len(names)])
+    ax.bar(names, [r["systems"][n]["steps_per_second"] for n in names], color=[f"C{i}" for i in range(len(names))])
     b = r["link_bound_step_seconds"]
     if b["ring"]:
         ax.axhline(1 / b["memory box"], color="C0", ls="--", lw=0.8, label="memory box link bound (exchange only)")

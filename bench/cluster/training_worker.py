@@ -18,7 +18,7 @@ import time
 from typing import Any
 
 BARRIER_TIMEOUT = 300.0   # seconds
-SYSTEMS = ("smb", "smb+hooks", "ddp")
+SYSTEMS = ("smb", "smb+hooks", "smb+hooks-fifo", "ddp")   # -fifo: chunks in the order they are ready
 
 
 def make_model(layers: list[int]) -> Any:
@@ -53,8 +53,8 @@ def _train(spec: dict[str, Any], system: str, client: Any) -> dict[str, Any]:
         env = WorkerEnv(rank=rank, world_size=world, local_rank=0, local_world_size=1)
         store = open_store(client, env, f"{spec['tag']}/{system.replace('+', '-')}", model, workers=world,
                            buffers=False, replace=True)
-        dp = SyncDataParallel(store, rank, world, overlap=system == "smb+hooks", publish_every=0,
-                              buffers="none", exchange="collective")
+        dp = SyncDataParallel(store, rank, world, overlap=system.startswith("smb+hooks"), publish_every=0,
+                              buffers="none", exchange="collective", priority=not system.endswith("-fifo"))
         net = model
     opt = torch.optim.SGD(model.parameters(), lr=spec["lr"])
     times: list[float] = []

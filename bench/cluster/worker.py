@@ -217,35 +217,43 @@ def _smb_allreduce(c: Client, spec: dict[str, Any], size: int) -> dict[str, Any]
     return {"times": times, "phases": phases, "verified": ok, "transports": transports, "window": window}
 
 
-def _smb_collective(c: Client, spec: dict[str, Any], size: int, weighted: bool = False) -> dict[str, Any]:
-    """Sum ``size`` bytes of float32 over the workers with :class:`Collective`'s
-    pipelined push-pull (chunks dealt over the servers; no barrier, no controller call).
+def _smb_collective(c: Client, spec: dict[str, Any], size: int, weighted: bool = False,
+                    pipelined: bool = True) -> dict[str, Any]:
+    """Sum ``size`` bytes of float32 over the workers with :class:`Collective`
+    (chunks dealt over the servers; no barrier, no controller call): streamed sums
+    (``REDUCE`` on one pipelined connection per server, default chunks and window) or,
+    without ``pipelined``, as before them: a push and a pull per chunk on pooled
+    connections, 8 of each in flight, chunks of up to 4 MiB (``pushpull``).
     ``weighted``: chunks shared by spare link capacity, from every worker's host
     (``spec["worker_hosts"]``), not evenly."""
     from smb_client.collective import Collective
     rank, world = spec["rank"], spec["world"]
     n = size // 4
     grads = np.empty(n, dtype=np.float32)
-    name = f"{spec['tag']}/coll{'w' if weighted else ''}{size}"
+    name = f"{spec['tag']}/coll{'w' if weighted else ''}{'' if pipelined else 'p'}{size}"
+    chunk = None if pipelined else max(64 << 10, min(4 << 20, -(-size // (spec["servers"] * 4 * 4096)) * 4096))
     if rank == 0 and weighted:
         coll = Collective.create(c, name, size, world, worker_hosts=spec["worker_hosts"], timeout=BARRIER_TIMEOUT)
     elif rank == 0:
-        coll = Collective.create(c, name, size, world, num_servers=spec["servers"], timeout=BARRIER_TIMEOUT)
+        coll = Collective.create(c, name, size, world, num_servers=spec["servers"], timeout=BARRIER_TIMEOUT,
+                                 chunk_bytes=chunk, pipelined=pipelined)
     c.barrier(f"{name}/created", world, timeout=BARRIER_TIMEOUT)
     if rank != 0:
-        coll = Collective.open(c, name, world, timeout=BARRIER_TIMEOUT)
+        coll = Collective.open(c, name, world, timeout=BARRIER_TIMEOUT, pipelined=pipelined)
     times, ok, window = [], True, [0.0, 0.0]
+    spans: list[list[float]] = []
     for s in range(spec["warmup"] + spec["syncs"]):
         if s == spec["warmup"]:
             window[0] = time.time()
         grads.fill(rank + 1)
         c.barrier(f"{name}/align{s}", world, timeout=BARRIER_TIMEOUT)
-        t0 = time.perf_counter()
+        w0, t0 = time.time(), time.perf_counter()
         coll.all_reduce(grads)
         t1 = time.perf_counter()
         ok = ok and bool(np.all(grads == world * (world + 1) / 2))
         if s >= spec["warmup"]:
             times.append(t1 - t0)
+            spans.append([w0, w0 + t1 - t0])
     window[1] = time.time()
     c.barrier(f"{name}/done", world, timeout=BARRIER_TIMEOUT)
     servers = sorted({chunk.place.server_id for chunk in coll.chunks})
@@ -256,7 +264,7 @@ def _smb_collective(c: Client, spec: dict[str, Any], size: int, weighted: bool =
     else:
         coll.close()
     return {"times": times, "verified": ok, "window": window, "servers": len(servers),
-            "bytes_per_server": per_server}
+            "bytes_per_server": per_server, "spans": spans, "chunk_bytes": coll.chunks[0].length}
 
 
 def _gloo_allreduce(spec: dict[str, Any], size: int) -> dict[str, Any]:
@@ -265,19 +273,21 @@ def _gloo_allreduce(spec: dict[str, Any], size: int) -> dict[str, Any]:
     rank, world = spec["rank"], spec["world"]
     t = torch.empty(size // 4, dtype=torch.float32)
     times, ok, window = [], True, [0.0, 0.0]
+    spans: list[list[float]] = []
     for s in range(spec["warmup"] + spec["syncs"]):
         if s == spec["warmup"]:
             window[0] = time.time()
         t.fill_(rank + 1)
         dist.barrier()
-        t0 = time.perf_counter()
+        w0, t0 = time.time(), time.perf_counter()
         dist.all_reduce(t)
         t1 = time.perf_counter()
         ok = ok and bool(torch.all(t == world * (world + 1) / 2))
         if s >= spec["warmup"]:
             times.append(t1 - t0)
+            spans.append([w0, w0 + t1 - t0])
     window[1] = time.time()
-    return {"times": times, "verified": ok, "window": window}
+    return {"times": times, "verified": ok, "window": window, "spans": spans}
 
 
 def allreduce(spec: dict[str, Any]) -> dict[str, Any]:
@@ -290,6 +300,7 @@ def allreduce(spec: dict[str, Any]) -> dict[str, Any]:
             for size in spec["sizes"]:
                 result[str(size)] = {"smb": _smb_allreduce(c, spec, size),
                                      "collective": _smb_collective(c, spec, size),
+                                     "pushpull": _smb_collective(c, spec, size, pipelined=False),
                                      "gloo": _gloo_allreduce(spec, size)}
                 if spec.get("worker_hosts"):
                     result[str(size)]["weighted"] = _smb_collective(c, spec, size, weighted=True)

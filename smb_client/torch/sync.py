@@ -120,6 +120,9 @@ class SyncDataParallel:
     (:meth:`~smb_client.collective.Collective.create`); None: gathered once through
     ``torch.distributed`` when it is initialized over ``world`` processes, else
     unknown (chunks dealt evenly over all servers); ``[]``: do not gather.
+    ``priority`` (collective exchange): the chunks the next forward pass needs first
+    (the first layers', the lowest offsets) go out first whenever several wait, as
+    BytePS orders them; False: in the order the backward pass makes them final.
 
     ``rank`` and ``world`` must match torchrun's ``RANK`` and ``WORLD_SIZE`` (and fit
     ``LOCAL_RANK``) where those are set: InvalidArgument naming both numbers at once,
@@ -132,9 +135,10 @@ class SyncDataParallel:
                  barrier_timeout: float = BARRIER_TIMEOUT,
                  publish_every: int = DEFAULT_PUBLISH_EVERY, buffers: str = "broadcast",
                  exchange: str = "auto", worker_hosts: Sequence[str] | None = None,
-                 check_env: bool = True) -> None:
+                 check_env: bool = True, priority: bool = True) -> None:
         if not 0 <= rank < world:
             raise InvalidArgument(f"rank {rank} outside 0..{world - 1}")
+        self.priority = priority
         if check_env:
             check_torchrun(rank, world, "SyncDataParallel")
         if counters is not None and not counters.lockstep:
@@ -223,10 +227,11 @@ class SyncDataParallel:
                 pass
             packed = max(8, sum(n for _, n in self._runs))   # only trainable bytes travel
             coll = Collective.create(store.client, name, packed, self.world, timeout=self.barrier_timeout,
-                                     worker_hosts=worker_hosts)
+                                     worker_hosts=worker_hosts, priority=self.priority)
         store.client.barrier(f"{store.prefix}/allreduce", self.world, timeout=self.barrier_timeout)
         if coll is None:
-            coll = Collective.open(store.client, name, self.world, timeout=self.barrier_timeout, fresh=True)
+            coll = Collective.open(store.client, name, self.world, timeout=self.barrier_timeout, fresh=True,
+                                   priority=self.priority)
         return coll
 
     def _begin_round(self) -> AllReduce:

@@ -87,7 +87,16 @@ def test_aggregation_short_against_gloo():
     assert point["collective"]["verified"] and point["collective"]["seconds"] > 0
     (dedicated,) = result["dedicated"]                 # workers and servers on hosts of their own
     assert (dedicated["workers"], dedicated["servers"], dedicated["colocated"]) == (2, 2, False)
-    assert all(dedicated[system]["verified"] for system in ("smb", "collective", "gloo"))
+    assert all(dedicated[system]["verified"] for system in ("smb", "collective", "pushpull", "gloo"))
+    # every host link sampled during the rounds: the sums crossed the links, and no
+    # link carried more than its cap
+    links = dedicated["links"]
+    assert sorted(links["roles"]) == ["srv0", "srv1", "wrk0", "wrk1"]
+    for system in ("collective", "pushpull", "gloo"):
+        figures = links[system]
+        assert figures["samples"] > 0 and 0 < figures["mean"] <= 1.1, (system, figures)
+        timeline = figures["timeline"]
+        assert max(max(v) for v in timeline["up"].values()) <= 1.3, (system, timeline)
 
 
 def test_aggregation_with_some_servers_on_workers_hosts():
