@@ -44,6 +44,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--replicas", type=int,
                     help="copies of the parameter store in the replication experiment (default "
                          f"{experiments.Settings.repl_replicas}; 1 shows what a kill does without replicas)")
+    d = experiments.Settings
+    ap.add_argument("--sizes", help="aggregation gradient sizes in MB, comma-separated (default "
+                    + ",".join(f"{x / 1e6:g}" for x in d.sync_sizes) + ")")
+    ap.add_argument("--dedicated", help="aggregation with dedicated servers: workers x servers, comma-separated "
+                    "(default " + ",".join(f"{w}x{k}" for w, k in d.sync_dedicated) + "; 'none': skip)")
+    ap.add_argument("--mixed", help="mixed aggregation points: workers x servers x co-located, comma-separated "
+                    "(default " + ",".join("x".join(map(str, m)) for m in d.sync_mixed) + ")")
     ap.add_argument("--out", help="JSON results (default bench/results/cluster.json, "
                                    "with --quick cluster-quick.json); when it exists and only some "
                                    "experiments run, theirs replace the earlier ones and the rest is kept")
@@ -73,6 +80,13 @@ def settings_from(args: argparse.Namespace) -> experiments.Settings:
         changes["seconds"] = args.seconds
     if args.replicas:
         changes["repl_replicas"] = args.replicas
+    if args.sizes:
+        changes["sync_sizes"] = tuple(int(float(x) * 1e6) for x in args.sizes.split(","))
+    if args.dedicated:
+        changes["sync_dedicated"] = () if args.dedicated == "none" else tuple(
+            tuple(int(v) for v in x.split("x")) for x in args.dedicated.split(","))
+    if args.mixed:
+        changes["sync_mixed"] = tuple(tuple(int(v) for v in x.split("x")) for x in args.mixed.split(","))
     return replace(s, **changes)
 
 
