@@ -42,8 +42,8 @@ Invariants (a violation makes the exit status 1):
   region stays degraded once the cluster has recovered; every acknowledged region
   exists at the end;
 * a handle never reaches another incarnation of its name, and its operations raise
-  ``RegionNotFound`` once its region is deleted (one open exception, reported apart:
-  :data:`KNOWN_ORPHAN`);
+  ``RegionNotFound`` once its region is deleted (also when the delete was retried at a
+  new leader after the old one died between removing the region and freeing its memory);
 * only typed errors (:class:`~smb_protocol.errors.SMBError`); anything else is a
   violation;
 * nothing hangs: a worker's step (an operation, and learning the outcome of one that
@@ -135,16 +135,6 @@ MAX_LOGGED = 500                # typed errors kept with their time and message 
 MAX_PRINTED = 20                # violations printed as they happen (all are in the summary)
 
 
-#: An open issue the soak reports without failing on it: a delete whose leader died after
-#: committing it and before releasing the extents is retried by the client at the new
-#: leader, which answers it as done (the reply was lost) but does not release them either:
-#: the extents stay on their servers as orphans until the orphan grace (30 s) frees them,
-#: and until then the deleted incarnation's handles keep working on them (they never reach
-#: the new region of the name: its bytes are checked right after). The fix belongs in the
-#: controller's store: keep a deleted region's extents with the record of its delete, so
-#: that a repeated delete releases them again.
-KNOWN_ORPHAN = "old handle served by the extents of a delete retried across a leader kill"
-LEADER_KILL_SLACK = 5.0         # seconds before a delete a leader kill still counts for KNOWN_ORPHAN
 
 
 def _now() -> float:
@@ -193,7 +183,6 @@ class Tally:
         self.shared_acked = [0] * SHARED_WORDS
         self.shared_unknown = [0] * SHARED_WORDS
         self.stale_checks = 0
-        self.known_issues: dict[str, int] = {}      # KNOWN_* -> times seen
         self.longest: dict[str, float] = {}         # operation kind -> its longest duration, seconds
         self.collective_rounds = 0
         self.collective_builds = 0
@@ -235,17 +224,6 @@ class Tally:
                 self.longest[kind] = seconds
         if seconds > bound:
             self.violation(f"a {kind} took {seconds:.1f} s, more than its bound of {bound:.0f} s")
-
-    def leader_killed_since(self, t: float) -> bool:
-        with self.lock:
-            return any(f.kind == "leader" and f.at >= t for f in self.faults)
-
-    def known(self, issue: str, text: str) -> None:
-        """A known, open product issue seen (reported, not a violation)."""
-        with self.lock:
-            self.known_issues[issue] = self.known_issues.get(issue, 0) + 1
-            if len(self.error_log) < MAX_LOGGED:
-                self.error_log.append(f"[{self.t():7.1f}s] known issue: {text}")
 
     def violation(self, text: str) -> None:
         with self.lock:
@@ -421,7 +399,6 @@ class DataWorker:
         refuse every operation with RegionNotFound and never reach the new region."""
         tr = self.slots[slot]
         assert tr is not None
-        deleting = self.tally.t()
         if not self._delete(tr.meta.name):
             return
         self.slots[slot] = None
@@ -437,10 +414,6 @@ class DataWorker:
                 continue
             except errors.SMBError as exc:
                 self.tally.error(f"stale {what}", exc)
-                continue
-            if self.tally.leader_killed_since(deleting - LEADER_KILL_SLACK):
-                # the delete was retried across a leader kill: see KNOWN_ORPHAN
-                self.tally.known(KNOWN_ORPHAN, f"{tr.meta.name} (uid {tr.meta.uid}): a {what} succeeded")
                 continue
             self.tally.violation(f"{tr.meta.name}: a {what} through the handle of the deleted "
                                  f"incarnation {tr.meta.uid} succeeded")
@@ -1170,7 +1143,6 @@ def summary(tally: Tally, samples: list[tuple[float, str, int, int, int]], verdi
         "faults": [vars(f) for f in tally.faults],
         "violations": list(tally.violations),
         "stale_handle_checks": tally.stale_checks,
-        "known_issues": dict(tally.known_issues),
         "longest_seconds": {k: round(v, 2) for k, v in sorted(tally.longest.items())},
         "collective_rounds": tally.collective_rounds,
         "collective_builds": tally.collective_builds,
@@ -1215,8 +1187,6 @@ def print_summary(r: dict[str, Any]) -> None:
     print(f"  flatness: {sum(v['rss_ok'] and v['fds_ok'] for v in judged)} of {len(judged)} processes judged "
           f"flat (last vs first quarter after {WARMUP:.0f} s: RSS +{RSS_MARGIN:.0%} + {RSS_SLACK // MiB} MiB, "
           f"fds +{FD_MARGIN:.0%} + {FD_SLACK}); {len(r['flatness']) - len(judged)} lived too short to judge")
-    for issue, n in r["known_issues"].items():
-        print(f"  known open issue, seen {n} times (not counted as a violation): {issue}")
     if r["violations"]:
         print(f"  INVARIANTS VIOLATED ({len(r['violations'])}):")
         for v in r["violations"][:50]:

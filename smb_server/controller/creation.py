@@ -197,10 +197,16 @@ class RegionCreator:
         try:
             region = self.state.get_region(name)
         except errors.RegionNotFound:
-            if self.state.deleted_by(name, request_id):
-                log.info("region %s: a repeated delete (request %s) was done already", name, request_id)
-                return
-            raise
+            done = self.state.deleted_by(name, request_id)
+            if done is None:
+                raise
+            # a leader that died between the delete and the releases freed nothing: free
+            # the extents now (a server that freed one already says so), so that handles
+            # of the region stop reaching its memory at once, not at the orphan sweep
+            log.info("region %s: a repeated delete (request %s) was done already; releasing its "
+                     "%d extent(s) again", name, request_id, len(done.extents))
+            self.release_all(done.uid, done.records())
+            return
         extents = self.state.delete_region(name, request_id)
         self.release_all(region.uid, extents)
 

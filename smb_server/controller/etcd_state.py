@@ -55,6 +55,7 @@ from .etcd_txn import MAX_TXN_OPS as MAX_TXN_OPS  # the limit callers check agai
 from .etcd_txn import Fence, _extent_row
 from .records import (
     DELETE_MEMORY_SECONDS,
+    DeletedRegion,
     ExtentRecord,
     HeldExtent,
     RegionRecord,
@@ -376,7 +377,8 @@ class EtcdState(RegionCreates):
             ops += [kv.delete(self._key("lost", e[0])) for e in row["extents"] if e[0] in snap.lost]
             ops.append(kv.delete_range(done, done + f"{int(now - DELETE_MEMORY_SECONDS):012d}"))
             if request_id:
-                ops.append(kv.put(done + f"{int(now):012d}/{request_id}", name))
+                ops.append(kv.put(done + f"{int(now):012d}/{request_id}",
+                                  DeletedRegion.of(snap.region(row)).dump(name)))
             if not self._commit([kv.mod_revision_is(self._key("regions", name), rev)], ops):
                 return None
             return snap.region(row)
@@ -485,13 +487,18 @@ class EtcdState(RegionCreates):
         return sorted(item.key[len(leases_prefix):] for item in leases
                       if item.value.decode() in expired and item.key[len(leases_prefix):] in ready)
 
-    def deleted_by(self, name: str, request_id: str) -> bool:
-        """True when the delete of ``request_id`` removed region ``name`` lately (as
-        :meth:`.state.ControllerState.deleted_by`)."""
+    def deleted_by(self, name: str, request_id: str) -> DeletedRegion | None:
+        """What the delete of ``request_id`` removed when it removed region ``name``
+        lately, else None (as :meth:`.state.ControllerState.deleted_by`)."""
         if not request_id:
-            return False
+            return None
         (kvs,) = self.kv.read(kv.get_prefix(self._key("done_deletes", "")))
-        return any(item.key.endswith("/" + request_id) and item.value.decode() == name for item in kvs)
+        for item in kvs:
+            if item.key.endswith("/" + request_id):
+                was, deleted = DeletedRegion.load(item.value.decode())
+                if was == name:
+                    return deleted
+        return None
 
     # -- barriers' generations (:class:`.barriers.GenerationStore`) ---------------------------
     def barrier_generation(self, name: str) -> int:

@@ -2,6 +2,7 @@
 send; pure data, no database."""
 from __future__ import annotations
 
+import json
 import logging
 import re
 import uuid
@@ -329,6 +330,42 @@ def region_state(stored: str, extents: Sequence[ExtentRecord], replicas: int = 1
     if any(sum(e.in_sync for e in copies) < replicas for copies in slots.values()):
         return "degraded"
     return stored
+
+
+@dataclass(frozen=True)
+class DeletedRegion:
+    """What a done delete leaves behind for its retries: the region's uid and where its
+    extents were (server id, extent id, gRPC address), so that a delete repeated at a
+    new leader frees what the old one may not have freed before it died."""
+
+    uid: str
+    extents: tuple[tuple[str, int, str], ...] = ()
+
+    @classmethod
+    def of(cls, region: RegionRecord) -> DeletedRegion:
+        return cls(region.uid, tuple((e.server_id, e.extent_id, e.grpc_address) for e in region.extents))
+
+    def dump(self, name: str) -> str:
+        """JSON with the region's name (what the stores keep)."""
+        return json.dumps({"name": name, "uid": self.uid, "extents": [list(e) for e in self.extents]})
+
+    @classmethod
+    def load(cls, text: str) -> tuple[str, DeletedRegion]:
+        """(name, record) of :meth:`dump`'s JSON; a bare name (an older controller's
+        record) has no extents."""
+        try:
+            doc = json.loads(text)
+        except ValueError:
+            return text, cls("")
+        if not isinstance(doc, dict):
+            return text, cls("")
+        return str(doc["name"]), cls(str(doc.get("uid", "")),
+                                     tuple((str(s), int(e), str(a)) for s, e, a in doc.get("extents", [])))
+
+    def records(self) -> list[ExtentRecord]:
+        """The extents as records :meth:`.creation.Creation.release_all` takes."""
+        return [ExtentRecord(extent_id=e, index=0, server_id=s, length=0, grpc_address=a)
+                for s, e, a in self.extents]
 
 
 def find_orphans(server_id: str, known: Mapping[int, tuple[str, str]], held: Iterable[HeldExtent],

@@ -104,7 +104,8 @@ CREATE TABLE IF NOT EXISTS owner_leases (
 CREATE TABLE IF NOT EXISTS done_deletes (
     request_id TEXT PRIMARY KEY,
     name       TEXT NOT NULL,
-    deleted_at REAL NOT NULL
+    deleted_at REAL NOT NULL,
+    region     TEXT NOT NULL DEFAULT ''
 );
 """
 
@@ -121,6 +122,9 @@ def _upgrade(db: sqlite3.Connection, path: str) -> None:
     if "replicas" not in _columns(db, "regions"):
         db.execute("ALTER TABLE regions ADD COLUMN replicas INTEGER NOT NULL DEFAULT 1")
         log.info("%s: regions upgraded with replicas", path)
+    if "region" not in _columns(db, "done_deletes"):
+        db.execute("ALTER TABLE done_deletes ADD COLUMN region TEXT NOT NULL DEFAULT ''")
+        log.info("%s: done deletes upgraded with the region's extents", path)
     if "copy" not in _columns(db, "extents"):
         create = _SCHEMA[_SCHEMA.index("CREATE TABLE IF NOT EXISTS extents"):]
         create = create[:create.index(";")].replace("IF NOT EXISTS extents", "extents_new")

@@ -26,6 +26,7 @@ from smb_protocol.placement import check_bytes
 
 from .records import (
     DELETE_MEMORY_SECONDS,
+    DeletedRegion,
     ExtentRecord,
     HeldExtent,
     RegionRecord,
@@ -337,8 +338,8 @@ class ControllerState:
             db.execute("DELETE FROM regions WHERE name=?", (name,))
             db.execute("DELETE FROM done_deletes WHERE deleted_at < ?", (now - DELETE_MEMORY_SECONDS,))
             if request_id:
-                db.execute("INSERT OR REPLACE INTO done_deletes (request_id, name, deleted_at) "
-                           "VALUES (?,?,?)", (request_id, name, now))
+                db.execute("INSERT OR REPLACE INTO done_deletes (request_id, name, deleted_at, region) "
+                           "VALUES (?,?,?,?)", (request_id, name, now, DeletedRegion.of(region).dump(name)))
         log.info("region %s (uid %s) deleted", name, region.uid)
         return list(region.extents)
 
@@ -418,14 +419,18 @@ class ControllerState:
                 "JOIN regions r ON r.name = l.name WHERE o.expires < ? AND r.state = 'ready' "
                 "ORDER BY l.name", (now,))]
 
-    def deleted_by(self, name: str, request_id: str) -> bool:
-        """True when the delete of ``request_id`` removed region ``name`` (within the last
-        ``DELETE_MEMORY_SECONDS``): a retry of it is answered as done."""
+    def deleted_by(self, name: str, request_id: str) -> DeletedRegion | None:
+        """What the delete of ``request_id`` removed when it removed region ``name``
+        (within the last ``DELETE_MEMORY_SECONDS``), else None: a retry of it is answered
+        as done, and releases the extents again."""
         if not request_id:
-            return False
+            return None
         with self._sql.read() as db:
-            row = db.execute("SELECT name FROM done_deletes WHERE request_id=?", (request_id,)).fetchone()
-        return row is not None and row["name"] == name
+            row = db.execute("SELECT name, region FROM done_deletes WHERE request_id=?",
+                             (request_id,)).fetchone()
+        if row is None or row["name"] != name:
+            return None
+        return DeletedRegion.load(row["region"])[1] if row["region"] else DeletedRegion("")
 
     def list_regions(self, prefix: str = "") -> list[RegionRecord]:
         """Ready regions whose name starts with ``prefix``, by name."""

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol
 
 from .etcd_kv import is_etcd_url
-from .records import ExtentRecord, HeldExtent, RegionRecord, ServerRecord, SlotChange
+from .records import DeletedRegion, ExtentRecord, HeldExtent, RegionRecord, ServerRecord, SlotChange
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ class StateStore(Protocol):
     def delete_region(self, name: str, request_id: str = "", now: float | None = None
                       ) -> list[ExtentRecord]: ...
 
-    def deleted_by(self, name: str, request_id: str) -> bool: ...
+    def deleted_by(self, name: str, request_id: str) -> DeletedRegion | None: ...
 
     def list_regions(self, prefix: str = "") -> list[RegionRecord]: ...
 

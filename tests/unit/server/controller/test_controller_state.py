@@ -324,15 +324,18 @@ def test_a_done_delete_is_remembered_for_its_retries(state: StateStore) -> None:
     for name in ("job/a", "job/b", "job/c"):
         make(state, name, MiB)
     first, other = "1" * 32, "2" * 32
+    region = state.get_region("job/a")
     state.delete_region("job/a", first, now=T0)
-    assert state.deleted_by("job/a", first)
-    assert not state.deleted_by("job/a", other) and not state.deleted_by("job/b", first)
-    assert not state.deleted_by("job/a", "")
+    done = state.deleted_by("job/a", first)
+    assert done is not None and done.uid == region.uid      # and where its extents were
+    assert done.extents == tuple((e.server_id, e.extent_id, e.grpc_address) for e in region.extents)
+    assert state.deleted_by("job/a", other) is None and state.deleted_by("job/b", first) is None
+    assert state.deleted_by("job/a", "") is None
     state.delete_region("job/b", now=T0 + 10)                 # no request id: nothing kept
-    assert not state.deleted_by("job/b", "")
+    assert state.deleted_by("job/b", "") is None
     # an hour later the next delete forgets the old ones
     state.delete_region("job/c", other, now=T0 + 3601)
-    assert not state.deleted_by("job/a", first) and state.deleted_by("job/c", other)
+    assert state.deleted_by("job/a", first) is None and state.deleted_by("job/c", other) is not None
     with pytest.raises(errors.InvalidArgument, match="32 lowercase hex"):
         state.delete_region("job/x", "nope")
 

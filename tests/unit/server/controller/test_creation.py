@@ -313,6 +313,23 @@ def test_a_repeated_delete_of_one_request_is_answered_as_done(creator: RegionCre
         creator.delete("job/d")
 
 
+def test_a_delete_retried_after_the_leader_died_before_releasing_frees_the_extents(
+        creator: RegionCreator, servers: InMemoryServers, state: ControllerState) -> None:
+    """The leader removed the region from the state, then died before releasing its
+    extents: the retry (at the next leader, same state) is answered as done *and* frees
+    them, so the old region's handles stop reaching its memory now, not at the orphan
+    sweep."""
+    region = creator.create(RegionSpec("job/e", 3 * MiB, stripe_unit=MiB))
+    request = "c3" * 16
+    state.delete_region("job/e", request)        # the state's half of the delete only
+    assert servers.total() == 3
+    creator.delete("job/e", request)
+    assert servers.total() == 0
+    assert sorted(servers.released) == sorted(e.extent_id for e in region.extents)
+    creator.delete("job/e", request)             # once more: nothing left, still done
+    assert servers.total() == 0
+
+
 # -- replicated regions -------------------------------------------------------------------
 def test_a_replicated_create_configures_backups_then_primaries(creator: RegionCreator,
                                                                 servers: InMemoryServers,
