@@ -14,11 +14,14 @@
 * :class:`SharedCounters`: iteration counters with ``fetch_add`` and aligned stopping.
 * :class:`WorkerEnv` / :func:`open_store`: ``torchrun`` variables and the
   master-creates, others-attach handshake.
+* the ``torch.distributed`` backend ``"smb"`` (:mod:`.backend`), registered by this
+  import: ``init_process_group("smb")`` and plain ``DistributedDataParallel``.
 
 This package needs torch; ``import smb_client`` alone does not import it.
 """
 from __future__ import annotations
 
+from .backend import SMBProcessGroup, register
 from .counters import SharedCounters, StopRule
 from .flat import FlatModel, GradientHooks
 from .hybrid import HybridSEASGD, new_node_groups, node_groups
@@ -28,6 +31,9 @@ from .seasgd import SEASGD
 from .store import ParameterStore, Traffic
 from .sync import SYNC_SLOTS, SyncDataParallel
 
+register()
+
 __all__ = ["ALIGN", "Bucket", "FlatLayout", "FlatModel", "GradientHooks", "HybridSEASGD",
-           "ParameterStore", "SEASGD", "SYNC_SLOTS", "SharedCounters", "StopRule", "SyncDataParallel",
-           "TensorSlot", "Traffic", "WorkerEnv", "new_node_groups", "node_groups", "open_store"]
+           "ParameterStore", "SEASGD", "SMBProcessGroup", "SYNC_SLOTS", "SharedCounters", "StopRule",
+           "SyncDataParallel", "TensorSlot", "Traffic", "WorkerEnv", "new_node_groups", "node_groups",
+           "open_store", "register"]

@@ -1,0 +1,400 @@
+"""A ``torch.distributed`` backend, ``"smb"``, whose collectives run through the memory box.
+
+    import smb_client.torch          # registers the backend (or: backend.register())
+    torch.distributed.init_process_group("smb")     # under torchrun; then plain DDP
+
+Rank, world size and the c10d store come from ``init_process_group``, the memory box
+from ``SMB_CONTROLLER`` and ``SMB_TOKEN`` (:func:`smb_client.connect`). CPU tensors only.
+
+Every operation is a :class:`~smb_client.collective.Collective` round, made lazily per
+*size class* (a power of two, at least :data:`MIN_CLASS` bytes): rank 0 creates
+``torch/<id>/c<bytes>`` and says so in the c10d store, the others open it once the key
+is there (every rank runs the same operations in the same order). Operations run in
+order on one worker thread; each call returns an :class:`SMBWork` whose ``wait()`` and
+``get_future()`` give the result or raise the error (a dead server, a timeout). After a
+failed operation the process group refuses the next ones.
+
+* ``allreduce`` (also coalesced): ``SUM`` on float32, float16, bfloat16, float64, int32
+  and int64; ``AVG`` on the floating-point ones (sum, then divide). Any other
+  operation raises :class:`UnsupportedOperation` at the call, naming what is supported.
+* ``broadcast``, ``allgather`` (and ``all_gather_into_tensor``), ``reduce_scatter``
+  (and ``reduce_scatter_tensor``), ``barrier``. Broadcast and all-gather move bytes, so
+  they take any dtype: all-gather sums a buffer in which each rank filled only its own
+  part (as 64-bit integers, which adds exactly), so it costs ``world`` times the data.
+  The others (reduce, gather, scatter, all-to-all, send, recv) raise UnsupportedOperation.
+
+``destroy_process_group()`` closes the collectives; rank 0 deletes their regions once
+every rank closed (or after the group's timeout, at most :data:`SHUTDOWN_WAIT`).
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import ProcessGroup, ReduceOp, Store, Work
+
+from smb_protocol.errors import DtypeError, InvalidArgument, SMBError
+
+from ..client import Client, connect
+from ..collective import Collective
+
+log = logging.getLogger(__name__)
+
+__all__ = ["BACKEND", "MIN_CLASS", "SMBProcessGroup", "SMBWork", "UnsupportedOperation", "register"]
+
+BACKEND = "smb"
+MIN_CLASS = 64 << 10          # bytes: the smallest collective
+SHUTDOWN_WAIT = 300.0         # seconds rank 0 waits, at most, for the others to close
+POLL = 0.05                   # seconds between looks at the store while shutting down
+REDUCIBLE = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32, torch.int64)
+AVERAGEABLE = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_registered = False
+
+
+class UnsupportedOperation(DtypeError):
+    """A reduction, dtype or device the ``smb`` backend does not do."""
+
+
+def register() -> None:
+    """Register the ``smb`` backend with ``torch.distributed`` (once; ``import
+    smb_client.torch`` calls it)."""
+    global _registered
+    if _registered or not dist.is_available():
+        return
+    dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu"])
+    _registered = True
+
+
+def _create(opts: Any, _backend_options: Any) -> SMBProcessGroup:
+    return SMBProcessGroup(opts.store, opts.group_rank, opts.group_size, opts.timeout)
+
+
+def size_class(nbytes: int) -> int:
+    """The collective size that holds ``nbytes``: a power of two, at least MIN_CLASS."""
+    return max(MIN_CLASS, 1 << max(0, nbytes - 1).bit_length())
+
+
+def _reduce_name(op: Any) -> str:
+    for name in ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "PREMUL_SUM"):
+        if op == getattr(ReduceOp, name):
+            return name
+    return str(op)
+
+
+def _check_reduce(op: Any, tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether ``op`` averages; raises UnsupportedOperation for what cannot be done."""
+    name = _reduce_name(op)
+    if name not in ("SUM", "AVG"):
+        raise UnsupportedOperation(f"the smb backend reduces with SUM and AVG only, not {name}")
+    for t in tensors:
+        _check_cpu(t)
+        allowed = AVERAGEABLE if name == "AVG" else REDUCIBLE
+        if t.dtype not in allowed:
+            raise UnsupportedOperation(
+                f"the smb backend cannot {name} {t.dtype}: it reduces "
+                f"{', '.join(str(d).removeprefix('torch.') for d in allowed)}")
+    return name == "AVG"
+
+
+def _check_cpu(t: torch.Tensor) -> None:
+    if t.device.type != "cpu":
+        raise UnsupportedOperation(f"the smb backend takes CPU tensors, not {t.device}")
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of a contiguous tensor, flat (uint8)."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+class SMBWork(Work):
+    """One operation of an :class:`SMBProcessGroup`: done when its future is."""
+
+    def __init__(self, future: torch.futures.Future[Any]) -> None:
+        super().__init__()
+        self.future = future
+
+    def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
+        """Block until the operation finished (the collectives' own timeout bounds
+        it); raises its error."""
+        self.future.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        """Whether the operation finished (successfully or not)."""
+        return self.future.done()
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        """The future of the operation's output tensors."""
+        return self.future
+
+
+class SMBProcessGroup(ProcessGroup):
+    """The ``smb`` process group of ``size`` ranks (made by ``init_process_group``).
+    Owns its client (:func:`smb_client.connect`), its worker thread and its
+    collectives; ``store`` (the group's c10d store) is borrowed. ``timeout``: how
+    long a collective waits for the other ranks."""
+
+    def __init__(self, store: Store, rank: int, size: int, timeout: datetime.timedelta,
+                 client: Client | None = None) -> None:
+        super().__init__(rank, size)  # type: ignore[call-arg]  # the Python-subclass form
+        self._rank, self._size = rank, size
+        self._store = store
+        self._timeout = timeout
+        self._seconds = max(1.0, timeout.total_seconds())
+        self.client = client if client is not None else connect()
+        if rank == 0:
+            self.prefix = f"torch/{uuid.uuid4().hex[:16]}"
+            store.set("smb/prefix", self.prefix)
+        else:
+            store.wait(["smb/prefix"], timeout)
+            self.prefix = store.get("smb/prefix").decode()
+        self.collectives: dict[int, Collective] = {}
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="smb-pg")
+        self._failed: BaseException | None = None
+        self._closed = False
+        self._lock = threading.Lock()
+
+    def getBackendName(self) -> str:  # noqa: N802 (torch's name)
+        """``"smb"``."""
+        return BACKEND
+
+    # -- the worker -----------------------------------------------------------------
+    def _submit(self, fn: Callable[[], Any]) -> SMBWork:
+        future: torch.futures.Future[Any] = torch.futures.Future()
+
+        def run() -> None:
+            try:
+                if self._failed is not None:
+                    raise _refused(self._failed)
+                result = fn()
+            except BaseException as exc:  # every error goes to wait()
+                if self._failed is None:
+                    self._failed = exc
+                    log.error("smb process group %s: operation failed: %r", self.prefix, exc)
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
+        with self._lock:
+            if self._closed:
+                raise InvalidArgument(f"process group {self.prefix} is shut down")
+            self._worker.submit(run)
+        return SMBWork(future)
+
+    def collective(self, nbytes: int) -> Collective:
+        """The collective of ``nbytes``' size class, made (rank 0) or opened (the
+        others, once the store says it exists) on first use; on the worker thread."""
+        cls = size_class(nbytes)
+        coll = self.collectives.get(cls)
+        if coll is not None:
+            return coll
+        name, key = f"{self.prefix}/c{cls}", f"smb/c{cls}"
+        if self._rank == 0:
+            try:
+                coll = Collective.create(self.client, name, cls, self._size, timeout=self._seconds)
+            except BaseException as exc:
+                self._store.set(key, f"error: {exc!r}")
+                raise
+            self._store.set(key, "ok")
+        else:
+            self._store.wait([key], self._timeout)
+            said = self._store.get(key).decode()
+            if said != "ok":
+                raise InvalidArgument(f"rank 0 could not create collective {name}: {said}")
+            coll = Collective.open(self.client, name, self._size, timeout=self._seconds, fresh=True)
+        self.collectives[cls] = coll
+        return coll
+
+    def _sum(self, buf: torch.Tensor) -> None:
+        """Sum the contiguous ``buf`` over the ranks, in place (worker thread)."""
+        if buf.numel():
+            self.collective(buf.numel() * buf.element_size()).all_reduce(buf)
+
+    def _reduce(self, t: torch.Tensor, average: bool) -> None:
+        buf = t if t.is_contiguous() else t.contiguous()
+        self._sum(buf)
+        if average:
+            buf.div_(self._size)
+        if buf is not t:
+            t.copy_(buf)
+
+    # -- collectives ----------------------------------------------------------------
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> SMBWork:  # type: ignore[override]
+        """Reduce each tensor over the ranks in place (SUM or AVG)."""
+        average = _check_reduce(opts.reduceOp if opts is not None else ReduceOp.SUM, tensors)
+
+        def run() -> list[torch.Tensor]:
+            for t in tensors:
+                self._reduce(t, average)
+            return tensors
+        return self._submit(run)
+
+    allreduce_coalesced = allreduce
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> SMBWork:  # type: ignore[override]
+        """Give every rank the root rank's tensors (any dtype)."""
+        root = opts.rootRank if opts is not None else 0
+        for t in tensors:
+            _check_cpu(t)
+
+        def run() -> list[torch.Tensor]:
+            for t in tensors:
+                if not t.numel():
+                    continue
+                buf = t if t.is_contiguous() else t.contiguous()
+                raw = _bytes(buf)
+                if buf.dtype in REDUCIBLE:
+                    self.collective(raw.numel()).broadcast(buf, root, self._rank)
+                else:   # as 64-bit words
+                    words = torch.zeros(-(-raw.numel() // 8), dtype=torch.int64)
+                    words.view(torch.uint8)[:raw.numel()].copy_(raw)
+                    self.collective(words.numel() * 8).broadcast(words, root, self._rank)
+                    raw.copy_(words.view(torch.uint8)[:raw.numel()])
+                if buf is not t:
+                    t.copy_(buf)
+            return tensors
+        return self._submit(run)
+
+    def _gather(self, outputs: list[torch.Tensor], inp: torch.Tensor) -> None:
+        """Every rank's ``inp`` into ``outputs[r]`` (worker thread)."""
+        src = _bytes(inp.contiguous())
+        n = src.numel()
+        step = -(-n // 8) * 8        # each rank's part, in whole 64-bit words
+        words = torch.zeros(self._size * step // 8, dtype=torch.int64)
+        raw = words.view(torch.uint8)
+        raw[self._rank * step:self._rank * step + n].copy_(src)
+        self._sum(words)
+        for r, out in enumerate(outputs):
+            out.copy_(raw[r * step:r * step + n].view(inp.dtype).reshape(out.shape))
+
+    def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],  # type: ignore[override]
+                  opts: Any = None) -> SMBWork:
+        """``output_tensors[i][r]`` becomes rank r's ``input_tensors[i]`` (any dtype)."""
+        for outs, inp in zip(output_tensors, input_tensors, strict=True):
+            _check_cpu(inp)
+            if len(outs) != self._size:
+                raise InvalidArgument(f"allgather needs {self._size} output tensors, got {len(outs)}")
+
+        def run() -> list[list[torch.Tensor]]:
+            for outs, inp in zip(output_tensors, input_tensors, strict=True):
+                self._gather(outs, inp)
+            return output_tensors
+        return self._submit(run)
+
+    def all_gather_single(self, output: torch.Tensor, inp: torch.Tensor, opts: Any = None) -> SMBWork:
+        """``output`` (``size`` times ``inp``'s elements) becomes every rank's ``inp`` in
+        rank order."""
+        _check_cpu(inp)
+        if output.numel() != inp.numel() * self._size:
+            raise InvalidArgument(f"all_gather_into_tensor: output holds {output.numel()} elements, "
+                                  f"not {self._size} x {inp.numel()}")
+
+        def run() -> list[torch.Tensor]:
+            flat = output.view(-1) if output.is_contiguous() else torch.empty_like(output).view(-1)
+            self._gather(list(flat.chunk(self._size)) if inp.numel() else [], inp)
+            if flat.data_ptr() != output.data_ptr():
+                output.copy_(flat.view(output.shape))
+            return [output]
+        return self._submit(run)
+
+    _allgather_base = all_gather_single  # type: ignore[assignment]  # the older name
+
+    def reduce_scatter(self, output_tensors: list[torch.Tensor],  # type: ignore[override]
+                       input_tensors: list[list[torch.Tensor]], opts: Any = None) -> SMBWork:
+        """``output_tensors[i]`` becomes the reduction of every rank's
+        ``input_tensors[i][rank]`` (SUM or AVG)."""
+        average = _check_reduce(opts.reduceOp if opts is not None else ReduceOp.SUM,
+                                [t for ins in input_tensors for t in ins])
+
+        def run() -> list[torch.Tensor]:
+            for out, ins in zip(output_tensors, input_tensors, strict=True):
+                stage = torch.cat([t.reshape(-1) for t in ins])
+                self._reduce(stage, average)
+                lo = sum(t.numel() for t in ins[:self._rank])
+                out.copy_(stage[lo:lo + ins[self._rank].numel()].view(out.shape))
+            return output_tensors
+        return self._submit(run)
+
+    def reduce_scatter_single(self, output: torch.Tensor, inp: torch.Tensor,
+                             opts: Any = None) -> SMBWork:
+        """``output`` becomes this rank's ``1/size`` share of the reduced ``inp``."""
+        average = _check_reduce(opts.reduceOp if opts is not None else ReduceOp.SUM, [inp, output])
+        if inp.numel() != output.numel() * self._size:
+            raise InvalidArgument(f"reduce_scatter_tensor: input holds {inp.numel()} elements, "
+                                  f"not {self._size} x {output.numel()}")
+
+        def run() -> list[torch.Tensor]:
+            stage = inp.reshape(-1).clone()
+            self._reduce(stage, average)
+            n = output.numel()
+            output.copy_(stage[self._rank * n:(self._rank + 1) * n].view(output.shape))
+            return [output]
+        return self._submit(run)
+
+    _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]  # the older name
+
+    def barrier(self, opts: Any = None) -> SMBWork:
+        """Done once every rank called it (after every earlier operation)."""
+        def run() -> list[torch.Tensor]:
+            self._sum(torch.zeros(1, dtype=torch.int64))
+            return []
+        return self._submit(run)
+
+    # -- the end --------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Finish the queued operations, close the collectives and the client; rank 0
+        deletes the collectives' regions once every rank closed (``destroy_process_group``
+        calls it)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._worker.shutdown(wait=True)
+        for coll in self.collectives.values():
+            coll.close()
+        try:
+            self._store.add("smb/closed", 1)
+            if self._rank == 0:
+                self._wait_closed()
+                for coll in self.collectives.values():
+                    self.client.delete_region(coll.region.name)
+        except (SMBError, RuntimeError) as exc:
+            log.warning("smb process group %s: cleanup failed: %r", self.prefix, exc)
+        finally:
+            self.client.close()
+
+    def _wait_closed(self) -> None:
+        deadline = time.monotonic() + min(self._seconds, SHUTDOWN_WAIT)
+        while (closed := self._store.add("smb/closed", 0)) < self._size:
+            if time.monotonic() > deadline:
+                log.warning("smb process group %s: %d of %d ranks closed; deleting its regions anyway",
+                            self.prefix, closed, self._size)
+                return
+            time.sleep(POLL)
+
+
+def _unsupported(name: str) -> Callable[..., SMBWork]:
+    def op(self: SMBProcessGroup, *args: Any, **kwargs: Any) -> SMBWork:
+        raise UnsupportedOperation(f"the smb backend has no {name}: it does all_reduce, broadcast, "
+                                   "all_gather, reduce_scatter and barrier")
+    return op
+
+
+for _name in ("reduce", "gather", "scatter", "alltoall", "all_to_all_single", "send", "recv", "recv_anysource"):
+    setattr(SMBProcessGroup, _name, _unsupported(_name))
+
+
+def _refused(cause: BaseException) -> BaseException:
+    """The error for an operation after ``cause`` broke the group (same type when it can)."""
+    msg = f"the smb process group failed earlier ({cause!r}); make a new one"
+    try:
+        return type(cause)(msg)
+    except Exception:
+        return RuntimeError(msg)

@@ -1,0 +1,231 @@
+"""The ``smb`` torch.distributed backend: collectives and plain DDP through the memory
+box (worker processes on a real local cluster)."""
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import threading
+import time
+import traceback
+
+import numpy as np
+import pytest
+
+from tests.integration.daemons import free_port
+
+torch = pytest.importorskip("torch")
+
+STEPS = 4
+BATCH = 6       # per rank and step
+LR = 0.1
+
+
+def run_ranks(cluster, target, world, *args, timeout=120, pg_timeout=60):
+    """Run ``target(rank, world, *args)`` in ``world`` processes joined by
+    ``init_process_group("smb")``; its results by rank (a worker's failure fails)."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    init = f"tcp://127.0.0.1:{free_port()}"
+    procs = [ctx.Process(target=_worker, args=(cluster.address, cluster.token, init, target, r, world,
+                                                args, pg_timeout, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        results = dict(queue.get(timeout=timeout) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    for rank in range(world):
+        if isinstance(results[rank], str):
+            pytest.fail(f"rank {rank} failed:\n{results[rank]}")
+    return [results[r] for r in range(world)]
+
+
+def _worker(address, token, init, target, rank, world, args, pg_timeout, queue):
+    try:
+        os.environ.update(SMB_CONTROLLER=address, SMB_TOKEN=token)
+        import torch.distributed as dist
+
+        import smb_client.torch  # noqa: F401  (registers the backend)
+        torch.set_num_threads(1)
+        dist.init_process_group("smb", init_method=init, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=pg_timeout))
+        try:
+            out = target(rank, world, *args)
+        finally:
+            dist.destroy_process_group()
+        queue.put((rank, out))
+    except BaseException:
+        queue.put((rank, traceback.format_exc()))
+
+
+def collectives(rank, world):
+    import torch.distributed as dist
+
+    from smb_client.torch.backend import SMBWork, UnsupportedOperation
+    out = {"backend": dist.get_backend(), "prefix": dist.distributed_c10d._get_default_group().prefix}
+    big = torch.arange(100_000, dtype=torch.int64) * (rank + 1) + (1 << 40)   # exact: no float rounding
+    dist.all_reduce(big)
+    out["int64"] = big.numpy().copy()
+    halves = [torch.full((7,), float(rank + 1), dtype=dt) for dt in (torch.float32, torch.bfloat16)]
+    works = [dist.all_reduce(t, op=dist.ReduceOp.AVG, async_op=True) for t in halves]   # queued in order
+    assert all(isinstance(w, SMBWork) for w in works)
+    [w.wait() for w in works]
+    out["avg"] = [t.float().numpy().copy() for t in halves]
+    fut = dist.all_reduce(torch.ones(3, dtype=torch.int32), async_op=True).get_future()
+    out["future"] = fut.wait()[0].numpy().copy()
+    strided = torch.zeros(4, 6, dtype=torch.float64)[:, ::2]          # not contiguous
+    strided += rank
+    dist.all_reduce(strided)
+    out["strided"] = strided.numpy().copy()
+    b = torch.full((5,), rank, dtype=torch.float32)
+    flags = torch.tensor([rank == 1, rank != 1, True])                 # bool: moved as bytes
+    dist.broadcast(b, src=1)
+    dist.broadcast(flags, src=1)
+    out["broadcast"] = (b.numpy().copy(), flags.numpy().copy())
+    gathered = [torch.empty(3, dtype=torch.float16) for _ in range(world)]
+    dist.all_gather(gathered, torch.full((3,), rank - 0.5, dtype=torch.float16))
+    out["all_gather"] = [g.float().numpy().copy() for g in gathered]
+    into = torch.empty(world * 2, dtype=torch.int64)
+    dist.all_gather_into_tensor(into, torch.tensor([rank, -rank]))
+    out["into"] = into.numpy().copy()
+    shard = torch.empty(2, dtype=torch.int64)
+    dist.reduce_scatter_tensor(shard, torch.arange(world * 2, dtype=torch.int64) + rank)
+    out["reduce_scatter"] = shard.numpy().copy()
+    for op in (dist.ReduceOp.MAX, dist.ReduceOp.PRODUCT):
+        try:
+            dist.all_reduce(torch.ones(2), op=op)
+        except UnsupportedOperation as exc:
+            out.setdefault("unsupported", []).append(str(exc))
+    try:
+        dist.all_reduce(torch.ones(2, dtype=torch.int64), op=dist.ReduceOp.AVG)
+    except UnsupportedOperation as exc:
+        out["int_avg"] = str(exc)
+    try:
+        dist.reduce(torch.ones(2), dst=0)
+    except UnsupportedOperation as exc:
+        out["reduce"] = str(exc)
+    dist.barrier()
+    return out
+
+
+def test_collectives(cluster):
+    world = 3
+    results = run_ranks(cluster, collectives, world)
+    with cluster.client() as client:     # destroy_process_group deleted the collectives
+        assert client.list_regions(results[0]["prefix"] + "/") == []
+    want = sum(np.arange(100_000, dtype=np.int64) * (r + 1) + (1 << 40) for r in range(world))
+    for out in results:
+        assert out["backend"] == "smb"
+        assert out["int64"].dtype == np.int64 and np.array_equal(out["int64"], want)
+        for avg in out["avg"]:
+            np.testing.assert_array_equal(avg, np.full(7, 2.0))     # (1 + 2 + 3) / 3
+        np.testing.assert_array_equal(out["future"], [3, 3, 3])
+        np.testing.assert_array_equal(out["strided"], np.full((4, 3), 3.0))
+        np.testing.assert_array_equal(out["broadcast"][0], np.ones(5))
+        np.testing.assert_array_equal(out["broadcast"][1], [True, False, True])
+        for r, g in enumerate(out["all_gather"]):
+            np.testing.assert_array_equal(g, np.full(3, r - 0.5))
+        np.testing.assert_array_equal(out["into"], [0, 0, 1, -1, 2, -2])
+        assert len(out["unsupported"]) == 2
+        assert "MAX" in out["unsupported"][0] and "SUM and AVG" in out["unsupported"][0]
+        assert "PRODUCT" in out["unsupported"][1]
+        assert "int64" in out["int_avg"] and "float32" in out["int_avg"]
+        assert "no reduce" in out["reduce"]
+    for rank, out in enumerate(results):
+        full = sum(np.arange(world * 2) + r for r in range(world))
+        np.testing.assert_array_equal(out["reduce_scatter"], full[2 * rank:2 * rank + 2])
+
+
+def make_model(seed):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(10, 64), torch.nn.BatchNorm1d(64), torch.nn.Tanh(),
+                               torch.nn.Linear(64, 4))
+
+
+def train_ddp(rank, world, group):
+    """A few DDP steps; each rank starts from its own seed (DDP broadcasts rank 0's)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    model = make_model(100 + rank)
+    ddp = DDP(model, process_group=group, bucket_cap_mb=0.001)      # several buckets, overlapped
+    opt = torch.optim.SGD(ddp.parameters(), lr=LR, momentum=0.9)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(STEPS, world, BATCH, 10, generator=g)
+    y = torch.randint(0, 4, (STEPS, world, BATCH), generator=g)
+    for step in range(STEPS):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(ddp(x[step, rank]), y[step, rank]).backward()
+        opt.step()
+    return {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+
+
+def ddp_both(rank, world):
+    import torch.distributed as dist
+    smb = train_ddp(rank, world, None)                               # the default group: smb
+    gloo = train_ddp(rank, world, dist.new_group(backend="gloo"))
+    return smb, gloo
+
+
+def test_ddp_on_smb_equals_ddp_on_gloo(cluster):
+    """Two ranks: a sum of two numbers has one order, so the weights agree bit for bit."""
+    results = run_ranks(cluster, ddp_both, 2)
+    start = make_model(100).state_dict()
+    for smb, gloo in results:
+        assert smb.keys() == gloo.keys()
+        for key in smb:
+            assert np.array_equal(smb[key], gloo[key]), key
+        for key in smb:     # replicas equal (a rank's last forward moved its own statistics, as with gloo)
+            assert "running" in key or np.array_equal(smb[key], results[0][0][key]), key
+        assert np.abs(smb["0.weight"] - start["0.weight"].numpy()).max() > 1e-3
+        assert smb["1.num_batches_tracked"] == STEPS
+
+
+def until_failure(rank, world, ready):
+    import torch.distributed as dist
+    t = torch.ones(256 << 10)                       # 1 MiB: chunks on both servers
+    for _ in range(3):
+        dist.all_reduce(t)
+    ready.put(rank)
+    start = time.monotonic()
+    while time.monotonic() - start < 60:
+        work = dist.all_reduce(t, async_op=True)
+        try:
+            work.wait()
+        except Exception as exc:
+            failed = (type(exc).__name__, str(exc), time.monotonic() - start)
+            break
+    else:
+        return None
+    try:
+        dist.all_reduce(torch.ones(4))
+        refused = None
+    except Exception as exc:
+        refused = str(exc)
+    return failed, refused
+
+
+def test_a_dead_server_fails_wait_not_hangs(fresh_cluster):
+    from smb_protocol import errors
+    ready = mp.get_context("spawn").Queue()
+    out = {}
+
+    def kill_when_ready():
+        for _ in range(2):
+            ready.get(timeout=60)
+        time.sleep(0.2)
+        fresh_cluster.kill_server(0)
+    killer = threading.Thread(target=kill_when_ready)
+    killer.start()
+    try:
+        out["results"] = run_ranks(fresh_cluster, until_failure, 2, ready, pg_timeout=30)
+    finally:
+        killer.join(70)
+    for result in out["results"]:
+        assert result is not None, "no operation failed after the server died"
+        (kind, message, seconds), refused = result
+        assert seconds < 20, (kind, message, seconds)
+        assert issubclass(getattr(errors, kind), errors.SMBError), (kind, message)
+        assert refused is not None and "failed earlier" in refused
