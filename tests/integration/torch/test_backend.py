@@ -104,6 +104,11 @@ def collectives(rank, world):
         dist.all_reduce(torch.ones(2, dtype=torch.int64), op=dist.ReduceOp.AVG)
     except UnsupportedOperation as exc:
         out["int_avg"] = str(exc)
+    pair = dist.new_group([0, 2])                                       # a group of its own
+    if rank in (0, 2):
+        mine = torch.tensor([rank + 1.0])
+        dist.all_reduce(mine, group=pair)
+        out["pair"] = mine.item()
     try:
         dist.reduce(torch.ones(2), dst=0)
     except UnsupportedOperation as exc:
@@ -135,6 +140,7 @@ def test_collectives(cluster):
         assert "PRODUCT" in out["unsupported"][1]
         assert "int64" in out["int_avg"] and "float32" in out["int_avg"]
         assert "no reduce" in out["reduce"]
+        assert out.get("pair") == (4.0 if out is not results[1] else None)
     for rank, out in enumerate(results):
         full = sum(np.arange(world * 2) + r for r in range(world))
         np.testing.assert_array_equal(out["reduce_scatter"], full[2 * rank:2 * rank + 2])
