@@ -4,7 +4,9 @@ Synchronous data-parallel training of an MLP whose gradient exchange dominates i
 step (``spec["layers"]``: widths; float32), the same model, data and optimizer on
 every system, one after the other on the same hosts: ``smb`` (:class:`SyncDataParallel`,
 the pipelined push-pull collective, no hooks), ``smb+hooks`` (pushes from the backward
-hooks) and ``ddp`` (:class:`torch.nn.parallel.DistributedDataParallel` over gloo).
+hooks; ``-fifo``: chunks in the order they become ready, not first layers first), ``ddp``
+(:class:`torch.nn.parallel.DistributedDataParallel` over gloo) and ``ddp-smb`` (the same
+DDP over the ``"smb"`` backend, :mod:`smb_client.torch.backend`).
 Each system: ``warmup`` steps, a gloo barrier, then ``steps`` timed steps; the
 result holds this worker's seconds for them, its time waiting for the exchange
 (SyncDataParallel's ``comm_wait``), the wall-clock window (for CPU use) and whether its
@@ -18,7 +20,8 @@ import time
 from typing import Any
 
 BARRIER_TIMEOUT = 300.0   # seconds
-SYSTEMS = ("smb", "smb+hooks", "smb+hooks-fifo", "ddp")   # -fifo: chunks in the order they are ready
+#: -fifo: chunks in the order they are ready; ddp-smb: plain DDP on the "smb" torch.distributed backend
+SYSTEMS = ("smb", "smb+hooks", "smb+hooks-fifo", "ddp", "ddp-smb")
 
 
 def make_model(layers: list[int]) -> Any:
@@ -47,8 +50,14 @@ def _train(spec: dict[str, Any], system: str, client: Any) -> dict[str, Any]:
     x, y = _batches(spec, rank)
     dp: Any = None
     store: Any = None
+    group: Any = None
     if system == "ddp":
         net: Any = torch.nn.parallel.DistributedDataParallel(model)
+    elif system == "ddp-smb":
+        import smb_client.torch  # noqa: F401  (registers the backend)
+        os.environ["SMB_CONTROLLER"] = spec["controller"]
+        group = dist.new_group(backend="smb")
+        net = torch.nn.parallel.DistributedDataParallel(model, process_group=group)
     else:
         env = WorkerEnv(rank=rank, world_size=world, local_rank=0, local_world_size=1)
         store = open_store(client, env, f"{spec['tag']}/{system.replace('+', '-')}", model, workers=world,
@@ -89,6 +98,8 @@ def _train(spec: dict[str, Any], system: str, client: Any) -> dict[str, Any]:
     sums = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
     dist.all_gather(sums, checksum)
     same = all(abs(float(s) - float(checksum)) <= 1e-6 * max(1.0, abs(float(checksum))) for s in sums)
+    if group is not None:
+        dist.destroy_process_group(group)
     if dp is not None:
         dp.close(publish=False)
         client.barrier(f"{spec['tag']}/{system}/closed", world, timeout=BARRIER_TIMEOUT)

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroup, ReduceOp, Store, Work
+from torch.distributed.distributed_c10d import GroupName
 
 from smb_protocol.errors import DtypeError, InvalidArgument, SMBError
 
@@ -165,6 +166,12 @@ class SMBProcessGroup(ProcessGroup):
     def getBackendName(self) -> str:  # noqa: N802 (torch's name)
         """``"smb"``."""
         return BACKEND
+
+    @property
+    def group_name(self) -> GroupName:
+        """The name torch registered the group under (``destroy_process_group(group)``
+        asks; a Python process group has no backend to keep it)."""
+        return dist.distributed_c10d._world.pg_names.get(self, GroupName(self.prefix))
 
     # -- the worker -----------------------------------------------------------------
     def _submit(self, fn: Callable[[], Any]) -> SMBWork:

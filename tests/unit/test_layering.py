@@ -20,6 +20,8 @@ LONG_MODULES: dict[str, str] = {
                               "moves share its region handles and traffic count",
     "smb_client.torch.sync": "both exchanges (collective and slots) run under one step protocol (hooks, "
                              "no_sync, buffers, publishing, aligned stopping)",
+    "smb_client.torch.backend": "a process group's operations share one worker thread, one failure state "
+                                "and its size-class collectives",
     "smb_server.controller.state": "every durable change is one method and one SQLite transaction, side by "
                                    "side (tables and row reads are in sqlite_db)",
     "smb_server.controller.etcd_state": "every durable change is one method and one etcd transaction, matching "

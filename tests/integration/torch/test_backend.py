@@ -109,6 +109,7 @@ def collectives(rank, world):
         mine = torch.tensor([rank + 1.0])
         dist.all_reduce(mine, group=pair)
         out["pair"] = mine.item()
+        dist.destroy_process_group(pair)                               # a group alone goes too
     try:
         dist.reduce(torch.ones(2), dst=0)
     except UnsupportedOperation as exc:
