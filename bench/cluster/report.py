@@ -263,6 +263,7 @@ def markdown(results: dict[str, Any]) -> str:
             parts.append("**Aggregation, link use** (:mod:`bench.cluster.links`): collective = streamed "
                          "sums, pushpull = a push and a pull per chunk as before them\n")
             parts.append(links.table(every, ("collective", "pushpull", "gloo")))
+    if results.get("mixed", {}).get("points"):
         parts.append(f"**Aggregation, some memory servers on workers' hosts**: median of "
                      f"{results['mixed']['syncs']} synchronizations\n")
         parts.append(mixed_table(results["mixed"]))
