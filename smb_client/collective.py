@@ -1,4 +1,4 @@
-"""Collectives over a region: ``all_reduce`` and ``broadcast`` by pipelined push-pull.
+"""Collectives over a region: ``all_reduce`` with sums streamed back, and ``broadcast``.
 
 A :class:`Collective` lays a buffer of ``nbytes`` out as chunks of at most
 :data:`~smb_protocol.wire.MAX_CHUNK` bytes, each a segment of a ``layered`` region, whole
@@ -10,11 +10,13 @@ summation is spread over the servers and each chunk's requests stay on one serve
 
 ``all_reduce`` of round ``k`` uses slot ``k % 2``. Every party *pushes* each chunk (the
 server stores the round's first arrival and adds the others, counting arrivals in the
-slot's count word, under the extent's lock), and *pulls* each chunk as soon as its
-count shows every party's push: the server holds the pull until then, sends the sum,
-and counts the pull. Pushes of later chunks go on while earlier chunks are pulled, so
-both directions of every link stay busy; there is no barrier between the phases and no
-controller call.
+slot's count word, under the extent's lock), and *pulls* its sum once the count shows
+every party's push (the server sends it then, and counts the pull). Both halves travel
+as one ``REDUCE`` per chunk on a pipelined connection per server, the sum sent back by
+the server unasked (:mod:`.exchange`: chunks in order through a window, lowest first);
+``pipelined=False`` and TLS endpoints send a ``PUSH`` and a ``PULL`` request instead.
+Later chunks go out while earlier sums come back, so both directions of every link
+stay busy; there is no barrier between the phases and no controller call.
 
 Reset without an extra round: a count word only grows. A slot's round starts at a
 *base* count that every party knows (it tracks the slot's history), and the round's
@@ -26,12 +28,13 @@ state. ``all_reduce`` adds ``2 × parties`` to a count (pushes and pulls), ``bro
 ``parties`` (the root's push and the others' pulls).
 
 Every party must call the same collectives in the same order with the same sizes (as
-with any collective library). PUSH and PULL are numbered requests: a retry after a
-broken connection or a renewed ticket is answered, not applied twice. They travel on
-the tcp plane (on connections that may wait), whatever transport the region's data
-uses, through the region's route (:meth:`Route.coordinate
-<smb_client.route.Route.coordinate>`), with its ticket renewal, failover and incarnation
-check. See docs/api.md and docs/architecture.md.
+with any collective library). Chunk requests are numbered: a retry after a broken
+connection or a renewed ticket is answered, not applied twice. They travel on the tcp
+plane, whatever transport the region's data uses, with the route's ticket and
+incarnation check (:meth:`Route.coordinate <smb_client.route.Route.coordinate>` for
+push and pull). A round that fails (a server died) fails at once on every party and
+leaves the collective unusable (:attr:`Collective.failed`). See docs/api.md and
+docs/architecture.md.
 
 The module is longer than 400 lines on purpose: the layout of the chunks, the
 collectives and the piecewise round share one set of counting rules and read best
