@@ -246,6 +246,19 @@ def test_sums_stream_back_on_pipelined_connections(cluster, name):
     _parties(cluster, name, 2, 16 * 512 * 8, 4096, "tcp", body, num_servers=2)
 
 
+def _after_each_push(coll: Collective, fn) -> None:
+    """Run ``fn(task)`` on the stream's receiving thread each time one of ``coll``'s
+    pushes took effect (mid-round, with sums still owed)."""
+    ex = coll.exchanger
+    assert ex is not None
+    pushed = ex._pushed
+
+    def after(task) -> None:
+        pushed(task)
+        fn(task)
+    ex._pushed = after   # type: ignore[method-assign]
+
+
 def test_a_round_whose_connections_break_is_sent_again_and_adds_nothing_twice(cluster, name):
     """Party 0's stream connections are cut three times mid-round, right after a push took
     effect and with sums still owed: the chunks in flight go again with their numbers,
@@ -253,18 +266,14 @@ def test_a_round_whose_connections_break_is_sent_again_and_adds_nothing_twice(cl
     after its sum came back would add the sum)."""
     breaks: list[int] = []
 
-    def body(coll: Collective, rank: int) -> None:
-        ex = coll.exchanger
-        assert ex is not None
-        if rank == 0:
-            pushed = ex._pushed
+    def cut(task) -> None:
+        if len(breaks) < 3 and task.chunk.index % 7 == 3 and task.stream is not None:
+            breaks.append(task.chunk.index)
+            task.stream.abandon()
 
-            def cut_after(task) -> None:
-                pushed(task)
-                if len(breaks) < 3 and task.chunk.index % 7 == 3 and task.stream is not None:
-                    breaks.append(task.chunk.index)
-                    task.stream.abandon()
-            ex._pushed = cut_after
+    def body(coll: Collective, rank: int) -> None:
+        if rank == 0:
+            _after_each_push(coll, cut)
         _summing_body(3, 40 * 512, [])(coll, rank)
     _parties(cluster, name, 3, 40 * 512 * 8, 4096, "tcp", body, num_servers=2, window=4 * 4096)
     assert len(breaks) == 3
@@ -279,19 +288,15 @@ def test_a_server_killed_mid_round_fails_every_party_with_a_typed_error(fresh_cl
     ended: dict[int, float] = {}
     seen: dict[int, BaseException] = {}
 
-    def body(coll: Collective, rank: int) -> None:
-        ex = coll.exchanger
-        assert ex is not None
-        if rank == 0:
-            pushed = ex._pushed
+    def kill(task) -> None:
+        if task.chunk.index == 20 and not killed.is_set():
+            killed_at.append(time.monotonic())
+            killed.set()
+            fresh_cluster.kill_server(0)
 
-            def kill_after(task) -> None:
-                pushed(task)
-                if task.chunk.index == 20 and not killed.is_set():
-                    killed_at.append(time.monotonic())
-                    killed.set()
-                    fresh_cluster.kill_server(0)
-            ex._pushed = kill_after
+    def body(coll: Collective, rank: int) -> None:
+        if rank == 0:
+            _after_each_push(coll, kill)
         x = np.ones(200 * 512, np.int64)
         try:
             for _ in range(3):
