@@ -33,8 +33,10 @@ connection or a renewed ticket is answered, not applied twice. They travel on th
 plane, whatever transport the region's data uses, with the route's ticket and
 incarnation check (:meth:`Route.coordinate <smb_client.route.Route.coordinate>` for
 push and pull). A round that fails (a server died) fails at once on every party and
-leaves the collective unusable (:attr:`Collective.failed`). See docs/api.md and
-docs/architecture.md.
+leaves the collective unusable (:attr:`Collective.failed`). A round that waits longer
+than :data:`~smb_client.coord.REPORT_EVERY` seconds logs how many parties arrived (and,
+with a :attr:`Collective.roll`, which ranks did not), and one that times out raises
+:class:`~smb_client.coord.PartiesMissing`. See docs/api.md and docs/architecture.md.
 
 The module is longer than 400 lines on purpose: the layout of the chunks, the
 collectives and the piecewise round share one set of counting rules and read best
@@ -46,18 +48,21 @@ import logging
 import math
 import struct
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from functools import partial
 from typing import Any
 
 from smb_protocol import wire
 from smb_protocol.dtypes import DType, itemsize, resolve
-from smb_protocol.errors import DtypeError, InvalidArgument, Misaligned, SMBError
+from smb_protocol.errors import DtypeError, InvalidArgument, Misaligned, SMBError, Timeout
 from smb_protocol.placement import check_weights, chunk_shares
 
 from .buffers import as_view
 from .client import Client
+from .coord import REPORT_EVERY, PartiesMissing, Roll, ranks_text, report_waiting
 from .exchange import Chunk, Exchanger
 from .futures import wait_all, wait_failing_fast
 from .region import Region
@@ -88,7 +93,9 @@ class Collective:
     :meth:`close` stops its threads, :meth:`destroy` also deletes the region.
 
     ``timeout``: seconds a chunk waits for the other parties (then
-    :class:`~smb_protocol.errors.Timeout`).
+    :class:`~smb_client.coord.PartiesMissing`, a :class:`~smb_protocol.errors.Timeout`).
+    :attr:`roll` (set by the caller; None: ranks unknown) names the ranks a stalled
+    round waits for; :attr:`report_every`: seconds between its reports.
     """
 
     def __init__(self, region: Region, parties: int, *, timeout: float = DEFAULT_TIMEOUT,
@@ -135,6 +142,8 @@ class Collective:
         self.exchanger = Exchanger(self, self.window, priority) if self.streaming else None
         #: held by one round at a time (an AllReduce holds it until it finishes)
         self.lock = threading.Lock()
+        self.roll: Roll | None = None
+        self.report_every = REPORT_EVERY
 
     # -- making and opening -----------------------------------------------------------
     @staticmethod
@@ -405,6 +414,7 @@ class AllReduce:
         self._missing: dict[int, int] = {}      # chunk index -> bytes not final yet
         self._held: int | None = None
         held = self._packed(hold) if hold is not None else None
+        self._round = coll.round
         self.slot, planned = coll.plan_round(packed)
         self._bases: dict[int, int] = {}
         for c, n, base in planned:
@@ -455,14 +465,55 @@ class AllReduce:
         if self._finished:
             return
         self._finished = True
+        coll = self.coll
         try:
+            if coll.roll is not None:
+                coll.roll.arrive()
             for index in sorted(self._todo):
                 self._launch(index)
-            exchanger = self.coll.exchanger
+            exchanger = coll.exchanger
+            started = time.monotonic()
             try:
+                self._watch(started)
                 wait_failing_fast(self.futures, exchanger.abandon if exchanger is not None else None)
+            except Timeout as exc:
+                arrived, missing = self._arrived(), coll.roll.missing() if coll.roll is not None else None
+                what = self._what()
+                coll.failed = PartiesMissing(
+                    f"{what}: {arrived} of {coll.parties} parties arrived within "
+                    f"{time.monotonic() - started:.0f} s{ranks_text(missing)} ({exc})",
+                    what=what, arrived=arrived, parties=coll.parties, missing=missing)
+                raise coll.failed from None
             except SMBError as exc:
-                self.coll.failed = exc
+                coll.failed = exc
                 raise
         finally:
-            self.coll.lock.release()
+            coll.lock.release()
+
+    def _what(self) -> str:
+        return f"all-reduce on {self.coll.region.name}, round {self._round}"
+
+    def _watch(self, started: float) -> None:
+        """Wait for the round's futures, logging every ``report_every`` seconds how many
+        parties arrived; returns once all ended or one failed."""
+        coll = self.coll
+        while True:
+            done, pending = wait_futures(self.futures, timeout=coll.report_every, return_when=FIRST_EXCEPTION)
+            if not pending or any(f.exception() is not None for f in done):
+                return
+            report_waiting(self._what(), time.monotonic() - started, self._arrived(), coll.parties,
+                           coll.roll.missing() if coll.roll is not None else None)
+
+    def _arrived(self) -> int | None:
+        """How many parties pushed the round's last chunk (the one pushed at
+        :meth:`finish`); None when its count cannot be read."""
+        if not self._bases:
+            return None
+        index = self._held if self._held is not None else max(self._bases)
+        chunk = self.coll.chunks[index]
+        try:
+            raw = bytes(self.coll.region.read(chunk.region_words + 8 * self.slot, 8))
+        except SMBError:
+            return None
+        count = int.from_bytes(raw, "little", signed=True)
+        return max(0, min(self.coll.parties, count - self._bases[index]))

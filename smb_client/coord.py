@@ -12,6 +12,10 @@ no controller call:
   background. A context manager.
 * :class:`Barrier` counts arrivals with ``fetch_add`` on one word that only grows, and
   waits until the count reaches ``parties × (generation + 1)``: no reset round.
+* A wait that lasts longer than :data:`REPORT_EVERY` seconds says what it waits for,
+  every :data:`REPORT_EVERY` seconds, as a warning ("barrier job/step: 3 of 4 arrived");
+  one whose parties never all come raises :class:`PartiesMissing`, which names how many
+  came and, with an :class:`Attendance`, the ranks that did not.
 
 Transport rule: these requests always go over the server's tcp data plane, whatever
 transport the region's data uses (:meth:`Route.coordinate
@@ -28,10 +32,13 @@ their ``fetch_add`` over tcp too, and a coordination word should be changed with
 from __future__ import annotations
 
 import logging
-import math
+import re
 import secrets
 import threading
 import time
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import Protocol
 
 from smb_protocol.errors import BarrierTimeout, InvalidArgument, LockNotHeld, Timeout
 from smb_protocol.wire import WaitCond
@@ -41,9 +48,129 @@ from .route import WAIT_SLICE, in_slices, until
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Barrier", "Lock", "WaitCond", "wait", "WAIT_SLICE"]
+__all__ = ["Attendance", "Barrier", "Lock", "PartiesMissing", "REPORT_EVERY", "Roll", "WaitCond", "wait",
+           "WAIT_SLICE", "report_waiting"]
 
 DEFAULT_LEASE = 10.0    # seconds
+REPORT_EVERY = 5.0      # seconds a wait for other parties runs before it says so, and between reports
+
+
+class PartiesMissing(BarrierTimeout):
+    """Not every party came to a wait in time. ``what`` names the wait, ``arrived`` and
+    ``parties`` count them (None where unknown), ``missing`` lists the ranks that did not
+    come (None where nobody keeps an :class:`Attendance`)."""
+
+    def __init__(self, message: str, *, what: str = "", arrived: int | None = None,
+                 parties: int | None = None, missing: Sequence[int] | None = None) -> None:
+        super().__init__(message)
+        self.what = what
+        self.arrived = arrived
+        self.parties = parties
+        self.missing = None if missing is None else list(missing)
+
+
+class Roll(Protocol):
+    """Who has come to the waits of a group of ranks (:class:`Attendance`, or a
+    process group's own): :meth:`arrive` at each wait, :meth:`missing` when one stalls."""
+
+    def arrive(self) -> None:
+        """Count one more arrival of this rank (at every wait, in the same order)."""
+
+    def missing(self) -> list[int] | None:
+        """The ranks that have not come as far as this one, or None when unknown."""
+
+
+def ranks_text(ranks: Sequence[int] | None) -> str:
+    """``"; missing: rank 1, 3"`` (empty when unknown or none)."""
+    if not ranks:
+        return ""
+    return "; missing: rank " + ", ".join(str(r) for r in ranks)
+
+
+def report_waiting(what: str, waited: float, arrived: int | None, parties: int | None,
+                   missing: Sequence[int] | None) -> None:
+    """Log the warning of a wait that lasts (``waited`` seconds so far)."""
+    count = f"{arrived} of {parties} arrived" if arrived is not None else f"{parties} parties expected"
+    log.warning("%s: %s, waiting for %.0f s%s", what, count, waited, ranks_text(missing))
+
+
+class BarrierSource(Protocol):
+    """What :func:`controller_barrier` needs of a client (a :class:`~smb_client.client.Client`)."""
+
+    def barrier(self, name: str, parties: int, timeout: float | None = None) -> int:
+        """The controller's barrier ``name`` of ``parties``."""
+
+
+_ARRIVED = re.compile(r"(\d+) of (\d+) parties arrived")
+
+
+def controller_barrier(client: BarrierSource, name: str, parties: int, timeout: float | None = None, *,
+                       report_every: float | None = None) -> int:
+    """The controller's barrier ``name`` (:meth:`Client.barrier
+    <smb_client.client.Client.barrier>`), waited for in slices of ``report_every``
+    seconds, each late one logged with how many had arrived (a caller whose slice ran
+    out leaves the barrier, so arriving again is safe); :class:`PartiesMissing` after
+    ``timeout`` seconds (None: for ever). Returns the generation."""
+    deadline = until(timeout)
+    started = time.monotonic()
+    what = f"barrier {name}"
+    every = REPORT_EVERY if report_every is None else report_every
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            return client.barrier(name, parties, timeout=max(0.001, min(left, every)))
+        except BarrierTimeout as exc:
+            found = _ARRIVED.search(str(exc))
+            arrived = int(found.group(1)) if found else None
+            waited = time.monotonic() - started
+            if time.monotonic() >= deadline:
+                counted = f"{arrived} of {parties} parties arrived" if arrived is not None else \
+                    f"not all {parties} parties arrived"
+                raise PartiesMissing(f"{what}: {counted} within {waited:.0f} s", what=what,
+                                     arrived=arrived, parties=parties) from None
+            report_waiting(what, waited, arrived, parties, None)
+
+
+class Attendance:
+    """Who came to a group's waits: rank ``r`` counts its arrivals on the int64 word at
+    byte ``offset + 8 r`` of ``region`` (``parties`` words, zeroed before the group's
+    first wait by one rank while nobody waits), so that a stalled wait can name the
+    ranks that have not come as far. :meth:`arrive` is asynchronous (a ``fetch_add``
+    through the server); the region handle is the caller's."""
+
+    def __init__(self, region: Region, offset: int, parties: int, rank: int) -> None:
+        if not 0 <= rank < parties:
+            raise InvalidArgument(f"rank {rank} outside 0..{parties - 1}")
+        if offset < 0 or offset % 8 or offset + 8 * parties > region.size:
+            raise InvalidArgument(f"{parties} attendance words at byte {offset} do not fit region "
+                                  f"{region.name} ({region.size} bytes)")
+        self.region = region
+        self.offset = offset
+        self.parties = parties
+        self.rank = rank
+        self.count = 0                          # this rank's arrivals
+        self._last: Future[int] | None = None
+
+    def reset(self) -> None:
+        """Zero every rank's word (one rank, before the group's first wait)."""
+        self.region.write(self.offset, bytes(8 * self.parties))
+
+    def arrive(self) -> None:
+        """Count one more arrival of this rank (sent without waiting for the answer)."""
+        self.count += 1
+        self._last = self.region.fetch_add_async(self.offset + 8 * self.rank, 1)
+
+    def missing(self) -> list[int] | None:
+        """The ranks whose count is below this rank's; None when the words cannot be read."""
+        try:
+            if self._last is not None:
+                self._last.result()
+            raw = bytes(self.region.read(self.offset, 8 * self.parties))
+        except Exception as exc:   # a report, not the wait: say why and go on
+            log.info("attendance in %s unreadable: %r", self.region.name, exc)
+            return None
+        counts = [int.from_bytes(raw[i:i + 8], "little", signed=True) for i in range(0, len(raw), 8)]
+        return [r for r, c in enumerate(counts) if c < self.count]
 
 
 def wait(region: Region, offset: int, *, value: int | None = None, equals: int | None = None,
@@ -66,9 +193,15 @@ class Barrier:
     arrival belongs to. The word only grows, so a party that runs ahead into the next
     round cannot confuse the others. A party that times out has still arrived: the
     barrier is then out of step for every party, as a broken barrier is.
+
+    ``name`` (default: the word's place) names it in reports; ``roll`` (an
+    :class:`Attendance`) lets a stalled wait name the ranks that have not come. A wait
+    longer than ``report_every`` seconds logs what it waits for, again every
+    ``report_every`` seconds; one that times out raises :class:`PartiesMissing`.
     """
 
-    def __init__(self, region: Region, offset: int, parties: int) -> None:
+    def __init__(self, region: Region, offset: int, parties: int, *, name: str | None = None,
+                 roll: Roll | None = None, report_every: float | None = None) -> None:
         if not isinstance(parties, int) or parties < 1:
             raise InvalidArgument(f"parties must be a positive number, not {parties!r}")
         region.route.check_writable()
@@ -76,24 +209,50 @@ class Barrier:
         self.region = region
         self.offset = offset
         self.parties = parties
+        self.name = name or f"barrier at byte {offset} of {region.name}"
+        self.roll = roll
+        self.report_every = REPORT_EVERY if report_every is None else report_every
 
     def wait(self, timeout: float | None = None) -> int:
         """Arrive and wait for the other parties; returns the generation (0, 1, ...).
-        :class:`~smb_protocol.errors.BarrierTimeout` after ``timeout`` seconds."""
+        :class:`PartiesMissing` (a :class:`~smb_protocol.errors.BarrierTimeout`) after
+        ``timeout`` seconds, naming how many came and who did not."""
         deadline = until(timeout)
+        started = time.monotonic()
         route = self.region.route
+        if self.roll is not None:
+            self.roll.arrive()
         seq = route.next_seq()      # a retry is answered, not added again
         # through the server (tcp), whatever the region's transport: it wakes the waits
         old = route.coordinate(self._slot, lambda s, place: s.fetch_add(
             route.ticket, place.extent_id, self._eoff, 1, seq))
         generation = old // self.parties
-        try:
-            wait(self.region, self.offset, value=(generation + 1) * self.parties,
-                 timeout=max(0.0, deadline - time.monotonic()) if deadline != math.inf else None)
-        except Timeout as exc:
-            raise BarrierTimeout(f"barrier at byte {self.offset} of {self.region.name}: not all "
-                                 f"{self.parties} parties arrived in generation {generation}: {exc}") from None
-        return generation
+        target = (generation + 1) * self.parties
+        what = f"{self.name}, generation {generation}"
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                wait(self.region, self.offset, value=target,
+                     timeout=max(0.0, min(left, self.report_every)))
+                return generation
+            except Timeout as exc:
+                word = self._arrived(generation)
+                missing = self.roll.missing() if self.roll is not None else None
+                waited = time.monotonic() - started
+                if time.monotonic() >= deadline:
+                    raise PartiesMissing(
+                        f"{what}: {word} of {self.parties} parties arrived within {waited:.0f} s"
+                        f"{ranks_text(missing)} ({exc})", what=what, arrived=word, parties=self.parties,
+                        missing=missing) from None
+                report_waiting(what, waited, word, self.parties, missing)
+
+    def _arrived(self, generation: int) -> int:
+        """How many parties arrived in ``generation`` so far (read through the server)."""
+        route = self.region.route
+        seq = route.next_seq()
+        now = route.coordinate(self._slot, lambda s, place: s.fetch_add(
+            route.ticket, place.extent_id, self._eoff, 0, seq))
+        return int(max(0, min(self.parties, now - generation * self.parties)))
 
 
 class Lock:

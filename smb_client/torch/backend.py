@@ -23,6 +23,13 @@ failed operation the process group refuses the next ones.
   part (as 64-bit integers, which adds exactly), so it costs ``world`` times the data.
   The others (reduce, gather, scatter, all-to-all, send, recv) raise UnsupportedOperation.
 
+An operation that waits longer than :data:`~smb_client.coord.REPORT_EVERY` seconds for
+the other ranks logs how many arrived, and one that times out raises
+:class:`~smb_client.coord.PartiesMissing` naming the ranks that did not come (ranks say
+how far they came in the c10d store, ``smb/at/<rank>``, once one of their waits stalls).
+``SMBWork.wait(timeout)`` raises :class:`~smb_protocol.errors.Timeout` once ``timeout``
+passed (the operation goes on).
+
 ``destroy_process_group()`` closes the collectives; rank 0 deletes their regions once
 every rank closed (or after the group's timeout, at most :data:`SHUTDOWN_WAIT`).
 """
@@ -42,7 +49,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroup, ReduceOp, Store, Work
 from torch.distributed.distributed_c10d import GroupName
 
-from smb_protocol.errors import DtypeError, InvalidArgument, SMBError
+from smb_protocol.errors import DtypeError, InvalidArgument, SMBError, Timeout
 
 from ..client import Client, connect
 from ..collective import Collective
@@ -115,16 +122,55 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
+class StoreRoll:
+    """Who came to a process group's waits, in its c10d ``store``: each rank counts its
+    all-reduce rounds (:meth:`arrive`) and adds them to ``smb/at/<rank>`` only when a
+    wait of its own stalls (:meth:`missing`), so steady steps cost no store call. A rank
+    whose key is below this one's count has not come as far (or is not waiting)."""
+
+    def __init__(self, store: Store, rank: int, size: int) -> None:
+        self._store = store
+        self.rank = rank
+        self.size = size
+        self.count = 0
+        self._said = 0
+
+    def arrive(self) -> None:
+        """Count one more round of this rank."""
+        self.count += 1
+
+    def missing(self) -> list[int] | None:
+        """Say how far this rank came; the ranks whose word is below it (None when the
+        store cannot be reached)."""
+        try:
+            if self._said < self.count:
+                self._store.add(f"smb/at/{self.rank}", self.count - self._said)
+                self._said = self.count
+            return [r for r in range(self.size) if self._store.add(f"smb/at/{r}", 0) < self.count]
+        except RuntimeError as exc:
+            log.info("smb process group: the c10d store cannot say who is missing: %r", exc)
+            return None
+
+
 class SMBWork(Work):
     """One operation of an :class:`SMBProcessGroup`: done when its future is."""
 
-    def __init__(self, future: torch.futures.Future[Any]) -> None:
+    def __init__(self, future: torch.futures.Future[Any], what: str = "operation") -> None:
         super().__init__()
         self.future = future
+        self.what = what
 
     def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
-        """Block until the operation finished (the collectives' own timeout bounds
-        it); raises its error."""
+        """Block until the operation finished (``timeout`` 0: bounded only by the
+        collectives' own timeout) and raise its error; :class:`~smb_protocol.errors.Timeout`
+        once a positive ``timeout`` passed first (the operation goes on)."""
+        seconds = timeout.total_seconds()
+        if seconds > 0 and not self.future.done():
+            ended = threading.Event()
+            self.future.add_done_callback(lambda _: ended.set())
+            if not ended.wait(seconds):
+                raise Timeout(f"smb process group: {self.what} not finished within {seconds:g} s "
+                              "(it goes on; wait again, or destroy the group)")
         self.future.wait()
         return True
 
@@ -162,6 +208,7 @@ class SMBProcessGroup(ProcessGroup):
         self._failed: BaseException | None = None
         self._closed = False
         self._lock = threading.Lock()
+        self.roll = StoreRoll(store, rank, size)
 
     def getBackendName(self) -> str:  # noqa: N802 (torch's name)
         """``"smb"``."""
@@ -174,7 +221,7 @@ class SMBProcessGroup(ProcessGroup):
         return dist.distributed_c10d._world.pg_names.get(self, GroupName(self.prefix))
 
     # -- the worker -----------------------------------------------------------------
-    def _submit(self, fn: Callable[[], Any]) -> SMBWork:
+    def _submit(self, fn: Callable[[], Any], what: str) -> SMBWork:
         future: torch.futures.Future[Any] = torch.futures.Future()
 
         def run() -> None:
@@ -193,7 +240,7 @@ class SMBProcessGroup(ProcessGroup):
             if self._closed:
                 raise InvalidArgument(f"process group {self.prefix} is shut down")
             self._worker.submit(run)
-        return SMBWork(future)
+        return SMBWork(future, what)
 
     def collective(self, nbytes: int) -> Collective:
         """The collective of ``nbytes``' size class, made (rank 0) or opened (the
@@ -216,6 +263,7 @@ class SMBProcessGroup(ProcessGroup):
             if said != "ok":
                 raise InvalidArgument(f"rank 0 could not create collective {name}: {said}")
             coll = Collective.open(self.client, name, self._size, timeout=self._seconds, fresh=True)
+        coll.roll = self.roll
         self.collectives[cls] = coll
         return coll
 
@@ -241,7 +289,7 @@ class SMBProcessGroup(ProcessGroup):
             for t in tensors:
                 self._reduce(t, average)
             return tensors
-        return self._submit(run)
+        return self._submit(run, "all_reduce")
 
     allreduce_coalesced = allreduce
 
@@ -267,7 +315,7 @@ class SMBProcessGroup(ProcessGroup):
                 if buf is not t:
                     t.copy_(buf)
             return tensors
-        return self._submit(run)
+        return self._submit(run, "broadcast")
 
     def _gather(self, outputs: list[torch.Tensor], inp: torch.Tensor) -> None:
         """Every rank's ``inp`` into ``outputs[r]`` (worker thread)."""
@@ -293,7 +341,7 @@ class SMBProcessGroup(ProcessGroup):
             for outs, inp in zip(output_tensors, input_tensors, strict=True):
                 self._gather(outs, inp)
             return output_tensors
-        return self._submit(run)
+        return self._submit(run, "all_gather")
 
     def all_gather_single(self, output: torch.Tensor, inp: torch.Tensor, opts: Any = None) -> SMBWork:
         """``output`` (``size`` times ``inp``'s elements) becomes every rank's ``inp`` in
@@ -309,7 +357,7 @@ class SMBProcessGroup(ProcessGroup):
             if flat.data_ptr() != output.data_ptr():
                 output.copy_(flat.view(output.shape))
             return [output]
-        return self._submit(run)
+        return self._submit(run, "all_gather_into_tensor")
 
     _allgather_base = all_gather_single  # type: ignore[assignment]  # the older name
 
@@ -327,7 +375,7 @@ class SMBProcessGroup(ProcessGroup):
                 lo = sum(t.numel() for t in ins[:self._rank])
                 out.copy_(stage[lo:lo + ins[self._rank].numel()].view(out.shape))
             return output_tensors
-        return self._submit(run)
+        return self._submit(run, "reduce_scatter")
 
     def reduce_scatter_single(self, output: torch.Tensor, inp: torch.Tensor,
                              opts: Any = None) -> SMBWork:
@@ -343,7 +391,7 @@ class SMBProcessGroup(ProcessGroup):
             n = output.numel()
             output.copy_(stage[self._rank * n:(self._rank + 1) * n].view(output.shape))
             return [output]
-        return self._submit(run)
+        return self._submit(run, "reduce_scatter_tensor")
 
     _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]  # the older name
 
@@ -352,7 +400,7 @@ class SMBProcessGroup(ProcessGroup):
         def run() -> list[torch.Tensor]:
             self._sum(torch.zeros(1, dtype=torch.int64))
             return []
-        return self._submit(run)
+        return self._submit(run, "barrier")
 
     # -- the end --------------------------------------------------------------------
     def shutdown(self) -> None:

@@ -17,6 +17,8 @@ Words of the counters region (int64, little-endian):
 2     workers that have finished
 3     arrivals at the synchronous workers' barrier (only grows; see ``sync.py``)
 8+r   iterations of worker ``r``
+last  (the region's last ``workers`` words) arrivals of each synchronous worker at the
+      step's waits, which name the missing workers of a stalled step (``sync.py``)
 ====  ===============================================================
 
 Asynchronous workers stop as soon as they see a non-zero stop word. Workers that run

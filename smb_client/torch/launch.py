@@ -22,6 +22,7 @@ from typing import Any
 
 from smb_protocol.errors import BarrierTimeout, InvalidArgument
 
+from ..coord import REPORT_EVERY, PartiesMissing, controller_barrier
 from . import failure
 from .store import ParameterStore
 
@@ -128,14 +129,14 @@ def open_store(client: Any, env: WorkerEnv, prefix: str, model: Any, *,
     if creates and resume and any(r.name == meta for r in client.list_regions(meta)):
         log.info("resuming from the parameter store under %s (restart %d)", prefix, env.restart_count)
         creates = False
-        client.barrier(name, parties, timeout=ready_timeout)
+        controller_barrier(client, name, parties, timeout=ready_timeout)
     elif creates:
         try:
             store = ParameterStore.create(client, prefix, model, **create)
         except BaseException as exc:
             failure.publish(client, prefix, exc)
             raise
-        client.barrier(name, parties, timeout=ready_timeout)
+        controller_barrier(client, name, parties, timeout=ready_timeout)
     else:
         _await_master(client, prefix, name, parties, ready_timeout)
     if store is None:
@@ -148,15 +149,21 @@ def _await_master(client: Any, prefix: str, name: str, parties: int, timeout: fl
     look for the master's failure record between them (a caller whose wait times out
     leaves the barrier, so arriving again is safe)."""
     deadline = time.monotonic() + timeout
+    started = time.monotonic()
     since = time.time()
+    reported = started
     while True:
         failure.check(client, prefix, since)
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            raise BarrierTimeout(f"barrier {name!r}: the master did not create parameter store {prefix!r} "
-                                 f"within {timeout:g} s")
+            raise PartiesMissing(f"barrier {name!r}: the master did not create parameter store {prefix!r}, "
+                                 f"or not all {parties} parties arrived, within {timeout:g} s",
+                                 what=f"barrier {name}", parties=parties)
         try:
             client.barrier(name, parties, timeout=min(FAILURE_POLL, remaining))
             return
-        except BarrierTimeout:
-            continue
+        except BarrierTimeout as exc:
+            if time.monotonic() - reported >= REPORT_EVERY:
+                reported = time.monotonic()
+                log.warning("barrier %s: waiting for %.0f s for the master to create parameter store %s "
+                            "and for all %d parties (%s)", name, reported - started, prefix, parties, exc)

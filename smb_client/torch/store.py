@@ -209,7 +209,8 @@ class ParameterStore:
                 make("grads", grad_slots)
             if delta_slots:
                 make("deltas", delta_slots)
-            counters = align_up((COUNTER_WORDS + workers) * 8, ALIGN)
+            # the per-worker counts, then as many attendance words (the last ones: sync.py)
+            counters = align_up((COUNTER_WORDS + 2 * workers) * 8, ALIGN)
             regions["counters"] = create_region(cls.region_name(prefix, "counters"), counters,
                                                        placement="single")
             if blayout is not None:

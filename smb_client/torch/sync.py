@@ -72,13 +72,13 @@ from smb_protocol.errors import InvalidArgument, RegionNotFound
 from smb_protocol.hostinfo import host_id
 
 from ..collective import AllReduce, Collective
-from ..coord import Barrier
+from ..coord import Attendance, Barrier, controller_barrier
 from ..futures import wait_all
 from .counters import SYNC_BARRIER_WORD, SharedCounters
 from .flat import GradientHooks
 from .launch import check_torchrun
 from .layout import ALIGN, Bucket
-from .store import SYNC_SLOTS, ParameterStore
+from .store import COUNTER_WORDS, SYNC_SLOTS, ParameterStore
 
 log = logging.getLogger(__name__)
 
@@ -189,15 +189,29 @@ class SyncDataParallel:
         self._synced_in_backward = False           # the last backward pass ended synchronized
         self._hooks = GradientHooks(self.flat, bucket_bytes, self._push_bucket,
                                     after_backward=self._after_backward) if overlap else None
-        self._barrier = Barrier(store.region("counters"), SYNC_BARRIER_WORD * 8, world)
+        self.roll = self._attendance(store.region("counters"))
+        self._barrier = Barrier(store.region("counters"), SYNC_BARRIER_WORD * 8, world,
+                                name=f"barrier {store.prefix}/step", roll=self.roll)
         self._barrier_ready = False                # the first step zeroes the word (see _meet)
         self.exchange = exchange
         self._coll: Collective | None = None
         self._round: AllReduce | None = None
         if exchange == "collective":
             self._coll = self._open_collective(self._worker_hosts(worker_hosts))
+            self._coll.roll = self.roll
             # held back until synchronize(): see the module's notes on aligned stopping
             self._hold = self._runs[-1][0] if self._runs else None
+
+    def _attendance(self, region: Any) -> Attendance | None:
+        """Every worker's arrivals at the step's waits, on the last ``world`` words of the
+        counters region (past the per-worker counts), so a stalled step names who is
+        missing; None when the region is too small (a store made for fewer workers)."""
+        offset = (region.size - 8 * self.world) // 8 * 8
+        if offset < (COUNTER_WORDS + self.world) * 8:
+            log.info("counters region %s too small to name missing workers: create the store with "
+                     "workers=%d", region.name, self.world)
+            return None
+        return Attendance(region, offset, self.world, self.rank)
 
     def _worker_hosts(self, given: Sequence[str] | None) -> list[str] | None:
         """Every worker's host id: ``given``, or gathered through torch.distributed
@@ -228,7 +242,9 @@ class SyncDataParallel:
             packed = max(8, sum(n for _, n in self._runs))   # only trainable bytes travel
             coll = Collective.create(store.client, name, packed, self.world, timeout=self.barrier_timeout,
                                      worker_hosts=worker_hosts, priority=self.priority)
-        store.client.barrier(f"{store.prefix}/allreduce", self.world, timeout=self.barrier_timeout)
+            if self.roll is not None:   # nobody waits yet: everybody is at the barrier below
+                self.roll.reset()
+        controller_barrier(store.client, f"{store.prefix}/allreduce", self.world, timeout=self.barrier_timeout)
         if coll is None:
             coll = Collective.open(store.client, name, self.world, timeout=self.barrier_timeout, fresh=True,
                                    priority=self.priority)
@@ -444,7 +460,9 @@ class SyncDataParallel:
             return
         if self.rank == 0:
             self.store.region("counters").write(SYNC_BARRIER_WORD * 8, bytes(8))
-        self.store.client.barrier(self.barrier_name, self.world, timeout=self.barrier_timeout)
+            if self.roll is not None and self._coll is None:   # the collective's rounds count already
+                self.roll.reset()
+        controller_barrier(self.store.client, self.barrier_name, self.world, timeout=self.barrier_timeout)
         self._barrier_ready = True
 
     _zero_cache: memoryview | None = None
