@@ -52,7 +52,7 @@ def test_a_worker_that_stops_coming_is_named(cluster, name, exchange, quick_repo
                 assert dp.roll is not None
                 opt = torch.optim.SGD(model.parameters(), lr=0.1)
                 x, y = torch.randn(8, 10), torch.randint(0, 4, (8,))
-                for step in range(3 if rank == 0 else 2):
+                for _step in range(3 if rank == 0 else 2):
                     opt.zero_grad()
                     torch.nn.functional.cross_entropy(model(x), y).backward()
                     opt.step()
