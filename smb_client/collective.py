@@ -175,7 +175,8 @@ class Collective:
                chunk_bytes: int | None = None, num_servers: int = 0,
                timeout: float = DEFAULT_TIMEOUT, worker_hosts: Sequence[str] | None = None,
                servers: Sequence[str] | Mapping[str, float] | None = None,
-               window: int | None = None, priority: bool = True, pipelined: bool = True) -> Collective:
+               window: int | None = None, priority: bool = True, pipelined: bool = True,
+               lease: float | None = None) -> Collective:
         """Create the region ``name`` for collectives of up to ``nbytes`` bytes, chunks
         of ``chunk_bytes`` (default :meth:`default_chunk`) dealt over ``num_servers``
         servers (0: all that are up).
@@ -186,7 +187,9 @@ class Collective:
         own first; one on a worker's host gets less, as its link also carries that
         worker's traffic). ``servers``: the server ids to use (with ``worker_hosts``,
         shared as above; without, evenly), or a mapping server id -> weight that
-        fixes the shares. Either excludes ``num_servers``."""
+        fixes the shares. Either excludes ``num_servers``. ``lease`` (seconds): the
+        region goes with ``client`` (see :meth:`Client.create_region
+        <smb_client.client.Client.create_region>`)."""
         weights = cls.server_weights(client, worker_hosts, servers)
         if weights is not None and num_servers:
             raise InvalidArgument("num_servers excludes worker_hosts and servers: those choose the servers")
@@ -200,7 +203,7 @@ class Collective:
         sizes = cls.segment_sizes(nbytes, chunk_bytes)
         _check_parties(parties)
         region = client.create_region(name, sum(sizes), placement="layered", segment_sizes=sizes,
-                                      num_servers=num_servers, server_weights=weights)
+                                      num_servers=num_servers, server_weights=weights, lease=lease)
         try:
             return cls(region, parties, timeout=timeout, fresh=True, window=window, priority=priority,
                        pipelined=pipelined)

@@ -16,6 +16,11 @@
   master-creates, others-attach handshake.
 * the ``torch.distributed`` backend ``"smb"`` (:mod:`.backend`), registered by this
   import: ``init_process_group("smb")`` and plain ``DistributedDataParallel``.
+* :func:`job` / :class:`Job`: a job that creates or attaches its store, resumes from a
+  checkpoint or an earlier attempt's store, and deletes its regions at the end (a
+  crashed one's go with their lease).
+* :class:`DistributedDataParallel`: :class:`SyncDataParallel` over a job in one call,
+  in DDP's shape.
 
 This package needs torch; ``import smb_client`` alone does not import it.
 """
@@ -23,8 +28,10 @@ from __future__ import annotations
 
 from .backend import SMBProcessGroup, register
 from .counters import SharedCounters, StopRule
+from .ddp import DistributedDataParallel
 from .flat import FlatModel, GradientHooks
 from .hybrid import HybridSEASGD, new_node_groups, node_groups
+from .job import Job, job
 from .launch import WorkerEnv, open_store
 from .layout import ALIGN, Bucket, FlatLayout, TensorSlot
 from .seasgd import SEASGD
@@ -33,7 +40,7 @@ from .sync import SYNC_SLOTS, SyncDataParallel
 
 register()
 
-__all__ = ["ALIGN", "Bucket", "FlatLayout", "FlatModel", "GradientHooks", "HybridSEASGD",
-           "ParameterStore", "SEASGD", "SMBProcessGroup", "SYNC_SLOTS", "SharedCounters", "StopRule",
-           "SyncDataParallel", "TensorSlot", "Traffic", "WorkerEnv", "new_node_groups", "node_groups",
-           "open_store", "register"]
+__all__ = ["ALIGN", "Bucket", "DistributedDataParallel", "FlatLayout", "FlatModel", "GradientHooks",
+           "HybridSEASGD", "Job", "ParameterStore", "SEASGD", "SMBProcessGroup", "SYNC_SLOTS", "SharedCounters",
+           "StopRule", "SyncDataParallel", "TensorSlot", "Traffic", "WorkerEnv", "job", "new_node_groups",
+           "node_groups", "open_store", "register"]

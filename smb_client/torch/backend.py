@@ -31,7 +31,10 @@ how far they came in the c10d store, ``smb/at/<rank>``, once one of their waits 
 passed (the operation goes on).
 
 ``destroy_process_group()`` closes the collectives; rank 0 deletes their regions once
-every rank closed (or after the group's timeout, at most :data:`SHUTDOWN_WAIT`).
+every rank closed (or after the group's timeout, at most :data:`SHUTDOWN_WAIT`). A
+program that ends without it leaves nothing behind either: the regions hold an owner
+lease of :data:`LEASE` seconds on rank 0's client, so the controller deletes them once
+that process is gone.
 """
 from __future__ import annotations
 
@@ -62,6 +65,7 @@ BACKEND = "smb"
 MIN_CLASS = 64 << 10          # bytes: the smallest collective
 SHUTDOWN_WAIT = 300.0         # seconds rank 0 waits, at most, for the others to close
 POLL = 0.05                   # seconds between looks at the store while shutting down
+LEASE = 60.0                  # seconds the collectives' regions outlive rank 0's process
 REDUCIBLE = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32, torch.int64)
 AVERAGEABLE = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _registered = False
@@ -252,7 +256,8 @@ class SMBProcessGroup(ProcessGroup):
         name, key = f"{self.prefix}/c{cls}", f"smb/c{cls}"
         if self._rank == 0:
             try:
-                coll = Collective.create(self.client, name, cls, self._size, timeout=self._seconds)
+                coll = Collective.create(self.client, name, cls, self._size, timeout=self._seconds,
+                                         lease=LEASE)
             except BaseException as exc:
                 self._store.set(key, f"error: {exc!r}")
                 raise

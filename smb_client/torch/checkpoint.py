@@ -4,10 +4,15 @@
 :func:`state_dict` returns with ``torch.save``, keyed and ordered like the bound
 model's ``state_dict()``, so ``torch.load`` and ``model.load_state_dict`` read it;
 :func:`load` puts such a dict into the store (``params`` and buffer slot 0) and into the
-bound model.
+bound model. With an optimizer (or extra values such as the step) the file holds
+``{"model": <state dict>, "optimizer": <optimizer.state_dict()>, **extra}`` instead,
+which :func:`load` reads too; files are written whole or not at all (a temporary file,
+then a rename).
 """
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -57,13 +62,47 @@ def state_dict(store: CheckpointedStore) -> dict[str, torch.Tensor]:
     return {k: out[k] for k in order + rest}
 
 
-def load(store: CheckpointedStore, path: Any) -> None:
+MODEL, OPTIMIZER = "model", "optimizer"   # the keys of a checkpoint with an optimizer's state
+
+
+def save(model_state: dict[str, torch.Tensor], path: Any, optimizer: torch.optim.Optimizer | None = None,
+         **extra: Any) -> None:
+    """Write ``model_state`` to ``path`` (a file name): alone, or with ``optimizer``'s
+    state and ``extra`` values (see the module); atomically."""
+    doc: dict[str, Any] = dict(model_state)
+    if optimizer is not None or extra:
+        doc = {MODEL: dict(model_state), **extra}
+        if optimizer is not None:
+            doc[OPTIMIZER] = optimizer.state_dict()
+    target = Path(path)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    torch.save(doc, tmp)
+    os.replace(tmp, target)
+
+
+def read(path: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None, dict[str, Any]]:
+    """A checkpoint file's model state, optimizer state (None: none saved) and extra values."""
+    doc = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(doc, dict):
+        raise InvalidArgument(f"{path}: not a state dict ({type(doc).__name__})")
+    if isinstance(doc.get(MODEL), dict):
+        extra = {k: v for k, v in doc.items() if k not in (MODEL, OPTIMIZER)}
+        return doc[MODEL], doc.get(OPTIMIZER), extra
+    return doc, None, {}
+
+
+def load(store: CheckpointedStore, path: Any, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
     """Put the weights of a checkpoint (a state dict, e.g. from ``store.save`` or
-    ``torch.save(model.state_dict())``) into the store and into the bound model."""
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    if not isinstance(state, dict):
-        raise InvalidArgument(f"{path}: not a state dict ({type(state).__name__})")
+    ``torch.save(model.state_dict())``, or one saved with an optimizer) into the store
+    and into the bound model, and its optimizer state into ``optimizer`` (InvalidArgument
+    when ``optimizer`` is given and the file holds none); returns its extra values."""
+    state, opt_state, extra = read(path)
+    if optimizer is not None and opt_state is None:
+        raise InvalidArgument(f"{path} holds no optimizer state (save it with store.save(path, optimizer))")
     load_state_dict(store, state)
+    if optimizer is not None and opt_state is not None:
+        optimizer.load_state_dict(opt_state)
+    return extra
 
 
 def load_state_dict(store: CheckpointedStore, state: dict[str, torch.Tensor]) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,6 +101,7 @@ def check_torchrun(rank: int, world: int, what: str, environ: Mapping[str, str] 
 def open_store(client: Any, env: WorkerEnv, prefix: str, model: Any, *,
                ready_timeout: float = READY_TIMEOUT, members: int | None = None,
                creator: bool | None = None, resume: bool | None = None,
+               on_create: Callable[[ParameterStore], None] | None = None,
                **create: Any) -> ParameterStore:
     """The master creates the store (``create`` holds :meth:`ParameterStore.create`'s
     options); everybody meets at the barrier ``<prefix>/ready``; the others then attach
@@ -110,7 +111,9 @@ def open_store(client: Any, env: WorkerEnv, prefix: str, model: Any, *,
     whether this one creates (default: rank 0). ``resume`` (default: when torchrun
     restarted the group, ``TORCHELASTIC_RESTART_COUNT`` > 0): a store already under
     ``prefix`` is kept and everybody, the master included, attaches to it and loads the
-    stored weights; without one, the master creates it as usual.
+    stored weights; without one, the master creates it as usual. ``on_create(store)``
+    runs at the master after it created the store and before the others attach (to
+    load a checkpoint into it, say); an error there is published as a creation error.
 
     When the creation fails, the master leaves its error in ``<prefix>/failed`` and
     raises it; the others, who look for that record about every second while they wait,
@@ -133,6 +136,8 @@ def open_store(client: Any, env: WorkerEnv, prefix: str, model: Any, *,
     elif creates:
         try:
             store = ParameterStore.create(client, prefix, model, **create)
+            if on_create is not None:
+                on_create(store)
         except BaseException as exc:
             failure.publish(client, prefix, exc)
             raise

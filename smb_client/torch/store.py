@@ -104,6 +104,10 @@ class ParameterStore:
         self.delta_slots: int = meta["delta_slots"]
         self.workers: int = meta["workers"]
         self.placement: str = meta["placement"]
+        #: seconds of the owner lease the regions were made with (None: none); regions
+        #: made for the store later (the collective of SyncDataParallel) take it too
+        self.lease: float | None = meta.get("lease")
+        self.attempt: int = meta.get("attempt", 0)   # the restart count of the group that made it
         self.master = master
         self.traffic = Traffic()
         self._traffic_lock = threading.Lock()
@@ -122,7 +126,7 @@ class ParameterStore:
                placement: str = "striped", grad_slots: int | None = None, delta_slots: int | None = None,
                workers: int = 1, stripe_unit: int | None = None, num_servers: int = 0,
                replace: bool = False, buffers: bool = True, lease: float | None = None,
-               replicas: int = 1) -> ParameterStore:
+               replicas: int = 1, attempt: int = 0) -> ParameterStore:
         """Lay ``model`` out in new regions under ``prefix`` and store its parameters.
 
         ``scheme`` sizes the slots that are not given: ``sync`` (the default when
@@ -154,6 +158,10 @@ class ParameterStore:
         ``replicas`` (1 to 3): copies of every byte of every region, each on another
         memory server (see :meth:`Client.create_region`): training goes on when a server
         holding one dies, and the controller makes a new copy elsewhere.
+
+        ``attempt``: the torchrun restart count of the group creating it, kept in the
+        store's description (:attr:`attempt`), so that a later attempt can tell it
+        resumes an earlier one's store.
         """
         if placement not in PLACEMENTS:
             raise InvalidArgument(f"unknown placement {placement!r}: expected one of {', '.join(PLACEMENTS)}")
@@ -185,6 +193,10 @@ class ParameterStore:
         meta = {"layout": json.loads(layout.to_json()), "placement": placement,
                 "grad_slots": grad_slots, "delta_slots": delta_slots, "workers": workers,
                 "buffers": json.loads(blayout.to_json()) if blayout is not None else None}
+        if lease is not None:
+            meta["lease"] = float(lease)
+        if attempt:
+            meta["attempt"] = int(attempt)
         regions: dict[str, Any] = {}
 
         def create_region(name: str, size: int, **options: Any) -> Any:
@@ -466,13 +478,17 @@ class ParameterStore:
         """The stored parameters and published buffers, named as ``model.state_dict()``."""
         return checkpoint.state_dict(self)
 
-    def save(self, path: Any) -> None:
-        """``torch.save`` the :meth:`state_dict` to ``path``."""
-        torch.save(self.state_dict(), path)
+    def save(self, path: Any, optimizer: torch.optim.Optimizer | None = None, **extra: Any) -> None:
+        """``torch.save`` the :meth:`state_dict` to ``path``; with ``optimizer`` (or
+        ``extra`` values, such as ``step=``) a dict ``{"model": ..., "optimizer": ...,
+        **extra}`` instead (:func:`~smb_client.torch.checkpoint.save`)."""
+        checkpoint.save(self.state_dict(), path, optimizer, **extra)
 
-    def load(self, path: Any) -> None:
-        """A checkpoint (a state dict) into the store and the bound model."""
-        checkpoint.load(self, path)
+    def load(self, path: Any, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+        """A checkpoint (a state dict, or what :meth:`save` wrote with an optimizer) into
+        the store and the bound model, its optimizer state into ``optimizer`` when both
+        are there; returns the checkpoint's extra values (``{}`` for a plain state dict)."""
+        return checkpoint.load(self, path, optimizer)
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """A state dict into the store and the bound model (see :meth:`load`)."""

@@ -241,7 +241,7 @@ class SyncDataParallel:
                 pass
             packed = max(8, sum(n for _, n in self._runs))   # only trainable bytes travel
             coll = Collective.create(store.client, name, packed, self.world, timeout=self.barrier_timeout,
-                                     worker_hosts=worker_hosts, priority=self.priority)
+                                     worker_hosts=worker_hosts, priority=self.priority, lease=store.lease)
             if self.roll is not None:   # nobody waits yet: everybody is at the barrier below
                 self.roll.reset()
         controller_barrier(store.client, f"{store.prefix}/allreduce", self.world, timeout=self.barrier_timeout)
