@@ -2,16 +2,17 @@
 
     ddp = smb_client.torch.DistributedDataParallel(model)    # was: torch.nn.parallel.Distr...
     ...                                                      # the DDP loop, unchanged
-    ddp.close()                                              # at the end, in every worker
 
 One call starts a :class:`~smb_client.torch.job.Job` (the store, created by rank 0 and
 attached by the others, whose regions go with the job's lease) and a
 :class:`~smb_client.torch.sync.SyncDataParallel` over it, and returns a module that runs
 the wrapped one: ``ddp(x)``, ``ddp.parameters()``, ``ddp.no_sync()`` and ``ddp.module``
 work as with DDP. :meth:`DistributedDataParallel.close` publishes the final weights,
-waits for every worker and deletes the job's regions (a worker that ends without it
-leaves them to the lease, which deletes them :data:`~smb_client.torch.job.LEASE`
-seconds after the last worker is gone).
+waits for every worker and deletes the job's regions; a program that ends normally
+without calling it does so at exit (``atexit``). One that ends by an uncaught exception,
+or is killed (torchrun stops the others with SIGTERM when one fails), leaves them to
+the job's lease, which deletes them :data:`~smb_client.torch.job.LEASE` seconds after
+the last worker is gone.
 
 The job's name (``name=``; default :func:`default_name`) must be the same in every
 worker: under torchrun it is derived from ``TORCHELASTIC_RUN_ID`` (so a restarted group
@@ -19,7 +20,11 @@ finds its store), else rank 0 draws one and shares it through ``torch.distribute
 """
 from __future__ import annotations
 
+import atexit
+import logging
 import os
+import sys
+import threading
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -30,7 +35,26 @@ import torch
 from .job import LEASE, Job
 from .sync import SyncDataParallel
 
+log = logging.getLogger(__name__)
+
 __all__ = ["DistributedDataParallel", "default_name"]
+
+_crashed = threading.Event()     # an uncaught exception ended the main thread
+_hooked = False
+
+
+def _watch_for_crash() -> None:
+    """Chain ``sys.excepthook`` once, so that the exit handler can tell a crash."""
+    global _hooked
+    if _hooked:
+        return
+    _hooked = True
+    previous = sys.excepthook
+
+    def hook(*info: Any) -> None:
+        _crashed.set()
+        previous(*info)
+    sys.excepthook = hook
 
 
 def default_name() -> str:
@@ -66,6 +90,8 @@ class DistributedDataParallel(torch.nn.Module):
         except BaseException:
             self.job.abandon()
             raise
+        _watch_for_crash()
+        atexit.register(self._at_exit)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The wrapped module's forward pass."""
@@ -80,7 +106,19 @@ class DistributedDataParallel(torch.nn.Module):
     def close(self) -> None:
         """Publish the final weights, wait for every worker, delete the job's regions
         (:meth:`Job.finish`); idempotent."""
+        atexit.unregister(self._at_exit)
         self.job.finish()
+
+    def _at_exit(self) -> None:
+        """At the interpreter's exit: :meth:`close`, or, after a crash, leave the
+        regions to the lease."""
+        try:
+            if _crashed.is_set():
+                self.job.abandon()
+            else:
+                self.job.finish()
+        except Exception as exc:   # too late to raise: say it
+            log.error("job %s: ending at exit failed: %r", self.job.name, exc)
 
     def __enter__(self) -> DistributedDataParallel:
         return self
@@ -88,4 +126,5 @@ class DistributedDataParallel(torch.nn.Module):
     def __exit__(self, exc_type: object, *exc: object) -> None:
         """:meth:`close` after a normal exit; after an exception the regions are left
         to the lease (:meth:`Job.abandon`)."""
+        atexit.unregister(self._at_exit)
         self.job.__exit__(exc_type, *exc)
