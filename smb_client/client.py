@@ -141,9 +141,11 @@ class Client:
             return self._stubs[address][1]
 
     def __enter__(self) -> Client:
+        """The client itself."""
         return self
 
     def __exit__(self, *exc: object) -> None:
+        """:meth:`close`."""
         self.close()
 
     def close(self) -> None:
@@ -326,6 +328,7 @@ class Client:
         return deleted
 
     def list_regions(self, prefix: str = "") -> list[RegionStatus]:
+        """The regions whose names start with ``prefix`` (all: ""), with where they live."""
         resp = self._call("ListRegions", pb.ListRegionsRequest(prefix=prefix))
         return [RegionStatus(r.name, r.size, r.placement, tuple(e.server_id for e in r.extents),
                              r.state, r.persistent, r.created_at, max(1, r.replicas),
@@ -333,12 +336,14 @@ class Client:
 
     # -- cluster -------------------------------------------------------------------
     def list_servers(self) -> list[ServerStatus]:
+        """Every memory server the controller knows, by id."""
         resp = self._call("ListServers", pb.ListServersRequest())
         return [ServerStatus(s.server_id, s.host_id, s.grpc_address, tuple(s.endpoints),
                              s.capacity_bytes, s.used_bytes, s.state, s.last_heartbeat, s.extents)
                 for s in resp.servers]
 
     def drain_server(self, server_id: str, undrain: bool = False) -> ServerStatus:
+        """Stop placing new extents on a server (admin); ``undrain``: take new extents again."""
         s = self._call("DrainServer", pb.DrainServerRequest(server_id=server_id, undrain=undrain)).server
         return ServerStatus(s.server_id, s.host_id, s.grpc_address, tuple(s.endpoints),
                             s.capacity_bytes, s.used_bytes, s.state, s.last_heartbeat, s.extents)

@@ -260,9 +260,11 @@ class Collective:
         self.region.client.delete_region(self.region.name)
 
     def __enter__(self) -> Collective:
+        """The collective itself."""
         return self
 
     def __exit__(self, *exc: object) -> None:
+        """:meth:`close` (the region stays)."""
         self.close()
 
     # -- requests ---------------------------------------------------------------------

@@ -351,8 +351,10 @@ class Lock:
                                                                self.holder))
 
     def __enter__(self) -> Lock:
+        """:meth:`acquire` the lock."""
         self.acquire()
         return self
 
     def __exit__(self, *exc: object) -> None:
+        """:meth:`release` the lock."""
         self.release()

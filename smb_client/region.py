@@ -3,7 +3,8 @@
 A :class:`Region` turns a region-relative operation into requests against extents
 (via the pure layout in :mod:`smb_protocol.placement`), sends the requests for different
 servers in parallel, and waits for all of them. Every operation has an ``*_async``
-form returning a :class:`concurrent.futures.Future`.
+form returning a :class:`concurrent.futures.Future` and an ``a*`` coroutine for
+asyncio (:mod:`.region_async`).
 
 A region holds no connections: its :class:`~smb_client.route.Route` (one per region
 handle) maps each request's layout slot to a data-plane session of the client (one per
@@ -21,8 +22,7 @@ The route lives in :mod:`.route`; locks and barriers in :mod:`.coord`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -34,6 +34,7 @@ from smb_protocol.tickets import TicketMode
 from smb_protocol.wire import WaitCond
 
 from .buffers import as_view
+from .region_async import AsyncForms
 from .route import RegionSource, Route, in_slices, layout_of, until
 from .transports import Session
 
@@ -47,7 +48,7 @@ __all__ = ["Region", "ExtentPlace", "layout_of"]
 BufferOp = Callable[[Session, str, int, int, list[memoryview], int], Any]
 
 
-class Region:
+class Region(AsyncForms):
     """A handle on one region (one incarnation: :attr:`uid`), under one ticket (renewed
     as needed). Uses the client's data plane through its :attr:`route`; the client must
     outlive it. :meth:`close` is kept for ``with`` blocks: the connections belong to the
@@ -58,15 +59,18 @@ class Region:
         self.route = Route(client, info, ticket, mode)   # the one way its requests reach the servers
 
     @property
-    def client(self) -> RegionSource:  # the client that opened this region (borrowed)
+    def client(self) -> RegionSource:
+        """The client that opened this region (borrowed)."""
         return self.route.source
 
     @property
     def mode(self) -> TicketMode:
+        """``rw`` or ``ro``: what the ticket allows."""
         return self.route.mode
 
     @property
     def name(self) -> str:
+        """The region's name (``namespace/...``)."""
         return self.route.name
 
     @property
@@ -76,15 +80,18 @@ class Region:
         return self.route.uid
 
     @property
-    def size(self) -> int:  # bytes
+    def size(self) -> int:
+        """Bytes."""
         return self.route.size
 
     @property
     def placement(self) -> str:
+        """``striped``, ``layered`` or ``single``."""
         return self.route.placement
 
     @property
-    def stripe_unit(self) -> int:  # bytes (striped placement)
+    def stripe_unit(self) -> int:
+        """Bytes per stripe (striped placement)."""
         return self.route.stripe_unit
 
     @property
@@ -94,6 +101,7 @@ class Region:
 
     @property
     def layout(self) -> Layout:
+        """Where each byte lives: the pure offset -> (extent, offset) mapping."""
         return self.route.layout
 
     @property
@@ -103,6 +111,7 @@ class Region:
 
     @property
     def replicas(self) -> int:
+        """Copies of every byte (1 to 3)."""
         return self.route.replicas
 
     @property
@@ -115,9 +124,11 @@ class Region:
                 f"servers={len(self.extents)}, mode={self.mode.value!r})")
 
     def __enter__(self) -> Region:
+        """The region itself."""
         return self
 
     def __exit__(self, *exc: object) -> None:
+        """:meth:`close`."""
         self.close()
 
     def close(self) -> None:
@@ -341,48 +352,6 @@ class Region:
             view, dt = self._typed(offset, data, dtype)
             return self._tasks(offset, view, itemsize(dt), _accumulate(dt))
         self._many(items, plan)
-
-    # -- asynchronous forms --------------------------------------------------------
-    def _submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future[Any]:
-        return self.route.submit(fn, *args, **kwargs)
-
-    def write_async(self, offset: int, data: Any) -> Future[Any]:
-        return self._submit(self.write, offset, data)
-
-    def read_into_async(self, offset: int, out: Any) -> Future[Any]:
-        return self._submit(self.read_into, offset, out)
-
-    def read_async(self, offset: int = 0, length: int | None = None, dtype: Any = None) -> Future[Any]:
-        return self._submit(self.read, offset, length, dtype)
-
-    def accumulate_async(self, offset: int, data: Any, dtype: Any = None) -> Future[Any]:
-        return self._submit(self.accumulate, offset, data, dtype)
-
-    def axpy_async(self, offset: int, x: Any, alpha: float, dtype: Any = None) -> Future[Any]:
-        return self._submit(self.axpy, offset, x, alpha, dtype)
-
-    def scale_async(self, offset: int, length: int, alpha: float, dtype: Any) -> Future[Any]:
-        return self._submit(self.scale, offset, length, alpha, dtype)
-
-    def fetch_add_async(self, offset: int, value: int) -> Future[Any]:
-        return self._submit(self.fetch_add, offset, value)
-
-    def compare_swap_async(self, offset: int, expected: int, desired: int) -> Future[Any]:
-        return self._submit(self.compare_swap, offset, expected, desired)
-
-    def write_many_async(self, items: Sequence[tuple[int, Any]]) -> Future[Any]:
-        return self._submit(self.write_many, items)
-
-    def read_many_async(self, items: Sequence[tuple[int, Any]]) -> Future[Any]:
-        """A future of :meth:`read_many`'s list of buffers."""
-        return self._submit(self.read_many, items)
-
-    def accumulate_many_async(self, items: Sequence[tuple[int, Any]], dtype: Any = None) -> Future[Any]:
-        return self._submit(self.accumulate_many, items, dtype)
-
-    def fetch_add_many_async(self, items: Sequence[tuple[int, int]]) -> Future[Any]:
-        """A future of :meth:`fetch_add_many`'s old values."""
-        return self._submit(self.fetch_add_many, items)
 
 
 def _write(s: Session, ticket: str, extent_id: int, offset: int, bufs: list[memoryview], seq: int) -> None:

@@ -49,7 +49,17 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import ProcessGroup, ReduceOp, Store, Work
+from torch._C._distributed_c10d import (
+    AllgatherOptions,
+    AllreduceOptions,
+    BarrierOptions,
+    BroadcastOptions,
+    ProcessGroup,
+    ReduceOp,
+    ReduceScatterOptions,
+    Store,
+    Work,
+)
 from torch.distributed.distributed_c10d import GroupName
 
 from smb_protocol.errors import DtypeError, InvalidArgument, SMBError, Timeout
@@ -286,7 +296,7 @@ class SMBProcessGroup(ProcessGroup):
             t.copy_(buf)
 
     # -- collectives ----------------------------------------------------------------
-    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> SMBWork:  # type: ignore[override]
+    def allreduce(self, tensors: list[torch.Tensor], opts: AllreduceOptions | None = None) -> SMBWork:  # type: ignore[override]
         """Reduce each tensor over the ranks in place (SUM or AVG)."""
         average = _check_reduce(opts.reduceOp if opts is not None else ReduceOp.SUM, tensors)
 
@@ -298,7 +308,7 @@ class SMBProcessGroup(ProcessGroup):
 
     allreduce_coalesced = allreduce
 
-    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> SMBWork:  # type: ignore[override]
+    def broadcast(self, tensors: list[torch.Tensor], opts: BroadcastOptions | None = None) -> SMBWork:  # type: ignore[override]
         """Give every rank the root rank's tensors (any dtype)."""
         root = opts.rootRank if opts is not None else 0
         for t in tensors:
@@ -335,7 +345,7 @@ class SMBProcessGroup(ProcessGroup):
             out.copy_(raw[r * step:r * step + n].view(inp.dtype).reshape(out.shape))
 
     def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],  # type: ignore[override]
-                  opts: Any = None) -> SMBWork:
+                  opts: AllgatherOptions | None = None) -> SMBWork:
         """``output_tensors[i][r]`` becomes rank r's ``input_tensors[i]`` (any dtype)."""
         for outs, inp in zip(output_tensors, input_tensors, strict=True):
             _check_cpu(inp)
@@ -348,7 +358,8 @@ class SMBProcessGroup(ProcessGroup):
             return output_tensors
         return self._submit(run, "all_gather")
 
-    def all_gather_single(self, output: torch.Tensor, inp: torch.Tensor, opts: Any = None) -> SMBWork:
+    def all_gather_single(self, output: torch.Tensor, inp: torch.Tensor,
+                          opts: AllgatherOptions | None = None) -> SMBWork:
         """``output`` (``size`` times ``inp``'s elements) becomes every rank's ``inp`` in
         rank order."""
         _check_cpu(inp)
@@ -367,7 +378,7 @@ class SMBProcessGroup(ProcessGroup):
     _allgather_base = all_gather_single  # type: ignore[assignment]  # the older name
 
     def reduce_scatter(self, output_tensors: list[torch.Tensor],  # type: ignore[override]
-                       input_tensors: list[list[torch.Tensor]], opts: Any = None) -> SMBWork:
+                       input_tensors: list[list[torch.Tensor]], opts: ReduceScatterOptions | None = None) -> SMBWork:
         """``output_tensors[i]`` becomes the reduction of every rank's
         ``input_tensors[i][rank]`` (SUM or AVG)."""
         average = _check_reduce(opts.reduceOp if opts is not None else ReduceOp.SUM,
@@ -383,7 +394,7 @@ class SMBProcessGroup(ProcessGroup):
         return self._submit(run, "reduce_scatter")
 
     def reduce_scatter_single(self, output: torch.Tensor, inp: torch.Tensor,
-                             opts: Any = None) -> SMBWork:
+                             opts: ReduceScatterOptions | None = None) -> SMBWork:
         """``output`` becomes this rank's ``1/size`` share of the reduced ``inp``."""
         average = _check_reduce(opts.reduceOp if opts is not None else ReduceOp.SUM, [inp, output])
         if inp.numel() != output.numel() * self._size:
@@ -400,7 +411,7 @@ class SMBProcessGroup(ProcessGroup):
 
     _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]  # the older name
 
-    def barrier(self, opts: Any = None) -> SMBWork:
+    def barrier(self, opts: BarrierOptions | None = None) -> SMBWork:  # type: ignore[override]
         """Done once every rank called it (after every earlier operation)."""
         def run() -> list[torch.Tensor]:
             self._sum(torch.zeros(1, dtype=torch.int64))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeAlias
 
 import torch
 
@@ -21,6 +21,8 @@ from smb_protocol.errors import DtypeError, InvalidArgument
 
 from .flat import FlatModel, torch_dtype
 from .layout import FlatLayout, TensorSlot, dtype_name
+
+PathLike: TypeAlias = "str | os.PathLike[str]"   # a checkpoint file's name
 
 
 class CheckpointedStore(Protocol):
@@ -65,7 +67,7 @@ def state_dict(store: CheckpointedStore) -> dict[str, torch.Tensor]:
 MODEL, OPTIMIZER = "model", "optimizer"   # the keys of a checkpoint with an optimizer's state
 
 
-def save(model_state: dict[str, torch.Tensor], path: Any, optimizer: torch.optim.Optimizer | None = None,
+def save(model_state: dict[str, torch.Tensor], path: PathLike, optimizer: torch.optim.Optimizer | None = None,
          **extra: Any) -> None:
     """Write ``model_state`` to ``path`` (a file name): alone, or with ``optimizer``'s
     state and ``extra`` values (see the module); atomically."""
@@ -80,7 +82,7 @@ def save(model_state: dict[str, torch.Tensor], path: Any, optimizer: torch.optim
     os.replace(tmp, target)
 
 
-def read(path: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None, dict[str, Any]]:
+def read(path: PathLike) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None, dict[str, Any]]:
     """A checkpoint file's model state, optimizer state (None: none saved) and extra values."""
     doc = torch.load(path, map_location="cpu", weights_only=True)
     if not isinstance(doc, dict):
@@ -91,7 +93,7 @@ def read(path: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None, dic
     return doc, None, {}
 
 
-def load(store: CheckpointedStore, path: Any, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+def load(store: CheckpointedStore, path: PathLike, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
     """Put the weights of a checkpoint (a state dict, e.g. from ``store.save`` or
     ``torch.save(model.state_dict())``, or one saved with an optimizer) into the store
     and into the bound model, and its optimizer state into ``optimizer`` (InvalidArgument

@@ -53,6 +53,7 @@ class StopRule(enum.StrEnum):
 
     @classmethod
     def parse(cls, value: str | StopRule) -> StopRule:
+        """The rule named ``value``; InvalidArgument naming the known ones."""
         try:
             return cls(value)
         except ValueError:
@@ -103,6 +104,7 @@ class SharedCounters:
         return word * 8
 
     def rank_offset(self, rank: int) -> int:
+        """Byte offset of worker ``rank``'s iteration count."""
         return (COUNTER_WORDS + rank) * 8
 
     def _fires(self) -> bool:
@@ -132,9 +134,11 @@ class SharedCounters:
         return self.should_stop()
 
     def stop_word(self) -> int:
+        """The stop word now (0: running; else the count at which a rule fired)."""
         return self.region.fetch_add(self._offset(STOP_WORD), 0)
 
     def should_stop(self) -> bool:
+        """Whether this worker should stop now (lockstep: once its count reached the stop word)."""
         stop = self.stop_word()
         if stop == 0:
             return False

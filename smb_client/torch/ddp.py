@@ -121,6 +121,7 @@ class DistributedDataParallel(torch.nn.Module):
             log.error("job %s: ending at exit failed: %r", self.job.name, exc)
 
     def __enter__(self) -> DistributedDataParallel:
+        """The wrapper itself."""
         return self
 
     def __exit__(self, exc_type: object, *exc: object) -> None:

@@ -12,10 +12,13 @@ import json
 import logging
 import struct
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 from smb_protocol import errors
 from smb_protocol.errors import RegionNotFound, SMBError
+
+if TYPE_CHECKING:
+    from ..client import Client
 
 log = logging.getLogger(__name__)
 
@@ -26,10 +29,11 @@ LENGTH = struct.Struct("<Q")
 
 
 def region_name(prefix: str) -> str:
+    """The failure record's region under ``prefix``."""
     return f"{prefix}/{KIND}"
 
 
-def publish(client: Any, prefix: str, exc: BaseException) -> None:
+def publish(client: Client, prefix: str, exc: BaseException) -> None:
     """Leave the master's creation error in ``<prefix>/failed`` for the workers waiting
     to attach (best effort: a failure to do so is only logged)."""
     doc = json.dumps({"error": errors.wire_class(exc).__name__, "message": str(exc),
@@ -46,7 +50,7 @@ def publish(client: Any, prefix: str, exc: BaseException) -> None:
         log.warning("could not publish the creation failure of %s: %s", prefix, marker_exc)
 
 
-def check(client: Any, prefix: str, since: float | None = None) -> None:
+def check(client: Client, prefix: str, since: float | None = None) -> None:
     """Raise the master's creation error if it left one under ``prefix``: the same error
     class, its message saying where it comes from. With ``since`` (a ``time.time()``), a
     record more than :data:`SKEW` seconds older is taken for an earlier run's and ignored."""
@@ -68,7 +72,7 @@ def check(client: Any, prefix: str, since: float | None = None) -> None:
                f"{doc.get('error')}: {doc.get('message')}")
 
 
-def clear(client: Any, prefix: str) -> None:
+def clear(client: Client, prefix: str) -> None:
     """Remove the record (if any)."""
     try:
         client.delete_region(region_name(prefix))

@@ -133,6 +133,7 @@ class FlatModel:
         p.grad = gv
 
     def collect_grads(self) -> None:
+        """Copy gradients that autograd left outside the flat buffer into it."""
         for i in range(len(self.params)):
             self.collect_grad(i)
 
@@ -260,6 +261,7 @@ class GradientHooks:
         return self._next
 
     def finish(self) -> list[Any]:
+        """Push the buckets still waiting; the futures of every push of this backward pass."""
         for i, fired in enumerate(self._fired):
             if not fired:
                 self._fired[i] = True
@@ -271,6 +273,7 @@ class GradientHooks:
         return results
 
     def remove(self) -> None:
+        """Remove the hooks from the model's parameters."""
         for h in self._handles:
             h.remove()
         self._handles = []

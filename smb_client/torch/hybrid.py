@@ -37,7 +37,7 @@ def node_groups(world: int, local_world: int) -> list[list[int]]:
     return [list(range(n * local_world, (n + 1) * local_world)) for n in range(world // local_world)]
 
 
-def new_node_groups(world: int, local_world: int) -> tuple[list[list[int]], list[Any]]:
+def new_node_groups(world: int, local_world: int) -> tuple[list[list[int]], list[dist.ProcessGroup]]:
     """Create one process group per node (every rank must call this, in the same order)."""
     ranks = node_groups(world, local_world)
     return ranks, [dist.new_group(r) for r in ranks]
@@ -104,6 +104,7 @@ class HybridSEASGD:
         dist.broadcast(self.flat.flat_params, src=self.leader, group=self.group)
 
     def zero_grad(self) -> None:
+        """Zero the local gradients."""
         self.flat.zero_grad()
 
     def synchronize(self) -> None:
@@ -140,6 +141,7 @@ class HybridSEASGD:
         return bool(t.item())
 
     def close(self) -> None:
+        """Remove the hooks; the leader finishes its SEASGD worker (its last push)."""
         if self._hooks is not None:
             self._hooks.remove()
             self._hooks = None

@@ -230,6 +230,7 @@ class Job:
             self.client.close()
 
     def __enter__(self) -> Job:
+        """:meth:`start` the job."""
         return self.start()
 
     def __exit__(self, exc_type: object, *exc: object) -> None:

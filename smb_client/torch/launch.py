@@ -18,13 +18,19 @@ import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from smb_protocol.errors import BarrierTimeout, InvalidArgument
 
 from ..coord import REPORT_EVERY, PartiesMissing, controller_barrier
 from . import failure
+from .flat import FlatModel
 from .store import ParameterStore
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..client import Client
 
 log = logging.getLogger(__name__)
 
@@ -45,10 +51,12 @@ class WorkerEnv:
 
     @property
     def is_master(self) -> bool:
+        """Whether this is rank 0."""
         return self.rank == 0
 
     @property
     def nodes(self) -> int:
+        """The number of nodes (hosts) of the launch."""
         return self.world_size // self.local_world_size
 
     @classmethod
@@ -98,7 +106,7 @@ def check_torchrun(rank: int, world: int, what: str, environ: Mapping[str, str] 
                               f"torchrun's {got.world_size}; {fix}")
 
 
-def open_store(client: Any, env: WorkerEnv, prefix: str, model: Any, *,
+def open_store(client: Client, env: WorkerEnv, prefix: str, model: torch.nn.Module | FlatModel, *,
                ready_timeout: float = READY_TIMEOUT, members: int | None = None,
                creator: bool | None = None, resume: bool | None = None,
                on_create: Callable[[ParameterStore], None] | None = None,
@@ -149,7 +157,7 @@ def open_store(client: Any, env: WorkerEnv, prefix: str, model: Any, *,
     return store
 
 
-def _await_master(client: Any, prefix: str, name: str, parties: int, timeout: float) -> None:
+def _await_master(client: Client, prefix: str, name: str, parties: int, timeout: float) -> None:
     """The barrier ``name``, waited for in slices of :data:`FAILURE_POLL` seconds with a
     look for the master's failure record between them (a caller whose wait times out
     leaves the barrier, so arriving again is safe)."""

@@ -13,9 +13,12 @@ import json
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from smb_protocol.errors import DtypeError, InvalidArgument
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +35,7 @@ LAYOUT_VERSION = 2          # 1: float32 only, [name, shape]; 2: [name, shape, d
 
 
 def align_up(n: int, to: int = ALIGN) -> int:
+    """``n`` rounded up to a multiple of ``align``."""
     return -(-n // to) * to
 
 
@@ -47,10 +51,12 @@ class TensorSlot:
 
     @property
     def itemsize(self) -> int:
+        """Bytes per element."""
         return ITEMSIZE[self.dtype]
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the tensor's elements (without padding)."""
         return self.numel * self.itemsize
 
     @property
@@ -104,7 +110,7 @@ class FlatLayout:
         return cls(tuple(out))
 
     @classmethod
-    def of_module(cls, module: Any) -> FlatLayout:
+    def of_module(cls, module: torch.nn.Module) -> FlatLayout:
         """The layout of ``module.named_parameters()``: float32, bfloat16 or float16 CPU
         tensors (mixed types allowed)."""
         shapes = []
@@ -114,7 +120,7 @@ class FlatLayout:
         return cls.of(shapes)
 
     @classmethod
-    def of_buffers(cls, module: Any) -> FlatLayout:
+    def of_buffers(cls, module: torch.nn.Module) -> FlatLayout:
         """The layout of ``module.named_buffers()`` (possibly empty)."""
         shapes = []
         for name, b in module.named_buffers():
@@ -130,6 +136,7 @@ class FlatLayout:
     # -- sizes --------------------------------------------------------------------
     @property
     def slot_bytes(self) -> int:
+        """Bytes of one slot: every tensor, aligned."""
         if not self.tensors:
             return 0
         last = self.tensors[-1]
@@ -215,11 +222,13 @@ class FlatLayout:
                 raise DtypeError(f"parameter {theirs.name!r} is {theirs.dtype}, {where} holds {mine.dtype}")
 
     def to_json(self) -> str:
+        """The layout as JSON (the store's description keeps it)."""
         return json.dumps({"version": LAYOUT_VERSION, "align": ALIGN,
                            "tensors": [[t.name, list(t.shape), t.dtype] for t in self.tensors]})
 
     @classmethod
     def from_json(cls, text: str, *, allow_empty: bool = False) -> FlatLayout:
+        """A layout from :meth:`to_json`'s text; InvalidArgument when it is not one."""
         try:
             doc = json.loads(text)
             if doc["version"] == 1 and doc["dtype"] == DTYPE and doc["align"] == ALIGN:
@@ -234,12 +243,12 @@ class FlatLayout:
             raise InvalidArgument(f"not a parameter-store layout: {exc}") from None
 
 
-def dtype_name(dtype: Any) -> str:
+def dtype_name(dtype: torch.dtype | str) -> str:
     """``torch.bfloat16`` -> ``"bfloat16"``."""
     return str(dtype).removeprefix("torch.")
 
 
-def check_tensor(name: str, t: Any) -> None:
+def check_tensor(name: str, t: torch.Tensor) -> None:
     """A float32, bfloat16 or float16 CPU tensor, or a typed error saying what is wrong."""
     if dtype_name(t.dtype) not in PARAM_DTYPES:
         raise DtypeError(f"parameter {name!r} is {dtype_name(t.dtype)}; the parameter store holds "

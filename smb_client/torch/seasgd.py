@@ -141,13 +141,16 @@ class SEASGD:
         self.push_wait += time.perf_counter() - t0
 
     def close(self) -> None:
+        """Wait for the last push and stop the background thread; idempotent."""
         try:
             self.finish()
         finally:
             self._pusher.shutdown(wait=True)
 
     def __enter__(self) -> SEASGD:
+        """The worker itself."""
         return self
 
     def __exit__(self, *exc: object) -> None:
+        """:meth:`close`."""
         self.close()

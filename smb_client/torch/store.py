@@ -35,7 +35,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -45,6 +45,14 @@ from smb_protocol.placement import PLACEMENTS
 from . import checkpoint, failure
 from .flat import FlatModel
 from .layout import ALIGN, FlatLayout, align_up
+
+if TYPE_CHECKING:
+    from ..client import Client
+    from ..region import Region
+    from .checkpoint import PathLike
+
+#: what a store's regions move: a tensor (on the CPU) or a bytes-like buffer
+Data = torch.Tensor | bytes | bytearray | memoryview
 
 log = logging.getLogger(__name__)
 
@@ -69,10 +77,11 @@ class Traffic:
     ops: int = 0         # region operations issued
 
     def as_dict(self) -> dict[str, int]:
+        """Sent and received bytes and operations, as a dict."""
         return {"sent": self.sent, "received": self.received, "ops": self.ops}
 
 
-def _nbytes(data: Any) -> int:
+def _nbytes(data: Data) -> int:
     if isinstance(data, torch.Tensor):
         return data.numel() * data.element_size()
     return memoryview(data).nbytes
@@ -93,7 +102,7 @@ class ParameterStore:
     publish_failure = staticmethod(failure.publish)   # see smb_client.torch.failure
     check_failure = staticmethod(failure.check)
 
-    def __init__(self, client: Any, prefix: str, flat: FlatModel, regions: dict[str, Any],
+    def __init__(self, client: Client, prefix: str, flat: FlatModel, regions: dict[str, Region],
                  meta: dict[str, Any], *, master: bool) -> None:
         self.client = client
         self.prefix = prefix
@@ -119,10 +128,11 @@ class ParameterStore:
     # -- construction -------------------------------------------------------------
     @staticmethod
     def region_name(prefix: str, kind: str) -> str:
+        """The name of the store's ``kind`` region under ``prefix``."""
         return f"{prefix}/{kind}"
 
     @classmethod
-    def create(cls, client: Any, prefix: str, model: Any, *, scheme: str | None = None,
+    def create(cls, client: Client, prefix: str, model: torch.nn.Module | FlatModel, *, scheme: str | None = None,
                placement: str = "striped", grad_slots: int | None = None, delta_slots: int | None = None,
                workers: int = 1, stripe_unit: int | None = None, num_servers: int = 0,
                replace: bool = False, buffers: bool = True, lease: float | None = None,
@@ -197,9 +207,9 @@ class ParameterStore:
             meta["lease"] = float(lease)
         if attempt:
             meta["attempt"] = int(attempt)
-        regions: dict[str, Any] = {}
+        regions: dict[str, Region] = {}
 
-        def create_region(name: str, size: int, **options: Any) -> Any:
+        def create_region(name: str, size: int, **options: Any) -> Region:
             if replicas != 1:    # as before for clients that predate replicas
                 options["replicas"] = replicas
             return client.create_region(name, size, lease=lease, **options)
@@ -261,7 +271,7 @@ class ParameterStore:
                                "replace=True to delete it and create a new one, or attach to it")
 
     @classmethod
-    def attach(cls, client: Any, prefix: str, model: Any, *, timeout: float = 60.0,
+    def attach(cls, client: Client, prefix: str, model: torch.nn.Module | FlatModel, *, timeout: float = 60.0,
                pull: bool = True) -> ParameterStore:
         """Open the store the master created under ``prefix`` (waiting up to ``timeout``
         seconds for it to appear), check ``model`` against its layout (InvalidArgument
@@ -322,7 +332,7 @@ class ParameterStore:
             raise InvalidArgument(f"region {region.name}: unreadable description: {exc}") from None
 
     @classmethod
-    def destroy_prefix(cls, client: Any, prefix: str) -> None:
+    def destroy_prefix(cls, client: Client, prefix: str) -> None:
         """Delete every store region under ``prefix`` that exists (meta first)."""
         for kind in reversed(KINDS + (failure.KIND,)):
             try:
@@ -332,12 +342,15 @@ class ParameterStore:
 
     # -- lifecycle ----------------------------------------------------------------
     def __enter__(self) -> ParameterStore:
+        """The store itself."""
         return self
 
     def __exit__(self, *exc: object) -> None:
+        """:meth:`close` (the regions stay: :meth:`destroy` deletes them)."""
         self.close()
 
     def close(self) -> None:
+        """Close the region handles (the regions stay)."""
         for r in self.regions.values():
             r.close()
 
@@ -347,7 +360,8 @@ class ParameterStore:
         self.destroy_prefix(self.client, self.prefix)
 
     # -- traffic-counted operations -----------------------------------------------
-    def region(self, kind: str) -> Any:
+    def region(self, kind: str) -> Region:
+        """The store's ``kind`` region (InvalidArgument when it has none)."""
         try:
             return self.regions[kind]
         except KeyError:
@@ -370,24 +384,29 @@ class ParameterStore:
         return slot * self.layout.slot_bytes
 
     def read_into(self, kind: str, offset: int, out: torch.Tensor) -> torch.Tensor:
+        """Read ``kind``'s bytes at ``offset`` into ``out`` (counted); returns ``out``."""
         self.region(kind).read_into(offset, _raw(out))
         self.count_traffic(received=_nbytes(out))
         return out
 
-    def write(self, kind: str, offset: int, data: Any) -> None:
+    def write(self, kind: str, offset: int, data: Data) -> None:
+        """Write ``data`` at byte ``offset`` of ``kind`` (counted)."""
         self.region(kind).write(offset, _raw(data))
         self.count_traffic(sent=_nbytes(data))
 
     def accumulate(self, kind: str, offset: int, data: torch.Tensor) -> None:
+        """Add ``data`` at byte ``offset`` of ``kind``, server-side (counted)."""
         self.region(kind).accumulate(offset, data)
         self.count_traffic(sent=_nbytes(data))
 
     def accumulate_async(self, kind: str, offset: int, data: torch.Tensor) -> Future[Any]:
+        """A future of :meth:`accumulate`."""
         fut: Future[Any] = self.region(kind).accumulate_async(offset, data)
         self.count_traffic(sent=_nbytes(data))
         return fut
 
-    def write_async(self, kind: str, offset: int, data: Any) -> Future[Any]:
+    def write_async(self, kind: str, offset: int, data: Data) -> Future[Any]:
+        """A future of :meth:`write`."""
         fut: Future[Any] = self.region(kind).write_async(offset, _raw(data))
         self.count_traffic(sent=_nbytes(data))
         return fut
@@ -465,7 +484,7 @@ class ParameterStore:
             self.region("buffers").read_many(items)
         self.count_traffic(received=sum(_nbytes(b) for _, b in items))
 
-    def load_into(self, model: Any) -> None:
+    def load_into(self, model: torch.nn.Module) -> None:
         """Copy the stored parameters (and buffers, if the store holds them) into another
         model of the same architecture (e.g. an evaluation copy), without binding it."""
         other = FlatLayout.of_module(model)
@@ -478,13 +497,13 @@ class ParameterStore:
         """The stored parameters and published buffers, named as ``model.state_dict()``."""
         return checkpoint.state_dict(self)
 
-    def save(self, path: Any, optimizer: torch.optim.Optimizer | None = None, **extra: Any) -> None:
+    def save(self, path: PathLike, optimizer: torch.optim.Optimizer | None = None, **extra: Any) -> None:
         """``torch.save`` the :meth:`state_dict` to ``path``; with ``optimizer`` (or
         ``extra`` values, such as ``step=``) a dict ``{"model": ..., "optimizer": ...,
         **extra}`` instead (:func:`~smb_client.torch.checkpoint.save`)."""
         checkpoint.save(self.state_dict(), path, optimizer, **extra)
 
-    def load(self, path: Any, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+    def load(self, path: PathLike, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
         """A checkpoint (a state dict, or what :meth:`save` wrote with an optimizer) into
         the store and the bound model, its optimizer state into ``optimizer`` when both
         are there; returns the checkpoint's extra values (``{}`` for a plain state dict)."""

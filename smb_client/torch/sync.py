@@ -490,7 +490,9 @@ class SyncDataParallel:
                 self._coll.close()
 
     def __enter__(self) -> SyncDataParallel:
+        """The trainer itself."""
         return self
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
+        """:meth:`close`, publishing unless an exception ends the block."""
         self.close(publish=exc_type is None)
