@@ -50,6 +50,25 @@ class ServerStatus:
     state: str          # up | down | draining
     last_heartbeat: float
     extents: int
+    evacuating: bool = False   # draining, and its copies are being moved to other servers
+    moved_bytes: int = 0       # evacuating: bytes moved off it so far, and their rate (bytes/s)
+    move_rate: float = 0.0
+
+    @classmethod
+    def from_message(cls, s: Any) -> ServerStatus:
+        """From a protobuf ``ServerInfo``."""
+        return cls(s.server_id, s.host_id, s.grpc_address, tuple(s.endpoints), s.capacity_bytes,
+                   s.used_bytes, s.state, s.last_heartbeat, s.extents, s.evacuating, s.moved_bytes, s.move_rate)
+
+
+@dataclass(frozen=True)
+class RebalanceStatus:
+    """Where a rebalance stands: moves planned or copying, bytes still to move for an
+    even share, bytes moved (by rebalances and evacuations) since the leader started."""
+
+    running: bool
+    bytes_left: int
+    bytes_moved: int
 
 
 @dataclass(frozen=True)
@@ -338,15 +357,27 @@ class Client:
     def list_servers(self) -> list[ServerStatus]:
         """Every memory server the controller knows, by id."""
         resp = self._call("ListServers", pb.ListServersRequest())
-        return [ServerStatus(s.server_id, s.host_id, s.grpc_address, tuple(s.endpoints),
-                             s.capacity_bytes, s.used_bytes, s.state, s.last_heartbeat, s.extents)
-                for s in resp.servers]
+        return [ServerStatus.from_message(s) for s in resp.servers]
 
-    def drain_server(self, server_id: str, undrain: bool = False) -> ServerStatus:
-        """Stop placing new extents on a server (admin); ``undrain``: take new extents again."""
-        s = self._call("DrainServer", pb.DrainServerRequest(server_id=server_id, undrain=undrain)).server
-        return ServerStatus(s.server_id, s.host_id, s.grpc_address, tuple(s.endpoints),
-                            s.capacity_bytes, s.used_bytes, s.state, s.last_heartbeat, s.extents)
+    def drain_server(self, server_id: str, undrain: bool = False, evacuate: bool = False) -> ServerStatus:
+        """Stop placing new extents on a server (admin); ``evacuate``: also move every
+        copy it holds to other servers while clients keep using them (done when its
+        status shows 0 extents); ``undrain``: take new extents again."""
+        s = self._call("DrainServer", pb.DrainServerRequest(server_id=server_id, undrain=undrain,
+                                                            evacuate=evacuate)).server
+        return ServerStatus.from_message(s)
+
+    def remove_server(self, server_id: str) -> ServerStatus:
+        """Forget a drained server that holds nothing (admin); InvalidArgument while it
+        is up or holds extents."""
+        return ServerStatus.from_message(self._call("RemoveServer", pb.RemoveServerRequest(server_id=server_id)).server)
+
+    def rebalance(self, bytes_per_second: float = 0.0, stop: bool = False) -> RebalanceStatus:
+        """Start (or go on with) moving copies until every up server holds an even share
+        of bytes (admin), at most ``bytes_per_second`` on average (0: no limit);
+        ``stop``: start no more moves. Returns where it stands; call again to follow it."""
+        r = self._call("Rebalance", pb.RebalanceRequest(bytes_per_second=bytes_per_second, stop=stop))
+        return RebalanceStatus(r.running, r.bytes_left, r.bytes_moved)
 
     def barrier(self, name: str, parties: int, timeout: float | None = None) -> int:
         """Block until ``parties`` callers reached barrier ``name``; returns its generation.

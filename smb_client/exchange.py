@@ -22,8 +22,12 @@ caller's buffer. So:
 A chunk whose connection broke, or whose ticket expired, is sent again (up to
 :data:`RETRIES` times), with the same sequence number, on a new connection or after
 renewing the ticket: the server applies its push and counts
-its pull at most once and answers the repeat with the sum. Any other failure is the
-chunk's error; :meth:`Exchanger.abandon` then stops what is still in flight.
+its pull at most once and answers the repeat with the sum. A chunk whose extent is being
+moved to another server (NotPrimary), or was released by the move (ExtentNotFound), is
+sent again with the same number after opening the region again, with backoff, for up to
+:data:`~smb_client.route.FAILOVER_TIMEOUT` seconds: the move carries the extent's
+exactly-once entries to the new server. Any other failure is the chunk's error;
+:meth:`Exchanger.abandon` then stops what is still in flight.
 """
 from __future__ import annotations
 
@@ -31,22 +35,24 @@ import heapq
 import itertools
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future, InvalidStateError
 from typing import Protocol
 
 from smb_protocol.dtypes import DType
-from smb_protocol.errors import ServerUnavailable, SMBError, TicketExpired
+from smb_protocol.errors import ExtentNotFound, NotPrimary, ServerUnavailable, SMBError, TicketExpired
 from smb_protocol.placement import ExtentPlace
 
 from .region import Region
-from .route import name_server
+from .route import FAILOVER_TIMEOUT, name_server
 from .transports.errors import ConnectionBroken
 from .transports.stream import ReduceStream, Reduction
 
 log = logging.getLogger(__name__)
 
 RETRIES = 3        # extra sends of a chunk whose connection broke (each after a new connection) or whose ticket expired
+MOVE_BACKOFF = (0.02, 0.5)   # first and longest pause before a chunk goes again to an extent being moved
 
 
 class Chunk:
@@ -77,7 +83,7 @@ class Owner(Protocol):
 
 class _Task:
     __slots__ = ("chunk", "slot", "base", "parts", "dt", "seq", "nbytes", "future", "in_flight",
-                 "attempts", "ticket", "stream")
+                 "attempts", "ticket", "stream", "moved_at", "pause")
 
     def __init__(self, chunk: Chunk, slot: int, base: int, parts: Sequence[memoryview], dt: DType,
                  seq: int) -> None:
@@ -93,6 +99,8 @@ class _Task:
         self.attempts = 0
         self.ticket = ""
         self.stream: ReduceStream | None = None
+        self.moved_at = 0.0            # when a move first refused it (monotonic; 0: never)
+        self.pause = 0.0               # before its next send after a move refused it
 
 
 class Exchanger:
@@ -188,8 +196,8 @@ class Exchanger:
 
     def _send(self, task: _Task) -> None:
         route = self.coll.region.route
-        if task.attempts and task.ticket == route.ticket:
-            route.refresh()   # TicketExpired: a fresh ticket (RegionNotFound once it is gone)
+        if task.moved_at or (task.attempts and task.ticket == route.ticket):
+            route.refresh()   # a fresh ticket and where the extent is now (RegionNotFound once it is gone)
         place = route.extents[task.chunk.slot]
         stream = route.dataplane.coordination(place).reductions()
         if stream is None:
@@ -219,6 +227,17 @@ class Exchanger:
             log.info("collective %s: chunk %d again: %s", self.coll.region.name, task.chunk.index, err)
             self._queue_task(task)
             return
+        if isinstance(err, (NotPrimary, ExtentNotFound)) and not task.future.done():
+            now = time.monotonic()
+            task.moved_at = task.moved_at or now
+            if now - task.moved_at < FAILOVER_TIMEOUT:
+                task.pause = min(MOVE_BACKOFF[1], max(MOVE_BACKOFF[0], task.pause * 2))
+                log.info("collective %s: chunk %d again in %.2f s (%s)", self.coll.region.name,
+                         task.chunk.index, task.pause, err)
+                timer = threading.Timer(task.pause, self._queue_task, (task,))
+                timer.daemon = True
+                timer.start()
+                return
         if isinstance(err, ServerUnavailable):
             name_server(err, self.coll.region.route.extents[task.chunk.slot].server_id)
         _settle(task.future, err)

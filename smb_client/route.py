@@ -31,6 +31,16 @@ opens the region again and runs the operation again with the same numbers, for u
 :data:`FAILOVER_TIMEOUT` seconds (the controller needs a server lease to notice a dead
 server and promote a backup).
 
+Moves (an evacuated server, a rebalance): the controller copies a slot's extent to
+another server while clients use it and then switches the slot over, releasing the old
+extent. While a move is under way the region's description lists the new copy, and
+the route sends an unreplicated region's mutations to the moving extent's tcp plane
+too (which forwards them to the copy; shared memory learns the same from the extent's
+header, :mod:`.transports.shm`). A request that finds its extent released or its server
+refusing it (the switch) makes the route open the region again; when the slot's extent
+changed or a move is under way, the operation runs again, with the same numbers, at
+the slot's extent now, as after a failover: handles follow a move without reopening.
+
 One incarnation: the route opens its region again by name (a renewed ticket, a
 failover, an explanation of an error), and adopts the answer only when it describes the
 same region (the same ``uid``). A region deleted and created again under the same name
@@ -220,7 +230,7 @@ class Route:
         replicated region's mutations go to the primary's tcp plane, its reads to the
         nearest live copy; an unreplicated region's requests to the slot's extent over
         the transport chosen for its server."""
-        if self.replicas == 1:
+        if self.replicas == 1 and not self.copies:
             place = self.extents[slot]
             return self.dataplane.session(place), place
         if mutate:
@@ -288,12 +298,24 @@ class Route:
             raise RegionNotFound(self._gone)
         if time.time() > self.expires_at - REFRESH_MARGIN:
             self.refresh()
+        explained = False
         try:
             if self.replicas > 1:
                 return self._failing_over(fn)
-            return self._retrying_once(fn)
+            try:
+                return self._retrying_once(fn)
+            except (errors.ServerUnavailable, errors.ExtentNotFound) as exc:
+                before = tuple(p.extent_id for p in self.extents)
+                explained = True
+                self._explain(exc)
+                if tuple(p.extent_id for p in self.extents) == before and not self.copies:
+                    raise
+                log.info("region %s: moved or being moved (%s); running the operation again", self.name, exc)
+            explained = False
+            return self._failing_over(fn)
         except (errors.ServerUnavailable, errors.ExtentNotFound) as exc:
-            self._explain(exc)
+            if not explained:
+                self._explain(exc)
             raise
 
     def refresh(self) -> None:

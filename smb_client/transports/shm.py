@@ -8,8 +8,16 @@ the tcp session the data plane names (``options["arithmetic"]``, asked for on ev
 so that a server that restarted on a new tcp port is reached there).
 
 Every mapped extent starts with a 4096-byte header page; the word at byte 8 is 1 while
-the server holds the extent and 0 once it is released, so a deleted region is noticed
-(its memory was also punched out, so stale mappings read zeros, never new data).
+the server holds the extent, 0 once it is released, so a deleted region is noticed
+(its memory was also punched out, so stale mappings read zeros, never new data), and 2
+while every mutation must go through the server: the extent is a replicated copy, or
+one being moved to another server, whose copy is filled from this one while clients
+keep writing. A write looks at the word before and after its copy: 2 before, it goes to
+the server instead; 2 after (the server started a copy meanwhile, which may have read
+the range before these bytes landed), the same bytes go through the server again, which
+applies and forwards them. Between the copy and the second look a lock is taken and
+let go (a full memory barrier), so that the look cannot be ordered before the copy's
+stores. The server sets the word before it starts copying.
 
 A session also keeps one idle connection to the server's socket open, its liveness
 channel: the kernel closes it when the server process ends, however it ends, so the
@@ -57,6 +65,8 @@ log = logging.getLogger(__name__)
 
 HEADER_BYTES = 4096
 LIVE_OFFSET = 8
+LIVE, LIVE_THROUGH_SERVER = 1, 2   # the live word while the server holds the extent
+_BARRIER = threading.Lock()        # taken and let go between a copy and the look after it
 MAX_GRANTS = 4096      # (ticket, extent) grants remembered before forgetting them all
 MAX_DEAD = 65536       # (ticket, extent) grants of dead channels remembered (oldest forgotten)
 REQUEST_HEAD = struct.Struct("<I")
@@ -187,8 +197,13 @@ class _Mapping:
         self.live = np.frombuffer(self.mm, dtype="<u8", count=1, offset=LIVE_OFFSET)
 
     def check(self, extent_id: int) -> None:
-        if self.live[0] != 1:
-            raise ExtentNotFound(f"extent {extent_id} was released (region deleted)")
+        if self.live[0] not in (LIVE, LIVE_THROUGH_SERVER):
+            raise ExtentNotFound(f"extent {extent_id} was released (region deleted, or moved)")
+
+    @property
+    def direct(self) -> bool:
+        """Clients may write into this mapping (the server says so, and it is writable)."""
+        return self.writable and self.live[0] == LIVE
 
     def close(self) -> None:
         try:
@@ -282,7 +297,7 @@ class ShmSession(Session):
                         # a replaced read-only mapping is unmapped once no view of it is left
                     else:
                         os.close(fd)
-        if write and not granted:
+        if write and not granted and m.live[0] == LIVE:
             raise ReadOnly("write through a read-only ticket")
         m.check(extent_id)   # released (a region deleted, a clean stop) says so first
         # the server's liveness is checked once, after the copy (by the caller): a copy
@@ -296,13 +311,22 @@ class ShmSession(Session):
 
     def write(self, ticket: str, extent_id: int, offset: int, buffers: Sequence[memoryview],
               seq: int = 0) -> None:
-        """A copy into the mapping: running it again writes the same bytes (``seq`` unused)."""
+        """A copy into the mapping (running it again writes the same bytes), or through
+        the server with ``seq`` while the server says so (module docstring)."""
         m, channel = self._map(ticket, extent_id, write=True)
         self._bounds(m, extent_id, offset, sum(len(b) for b in buffers))
+        if not m.direct:
+            self._server().write(ticket, extent_id, offset, buffers, seq)
+            return
         pos = offset
         for b in buffers:
             _copy(m.data[pos:pos + len(b)], b)
             pos += len(b)
+        with _BARRIER:
+            pass
+        if m.live[0] == LIVE_THROUGH_SERVER:
+            self._server().write(ticket, extent_id, offset, buffers, seq)
+            return
         m.check(extent_id)
         self._check_live(channel)   # died meanwhile: nobody will read what we wrote
 

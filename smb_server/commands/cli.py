@@ -10,10 +10,9 @@ from typing import Any
 
 from smb_client import Client
 from smb_protocol import errors
-from smb_protocol.tls import TLSConfig
 from smb_protocol.units import format_bytes, parse_size
-from smb_server.commands import doctor, up
-from smb_server.commands.tokens import admin_token, client_token, warn_token_flag
+from smb_server.commands import doctor, pool, up
+from smb_server.commands.tokens import client_token, warn_token_flag
 from smb_server.runtime import logs
 from smb_server.runtime.config import (
     DEFAULT_CONTROLLER_FILE,
@@ -85,8 +84,8 @@ def cmd_controller(args: argparse.Namespace) -> int:
 
 
 def cmd_server(args: argparse.Namespace) -> int:
-    if args.action in ("drain", "undrain"):
-        return _server_drain(args, undrain=args.action == "undrain")
+    if args.action in ("drain", "undrain", "remove"):
+        return _server_admin(args)
     from smb_server.memserver.main import serve
     cfg = load(ServerConfig, args.config, default_path=DEFAULT_SERVER_FILE,
                flags=_flags(args, ServerConfig))
@@ -101,17 +100,27 @@ def cmd_server(args: argparse.Namespace) -> int:
     return 0
 
 
-def _server_drain(args: argparse.Namespace, undrain: bool) -> int:
+def _server_config(args: argparse.Namespace) -> ServerConfig:
+    """This host's memory-server configuration (flags, SMB_* variables, file), no secret."""
+    return load(ServerConfig, args.config, default_path=DEFAULT_SERVER_FILE,
+                flags=_flags(args, ServerConfig), with_secret=False)
+
+
+def _server_admin(args: argparse.Namespace) -> int:
     """``smb server drain``: the server named by ``--server-id``, or else by this host's
-    configuration (its ``server_id``, or the id kept in its ``state_dir``), takes no new
-    extents; the regions it holds keep working. ``smb server undrain`` reverses it."""
-    from smb_server.memserver.main import read_server_id
-    cfg = load(ServerConfig, args.config, default_path=DEFAULT_SERVER_FILE,
-               flags=_flags(args, ServerConfig), with_secret=False)
-    server_id = cfg.server_id or read_server_id(cfg.state_dir)
-    # the server's own TLS files (its configuration), as the server itself reaches the controller
-    tls = TLSConfig(cfg.tls_ca, cfg.tls_cert, cfg.tls_key) if cfg.tls_ca else None
-    with Client(cfg.controller, admin_token(cfg.secret_file) or cfg.token, tls=tls) as c:
+    configuration, takes no new extents; the regions it holds keep working; with
+    ``--evacuate`` every copy it holds moves to other servers while they do, and the
+    command follows it until the server holds nothing. ``smb server undrain`` reverses
+    a drain; ``smb server remove`` forgets a drained server that holds nothing."""
+    client, server_id = pool.admin_client(_server_config(args))
+    with client as c:
+        if args.action == "remove":
+            s = c.remove_server(server_id)
+            print(f"server {s.server_id} at {s.grpc_address} removed from the pool")
+            return 0
+        if args.action == "drain" and args.evacuate:
+            return pool.evacuate(c, server_id, quiet=args.quiet, timeout=args.timeout)
+        undrain = args.action == "undrain"
         s = c.drain_server(server_id, undrain=undrain)
     if undrain:
         print(f"server {s.server_id} at {s.grpc_address}: {s.state}; new extents may be placed on it")
@@ -270,8 +279,15 @@ def build_parser() -> argparse.ArgumentParser:
                                    "or the id kept in state_dir), takes no new extents; its regions "
                                    "keep working. smb server undrain: it takes new extents again. "
                                    "Settings: flag > SMB_* variable > --config file > default.")
-    p.add_argument("action", nargs="?", default="run", choices=["run", "drain", "undrain"],
-                   help="run the daemon (default), or drain/undrain the server")
+    p.add_argument("action", nargs="?", default="run", choices=["run", "drain", "undrain", "remove"],
+                   help="run the daemon (default), drain/undrain the server, or remove a drained, "
+                        "empty one from the pool")
+    p.add_argument("--evacuate", action="store_true",
+                   help="drain: also move every copy the server holds to other servers, and follow "
+                        "the moves until it holds nothing")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="drain --evacuate: stop following after this many seconds (exit 1; the moves go on)")
+    p.add_argument("--quiet", action="store_true", help="drain --evacuate: no progress output")
     p.add_argument("--config", default=None, help=f"TOML file (default {DEFAULT_SERVER_FILE} if present)")
     add_setting_flags(p, ServerConfig)
     p.set_defaults(fn=cmd_server)
@@ -286,6 +302,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_check_config)
 
     up.add_parsers(sub)
+
+    pool.add_parser(sub, DEFAULT_SERVER_FILE, lambda args: pool.cmd_rebalance(args, _server_config(args)))
 
     p = sub.add_parser("certs", help="make a CA and TLS certificates for a small cluster",
                        description="Writes ca.pem/ca.key, server.pem/server.key (for every daemon: "

@@ -270,6 +270,13 @@ class LocalCluster(Daemon):
         if wait:
             self._wait_file(ready, proc, name)
 
+    def add_server(self) -> int:
+        """Start one more memory server (a machine joining the pool); returns its index."""
+        self.servers.append(None)
+        self.num_servers += 1
+        self.start_server(len(self.servers) - 1)
+        return len(self.servers) - 1
+
     def wait_servers(self, count: int, timeout: float | None = None) -> None:
         """Wait until ``count`` memory servers are registered and up (``timeout``
         seconds, default :func:`start_timeout`)."""

@@ -50,6 +50,7 @@ def gather(client: Client, metrics: bool = False, timeout: float = CALL_TIMEOUT)
     now = time.time()
     rows = [{"server_id": s.server_id, "state": s.state, "address": s.grpc_address,
              "capacity_bytes": s.capacity, "used_bytes": s.used, "extents": s.extents,
+             "evacuating": s.evacuating, "moved_bytes": s.moved_bytes, "move_rate": s.move_rate,
              "transports": [u.partition(":")[0] for u in s.endpoints],
              "heartbeat_age_seconds": round(now - s.last_heartbeat, 3) if s.last_heartbeat else None}
             for s in servers]
@@ -156,9 +157,14 @@ def render(status: dict[str, Any], metrics: bool = False) -> str:
     lines.append(_table(rows, ["ID", "STATE", "HEALTH", "ADDRESS", "CAPACITY", "USED", "EXTENTS",
                                "TRANSPORTS", "HEARTBEAT", "SESSIONS", "READ/WRITTEN/ACCUMULATED",
                                "ERRORS"]))
-    draining = [s["server_id"] for s in servers if s["state"] == "draining"]
+    draining = [s["server_id"] for s in servers if s["state"] == "draining" and not s.get("evacuating")]
     if draining:
         lines.append(f"draining (no new extents): {', '.join(draining)}")
+    for s in servers:
+        if s.get("evacuating"):
+            lines.append(f"evacuating {s['server_id']}: {format_bytes(s['moved_bytes'])} moved, "
+                         f"{format_bytes(s['used_bytes'])} in {s['extents']} extent(s) left, "
+                         f"{format_bytes(int(s['move_rate']))}/s")
     latency = [(s["server_id"], e) for s in servers for e in (s.get("latency_seconds") or [])]
     if metrics and not serves_metrics(status):
         lines += ["", NO_METRICS]

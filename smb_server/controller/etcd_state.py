@@ -53,6 +53,7 @@ from . import etcd_kv as kv
 from .etcd_create import FIRST_ID_BASE, RegionCreates
 from .etcd_txn import MAX_TXN_OPS as MAX_TXN_OPS  # the limit callers check against
 from .etcd_txn import Fence, _extent_row
+from .moves import check_removable, drain_flag, removed_error
 from .records import (
     DELETE_MEMORY_SECONDS,
     DeletedRegion,
@@ -179,19 +180,22 @@ class EtcdState(RegionCreates):
         held_ids = {h.extent_id for h in held}
 
         def attempt() -> tuple[str, list[int]] | None:
+            if self._read_one("removed", server_id)[0] is not None:
+                raise removed_error(server_id)
             snap = self._snapshot(lost=False)
             old = snap.servers.get(server_id)
             row = {"server_id": server_id, "host_id": host_id, "grpc_address": grpc_address,
                    "endpoints": list(endpoints), "capacity": int(capacity), "state": "up",
                    "drain": False, "last_heartbeat": now, "registered_at": now}
-            if old is not None:
-                row["drain"] = bool(old[0]["drain"])
+            if old is not None:   # the drain flag stays (evacuating included)
+                row["drain"] = int(old[0]["drain"])
                 row["state"] = "draining" if row["drain"] else "up"
             known = snap.known_extents(server_id)
             lost = sorted(eid for eid, (_, state) in known.items() if state == "ready" and eid not in held_ids)
             key = self._key("servers", server_id)
             ops = [kv.put(key, json.dumps(row))] + [kv.put(self._key("lost", eid), "") for eid in lost]
-            if not self._commit([kv.mod_revision_is(key, old[1] if old else 0)], ops):
+            removed = kv.mod_revision_is(self._key("removed", server_id), 0)   # not removed meanwhile
+            if not self._commit([kv.mod_revision_is(key, old[1] if old else 0), removed], ops):
                 return None
             if old is None:
                 log.info("server %s registered at %s (%d bytes)", server_id, grpc_address, capacity)
@@ -266,15 +270,34 @@ class EtcdState(RegionCreates):
         log.info("server %s stopped%s: marked down", server_id, f" ({reason})" if reason else "")
         return self.get_server(server_id)
 
-    def drain(self, server_id: str, undrain: bool = False) -> ServerRecord:
-        """Stop (or resume) placing new extents on a server. Raises ServerNotFound."""
+    def drain(self, server_id: str, undrain: bool = False, evacuate: bool = False) -> ServerRecord:
+        """Stop (or resume) placing new extents on a server; ``evacuate``: move its
+        copies away too. Raises ServerNotFound."""
+        flag = drain_flag(undrain, evacuate)
+
         def change(row: dict[str, Any]) -> dict[str, Any]:
             state = row["state"] if row["state"] == "down" else ("up" if undrain else "draining")
-            return {**row, "drain": not undrain, "state": state}
+            return {**row, "drain": flag, "state": state}
         self._update_server(server_id, change,
                             f"no memory server {server_id!r}; see ListServers for the ids")
-        log.info("server %s %s", server_id, "undrained" if undrain else "draining")
+        log.info("server %s %s", server_id, "undrained" if undrain else "evacuating" if evacuate else "draining")
         return self.get_server(server_id)
+
+    def remove_server(self, server_id: str) -> ServerRecord:
+        """Forget a drained server that holds nothing (:func:`.records.check_removable`).
+        Raises ServerNotFound, InvalidArgument."""
+        def attempt() -> ServerRecord | None:
+            server = next((s for s in self.list_servers() if s.server_id == server_id), None)
+            row, rev = self._read_one("servers", server_id)
+            if server is None or row is None:
+                raise errors.ServerNotFound(f"no memory server {server_id!r}; see ListServers for the ids")
+            check_removable(server)
+            key = self._key("servers", server_id)
+            tombstone = kv.put(self._key("removed", server_id), json.dumps({"removed_at": self._now(None)}))
+            return server if self._commit([kv.mod_revision_is(key, rev)], [kv.delete(key), tombstone]) else None
+        server = self._retry(attempt, f"removing server {server_id}")
+        log.info("server %s removed from the pool", server_id)
+        return server
 
     def get_server(self, server_id: str) -> ServerRecord:
         """One server; raises ServerNotFound."""

@@ -16,6 +16,7 @@ from smb_protocol import errors
 from smb_protocol.replicas import ReplicaRole
 
 from . import etcd_kv as kv
+from .moves import DRAIN_EVACUATE
 from .records import ExtentRecord, RegionRecord, ServerRecord, region_state
 
 log = logging.getLogger(__name__)
@@ -122,7 +123,8 @@ class Snapshot:
                 used[sid] = used.get(sid, 0) + length
                 count[sid] = count.get(sid, 0) + 1
         return [ServerRecord(sid, r["host_id"], r["grpc_address"], tuple(r["endpoints"]), r["capacity"],
-                             used[sid], count[sid], r["state"], r["last_heartbeat"], r["registered_at"])
+                             used[sid], count[sid], r["state"], r["last_heartbeat"], r["registered_at"],
+                             r["drain"] == DRAIN_EVACUATE)
                 for sid, (r, _) in sorted(self.servers.items())]
 
     def region(self, row: dict[str, Any]) -> RegionRecord:

@@ -143,6 +143,8 @@ class Controller(Daemon):
         self.repairer = RepairManager(self.state, self.servicer.memservers,
                                       metrics=RepairMetrics(self.registry))
         self.servicer.on_failed_replicas = self._failed_replicas
+        self.servicer.repairs = self.repairer
+        self.servicer.wake_repairs = self._repair_wake.set
         self._repair_thread = threading.Thread(target=self._repair_loop, name="controller-repair",
                                                daemon=True)
         self._repair_thread.start()

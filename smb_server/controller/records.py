@@ -41,6 +41,7 @@ class ServerRecord:
     state: str             # up | down | draining
     last_heartbeat: float  # unix seconds
     registered_at: float   # unix seconds
+    evacuating: bool = False  # draining, and every copy it holds is to be moved elsewhere
 
     @property
     def free(self) -> int:
@@ -184,11 +185,10 @@ class SlotChange:
 
 
 def check_slot_change(region: RegionRecord, change: SlotChange, servers: Iterable[str] = ()) -> None:
-    """Raise InvalidArgument unless ``change`` fits ``region`` (a replicated region
-    with that slot; known copies; known roles; one primary at most after it; a new copy
-    with an unused copy number on a known server holding no copy of the slot)."""
-    if region.replicas <= 1:
-        raise InvalidArgument(f"region {region.name!r} is not replicated")
+    """Raise InvalidArgument unless ``change`` fits ``region`` (a region with that
+    slot; known copies; known roles; one primary at most after it; a new copy with an
+    unused copy number on a known server holding no copy of the slot). An unreplicated
+    slot changes only while a move gives it a second copy (:mod:`.moves`)."""
     copies = {e.copy: e for e in region.copies_of(change.index)}
     if not copies:
         raise InvalidArgument(f"region {region.name!r} has no slot {change.index}")
@@ -314,7 +314,8 @@ def region_state(stored: str, extents: Sequence[ExtentRecord], replicas: int = 1
     """
     if stored != "ready":
         return stored
-    if replicas <= 1:
+    if replicas <= 1:   # a move's second copy is not part of what clients use
+        extents = [e for e in extents if e.role in (ReplicaRole.NONE, ReplicaRole.PRIMARY)]
         if any(e.lost for e in extents):
             return "lost"
         if any(e.server_state == "down" for e in extents):

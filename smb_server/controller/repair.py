@@ -65,7 +65,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent import futures
 from typing import TYPE_CHECKING
 
@@ -73,6 +73,7 @@ from smb_protocol import errors
 from smb_protocol.replicas import ReplicaRole
 
 from .memservers import Backup, MemoryServers
+from .moves import Rebalancer, holds_all, leaving
 from .records import (
     ExtentRecord,
     FailedReplica,
@@ -106,9 +107,16 @@ class RepairMetrics:
         self.by_kind: dict[str, int] = {}
         self.synced_bytes = 0
         self.running = 0
+        self.moved_bytes = 0       # bytes of copies that left their server (moves)
+        self.move_bytes_left = 0   # bytes of copies still to leave theirs (last pass)
         self._lock = threading.Lock()
         self._prom = None
+        self._moved = None
         if registry is not None:
+            self._moved = registry.counter("smb_controller_moved_bytes_total",
+                                           "Bytes of copies moved off their server (evacuations, rebalances)")
+            registry.gauge("smb_controller_move_bytes_left", "Bytes of copies still to move (evacuations, "
+                           "rebalances), as of the last repair pass", fn=lambda: [((), self.move_bytes_left)])
             self._prom = (
                 registry.counter("smb_controller_repairs_total", "Replica-set changes the controller "
                                  "made, by kind (promote, drop, unreachable, redrive, resync, spare)",
@@ -124,6 +132,12 @@ class RepairMetrics:
     def started(self, delta: int) -> None:
         with self._lock:
             self.running += delta
+
+    def moved(self, nbytes: int) -> None:
+        with self._lock:
+            self.moved_bytes += nbytes
+        if self._moved is not None and nbytes:
+            self._moved.inc(nbytes)
 
     def done(self, kind: str, synced_bytes: int = 0, seconds: float = -1.0) -> None:
         with self._lock:
@@ -154,6 +168,9 @@ class RepairManager:
         self.state = state
         self.servers = servers
         self.metrics = metrics or RepairMetrics()
+        self.moves = Rebalancer()
+        #: evacuating server id -> (unix time this leader first saw it evacuate, bytes it held then)
+        self.evacuations: dict[str, tuple[float, int]] = {}
         self.clock = clock
         self._pool = futures.ThreadPoolExecutor(sync_workers, thread_name_prefix="replica-sync")
         self._lock = threading.Lock()
@@ -186,6 +203,7 @@ class RepairManager:
 
     def reset(self) -> None:
         """Forget what was pushed (a new leader pushes every slot's settings again)."""
+        self.moves.forget()
         with self._lock:
             self._reports.clear()
             self._applied.clear()
@@ -216,11 +234,15 @@ class RepairManager:
             reports, self._reports = list(self._reports.values()), {}
         if reports:
             self._drop_unreachable(reports)
-        regions = [r for r in self.state.list_regions() if r.replicas > 1]
+        by_id = {s.server_id: s for s in servers}
+        self.evacuations = {s.server_id: self.evacuations.get(s.server_id, (time.time(), s.used))
+                            for s in servers if s.evacuating}
+        moving = self.moves.picked()
+        regions = [r for r in self.state.list_regions() if self._tended(r, by_id, moving)]
         for region in regions:
             for index in sorted({e.index for e in region.extents}):
                 try:
-                    region = self._fence(region, index, suspect)
+                    region = self._fence(region, index, suspect, leaving(region, index, by_id, moving))
                 except errors.RegionNotFound:
                     break   # deleted meanwhile
                 except errors.ControllerUnavailable:
@@ -231,11 +253,29 @@ class RepairManager:
         with self._lock:
             avoid = {sid for sid, until in self._avoid.items() if until > now}
             self._in_flight = {k: f for k, f in self._in_flight.items() if not f.done()}
-        for region in self.state.list_regions():
-            if region.replicas <= 1 or region.state == "lost":
+        avoid |= {s.server_id for s in servers if s.evacuating}
+        regions = self.state.list_regions()
+        servers = self.state.list_servers()
+        by_id = {s.server_id: s for s in servers}
+        moving = self.moves.update(regions, servers, now)
+        self.metrics.move_bytes_left = self.moves.leaving_bytes
+        for region in regions:
+            if region.state in ("lost", "creating") or not self._tended(region, by_id, moving):
                 continue
             for index in sorted({e.index for e in region.extents}):
-                servers = self._start_sync(region, index, servers, avoid, now)
+                leave = leaving(region, index, by_id, moving)
+                prefer = next((moving[c.extent_id] for c in region.copies_of(index)
+                               if c.extent_id in moving), "")
+                servers = self._start_sync(region, index, servers, avoid, now, leave, prefer)
+
+    @staticmethod
+    def _tended(region: RegionRecord, servers: dict[str, ServerRecord], moving: Mapping[int, str]) -> bool:
+        """Whether a pass looks at ``region``: replicated, or an unreplicated one being
+        moved (or moved before: its slot has a view)."""
+        if region.replicas > 1:
+            return True
+        return any(e.view > 0 or e.extent_id in moving
+                   or (e.server_id in servers and servers[e.server_id].evacuating) for e in region.extents)
 
     def _drop_unreachable(self, reports: Sequence[FailedReplica]) -> None:
         """Act on the reports that :func:`plan_report` trusts: the backup becomes
@@ -291,16 +331,21 @@ class RepairManager:
                 self._registered[s.server_id] = s.registered_at
         return suspect
 
-    def _fence(self, region: RegionRecord, index: int, suspect: set[str]) -> RegionRecord:
+    def _fence(self, region: RegionRecord, index: int, suspect: set[str],
+               leave: frozenset[int] = frozenset()) -> RegionRecord:
         key = (region.uid, index)
-        fence = plan_fence(region, index, suspect)
+        fence = plan_fence(region, index, suspect, leave)
         if fence is not None:
             result = self.state.change_slot(region.name, region.uid, fence.change)
             if result is None:
                 return region      # changed meanwhile: the next pass decides again
             region, removed = result
             self.metrics.done(fence.kind)
-            if fence.kind == "promote":
+            if fence.kind in ("leave", "handover"):
+                self.metrics.moved(sum(e.length for e in removed))
+                log.info("region %s slot %d: %s (view %d)", region.name, index, fence.change.describe(),
+                         region.view_of(index))
+            elif fence.kind == "promote":
                 new = region.primary_of(index)
                 log.warning("region %s slot %d: copy %d on server %s is the primary now (view %d)",
                             region.name, index, new.copy, new.server_id, new.view)
@@ -308,7 +353,7 @@ class RepairManager:
                 log.warning("region %s slot %d: dead copies dropped from the replica set: %s (view %d)",
                             region.name, index, fence.change.describe(), region.view_of(index))
             self._release(region.uid, removed)
-            self._push(region, index, promotion=fence.kind == "promote")
+            self._push(region, index, promotion=fence.kind in ("promote", "handover"))
             return region
         view = region.view_of(index)
         with self._lock:   # view 1: configured by the create, before its commit
@@ -335,8 +380,10 @@ class RepairManager:
         if primary is None or primary.dead:
             return False
         backups = [c for c in copies if c.role == ReplicaRole.BACKUP and not c.dead]
+        # an unreplicated slot that a move left with one copy serves as an unreplicated extent again
+        alone = region.replicas == 1 and not backups
         head: tuple[ExtentRecord, ReplicaRole, list[Backup]] = (
-            primary, ReplicaRole.PRIMARY, [Backup(b) for b in backups])
+            primary, ReplicaRole.NONE if alone else ReplicaRole.PRIMARY, [Backup(b) for b in backups])
         if promotion:
             fenced = [c for c in copies if c.role in (ReplicaRole.BACKUP, ReplicaRole.SYNCING) and not c.dead]
             calls: list[tuple[ExtentRecord, ReplicaRole, list[Backup]]] = [
@@ -374,23 +421,26 @@ class RepairManager:
 
     # -- syncs -----------------------------------------------------------------------------
     def _start_sync(self, region: RegionRecord, index: int, servers: list[ServerRecord],
-                    avoid: set[str], now: float) -> list[ServerRecord]:
+                    avoid: set[str], now: float, leave: frozenset[int] = frozenset(),
+                    prefer: str = "") -> list[ServerRecord]:
         """Start the sync slot ``index`` needs; returns ``servers`` with the bytes a new
         copy takes counted (so the next slots of the pass see them used)."""
         key = (region.uid, index)
         with self._lock:
             if key in self._in_flight or self._retry_at.get(key, 0.0) > now:
                 return servers
-        plan = plan_sync(region, index, servers, avoid)
+        plan = plan_sync(region, index, servers, avoid, leave, prefer)
         if plan is None:
-            short = sum(c.in_sync for c in region.copies_of(index)) < region.replicas
+            short = sum(holds_all(c) and c.copy not in leave for c in region.copies_of(index)) < region.replicas
             primary = region.primary_of(index)
             if short and not primary.dead and key not in self._warned:
                 self._warned.add(key)
-                log.warning("region %s slot %d has %d of %d copies and no spare server to copy to "
-                            "(up, not draining, %d bytes free, no copy of it); it stays degraded",
-                            region.name, index, sum(c.in_sync for c in region.copies_of(index)),
-                            region.replicas, primary.length)
+                log.warning("region %s slot %d has %d of %d copies%s and no spare server to copy to "
+                            "(up, not draining, %d bytes free, no copy of it); it stays %s",
+                            region.name, index, sum(holds_all(c) and c.copy not in leave
+                                                    for c in region.copies_of(index)),
+                            region.replicas, " that stay" if leave else "", primary.length,
+                            "where it is" if leave else "degraded")
             return servers
         self._warned.discard(key)
         with self._lock:
@@ -428,7 +478,9 @@ class RepairManager:
         start = self.clock()
         if plan.kind == "spare":
             copy = free_copy_number(region, index)
-            change = SlotChange(index, view, add=NewCopy(copy, plan.server_id, ReplicaRole.SYNCING))
+            head = region.primary_of(index)   # an unreplicated slot's extent becomes the primary of a move
+            roles = {head.copy: ReplicaRole.PRIMARY} if head.role == ReplicaRole.NONE else {}
+            change = SlotChange(index, view, roles, add=NewCopy(copy, plan.server_id, ReplicaRole.SYNCING))
         elif plan.kind == "resync":
             copy = plan.copy
             change = SlotChange(index, view, {copy: ReplicaRole.SYNCING})

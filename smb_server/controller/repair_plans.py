@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from smb_protocol.replicas import IN_SYNC, ReplicaRole
 
+from .moves import head_of, holds_all
 from .records import ExtentRecord, FailedReplica, RegionRecord, ServerRecord, SlotChange
 
 log = logging.getLogger(__name__)
@@ -20,13 +21,51 @@ class Fence:
     """A fencing change of one slot and whether it replaces the primary."""
 
     change: SlotChange
-    kind: str   # promote | drop
+    kind: str   # promote | drop | handover (a leaving primary replaced) | leave (leaving backups dropped)
 
 
-def plan_fence(region: RegionRecord, index: int, suspect: Iterable[str] = ()) -> Fence | None:
+def plan_fence(region: RegionRecord, index: int, suspect: Iterable[str] = (),
+               leave: frozenset[int] = frozenset()) -> Fence | None:
     """The change that takes dead copies out of slot ``index``'s replica set (:mod:`.repair`,
-    step 1), or None. ``suspect``: servers whose copies count as dead while
-    the slot has an in-sync copy on another server."""
+    step 1), or else the copies in ``leave`` (:func:`.moves.leaving`) once enough others
+    are in step (:func:`plan_leave`), or None. ``suspect``: servers whose copies count as
+    dead while the slot has an in-sync copy on another server."""
+    fence = _plan_dead(region, index, suspect)
+    if fence is None and leave:
+        return plan_leave(region, index, leave)
+    return fence
+
+
+def plan_leave(region: RegionRecord, index: int, leave: frozenset[int]) -> Fence | None:
+    """Take the copies in ``leave`` out of slot ``index`` once ``replicas`` in-step
+    copies stay: leaving backups become ``stale`` and are dropped; a leaving primary
+    is replaced by a backup that stays (a handover: backups first, which fences it),
+    the other staying copies become ``syncing`` as after any promotion (one may have
+    applied a mutation the new primary refused)."""
+    copies = region.copies_of(index)
+    stay = [c for c in copies if c.in_sync and c.copy not in leave]
+    primary = next((c for c in copies if c.role == ReplicaRole.PRIMARY), None)
+    if primary is None or primary.dead or len(stay) < region.replicas:
+        return None
+    roles: dict[int, ReplicaRole] = {c.copy: ReplicaRole.STALE for c in copies
+                                     if c.copy in leave and c.role != ReplicaRole.STALE}
+    kind = "leave"
+    if primary.copy in leave:
+        new = min((c for c in stay if c.role == ReplicaRole.BACKUP), key=lambda c: (c.server_state != "up", c.copy))
+        roles[new.copy] = ReplicaRole.PRIMARY
+        for c in copies:
+            if c.copy not in leave and c.copy != new.copy and c.role in (ReplicaRole.BACKUP, ReplicaRole.SYNCING):
+                roles[c.copy] = ReplicaRole.SYNCING
+        kind = "handover"
+    after = {c.copy: roles.get(c.copy, c.role) for c in copies}
+    in_sync = sum(1 for c in copies if after[c.copy] in IN_SYNC and not c.dead)
+    remove = frozenset(c.copy for c in copies if after[c.copy] == ReplicaRole.STALE and in_sync >= region.replicas)
+    if not roles:
+        return None
+    return Fence(SlotChange(index, region.view_of(index), roles, remove), kind)
+
+
+def _plan_dead(region: RegionRecord, index: int, suspect: Iterable[str]) -> Fence | None:
     copies = region.copies_of(index)
     suspect = set(suspect)
     trusted = [c for c in copies if c.in_sync and c.server_id not in suspect]
@@ -105,24 +144,30 @@ def pick_spare(region: RegionRecord, index: int, servers: Sequence[ServerRecord]
 
 
 def plan_sync(region: RegionRecord, index: int, servers: Sequence[ServerRecord],
-              avoid: Iterable[str] = ()) -> SyncPlan | None:
+              avoid: Iterable[str] = (), leave: frozenset[int] = frozenset(),
+              prefer: str = "") -> SyncPlan | None:
     """The copy to bring into slot ``index`` now (:mod:`.repair`, step 2), or None
-    (in step, no live primary, or nowhere to put one)."""
+    (in step, no live primary, or nowhere to put one). Copies in ``leave`` do not count
+    as in step (a move brings their replacement in); a new copy goes to ``prefer``
+    when that server fits (:func:`pick_spare`'s rules). An unreplicated slot's extent
+    is its primary here (a move makes it one)."""
     copies = region.copies_of(index)
     avoid = set(avoid)
-    primary = next((c for c in copies if c.role == ReplicaRole.PRIMARY), None)
+    primary = head_of(copies)
     if primary is None or primary.dead:
         return None
     usable = [c for c in copies if not c.dead and c.server_id not in avoid]
     syncing = [c for c in usable if c.role == ReplicaRole.SYNCING]
     if syncing:
         return SyncPlan(index, "redrive", syncing[0].copy)
-    if sum(c.in_sync for c in copies) >= region.replicas:
+    if sum(holds_all(c) and c.copy not in leave for c in copies) >= region.replicas:
         return None
     stale = [c for c in usable if c.role == ReplicaRole.STALE]
     if stale:
         return SyncPlan(index, "resync", stale[0].copy)
-    spare = pick_spare(region, index, servers, avoid)
+    preferred = [s for s in servers if s.server_id == prefer]
+    spare = (pick_spare(region, index, preferred, avoid) if preferred else None) \
+        or pick_spare(region, index, servers, avoid)
     if spare is None:
         return None
     return SyncPlan(index, "spare", server_id=spare.server_id)

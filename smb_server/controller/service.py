@@ -8,8 +8,9 @@ the result into a reply; typed errors become gRPC status codes (``typed_errors``
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -21,8 +22,12 @@ from smb_server.runtime.grpc_util import current_principal, typed_errors
 from .barriers import MAX_WAITERS, Barriers
 from .creation import RegionCreator, RegionSpec
 from .memservers import RELEASE_TIMEOUT, RESERVE_TIMEOUT, GrpcMemoryServers
+from .moves import plan_rebalance
 from .records import ExtentRecord, FailedReplica, HeldExtent, RegionRecord, ServerRecord
 from .store import StateStore
+
+if TYPE_CHECKING:
+    from .repair import RepairManager
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +40,8 @@ METHOD_ROLES: dict[str, tuple[str, ...]] = {
     "Heartbeat": (SERVER,),
     "UnregisterServer": (SERVER, ADMIN),
     "DrainServer": (ADMIN,),
+    "RemoveServer": (ADMIN,),
+    "Rebalance": (ADMIN,),
     "ListServers": (CLIENT, SERVER),
     "CreateRegion": (CLIENT,),
     "OpenRegion": (CLIENT,),
@@ -59,7 +66,7 @@ def server_info(s: ServerRecord) -> common_pb2.ServerInfo:
     return common_pb2.ServerInfo(
         server_id=s.server_id, host_id=s.host_id, grpc_address=s.grpc_address,
         endpoints=list(s.endpoints), capacity_bytes=s.capacity, used_bytes=s.used, state=s.state,
-        last_heartbeat=s.last_heartbeat, extents=s.extents)
+        last_heartbeat=s.last_heartbeat, extents=s.extents, evacuating=s.evacuating)
 
 
 def extent_ref(e: ExtentRecord) -> common_pb2.ExtentRef:
@@ -107,6 +114,9 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         self.creator = RegionCreator(state, self.memservers)
         self.barriers = Barriers(max_barrier_waits)
         self.on_failed_replicas: Callable[[list[FailedReplica]], None] | None = None
+        #: the controller's repair manager (moves) and what starts a pass now
+        self.repairs: RepairManager | None = None
+        self.wake_repairs: Callable[[], None] = lambda: None
 
     def close(self) -> None:
         """Wake barrier waiters, finish memory-server calls, close channels."""
@@ -155,14 +165,45 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
     @typed_errors
     def DrainServer(self, request: controller_pb2.DrainServerRequest,
                     context: grpc.ServicerContext) -> Any:
-        server = self.state.drain(request.server_id, undrain=request.undrain)
+        server = self.state.drain(request.server_id, undrain=request.undrain, evacuate=request.evacuate)
+        if request.evacuate:
+            self.wake_repairs()
         return controller_pb2.DrainServerResponse(server=server_info(server))
+
+    @typed_errors
+    def RemoveServer(self, request: controller_pb2.RemoveServerRequest,
+                     context: grpc.ServicerContext) -> Any:
+        server = self.state.remove_server(request.server_id)
+        return controller_pb2.RemoveServerResponse(server=server_info(server))
+
+    @typed_errors
+    def Rebalance(self, request: controller_pb2.RebalanceRequest, context: grpc.ServicerContext) -> Any:
+        if self.repairs is None:
+            raise errors.ControllerUnavailable("this controller is starting; retry")
+        if request.bytes_per_second < 0:
+            raise errors.InvalidArgument(f"bytes_per_second must be >= 0, not {request.bytes_per_second}")
+        moves = self.repairs.moves
+        left = sum(m.length for m in plan_rebalance(self.state.list_servers(), self.state.list_regions()))
+        if request.stop:
+            moves.stop()
+        elif moves.running() or left:
+            moves.start(request.bytes_per_second, self.repairs.clock())   # a new one, or a new rate
+            self.wake_repairs()
+        return controller_pb2.RebalanceResponse(running=moves.running(), bytes_left=left,
+                                                bytes_moved=self.repairs.metrics.moved_bytes)
 
     @typed_errors
     def ListServers(self, request: controller_pb2.ListServersRequest,
                     context: grpc.ServicerContext) -> Any:
-        return controller_pb2.ListServersResponse(
-            servers=[server_info(s) for s in self.state.list_servers()])
+        infos = [server_info(s) for s in self.state.list_servers()]
+        evacuations = self.repairs.evacuations if self.repairs is not None else {}
+        now = time.time()
+        for info in infos:
+            if info.server_id in evacuations:   # progress as this leader saw it
+                since, held = evacuations[info.server_id]
+                info.moved_bytes = max(0, held - info.used_bytes)
+                info.move_rate = info.moved_bytes / max(now - since, 1e-3)
+        return controller_pb2.ListServersResponse(servers=infos)
 
     # -- regions -------------------------------------------------------------------------
     @typed_errors

@@ -40,6 +40,7 @@ from contextlib import contextmanager
 from smb_protocol.errors import InvalidArgument
 from smb_protocol.replicas import ReplicaRole
 
+from .moves import DRAIN_EVACUATE
 from .records import ExtentRecord, RegionRecord, ServerRecord, region_state
 
 log = logging.getLogger(__name__)
@@ -100,6 +101,10 @@ CREATE TABLE IF NOT EXISTS owner_leases (
     owner   TEXT PRIMARY KEY,
     seconds REAL NOT NULL,
     expires REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS removed_servers (
+    server_id  TEXT PRIMARY KEY,
+    removed_at REAL NOT NULL
 );
 CREATE TABLE IF NOT EXISTS done_deletes (
     request_id TEXT PRIMARY KEY,
@@ -257,4 +262,5 @@ def server_records(db: sqlite3.Connection) -> list[ServerRecord]:
         "GROUP BY s.server_id ORDER BY s.server_id").fetchall()
     return [ServerRecord(r["server_id"], r["host_id"], r["grpc_address"],
                          tuple(json.loads(r["endpoints"])), r["capacity"], r["used"], r["n"],
-                         r["state"], r["last_heartbeat"], r["registered_at"]) for r in rows]
+                         r["state"], r["last_heartbeat"], r["registered_at"],
+                         r["drain"] == DRAIN_EVACUATE) for r in rows]

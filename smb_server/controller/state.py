@@ -24,6 +24,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from smb_protocol.errors import InvalidArgument, RegionExists, RegionNotFound, ServerNotFound
 from smb_protocol.placement import check_bytes
 
+from .moves import check_removable, drain_flag, removed_error
 from .records import (
     DELETE_MEMORY_SECONDS,
     DeletedRegion,
@@ -119,6 +120,8 @@ class ControllerState:
         server_id = server_id or uuid.uuid4().hex[:12]
         held = list(held)
         with self._sql.tx() as db:
+            if db.execute("SELECT 1 FROM removed_servers WHERE server_id=?", (server_id,)).fetchone():
+                raise removed_error(server_id)
             row = db.execute("SELECT drain FROM servers WHERE server_id=?", (server_id,)).fetchone()
             endpoints_json = json.dumps(list(endpoints))
             if row is None:
@@ -198,11 +201,13 @@ class ControllerState:
         log.info("server %s stopped%s: marked down", server_id, f" ({reason})" if reason else "")
         return self.get_server(server_id)
 
-    def drain(self, server_id: str, undrain: bool = False) -> ServerRecord:
-        """Stop (or, with ``undrain``, resume) placing new extents on a server.
+    def drain(self, server_id: str, undrain: bool = False, evacuate: bool = False) -> ServerRecord:
+        """Stop (or, with ``undrain``, resume) placing new extents on a server; with
+        ``evacuate`` its copies are also moved elsewhere (by the repair pass).
 
-        Existing extents stay where they are. Raises ServerNotFound.
+        Raises ServerNotFound.
         """
+        flag = drain_flag(undrain, evacuate)
         with self._sql.tx() as db:
             row = db.execute("SELECT state FROM servers WHERE server_id=?", (server_id,)).fetchone()
             if row is None:
@@ -210,10 +215,23 @@ class ControllerState:
             state = row["state"]
             if state != "down":
                 state = "up" if undrain else "draining"
-            db.execute("UPDATE servers SET drain=?, state=? WHERE server_id=?",
-                       (0 if undrain else 1, state, server_id))
-        log.info("server %s %s", server_id, "undrained" if undrain else "draining")
+            db.execute("UPDATE servers SET drain=?, state=? WHERE server_id=?", (flag, state, server_id))
+        log.info("server %s %s", server_id, "undrained" if undrain else "evacuating" if evacuate else "draining")
         return self.get_server(server_id)
+
+    def remove_server(self, server_id: str) -> ServerRecord:
+        """Forget a drained server that holds nothing (:func:`.records.check_removable`);
+        returns its last record. Raises ServerNotFound, InvalidArgument."""
+        with self._sql.tx() as db:
+            server = next((s for s in server_records(db) if s.server_id == server_id), None)
+            if server is None:
+                raise ServerNotFound(f"no memory server {server_id!r}; see ListServers for the ids")
+            check_removable(server)
+            db.execute("DELETE FROM servers WHERE server_id=?", (server_id,))
+            db.execute("INSERT OR REPLACE INTO removed_servers (server_id, removed_at) VALUES (?,?)",
+                       (server_id, time.time()))
+        log.info("server %s removed from the pool", server_id)
+        return server
 
     def get_server(self, server_id: str) -> ServerRecord:
         """One server; raises ServerNotFound."""

@@ -10,7 +10,10 @@ pull waits until the count reaches its target, sends the chunk, then counts the 
 chunk may be overwritten once every party pulled it. A ``REDUCE`` is a push (here) and
 its pull, which the plane queues and serves when the chunk is complete
 (:mod:`.deliveries`). Collectives use regions of their own: replicated extents refuse
-them.
+them, and so does an extent being moved (NotPrimary: the client retries at the extent's
+new place once the move is done, with the same numbers). A push or pull counts as a
+mutation served unreplicated (:meth:`.replication.Replication.unreplicated`) once it
+stops waiting, so a move's copy starts only after it, or refuses it.
 """
 from __future__ import annotations
 
@@ -54,7 +57,8 @@ def push(node: Node, peer: Peer, extent: Extent, req: Push, entry: Entry | None)
     with extent.pin(), peer.payload(req.length) as src:
         chunk = src.take(req.length) if req.length else memoryview(b"")
         node.waiters.wait(extent, req.word, WaitCond.AT_LEAST, req.base, req.timeout, peer.cancelled)
-        with extent.lock, extent.data[req.offset:req.offset + req.length] as dst, \
+        with node.replication.unreplicated(extent.extent_id), extent.lock, \
+                extent.data[req.offset:req.offset + req.length] as dst, \
                 extent.data[req.word:req.word + 8] as count:
             old = kernels.fetch_add(count, 0)
             if old == req.base:
@@ -78,16 +82,14 @@ def pull(node: Node, peer: Peer, req: Pull) -> None:
     answers through :meth:`~.peer.Peer.send`."""
     extent = peer.tickets.check(node.arena, req.extent_id, write=True)
     extent.check_range(req.offset, req.length)
-    if node.replication.role(req.extent_id):
-        raise InvalidArgument(f"pull: extent {req.extent_id} is replicated; collectives use regions "
-                              "of their own")
     check_chunk(req, extent)
 
     def run(entry: Entry | None) -> None:
         node.waiters.wait(extent, req.word, WaitCond.AT_LEAST, req.target, req.timeout, peer.cancelled)
-        ops.read(peer, extent, req)   # in the socket's buffer once this returns
-        with extent.pin(), extent.lock, extent.data[req.word:req.word + 8] as count:
-            kernels.fetch_add(count, 1)
+        with node.replication.unreplicated(extent.extent_id):
+            ops.read(peer, extent, req)   # in the socket's buffer once this returns
+            with extent.pin(), extent.lock, extent.data[req.word:req.word + 8] as count:
+                kernels.fetch_add(count, 1)
     if not req.seq:
         run(None)
     else:

@@ -31,7 +31,7 @@ __all__ = ["DedupTable", "Entry", "Record", "WINDOW", "pack_records", "unpack_re
 
 #: one handed-over entry: client, seq, what (op, extent, offset, length, dtype), applied,
 #: done, status, then ``body`` bytes of body
-_RECORD = struct.Struct("<QQBQQQBQ?IH")
+_RECORD = struct.Struct("<QQBQQQQQ?IH")   # the last field of `what` is a dtype, or a count word's offset
 Record = tuple[int, int, tuple[int, ...], int, bool, int, bytes]   # client, seq, what, applied, done, status, body
 
 

@@ -21,6 +21,7 @@ from smb_protocol.errors import InvalidArgument, NotPrimary, Status
 from smb_protocol.wire import WRITE_OPS
 
 from . import collective_ops, coord_ops, ops, replica_ops
+from .arena import Extent
 from .dedup import Entry
 from .node import Node
 from .peer import Peer, Repeat
@@ -90,18 +91,30 @@ class Engine:
         write = req.op in WRITE_OPS
         extent = peer.tickets.check(self.node.arena, req.extent_id, write=write)
         extent.check_range(req.offset, req.length)
-        if write and self.node.replication.role(req.extent_id):
+        replication = self.node.replication
+        if write and replication.role(req.extent_id):
             if not peer.takes_replicated:
                 raise NotPrimary(f"extent {req.extent_id} is replicated: its mutations go to the "
                                  "primary's tcp data plane")
             return replica_ops.mutate(self.node, peer, extent, req, entry)
-        if isinstance(req, (Wait, Lock)):
+        if isinstance(req, Wait):
             return coord_ops.serve(self.node.waiters, req, extent, peer.cancelled)
-        if isinstance(req, Push):
+        if isinstance(req, Push):   # counted only once it stops waiting (collective_ops)
             return collective_ops.push(self.node, peer, extent, req, entry)
         if isinstance(req, Read):
             ops.read(peer, extent, req)
             return None
+        if not write:
+            raise InvalidArgument(f"{req.op.name.lower()} is not served on this data plane")
+        with replication.unreplicated(req.extent_id):   # a move waits for it (replication)
+            return self._unreplicated(peer, extent, req, entry)
+
+    def _unreplicated(self, peer: Peer, extent: Extent, req: Request, entry: Entry | None) -> bytes | None:
+        """A mutation of an unreplicated extent."""
+        if isinstance(req, Lock):   # a lock that waits stops when a move begins (it is retried)
+            replication = self.node.replication
+            return coord_ops.serve(self.node.waiters, req, extent,
+                                   lambda: peer.cancelled() or bool(replication.role(req.extent_id)))
         if isinstance(req, Write):
             return ops.write(peer, extent, req)
         if isinstance(req, (FetchAdd, CompareSwap)):

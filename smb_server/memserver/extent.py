@@ -29,7 +29,9 @@ Header page layout (all integers little-endian):
 offset  size    field
 ====== ======= ============================================================
 0       u64     magic ``HEADER_MAGIC`` ("SMBEXT01")
-8       u64     live word: 1 while the server holds the extent, 0 once released
+8       u64     live word: 1 while the server holds the extent and clients may write
+                its mapping, 2 while it holds it but every mutation must go through
+                the server (a replicated extent, or one being moved), 0 once released
 16      u64     extent_id
 24      u64     length of the data part, bytes
 32      64      region_uid, UTF-8, NUL-padded
@@ -68,6 +70,7 @@ log = logging.getLogger(__name__)
 HEADER_BYTES = 4096
 HEADER_MAGIC = int.from_bytes(b"SMBEXT01", "little")
 LIVE_OFFSET = 8
+LIVE, LIVE_THROUGH_SERVER = 1, 2   # values of the live word while the extent is held
 UID_OFFSET = 32
 UID_BYTES = 64
 HEADER = struct.Struct("<QQQQ64s")   # magic, live, extent_id, length, region_uid
@@ -213,6 +216,16 @@ class Extent:
 
     def _set_live(self, live: int) -> None:
         struct.pack_into("<Q", self._header, LIVE_OFFSET, live)
+
+    def direct_writes(self, allowed: bool) -> None:
+        """Tell clients that map the extent whether they may write into their mapping
+        (live word 1) or must send every mutation through the server (2), which
+        forwards it to the extent's copies. Set under the extent's lock before a sync
+        starts: a client's copy that ends after this sees it and sends its bytes again
+        through the server (:mod:`smb_client.transports.shm`). Nothing once released."""
+        with self._state:
+            if not self._released:
+                self._set_live(LIVE if allowed else LIVE_THROUGH_SERVER)
 
     @property
     def live(self) -> bool:

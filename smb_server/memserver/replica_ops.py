@@ -53,9 +53,9 @@ def mutate(node: Node, peer: Peer, extent: Extent, req: Request, entry: Entry | 
     """A client's mutation of a replicated extent (access already checked)."""
     if node.replication.role(extent.extent_id) is not ReplicaRole.PRIMARY:
         primary(node, extent)   # raises NotPrimary
-    if req.op not in REPLICATED_OPS:
-        raise InvalidArgument(f"{req.op.name.lower()} is not served on replicated extent "
-                              f"{extent.extent_id} (collectives use regions of their own)")
+    if req.op not in REPLICATED_OPS:   # a collective's chunk while its extent is moved: retried after
+        raise NotPrimary(f"{req.op.name.lower()} is not served on replicated extent {extent.extent_id}, "
+                         "nor on one being moved (collectives use unreplicated regions); open the region again")
     with extent.pin():
         if isinstance(req, (Write, Arithmetic)):
             body = _range(node, peer, extent, req, entry)

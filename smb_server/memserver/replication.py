@@ -33,6 +33,15 @@ lock, the primary hands the copy its exactly-once entries for the extent (``SEED
 requests it applied before the copy joined reached the copy as bytes, not as pieces, and
 a retry of one that reaches the copy after a promotion must be answered, not applied.
 
+An unreplicated extent becomes a primary when the controller moves it to another
+server (its new copy is synced as above, then promoted, and the old one released).
+Mutations served the unreplicated way (straight into the mapping, no forwarding) are
+counted while they run (:meth:`Replication.unreplicated`): the configuration that
+makes the extent a primary first waits for those to end, so the copy that starts next
+misses none of them; those that come later see the role and take the primary's path
+(or, for collective chunks, are refused with NotPrimary: their clients retry after the
+move). Waiting requests (locks, collective chunks) are not counted while they wait.
+
 One :class:`Replication` per memory server (built by its :class:`~.node.Node`), shared
 by the servicer and the planes; the request paths of a primary and a backup are
 :mod:`.replica_ops`'. Connections to a backup server are pooled per endpoint (:class:`Forwarder`),
@@ -42,18 +51,19 @@ endpoints with the server's own certificate, key and CA).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import ssl
 import struct
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from smb_client.transports.pool import ConnectionPool
 from smb_client.transports.tcp import DEAD_PEER_TIMEOUT, TcpConnection
 from smb_protocol.addressing import parse_endpoint
-from smb_protocol.errors import InvalidArgument, NotPrimary, ServerUnavailable, SMBError
+from smb_protocol.errors import InvalidArgument, NotPrimary, ServerBusy, ServerUnavailable, SMBError
 from smb_protocol.replicas import CONFIGURABLE, ReplicaRole
 from smb_protocol.tickets import Ticket, TicketMode, sign
 from smb_protocol.tls import TLS_SCHEME
@@ -165,6 +175,7 @@ class Replication:
         self._cond = threading.Condition()
         self._forwarders: dict[str, Forwarder] = {}
         self._configuring: dict[int, threading.Lock] = {}
+        self._unreplicated: dict[int, int] = {}   # extent id -> mutations served unreplicated now
         self.counts = dict.fromkeys(("pieces", "bytes", "sync_bytes", "failures"), 0)
         #: called (no lock held) when a backup is newly marked failed: the server sends
         #: a heartbeat at once, so that the controller drops it within about a second
@@ -177,6 +188,39 @@ class Replication:
     def role(self, extent_id: int) -> ReplicaRole:
         cfg = self._configs.get(extent_id)
         return cfg.role if cfg is not None else ReplicaRole.NONE
+
+    @contextlib.contextmanager
+    def unreplicated(self, extent_id: int) -> Iterator[None]:
+        """Serve one mutation of an unreplicated extent, counted while it runs (module
+        docstring); NotPrimary once the extent has a role (a move began: the client
+        opens the region again and sends it the way the region says)."""
+        with self._cond:
+            if self.role(extent_id):
+                raise NotPrimary(f"extent {extent_id} is being moved or is replicated: its mutations "
+                                 "go to its primary's tcp data plane; open the region again")
+            self._unreplicated[extent_id] = self._unreplicated.get(extent_id, 0) + 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                left = self._unreplicated[extent_id] - 1
+                if left:
+                    self._unreplicated[extent_id] = left
+                else:
+                    del self._unreplicated[extent_id]
+                    self._cond.notify_all()
+
+    def _drain_unreplicated(self, extent_id: int, timeout: float) -> None:
+        """Wait until no mutation served the unreplicated way runs on the extent;
+        ServerBusy after ``timeout`` seconds (the controller configures it again)."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._unreplicated.get(extent_id):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ServerBusy(f"extent {extent_id}: {self._unreplicated[extent_id]} mutation(s) "
+                                     f"still running unreplicated after {timeout:g} s; configure again")
+                self._cond.wait(left)
 
     def failed_backups(self) -> list[FailedBackup]:
         """Every backup of a primary extent here that is marked failed (waiting for the
@@ -229,10 +273,13 @@ class Replication:
                     cfg = ReplicaConfig(role, view, backups)
                     self._configs[extent.extent_id] = cfg
                     self._cond.notify_all()
+                    extent.direct_writes(role is ReplicaRole.NONE)
                 for b in backups:
                     self._forwarder(b.endpoint)
             log.info("extent %d: %s at view %d%s", extent.extent_id, role or "unreplicated", view,
                      "".join(f", backup {b.extent_id} on {b.server_id} ({b.state})" for b in backups))
+            if role:
+                self._drain_unreplicated(extent.extent_id, self.timeout)
             synced = sum(self._sync(extent, cfg, b) for b in backups if b.state == "syncing")
         return view, synced
 

@@ -14,6 +14,8 @@ HARD_CAP = 600    # no module is longer than this, named or not
 LONG_MODULES: dict[str, str] = {
     "smb_protocol.placement": "the layouts, their server planner and the share math behind its weights are one "
                               "pure unit the controller and the client share",
+    "smb_client.client": "the public Client: every control-plane call, each with its typed result and its "
+                         "documented errors",
     "smb_client.collective": "the chunk layout, the collectives and the piecewise round share one set of "
                              "counting rules",
     "smb_client.torch.store": "ParameterStore's construction, attachment, counted operations and whole-model "

@@ -360,7 +360,7 @@ def test_atomics_and_locks_are_forwarded(nodes):
     assert struct.unpack_from("<q", backup.data(), 128)[0] == 42
     assert conn.request(Op.UNLOCK, primary.eid, 128, 8, arg0=42, seq=1002) == struct.pack("<q", 42)
     assert struct.unpack_from("<q", backup.data(), 128)[0] == 0
-    with pytest.raises(InvalidArgument):            # collectives use regions of their own
+    with pytest.raises(NotPrimary):   # collectives use unreplicated regions (and wait out a move)
         conn.request(Op.PUSH, primary.eid, 0, 8, DType.INT64, arg0=1024, arg1=0, alpha=1.0,
                      payload=[memoryview(bytes(8))], seq=1003)
     conn.close()
@@ -382,7 +382,7 @@ def test_shm_hands_out_read_only_descriptors_of_replicated_extents(nodes):
             with pytest.raises(PermissionError):
                 mmap.mmap(fds[0], HEADER_BYTES + SIZE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             m = mmap.mmap(fds[0], HEADER_BYTES + SIZE, mmap.MAP_SHARED, mmap.PROT_READ)
-            assert struct.unpack_from("<Q", m, 8)[0] == 1   # the live word
+            assert struct.unpack_from("<Q", m, 8)[0] == 2   # the live word: held, mutations through the server
             m.close()
         finally:
             os.close(fds[0])

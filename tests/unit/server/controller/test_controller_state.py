@@ -134,6 +134,29 @@ def test_drain_excludes_server_from_placement(state: StateStore) -> None:
         state.drain("nobody")
 
 
+def test_an_evacuation_survives_a_restart_and_a_removed_server_cannot_rejoin(state: StateStore) -> None:
+    add(state, "a")
+    add(state, "b")
+    assert state.drain("a", evacuate=True).evacuating
+    state.expire_leases(now=T0 + LEASE + 1)
+    state.register_server("a", "host-a", "127.0.0.1:1", [], 64 * MiB, now=T0 + LEASE + 2)
+    again = state.get_server("a")
+    assert (again.state, again.evacuating) == ("draining", True)   # still moving its copies away
+    state.heartbeat("a", [], now=T0 + LEASE + 3)
+    state.heartbeat("b", [], now=T0 + LEASE + 3)
+    assert state.get_server("a").evacuating
+    with pytest.raises(errors.InvalidArgument, match="drain it first"):
+        state.remove_server("b")
+    assert state.remove_server("a").server_id == "a"
+    assert [s.server_id for s in state.list_servers()] == ["b"]
+    with pytest.raises(errors.ServerNotFound):
+        state.heartbeat("a", [], now=T0 + LEASE + 4)
+    # its daemon, still running, registers again: refused, so it cannot take extents unseen
+    with pytest.raises(errors.ServerNotFound, match="removed from the pool"):
+        state.register_server("a", "host-a", "127.0.0.1:1", [], 64 * MiB, now=T0 + LEASE + 5)
+    assert [s.server_id for s in state.list_servers()] == ["b"]
+
+
 def test_over_capacity_is_out_of_memory(state: StateStore) -> None:
     add(state, "a", 8 * MiB)
     add(state, "b", 8 * MiB)

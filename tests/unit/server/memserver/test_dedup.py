@@ -5,6 +5,7 @@ from collections import OrderedDict
 import pytest
 
 from smb_protocol.errors import InvalidArgument
+from smb_protocol.wire import Op
 from smb_server.memserver.dedup import DedupTable, pack_records, unpack_records
 
 
@@ -157,3 +158,11 @@ def test_records_are_packed_into_messages_of_whole_records_under_the_limit():
     messages = pack_records(records, limit=1000)
     assert len(messages) > 1 and all(len(m) <= 1000 for m in messages)
     assert [r for m in messages for r in unpack_records(m)] == records
+
+
+def test_a_collective_chunks_entry_is_handed_over_with_its_count_words_offset():
+    """A push's entry is filed with its count word's extent offset where other requests
+    have a dtype code: a copy filled by a move gets it whole (the record once held a byte)."""
+    record = (5, 9, (int(Op.REDUCE), 100, 0, 4096, 1 << 21), 4096, True, 0, bytes(8))
+    (message,) = pack_records([record])
+    assert list(unpack_records(message)) == [record]

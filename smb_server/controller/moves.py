@@ -1,0 +1,241 @@
+"""Moving copies between memory servers while clients use them: evacuating a server and
+rebalancing the pool. Pure decisions; the repair pass carries them out (:mod:`.repair`).
+
+A move is made of replica-set changes the repair pass already makes for a dead copy:
+
+1. a new copy of the slot on the target server, filled from the slot's primary while
+   clients keep writing (a sync: forwarded mutations plus a chunked copy, ending with
+   the primary's exactly-once entries, ``SEED``);
+2. once it is in step, the copy that leaves goes: a backup is dropped; a primary is
+   replaced by promoting an in-step copy that stays (the backups are configured at the
+   new view first, which fences the old primary: a mutation it had not forwarded yet is
+   refused and retried by its client at the new primary, with the same number);
+3. the dropped copy is released on its server.
+
+An unreplicated slot is a replica set of one: for its move its extent becomes the
+primary of two copies (so every mutation sent through the server is forwarded to the
+new copy), and the copy that stays is configured unreplicated again afterwards.
+
+Nothing about a move is stored besides the replica set itself. Which copies leave is
+decided again on every pass from the servers' drain flags (``evacuating``), from the
+moves the controller has picked (``moving``: extent id -> target server), and from
+over-replication: a slot with more in-step copies than it needs (a move whose new copy
+is in step, its controller gone before it dropped the old one) gives up the extra copies
+on the fullest servers. So a new leader finishes a move it did not start.
+"""
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from smb_protocol.errors import InvalidArgument, ServerNotFound
+from smb_protocol.replicas import IN_SYNC, ReplicaRole
+
+from .records import ExtentRecord, RegionRecord, ServerRecord
+
+#: a server's stored drain flag: takes new extents | takes none | takes none and gives
+#: every copy it holds away (the repair pass moves them)
+DRAIN_NONE, DRAIN_STOP, DRAIN_EVACUATE = 0, 1, 2
+
+
+def drain_flag(undrain: bool, evacuate: bool) -> int:
+    """The drain flag a ``DrainServer`` call stores; InvalidArgument for both flags."""
+    if undrain and evacuate:
+        raise InvalidArgument("undrain and evacuate exclude each other")
+    return DRAIN_NONE if undrain else DRAIN_EVACUATE if evacuate else DRAIN_STOP
+
+
+def removed_error(server_id: str) -> ServerNotFound:
+    """What a server removed from the pool (``smb server remove``) hears when it
+    registers again: its daemon is still running, and must not rejoin unseen."""
+    return ServerNotFound(f"memory server {server_id} was removed from the pool (smb server remove): stop "
+                          "its daemon, or start it with a fresh state_dir to join as a new server")
+
+
+def check_removable(server: ServerRecord) -> None:
+    """Raise InvalidArgument unless ``server`` may leave the pool: drained (or down)
+    and holding no extent, so that removing it forgets nothing."""
+    if server.state == "up":
+        raise InvalidArgument(f"server {server.server_id} is up: drain it first "
+                              f"(smb server drain --evacuate --server-id {server.server_id})")
+    if server.extents:
+        raise InvalidArgument(f"server {server.server_id} still holds {server.extents} extent(s) "
+                              f"({server.used} bytes): evacuate it first (smb server drain --evacuate)")
+
+
+
+def holds_all(c: ExtentRecord) -> bool:
+    """A live copy holding every acknowledged byte: a primary, a backup, or the one
+    extent of an unreplicated slot."""
+    return (c.role in IN_SYNC or c.role == ReplicaRole.NONE) and not c.dead
+
+
+def head_of(copies: Sequence[ExtentRecord]) -> ExtentRecord | None:
+    """The copy that orders a slot's mutations: its primary, or the one extent of an
+    unreplicated slot; None when the slot has neither."""
+    return next((c for c in copies if c.role == ReplicaRole.PRIMARY),
+                next((c for c in copies if c.role == ReplicaRole.NONE), None))
+
+
+def leaving(region: RegionRecord, index: int, servers: Mapping[str, ServerRecord],
+            moving: Mapping[int, str] = {}) -> frozenset[int]:
+    """The copy numbers of slot ``index`` that are to leave it: in-step copies on an
+    evacuating server or picked for a move, and, when more in-step copies stay than the
+    region's ``replicas``, the extra ones on the fullest servers (a backup before the
+    primary)."""
+    full = [c for c in region.copies_of(index) if holds_all(c)]
+    out = {c.copy for c in full
+           if c.extent_id in moving or (c.server_id in servers and servers[c.server_id].evacuating)}
+    stay = [c for c in full if c.copy not in out]
+    extra = len(stay) - region.replicas
+    if extra > 0:
+        def fullest(c: ExtentRecord) -> tuple[int, bool, int]:
+            used = servers[c.server_id].used if c.server_id in servers else 0
+            return (-used, c.role == ReplicaRole.PRIMARY, c.copy)
+        out |= {c.copy for c in sorted(stay, key=fullest)[:extra]}
+    return frozenset(out)
+
+
+def bytes_leaving(regions: Iterable[RegionRecord], servers: Mapping[str, ServerRecord],
+                  moving: Mapping[int, str] = {}) -> int:
+    """Bytes of every copy that is to leave its slot (what moves still have to copy)."""
+    total = 0
+    for region in regions:
+        if region.state in ("creating", "lost"):
+            continue
+        for index in sorted({e.index for e in region.extents}):
+            gone = leaving(region, index, servers, moving)
+            total += sum(c.length for c in region.copies_of(index) if c.copy in gone)
+    return total
+
+
+@dataclass(frozen=True)
+class Move:
+    """One copy to move for a rebalance: extent ``extent_id`` (slot ``index`` of
+    ``region``) from ``source`` to ``target``."""
+
+    region: str
+    index: int
+    extent_id: int
+    source: str
+    target: str
+    length: int
+
+
+def plan_rebalance(servers: Sequence[ServerRecord], regions: Sequence[RegionRecord],
+                   limit: int = 1 << 20) -> list[Move]:
+    """The moves (at most ``limit``) that even out the bytes held by the servers that
+    are up: repeatedly a copy from the fullest server to the emptiest one, as long as it
+    narrows their gap (its length is below the gap), the emptiest holds no copy of its
+    slot and has room. Among the fullest server's copies, one of the region with the
+    most slots there (less those on the emptiest) goes first, so that a striped
+    region's slots, and its traffic, spread too; then the longest. Only slots of ready
+    regions whose copies are all in step move."""
+    used = {s.server_id: s.used for s in servers if s.state == "up" and not s.evacuating}
+    free = {s.server_id: s.free for s in servers if s.server_id in used}
+    if len(used) < 2:
+        return []
+    where: dict[str, list[tuple[RegionRecord, ExtentRecord]]] = {sid: [] for sid in used}
+    holders: dict[tuple[str, int], set[str]] = {}
+    for region in regions:
+        if region.state != "ready":
+            continue
+        for index in sorted({e.index for e in region.extents}):
+            copies = region.copies_of(index)
+            holders[(region.uid, index)] = {c.server_id for c in copies}
+            if not all(holds_all(c) for c in copies):
+                continue
+            for c in copies:
+                if c.server_id in where:
+                    where[c.server_id].append((region, c))
+    moves: list[Move] = []
+    while len(moves) < limit:
+        source = max(used, key=lambda s: (used[s], s))
+        target = min(used, key=lambda s: (used[s], s))
+        gap = used[source] - used[target]
+        fits = [(r, c) for r, c in where[source]
+                if c.length < gap and c.length <= free[target] and target not in holders[(r.uid, c.index)]]
+        if not fits:
+            return moves
+        slots = {uid: (sum(source in h for (u, _), h in holders.items() if u == uid)
+                       - sum(target in h for (u, _), h in holders.items() if u == uid))
+                 for uid in {r.uid for r, _ in fits}}
+        region, c = max(fits, key=lambda rc: (slots[rc[0].uid], rc[1].length, -rc[1].extent_id))
+        moves.append(Move(region.name, c.index, c.extent_id, source, target, c.length))
+        where[source].remove((region, c))
+        holders[(region.uid, c.index)] = (holders[(region.uid, c.index)] - {source}) | {target}
+        used[source] -= c.length
+        used[target] += c.length
+        free[target] -= c.length
+    return moves
+
+
+class Rebalancer:
+    """The rebalance an admin asked for (``Rebalance``): one move at a time, the next
+    one started once the bytes moved since the start average at most
+    ``bytes_per_second`` (0: at once). Kept in the
+    leader's memory: a move in flight when the leader dies is finished by the next
+    one (over-replication, above); the admin's next ``Rebalance`` call, which the
+    command repeats until done, resumes planning. Thread-safe."""
+
+    def __init__(self) -> None:
+        self.active = False
+        self.rate = 0.0
+        self.bytes_left = 0        # what a rebalance still has to move (last pass)
+        self.leaving_bytes = 0     # what every move, evacuations included, still has to copy
+        self.moved = 0             # bytes this rebalance moved
+        self._moving: dict[int, Move] = {}
+        self._started = 0.0
+        self._lock = threading.Lock()
+
+    def start(self, bytes_per_second: float, now: float) -> None:
+        """Start (or go on with, at a new rate) a rebalance."""
+        with self._lock:
+            if not self.active:
+                self.moved, self._started = 0, now
+            self.active, self.rate = True, max(0.0, float(bytes_per_second))
+
+    def stop(self) -> None:
+        """Start no more moves (the one copying finishes)."""
+        with self._lock:
+            self.active = False
+
+    def forget(self) -> None:
+        """Leadership changed: no rebalance, no moves picked (a move whose copy is in
+        step already is finished by over-replication)."""
+        with self._lock:
+            self.active = False
+            self._moving.clear()
+
+    def running(self) -> bool:
+        """Moves are planned or copying."""
+        with self._lock:
+            return self.active or bool(self._moving)
+
+    def picked(self) -> dict[int, str]:
+        """The moves in flight: extent id -> target server."""
+        with self._lock:
+            return {eid: m.target for eid, m in self._moving.items()}
+
+    def update(self, regions: Sequence[RegionRecord], servers: Sequence[ServerRecord],
+               now: float) -> dict[int, str]:
+        """A pass's view: finished moves forgotten, the next one picked when it is due;
+        returns :meth:`picked`."""
+        present = {e.extent_id for r in regions for e in r.extents}
+        by_id = {s.server_id: s for s in servers}
+        with self._lock:
+            for eid, m in list(self._moving.items()):
+                if eid not in present:
+                    del self._moving[eid]
+                    self.moved += m.length
+            due = self.rate <= 0 or now >= self._started + self.moved / self.rate
+            plan = plan_rebalance(servers, regions) if self.active else []
+            if self.active and not plan and not self._moving:
+                self.active = False
+            if self.active and plan and not self._moving and due:
+                self._moving[plan[0].extent_id] = plan[0]
+            self.bytes_left = sum(m.length for m in plan)
+            moving = {eid: m.target for eid, m in self._moving.items()}
+        self.leaving_bytes = bytes_leaving(regions, by_id, moving)
+        return moving

@@ -1,0 +1,246 @@
+"""Moves of copies between servers (evacuation, rebalance): the pure rules of
+:mod:`smb_server.controller.moves` and the repair manager's sequences for them, against
+the in-memory servers of the repair tests and a real SQLite ControllerState."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from smb_protocol import errors
+from smb_server.controller.creation import RegionCreator, RegionSpec
+from smb_server.controller.moves import Rebalancer, leaving, plan_rebalance
+from smb_server.controller.records import NewCopy, SlotChange
+from smb_server.controller.repair import RETRY_SECONDS, RepairManager, RepairMetrics
+from smb_server.controller.state import ControllerState
+from smb_server.runtime.metrics import Registry
+from tests.unit.server.controller.test_repair import (
+    MiB,
+    add_servers,
+    create,
+    kill,
+    roles,
+    settle,
+)
+
+
+def servers_by_id(state: ControllerState) -> dict:
+    return {s.server_id: s for s in state.list_servers()}
+
+
+def evacuate_all(manager: RepairManager, passes: int = 6) -> None:
+    settle(manager, passes)
+
+
+# -- the rules -----------------------------------------------------------------------------
+def test_an_evacuating_servers_copies_leave_and_extra_copies_on_the_fullest_servers_go(state, servers) -> None:
+    add_servers(state, 3)
+    region = create(state, servers, replicas=2)
+    primary, backup = region.copies_of(0)
+    assert leaving(region, 0, servers_by_id(state)) == frozenset()
+    state.drain(backup.server_id, evacuate=True)
+    assert leaving(region, 0, servers_by_id(state)) == {backup.copy}
+    assert leaving(region, 0, servers_by_id(state), {primary.extent_id: "s9"}) == {primary.copy, backup.copy}
+    state.drain(backup.server_id, undrain=True)
+    # a third in-step copy (a move's, its old copy not dropped yet): the fullest server's goes
+    spare = ({"s0", "s1", "s2"} - {primary.server_id, backup.server_id}).pop()
+    result = state.change_slot("job/r", region.uid, SlotChange(0, 1, add=NewCopy(2, spare, "backup")))
+    assert result is not None
+    after = result[0]
+    by_id = servers_by_id(state)
+    gone = leaving(after, 0, by_id)
+    assert len(gone) == 1
+    (copy,) = gone
+    fullest = max(by_id[c.server_id].used for c in after.copies_of(0))
+    assert by_id[next(c.server_id for c in after.copies_of(0) if c.copy == copy)].used == fullest
+
+
+def test_drain_flags_exclude_each_other_and_removal_needs_an_empty_drained_server(state, servers) -> None:
+    add_servers(state, 2)
+    with pytest.raises(errors.InvalidArgument, match="exclude"):
+        state.drain("s0", undrain=True, evacuate=True)
+    assert state.drain("s0", evacuate=True).evacuating
+    assert state.get_server("s0").state == "draining"
+    assert not state.drain("s0").evacuating          # a plain drain keeps the copies where they are
+    with pytest.raises(errors.InvalidArgument, match="drain it first"):
+        state.remove_server("s1")
+    create(state, servers, replicas=1)
+    holder = state.get_region("job/r").extents[0].server_id
+    state.drain(holder)
+    with pytest.raises(errors.InvalidArgument, match="evacuate it first"):
+        state.remove_server(holder)
+    other = ({"s0", "s1"} - {holder}).pop()
+    state.drain(other)
+    assert state.remove_server(other).server_id == other
+    assert other not in servers_by_id(state)
+    with pytest.raises(errors.ServerNotFound):
+        state.remove_server(other)
+
+
+def test_a_rebalance_evens_bytes_out_and_spreads_a_striped_regions_slots(state, servers) -> None:
+    add_servers(state, 2, capacity=256 * MiB)
+    creator = RegionCreator(state, servers, threads=2)
+    try:
+        creator.create(RegionSpec("job/a", 8 * MiB, stripe_unit=MiB))
+        creator.create(RegionSpec("job/b", 4 * MiB, stripe_unit=MiB))
+    finally:
+        creator.close()
+    add_servers_more(state, 2)
+    moves = plan_rebalance(state.list_servers(), state.list_regions())
+    used = {s.server_id: s.used for s in state.list_servers()}
+    for m in moves:
+        used[m.source] -= m.length
+        used[m.target] += m.length
+    assert max(used.values()) - min(used.values()) <= 2 * MiB   # within one copy of even
+    assert {m.target for m in moves} == {"s2", "s3"}
+    # each region ends with slots on every server
+    a_moves = [m for m in moves if m.region == "job/a"]
+    assert {m.target for m in a_moves} == {"s2", "s3"}
+    assert plan_rebalance(state.list_servers(), state.list_regions(), limit=1) == moves[:1]
+
+
+def add_servers_more(state: ControllerState, n: int) -> None:
+    have = len(state.list_servers())
+    for i in range(have, have + n):
+        state.register_server(f"s{i}", f"h{i}", f"mem{i}:1", [f"tcp://mem{i}:2"], 256 * MiB)
+
+
+def test_a_rebalance_paces_its_moves_by_the_rate(state, servers) -> None:
+    r = Rebalancer()
+    add_servers(state, 1, capacity=256 * MiB)
+    creator = RegionCreator(state, servers, threads=2)
+    try:
+        for k in range(4):
+            creator.create(RegionSpec(f"job/{k}", MiB, placement="single"))
+    finally:
+        creator.close()
+    add_servers_more(state, 1)
+    r.start(bytes_per_second=MiB, now=0.0)
+    first = r.update(state.list_regions(), state.list_servers(), now=0.0)
+    assert len(first) == 1 and r.running()
+    # the move is done once its extent left the store; the next one waits a second per MiB
+    (eid,) = first
+    done = [dataclasses.replace(r2, extents=tuple(e for e in r2.extents if e.extent_id != eid))
+            for r2 in state.list_regions()]
+    assert r.update(done, state.list_servers(), now=0.5) == {}
+    assert r.moved == MiB
+    assert r.update(state.list_regions(), state.list_servers(), now=0.9) == {}   # not due yet
+    assert len(r.update(state.list_regions(), state.list_servers(), now=1.01)) == 1
+    r.stop()
+    r.forget()
+    assert not r.running()
+
+
+# -- the repair manager's sequences ---------------------------------------------------------
+def test_an_unreplicated_extent_moves_through_a_replica_set_of_two(state, servers, manager) -> None:
+    add_servers(state, 2)
+    region = create(state, servers, replicas=1)
+    (source,) = region.copies_of(0)
+    target = ({"s0", "s1"} - {source.server_id}).pop()
+    settle(manager)
+    assert servers.configured == []           # nothing moves while nobody evacuates
+    state.drain(source.server_id, evacuate=True)
+    evacuate_all(manager)
+    after = state.get_region("job/r")
+    assert after.state == "ready"
+    assert roles(after) == [(target, "primary")]
+    (new,) = after.copies_of(0)
+    seq = [(eid, view, role, bs) for _, eid, view, role, bs in servers.configured]
+    # the new copy is a backup, the source a primary that copies to it while clients write,
+    # then the new copy serves alone, unreplicated again; the source's extent is released
+    assert seq[0] == (new.extent_id, 1, "backup", [])
+    assert seq[1] == (source.extent_id, 1, "primary", [(new.extent_id, True)])
+    assert (new.extent_id, after.view_of(0), "", []) == seq[-1]
+    assert source.extent_id in servers.released
+    assert state.get_server(source.server_id).extents == 0
+    assert manager.metrics.moved_bytes == MiB
+    assert manager.metrics.by_kind == {"spare": 1, "handover": 1}
+
+
+def test_an_evacuated_primary_is_replaced_by_a_copy_that_stays(state, servers, manager) -> None:
+    add_servers(state, 3)
+    region = create(state, servers, replicas=2)
+    primary, backup = region.copies_of(0)
+    spare = ({"s0", "s1", "s2"} - {primary.server_id, backup.server_id}).pop()
+    settle(manager)
+    state.drain(primary.server_id, evacuate=True)
+    evacuate_all(manager)
+    after = state.get_region("job/r")
+    assert after.state == "ready"
+    assert sorted(roles(after)) == sorted([(backup.server_id, "primary"), (spare, "backup")])
+    assert primary.extent_id in servers.released
+    # the old primary was fenced by its backups' new view before the new primary took over
+    assert "handover" in manager.metrics.by_kind
+
+
+def test_a_target_that_dies_mid_copy_is_replaced_by_another(state, servers, manager, clock) -> None:
+    add_servers(state, 3)
+    region = create(state, servers, replicas=1)
+    (source,) = region.copies_of(0)
+    state.drain(source.server_id, evacuate=True)
+    servers.sync_fails_once = errors.ServerUnavailable("the target died mid-copy")
+    manager.run_pass()
+    manager.wait(10)
+    mid = state.get_region("job/r")
+    (target,) = [c for c in mid.copies_of(0) if c.role == "syncing"]
+    kill(state, servers, target.server_id)
+    settle(manager)
+    # the source serves alone again, unreplicated, until the next try
+    assert servers.config[source.extent_id][1] == ""
+    clock.now += RETRY_SECONDS + 1
+    evacuate_all(manager, 8)
+    after = state.get_region("job/r")
+    (moved,) = after.copies_of(0)
+    assert moved.server_id not in (source.server_id, target.server_id)
+    assert after.state == "ready"
+
+
+def test_a_new_leader_finishes_a_move_whose_copy_is_in_step(state, servers, clock) -> None:
+    add_servers(state, 2)
+    region = create(state, servers, replicas=1)
+    (source,) = region.copies_of(0)
+    target = ({"s0", "s1"} - {source.server_id}).pop()
+    # a leader picked a move and synced the copy, then died before dropping the source
+    state.change_slot("job/r", region.uid, SlotChange(0, 0, {0: "primary"}, add=NewCopy(1, target, "backup")))
+    servers.reserve("mem" + target[1:] + ":1", region.uid, state.get_region("job/r").copies_of(0)[1])
+    leader = RepairManager(state, servers, clock=clock)
+    try:
+        settle(leader, 3)
+    finally:
+        leader.close()
+    after = state.get_region("job/r")
+    assert len(after.copies_of(0)) == 1                # over-replication: one copy goes
+    assert after.state == "ready"
+
+
+def test_a_source_that_dies_mid_move_follows_the_usual_rules(state, servers, manager) -> None:
+    add_servers(state, 3)
+    region = create(state, servers, replicas=1)
+    (source,) = region.copies_of(0)
+    state.drain(source.server_id, evacuate=True)
+    servers.sync_fails_once = errors.ServerUnavailable("the source died mid-copy")
+    manager.run_pass()
+    manager.wait(10)
+    kill(state, servers, source.server_id)
+    evacuate_all(manager, 4)
+    after = state.get_region("job/r")
+    assert after.state == "degraded"     # served again if the source comes back with its memory
+    assert after.primaries()[0].extent_id == source.extent_id
+
+
+def test_moves_show_in_the_controllers_metrics(state, servers, clock) -> None:
+    registry = Registry()
+    manager = RepairManager(state, servers, metrics=RepairMetrics(registry), clock=clock)
+    try:
+        add_servers(state, 2)
+        region = create(state, servers, replicas=1)
+        state.drain(region.copies_of(0)[0].server_id, evacuate=True)
+        manager.run_pass()                      # the pass that starts the move sees what is left
+        assert "smb_controller_move_bytes_left 1.048576e+06" in registry.render()
+        manager.wait(10)
+        settle(manager, 3)
+        text = registry.render()
+        assert "smb_controller_move_bytes_left 0.0" in text
+        assert "smb_controller_moved_bytes_total 1.048576e+06" in text
+    finally:
+        manager.close()
