@@ -14,8 +14,8 @@ from smb_protocol.errors import SMBError
 from . import errors
 from .client import Client, RegionStatus, ServerStatus, connect
 from .collective import Collective
-from .coord import Barrier, Lock
+from .coord import Barrier, Lock, PartiesMissing
 from .region import Region
 
-__all__ = ["Barrier", "Client", "Collective", "Lock", "Region", "RegionStatus", "ServerStatus", "SMBError", "connect",
-           "errors"]
+__all__ = ["Barrier", "Client", "Collective", "Lock", "PartiesMissing", "Region", "RegionStatus", "ServerStatus",
+           "SMBError", "connect", "errors"]
