@@ -96,6 +96,52 @@ def test_every_worker_resumes_from_a_checkpoint_as_if_never_stopped(cluster, cli
         assert all(torch.equal(a, b) for a, b in zip(momentum, whole[rank][2], strict=True))
 
 
+def test_seasgd_workers_save_and_resume_the_global_weights(cluster, client, name, tmp_path):
+    path = tmp_path / "seasgd.pt"
+    x, y = data(4)
+    starts: dict[tuple[int, int], dict] = {}
+    errs: list[BaseException] = []
+
+    def worker(run: int, rank: int, model: torch.nn.Module) -> None:
+        try:
+            with cluster.client() as c:
+                opt = torch.optim.SGD(model.parameters(), lr=LR)
+                with job(name, model, checkpoint=path, optimizer=opt, client=c, env=WorkerEnv(rank, WORLD),
+                         scheme="seasgd") as j:
+                    starts[(run, rank)] = {"resumed": j.resumed, "step": j.step,
+                                           "state": {k: v.clone() for k, v in model.state_dict().items()}}
+                    c.barrier(f"{name}/started", WORLD)   # nobody pushes before everybody attached
+                    w = j.seasgd(update_interval=1)
+                    for step in range(4):
+                        lo = (step * WORLD + rank) * BATCH
+                        opt.zero_grad()
+                        torch.nn.functional.cross_entropy(model(x[lo:lo + BATCH]), y[lo:lo + BATCH]).backward()
+                        opt.step()
+                        w.after_step()
+                    w.finish()                            # every delta in the global weights
+                    c.barrier(f"{name}/trained", WORLD)   # both finished: the store is final
+                    j.save(step=4)
+        except BaseException as exc:
+            errs.append(exc)
+
+    for run in range(2):
+        threads = [threading.Thread(target=worker, args=(run, r, make_model()), daemon=True) for r in range(WORLD)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errs, errs
+        assert client.list_regions(f"{name}/") == []
+        if run == 0:
+            saved = torch.load(path, weights_only=True)
+    assert [starts[(0, r)]["resumed"] for r in range(WORLD)] == [None, None]
+    for rank in range(WORLD):
+        again = starts[(1, rank)]
+        assert again["resumed"] == "checkpoint" and again["step"] == 4
+        params = {k: v for k, v in saved["model"].items() if "running" not in k and "batches" not in k}
+        assert all(torch.equal(again["state"][k], v) for k, v in params.items()), rank   # the global weights
+
+
 def test_a_failed_job_leaves_its_regions_to_the_lease(cluster, name):
     out: list[BaseException | None] = [None]
     model = make_model()
