@@ -69,6 +69,7 @@ from .records import (
     find_orphans,
     region_state,
 )
+from .rules import drained_state, lease_ran_out, live_state, lost_on_register, refreshed_on_take_over
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +137,7 @@ class EtcdState(RegionCreates):
         def attempt() -> bool | None:
             snap = self._snapshot(regions=False, lost=False)
             live = {sid: (row, rev) for sid, (row, rev) in snap.servers.items()
-                    if row["state"] != "down" and row["last_heartbeat"] < now}
+                    if refreshed_on_take_over(row["state"], row["last_heartbeat"], now)}
             return True if self._commit_each(
                 ([kv.mod_revision_is(self._key("servers", sid), rev)],
                  [kv.put(self._key("servers", sid), json.dumps({**row, "last_heartbeat": now}))])
@@ -177,21 +178,18 @@ class EtcdState(RegionCreates):
         capacity = check_bytes("capacity", capacity)
         server_id = server_id or uuid.uuid4().hex[:12]
         held = list(held)
-        held_ids = {h.extent_id for h in held}
 
         def attempt() -> tuple[str, list[int]] | None:
             if self._read_one("removed", server_id)[0] is not None:
                 raise removed_error(server_id)
             snap = self._snapshot(lost=False)
             old = snap.servers.get(server_id)
+            drain = int(old[0]["drain"]) if old is not None else 0   # the drain flag stays
             row = {"server_id": server_id, "host_id": host_id, "grpc_address": grpc_address,
-                   "endpoints": list(endpoints), "capacity": int(capacity), "state": "up",
-                   "drain": False, "last_heartbeat": now, "registered_at": now}
-            if old is not None:   # the drain flag stays (evacuating included)
-                row["drain"] = int(old[0]["drain"])
-                row["state"] = "draining" if row["drain"] else "up"
+                   "endpoints": list(endpoints), "capacity": int(capacity), "state": live_state(drain),
+                   "drain": drain, "last_heartbeat": now, "registered_at": now}
             known = snap.known_extents(server_id)
-            lost = sorted(eid for eid, (_, state) in known.items() if state == "ready" and eid not in held_ids)
+            lost = lost_on_register(server_id, known, held)
             key = self._key("servers", server_id)
             ops = [kv.put(key, json.dumps(row))] + [kv.put(self._key("lost", eid), "") for eid in lost]
             removed = kv.mod_revision_is(self._key("removed", server_id), 0)   # not removed meanwhile
@@ -202,10 +200,6 @@ class EtcdState(RegionCreates):
             else:
                 log.info("server %s registered again at %s (%d bytes, %s)", server_id,
                          grpc_address, capacity, row["state"])
-            if lost:
-                log.warning("server %s does not hold %d extent(s) the controller placed on it "
-                            "(restarted without persistence?); their regions are lost: %s",
-                            server_id, len(lost), ", ".join(map(str, lost[:10])))
             return server_id, find_orphans(server_id, known, held, self.orphan_grace_seconds)
         return self._retry(attempt, f"registering server {server_id}", regions=False)
 
@@ -221,7 +215,7 @@ class EtcdState(RegionCreates):
             if not server:
                 raise errors.ServerNotFound(f"no memory server {server_id!r} is registered; register first")
             row, rev = server[0].json(), server[0].mod_revision
-            state = "draining" if row["drain"] else "up"
+            state = live_state(row["drain"])
             if row["state"] == "down":
                 log.info("server %s is back (%s)", server_id, state)
             key = self._key("servers", server_id)
@@ -234,12 +228,12 @@ class EtcdState(RegionCreates):
 
     def expire_leases(self, now: float | None = None) -> list[str]:
         """Mark servers whose lease ran out ``down``; returns the ids newly marked."""
-        cutoff = self._now(now) - self.lease_seconds
+        now = self._now(now)
 
         def attempt() -> list[str] | None:
             snap = self._snapshot(regions=False, lost=False)
             late = {sid: (row, rev) for sid, (row, rev) in snap.servers.items()
-                    if row["state"] != "down" and row["last_heartbeat"] < cutoff}
+                    if lease_ran_out(row["state"], row["last_heartbeat"], now, self.lease_seconds)}
             if not self._commit_each(([kv.mod_revision_is(self._key("servers", sid), rev)],
                                       [kv.put(self._key("servers", sid), json.dumps({**row, "state": "down"}))])
                                      for sid, (row, rev) in late.items()):
@@ -276,8 +270,7 @@ class EtcdState(RegionCreates):
         flag = drain_flag(undrain, evacuate)
 
         def change(row: dict[str, Any]) -> dict[str, Any]:
-            state = row["state"] if row["state"] == "down" else ("up" if undrain else "draining")
-            return {**row, "drain": flag, "state": state}
+            return {**row, "drain": flag, "state": drained_state(row["state"], undrain)}
         self._update_server(server_id, change,
                             f"no memory server {server_id!r}; see ListServers for the ids")
         log.info("server %s %s", server_id, "undrained" if undrain else "evacuating" if evacuate else "draining")

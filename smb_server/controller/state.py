@@ -40,6 +40,7 @@ from .records import (
     find_orphans,
     initial_role,
 )
+from .rules import drained_state, lease_ran_out, live_state, lost_on_register
 from .sqlite_db import SqliteDb, known_extents, load_region, new_extent_id, server_records
 
 __all__ = ["SERVER_STATES", "ControllerState", "ExtentRecord", "HeldExtent", "RegionRecord",
@@ -131,7 +132,7 @@ class ControllerState:
                     (server_id, host_id, grpc_address, endpoints_json, int(capacity), now, now))
                 log.info("server %s registered at %s (%d bytes)", server_id, grpc_address, capacity)
             else:
-                state = "draining" if row["drain"] else "up"
+                state = live_state(row["drain"])
                 db.execute(
                     "UPDATE servers SET host_id=?, grpc_address=?, endpoints=?, capacity=?, state=?, "
                     "last_heartbeat=?, registered_at=? WHERE server_id=?",
@@ -139,14 +140,8 @@ class ControllerState:
                 log.info("server %s registered again at %s (%d bytes, %s)", server_id,
                          grpc_address, capacity, state)
             known = known_extents(db, server_id)
-            held_ids = {h.extent_id for h in held}
-            lost = [eid for eid, (_, state) in known.items() if state == "ready" and eid not in held_ids]
-            if lost:
-                db.executemany("INSERT OR IGNORE INTO lost_extents (extent_id) VALUES (?)",
-                               [(eid,) for eid in lost])
-                log.warning("server %s does not hold %d extent(s) the controller placed on it "
-                            "(restarted without persistence?); their regions are lost: %s",
-                            server_id, len(lost), ", ".join(map(str, sorted(lost)[:10])))
+            db.executemany("INSERT OR IGNORE INTO lost_extents (extent_id) VALUES (?)",
+                           [(eid,) for eid in lost_on_register(server_id, known, held)])
             return server_id, self._orphans(server_id, known, held)
 
     def heartbeat(self, server_id: str, held: Iterable[HeldExtent] = (),
@@ -163,7 +158,7 @@ class ControllerState:
                              (server_id,)).fetchone()
             if row is None:
                 raise ServerNotFound(f"no memory server {server_id!r} is registered; register first")
-            state = "draining" if row["drain"] else "up"
+            state = live_state(row["drain"])
             if row["state"] == "down":
                 log.info("server %s is back (%s)", server_id, state)
             db.execute("UPDATE servers SET state=?, last_heartbeat=? WHERE server_id=?",
@@ -177,10 +172,10 @@ class ControllerState:
     def expire_leases(self, now: float | None = None) -> list[str]:
         """Mark servers whose lease ran out ``down``; returns the ids newly marked."""
         now = self._now(now)
-        cutoff = now - self.lease_seconds
         with self._sql.tx() as db:
             ids = [r["server_id"] for r in db.execute(
-                "SELECT server_id FROM servers WHERE state != 'down' AND last_heartbeat < ?", (cutoff,))]
+                "SELECT server_id, state, last_heartbeat FROM servers ORDER BY server_id")
+                if lease_ran_out(r["state"], r["last_heartbeat"], now, self.lease_seconds)]
             for sid in ids:
                 db.execute("UPDATE servers SET state='down' WHERE server_id=?", (sid,))
         for sid in ids:
@@ -212,10 +207,8 @@ class ControllerState:
             row = db.execute("SELECT state FROM servers WHERE server_id=?", (server_id,)).fetchone()
             if row is None:
                 raise ServerNotFound(f"no memory server {server_id!r}; see ListServers for the ids")
-            state = row["state"]
-            if state != "down":
-                state = "up" if undrain else "draining"
-            db.execute("UPDATE servers SET drain=?, state=? WHERE server_id=?", (flag, state, server_id))
+            db.execute("UPDATE servers SET drain=?, state=? WHERE server_id=?",
+                       (flag, drained_state(row["state"], undrain), server_id))
         log.info("server %s %s", server_id, "undrained" if undrain else "evacuating" if evacuate else "draining")
         return self.get_server(server_id)
 

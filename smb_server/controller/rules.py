@@ -1,0 +1,54 @@
+"""The controller's rules: pure functions from the records a store loads to the changes
+it makes, tested without any store.
+
+The stores (:class:`.state.ControllerState` on SQLite, :class:`.etcd_state.EtcdState` on
+etcd) only load what a rule takes and apply what it returns atomically: one SQLite
+transaction, or one etcd transaction retried from a fresh read when it lost a race.
+Checks of what callers send are in :mod:`.records`; the evacuation rules in :mod:`.moves`.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+
+from .records import HeldExtent
+
+log = logging.getLogger(__name__)
+
+
+# -- memory servers -------------------------------------------------------------------------
+def live_state(drain: int) -> str:
+    """The state of a server that registers or heartbeats: ``draining`` while its drain
+    flag (:data:`.moves.DRAIN_STOP` or ``DRAIN_EVACUATE``) is set, else ``up``."""
+    return "draining" if drain else "up"
+
+
+def drained_state(state: str, undrain: bool) -> str:
+    """A server's state after a drain (``undrain``: its end); a down server stays down."""
+    return state if state == "down" else ("up" if undrain else "draining")
+
+
+def lease_ran_out(state: str, last_heartbeat: float, now: float, lease_seconds: float) -> bool:
+    """A server not yet down whose last heartbeat (unix seconds) is more than
+    ``lease_seconds`` before ``now``: it is marked down."""
+    return state != "down" and last_heartbeat < now - lease_seconds
+
+
+def refreshed_on_take_over(state: str, last_heartbeat: float, now: float) -> bool:
+    """A live server whose lease a new leader renews to ``now``: a whole lease to find
+    the new leader, so that a take-over marks down no server that was up."""
+    return state != "down" and last_heartbeat < now
+
+
+def lost_on_register(server_id: str, known: Mapping[int, tuple[str, str]],
+                     held: Iterable[HeldExtent]) -> list[int]:
+    """The extents a registering server lost, by id: placed on it in a ready region
+    (``known``: extent id -> (region uid, region state)) and not among those it holds
+    (it restarted without persistence). Their regions are lost."""
+    held_ids = {h.extent_id for h in held}
+    lost = sorted(eid for eid, (_, state) in known.items() if state == "ready" and eid not in held_ids)
+    if lost:
+        log.warning("server %s does not hold %d extent(s) the controller placed on it "
+                    "(restarted without persistence?); their regions are lost: %s",
+                    server_id, len(lost), ", ".join(map(str, lost[:10])))
+    return lost
