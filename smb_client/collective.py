@@ -293,10 +293,24 @@ class Collective:
             raise Misaligned(f"{len(view)} bytes is not a whole number of {dt.name.lower()} elements")
         return view, dt
 
-    def _run(self, jobs: list[tuple[ThreadPoolExecutor, Callable[[], None]]]) -> None:
+    def _run(self, jobs: list[tuple[ThreadPoolExecutor, Callable[[], None]]], what: str) -> None:
         """Submit every job in order (pushes before the pull of the same chunk); wait for
-        all; raise the first error."""
-        wait_all([pool.submit(fn) for pool, fn in jobs])
+        all, reporting a wait that lasts; raise the first error (a timeout as
+        :class:`~smb_client.coord.PartiesMissing`)."""
+        if self.roll is not None:
+            self.roll.arrive()
+        futures = [pool.submit(fn) for pool, fn in jobs]
+        started = time.monotonic()
+        missing: Callable[[], list[int] | None] = self.roll.missing if self.roll is not None else lambda: None
+        watch(futures, self.report_every, lambda: report_waiting(
+            what, time.monotonic() - started, None, self.parties, missing()))
+        try:
+            wait_all(futures)
+        except Timeout as exc:
+            ranks = missing()
+            raise PartiesMissing(f"{what}: not every party came within {time.monotonic() - started:.0f} s"
+                                 f"{ranks_text(ranks)} ({exc})", what=what, parties=self.parties,
+                                 missing=ranks) from None
 
     def plan_round(self, nbytes: int) -> tuple[int, list[tuple[Chunk, int, int]]]:
         """Start the next all-reduce round (hold :attr:`lock`): its slot, and the chunks
@@ -385,8 +399,18 @@ class Collective:
                     jobs.append((self._pulls, partial(self._pull, c, slot, base + 1, [part])))
                 bases[c.index] = base + self.parties
             self.round += 1
-            self._run(jobs)
+            self._run(jobs, f"broadcast from rank {root} on {self.region.name}, round {self.round - 1}")
         return data
+
+
+def watch(futures: Sequence[Future[Any]], every: float, report: Callable[[], None]) -> None:
+    """Wait for ``futures``, calling ``report()`` every ``every`` seconds while they run;
+    returns once all ended or one failed."""
+    while True:
+        done, pending = wait_futures(futures, timeout=every, return_when=FIRST_EXCEPTION)
+        if not pending or any(f.exception() is not None for f in done):
+            return
+        report()
 
 
 class AllReduce:
@@ -479,7 +503,9 @@ class AllReduce:
             exchanger = coll.exchanger
             started = time.monotonic()
             try:
-                self._watch(started)
+                watch(self.futures, coll.report_every, lambda: report_waiting(
+                    self._what(), time.monotonic() - started, self._arrived(), coll.parties,
+                    coll.roll.missing() if coll.roll is not None else None))
                 wait_failing_fast(self.futures, exchanger.abandon if exchanger is not None else None)
             except Timeout as exc:
                 arrived, missing = self._arrived(), coll.roll.missing() if coll.roll is not None else None
@@ -497,17 +523,6 @@ class AllReduce:
 
     def _what(self) -> str:
         return f"all-reduce on {self.coll.region.name}, round {self._round}"
-
-    def _watch(self, started: float) -> None:
-        """Wait for the round's futures, logging every ``report_every`` seconds how many
-        parties arrived; returns once all ended or one failed."""
-        coll = self.coll
-        while True:
-            done, pending = wait_futures(self.futures, timeout=coll.report_every, return_when=FIRST_EXCEPTION)
-            if not pending or any(f.exception() is not None for f in done):
-                return
-            report_waiting(self._what(), time.monotonic() - started, self._arrived(), coll.parties,
-                           coll.roll.missing() if coll.roll is not None else None)
 
     def _arrived(self) -> int | None:
         """How many parties pushed the round's last chunk (the one pushed at

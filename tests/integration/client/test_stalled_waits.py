@@ -129,3 +129,20 @@ def test_a_collective_round_names_the_rank_that_never_came(client, name, region,
             coll.all_reduce(np.ones(512, dtype=np.float32))
     finally:
         coll.destroy()
+
+
+def test_a_broadcast_whose_root_never_comes_names_it(client, name, region, caplog):
+    coll = Collective.create(client, f"{name}/b", 4 * KiB, 2, timeout=1.5)
+    try:
+        roll = Attendance(region, ROLL, 2, 0)
+        roll.reset()
+        coll.roll, coll.report_every = roll, REPORT
+        with caplog.at_level(logging.WARNING, logger="smb_client.coord"):
+            with pytest.raises(PartiesMissing) as info:
+                coll.broadcast(np.zeros(512, dtype=np.float32), root=1, rank=0)
+        assert info.value.missing == [1] and info.value.parties == 2
+        assert f"broadcast from rank 1 on {name}/b, round 0: not every party came" in str(info.value)
+        assert any("2 parties expected" in m and "missing: rank 1" in m
+                   for m in _reports(caplog, f"broadcast from rank 1 on {name}/b"))
+    finally:
+        coll.destroy()
