@@ -55,7 +55,6 @@ from .etcd_txn import MAX_TXN_OPS as MAX_TXN_OPS  # the limit callers check agai
 from .etcd_txn import Fence, _extent_row
 from .moves import check_removable, drain_flag, removed_error
 from .records import (
-    DELETE_MEMORY_SECONDS,
     DeletedRegion,
     ExtentRecord,
     HeldExtent,
@@ -69,7 +68,17 @@ from .records import (
     find_orphans,
     region_state,
 )
-from .rules import drained_state, lease_ran_out, live_state, lost_on_register, refreshed_on_take_over
+from .rules import (
+    delete_memory_horizon,
+    drained_state,
+    half_created,
+    lease_ran_out,
+    live_state,
+    lost_on_register,
+    refreshed_on_take_over,
+    report_half_created,
+    retried_delete,
+)
 
 log = logging.getLogger(__name__)
 
@@ -110,15 +119,13 @@ class EtcdState(RegionCreates):
         """
         def attempt() -> list[str] | None:
             snap = self._snapshot(servers=False, lost=False)
-            stale = {n: rev for n, (row, rev) in snap.regions.items() if row["state"] == "creating"}
-            if not self._commit_each(([kv.mod_revision_is(self._key("regions", n), rev)],
-                                       self._removal(snap.regions[n][0])) for n, rev in stale.items()):
+            stale = half_created({n: row["state"] for n, (row, _) in snap.regions.items()})
+            if not self._commit_each(([kv.mod_revision_is(self._key("regions", n), snap.regions[n][1])],
+                                       self._removal(snap.regions[n][0])) for n in stale):
                 return None
-            return sorted(stale)
+            return stale
         stale = self._retry(attempt, "removing half-created regions")
-        if stale:
-            log.warning("removed %d region(s) left half-created by a previous controller: %s; "
-                        "their extents are freed by the servers as orphans", len(stale), ", ".join(stale))
+        report_half_created(stale)
         return stale
 
     def take_over(self, fence: Fence, now: float | None = None) -> None:
@@ -391,7 +398,7 @@ class EtcdState(RegionCreates):
             row, rev = found
             ops = self._removal(row)
             ops += [kv.delete(self._key("lost", e[0])) for e in row["extents"] if e[0] in snap.lost]
-            ops.append(kv.delete_range(done, done + f"{int(now - DELETE_MEMORY_SECONDS):012d}"))
+            ops.append(kv.delete_range(done, done + f"{int(delete_memory_horizon(now)):012d}"))
             if request_id:
                 ops.append(kv.put(done + f"{int(now):012d}/{request_id}",
                                   DeletedRegion.of(snap.region(row)).dump(name)))
@@ -509,12 +516,8 @@ class EtcdState(RegionCreates):
         if not request_id:
             return None
         (kvs,) = self.kv.read(kv.get_prefix(self._key("done_deletes", "")))
-        for item in kvs:
-            if item.key.endswith("/" + request_id):
-                was, deleted = DeletedRegion.load(item.value.decode())
-                if was == name:
-                    return deleted
-        return None
+        record = next((item.value.decode() for item in kvs if item.key.endswith("/" + request_id)), None)
+        return None if record is None else retried_delete(name, record)
 
     # -- barriers' generations (:class:`.barriers.GenerationStore`) ---------------------------
     def barrier_generation(self, name: str) -> int:

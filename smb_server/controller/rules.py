@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Mapping
 
-from .records import HeldExtent
+from .records import DELETE_MEMORY_SECONDS, DeletedRegion, HeldExtent
 
 log = logging.getLogger(__name__)
 
@@ -52,3 +52,33 @@ def lost_on_register(server_id: str, known: Mapping[int, tuple[str, str]],
                     "(restarted without persistence?); their regions are lost: %s",
                     server_id, len(lost), ", ".join(map(str, lost[:10])))
     return lost
+
+
+# -- regions ----------------------------------------------------------------------------------
+def half_created(states: Mapping[str, str]) -> list[str]:
+    """The regions (name -> stored state) a controller that died mid-create left
+    ``creating``, by name: a new leader removes them, and the extents their servers did
+    reserve become orphans the servers free after the grace."""
+    return sorted(name for name, state in states.items() if state == "creating")
+
+
+def report_half_created(names: Iterable[str]) -> None:
+    """Log the removal of :func:`half_created` regions (once they are removed)."""
+    names = list(names)
+    if names:
+        log.warning("removed %d region(s) left half-created by a previous controller: %s; "
+                    "their extents are freed by the servers as orphans", len(names), ", ".join(names))
+
+
+def delete_memory_horizon(now: float) -> float:
+    """Unix seconds before which a done delete is forgotten (its retries are answered
+    as done for :data:`.records.DELETE_MEMORY_SECONDS`)."""
+    return now - DELETE_MEMORY_SECONDS
+
+
+def retried_delete(name: str, record: str) -> DeletedRegion | None:
+    """The answer to a delete of region ``name`` retried with a request id that is
+    remembered: the region that delete removed (``record``: :meth:`.records.DeletedRegion.dump`,
+    or an older controller's bare name), or None when it removed another region."""
+    was, deleted = DeletedRegion.load(record)
+    return deleted if was == name else None

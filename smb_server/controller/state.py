@@ -26,7 +26,6 @@ from smb_protocol.placement import check_bytes
 
 from .moves import check_removable, drain_flag, removed_error
 from .records import (
-    DELETE_MEMORY_SECONDS,
     DeletedRegion,
     ExtentRecord,
     HeldExtent,
@@ -40,7 +39,16 @@ from .records import (
     find_orphans,
     initial_role,
 )
-from .rules import drained_state, lease_ran_out, live_state, lost_on_register
+from .rules import (
+    delete_memory_horizon,
+    drained_state,
+    half_created,
+    lease_ran_out,
+    live_state,
+    lost_on_register,
+    report_half_created,
+    retried_delete,
+)
 from .sqlite_db import SqliteDb, known_extents, load_region, new_extent_id, server_records
 
 __all__ = ["SERVER_STATES", "ControllerState", "ExtentRecord", "HeldExtent", "RegionRecord",
@@ -83,12 +91,9 @@ class ControllerState:
         """Rows still ``creating`` belong to a controller that died mid-create: remove
         them; the extents the servers did reserve become orphans they free."""
         with self._sql.tx() as db:
-            stale = [r["name"] for r in db.execute("SELECT name FROM regions WHERE state='creating'")]
-            if stale:
-                db.execute("DELETE FROM regions WHERE state='creating'")
-                log.warning("removed %d region(s) left half-created by a previous controller: %s; "
-                            "their extents are freed by the servers as orphans",
-                            len(stale), ", ".join(stale))
+            stale = half_created({r["name"]: r["state"] for r in db.execute("SELECT name, state FROM regions")})
+            db.executemany("DELETE FROM regions WHERE name=?", [(name,) for name in stale])
+        report_half_created(stale)
 
     def close(self) -> None:
         """Close the database (idempotent)."""
@@ -347,7 +352,7 @@ class ControllerState:
             db.executemany("DELETE FROM lost_extents WHERE extent_id=?",
                            [(e.extent_id,) for e in region.extents])
             db.execute("DELETE FROM regions WHERE name=?", (name,))
-            db.execute("DELETE FROM done_deletes WHERE deleted_at < ?", (now - DELETE_MEMORY_SECONDS,))
+            db.execute("DELETE FROM done_deletes WHERE deleted_at < ?", (delete_memory_horizon(now),))
             if request_id:
                 db.execute("INSERT OR REPLACE INTO done_deletes (request_id, name, deleted_at, region) "
                            "VALUES (?,?,?,?)", (request_id, name, now, DeletedRegion.of(region).dump(name)))
@@ -439,9 +444,7 @@ class ControllerState:
         with self._sql.read() as db:
             row = db.execute("SELECT name, region FROM done_deletes WHERE request_id=?",
                              (request_id,)).fetchone()
-        if row is None or row["name"] != name:
-            return None
-        return DeletedRegion.load(row["region"])[1] if row["region"] else DeletedRegion("")
+        return None if row is None else retried_delete(name, row["region"] or row["name"])
 
     def list_regions(self, prefix: str = "") -> list[RegionRecord]:
         """Ready regions whose name starts with ``prefix``, by name."""

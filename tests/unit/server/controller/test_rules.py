@@ -2,13 +2,16 @@
 changes out."""
 from __future__ import annotations
 
-from smb_server.controller.records import HeldExtent
+from smb_server.controller.records import DELETE_MEMORY_SECONDS, DeletedRegion, HeldExtent
 from smb_server.controller.rules import (
+    delete_memory_horizon,
     drained_state,
+    half_created,
     lease_ran_out,
     live_state,
     lost_on_register,
     refreshed_on_take_over,
+    retried_delete,
 )
 
 
@@ -46,3 +49,22 @@ def test_a_server_that_registers_without_ready_extents_lost_them() -> None:
     assert lost_on_register("s", known, held) == [2]      # 3 is being created: not lost
     assert lost_on_register("s", known, [HeldExtent(e) for e in known]) == []
     assert lost_on_register("s", {}, held) == []
+
+
+# -- regions ----------------------------------------------------------------------------------
+def test_half_created_regions_are_the_ones_still_creating() -> None:
+    assert half_created({"b": "creating", "a": "creating", "c": "ready"}) == ["a", "b"]
+    assert half_created({"c": "ready"}) == []
+
+
+def test_a_done_delete_is_remembered_for_an_hour() -> None:
+    assert delete_memory_horizon(10_000.0) == 10_000.0 - DELETE_MEMORY_SECONDS
+
+
+def test_a_retried_delete_is_answered_with_what_it_removed() -> None:
+    deleted = DeletedRegion("u" * 32, (("s1", 7, "h:1"),))
+    record = deleted.dump("job/x")
+    assert retried_delete("job/x", record) == deleted
+    assert retried_delete("job/y", record) is None      # the request id deleted another region
+    assert retried_delete("job/x", "job/x") == DeletedRegion("")   # an older controller's bare name
+    assert retried_delete("job/y", "job/x") is None
