@@ -202,6 +202,12 @@ class SyncDataParallel:
             # held back until synchronize(): see the module's notes on aligned stopping
             self._hold = self._runs[-1][0] if self._runs else None
 
+    @property
+    def collective(self) -> Collective | None:
+        """The collective exchange's :class:`~smb_client.collective.Collective` (None
+        with ``exchange="slots"``); its ``timeout`` bounds each round's wait."""
+        return self._coll
+
     def _attendance(self, region: Any) -> Attendance | None:
         """Every worker's arrivals at the step's waits, on the last ``world`` words of the
         counters region (past the per-worker counts), so a stalled step names who is

@@ -56,7 +56,7 @@ def test_a_barrier_names_the_rank_that_never_came(client, region, caplog):
         assert "barrier job/step, generation 0: 2 of 3 parties arrived" in str(exc)
         assert "missing: rank 2" in str(exc)
     reports = _reports(caplog, "barrier job/step")
-    assert reports and "2 of 3 arrived" in reports[0] and "missing: rank 2" in reports[0]
+    assert any("2 of 3 arrived" in m and "missing: rank 2" in m for m in reports), reports
 
 
 def test_a_barrier_without_attendance_still_counts(client, region):

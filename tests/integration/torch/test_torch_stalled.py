@@ -48,11 +48,15 @@ def test_a_worker_that_stops_coming_is_named(cluster, name, exchange, quick_repo
                 else:
                     assert ready.wait(30)
                     store = ParameterStore.attach(c, name, model)
-                dp = SyncDataParallel(store, rank, WORLD, exchange=exchange, barrier_timeout=2.0)
+                dp = SyncDataParallel(store, rank, WORLD, exchange=exchange, barrier_timeout=60)
                 assert dp.roll is not None
                 opt = torch.optim.SGD(model.parameters(), lr=0.1)
                 x, y = torch.randn(8, 10), torch.randint(0, 4, (8,))
-                for _step in range(3 if rank == 0 else 2):
+                for step in range(3 if rank == 0 else 2):
+                    if step == 2:                         # rank 0 alone: this wait is to time out
+                        dp.barrier_timeout = 2.0
+                        if dp.collective is not None:
+                            dp.collective.timeout = 2.0
                     opt.zero_grad()
                     torch.nn.functional.cross_entropy(model(x), y).backward()
                     opt.step()
@@ -95,6 +99,8 @@ def _one_rank_stays_away(rank, world):
     dist.all_reduce(torch.ones(4))                       # both: the collective exists
     out = {}
     if rank == 0:
+        for coll in dist.distributed_c10d._get_default_group().collectives.values():
+            coll.timeout = 2.0                           # this wait is to time out
         work = dist.all_reduce(torch.ones(4), async_op=True)
         try:
             work.wait(timeout=datetime.timedelta(seconds=0.3))
@@ -111,7 +117,7 @@ def _one_rank_stays_away(rank, world):
 
 
 def test_a_backend_rank_that_stays_away_is_named(cluster):
-    results = run_ranks(cluster, _one_rank_stays_away, WORLD, pg_timeout=2)
+    results = run_ranks(cluster, _one_rank_stays_away, WORLD)
     kind, text = results[0]["early"]
     assert kind == "Timeout" and "all_reduce not finished within 0.3 s" in text
     missing, arrived, text = results[0]["error"]
