@@ -64,7 +64,6 @@ from .records import (
     check_create,
     check_lease,
     check_request_id,
-    check_slot_change,
     find_orphans,
     region_state,
 )
@@ -78,6 +77,7 @@ from .rules import (
     refreshed_on_take_over,
     report_half_created,
     retried_delete,
+    slot_change,
 )
 
 log = logging.getLogger(__name__)
@@ -422,41 +422,30 @@ class EtcdState(RegionCreates):
             if found is None or found[0]["uid"] != uid or found[0]["state"] == "creating":
                 raise errors.RegionNotFound(f"no region named {name!r} (uid {uid})")
             row, rev = found
-            region = snap.region(row)
-            if region.view_of(change.index) != change.view:
+            counter = snap.extra[self.next_id_key]
+            eid = int(counter.value) if counter is not None else FIRST_ID_BASE + secrets.randbits(61)
+            outcome = slot_change(snap.region(row), change, snap.servers, eid)
+            if outcome is None:
                 return (None,)
-            check_slot_change(region, change, snap.servers)
-            removed = [e for e in region.copies_of(change.index) if e.copy in change.remove]
             key = self._key("regions", name)
             compare = [kv.mod_revision_is(key, rev)]
             ops: list[kv.Op] = []
-            extents: list[list[Any]] = []
-            for eid, idx, sid, length, copy, role, view in (_extent_row(e) for e in row["extents"]):
-                if idx == change.index:
-                    if copy in change.remove:
-                        ops.append(kv.delete(self._key("placed", sid, eid)))
-                        ops.append(kv.delete(self._key("lost", eid)))
-                        continue
-                    role, view = change.roles.get(copy, role), change.view + 1
-                extents.append([eid, idx, sid, length, copy, role, view])
-            if change.add is not None:
-                counter = snap.extra[self.next_id_key]
-                eid = int(counter.value) if counter is not None else FIRST_ID_BASE + secrets.randbits(61)
+            for e in outcome.removed:
+                ops += [kv.delete(self._key("placed", e.server_id, e.extent_id)),
+                        kv.delete(self._key("lost", e.extent_id))]
+            if (new := outcome.added) is not None:
                 compare.append(kv.mod_revision_is(self.next_id_key, counter.mod_revision if counter else 0))
-                length = region.copies_of(change.index)[0].length
-                sid = change.add.server_id
-                extents.append([eid, change.index, sid, length, change.add.copy, change.add.role,
-                                change.view + 1])
-                ops.append(kv.put(self.next_id_key, str(eid + 1)))
-                ops.append(kv.put(self._key("placed", sid, eid),
-                                  json.dumps({"uid": uid, "name": name, "length": length})))
-            extents.sort(key=lambda e: (e[1], e[4]))
-            new_row = {**row, "extents": extents}
+                ops.append(kv.put(self.next_id_key, str(new.extent_id + 1)))
+                ops.append(kv.put(self._key("placed", new.server_id, new.extent_id),
+                                  json.dumps({"uid": uid, "name": name, "length": new.length})))
+            extents = [list(x) for x in map(_extent_row, row["extents"]) if x[1] != change.index]
+            extents += [[e.extent_id, e.index, e.server_id, e.length, e.copy, e.role, e.view] for e in outcome.slot]
+            new_row = {**row, "extents": sorted(extents, key=lambda x: (x[1], x[4]))}
             ops.append(kv.put(key, json.dumps(new_row)))
             if not self._commit(compare, ops):
                 return None
-            snap.lost -= {e.extent_id for e in removed}
-            return ((snap.region(new_row), removed),)
+            snap.lost -= {e.extent_id for e in outcome.removed}
+            return ((snap.region(new_row), list(outcome.removed)),)
         (result,) = self._retry(attempt, f"changing slot {change.index} of region {name}")
         if result is not None:
             log.info("region %s %s", name, change.describe())

@@ -10,8 +10,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
 
-from .records import DELETE_MEMORY_SECONDS, DeletedRegion, HeldExtent
+from .records import (
+    DELETE_MEMORY_SECONDS,
+    DeletedRegion,
+    ExtentRecord,
+    HeldExtent,
+    RegionRecord,
+    SlotChange,
+    check_slot_change,
+)
 
 log = logging.getLogger(__name__)
 
@@ -82,3 +91,48 @@ def retried_delete(name: str, record: str) -> DeletedRegion | None:
     or an older controller's bare name), or None when it removed another region."""
     was, deleted = DeletedRegion.load(record)
     return deleted if was == name else None
+
+
+# -- replica sets -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SlotOutcome:
+    """What one :class:`.records.SlotChange` does to its slot: the copies it keeps (at
+    their new role and view), the copies it removes (the caller releases them) and the
+    copy it adds."""
+
+    kept: tuple[ExtentRecord, ...]
+    removed: tuple[ExtentRecord, ...]
+    added: ExtentRecord | None = None
+
+    @property
+    def slot(self) -> tuple[ExtentRecord, ...]:
+        """Every copy of the slot after the change, by copy number."""
+        return tuple(sorted(self.kept + ((self.added,) if self.added else ()), key=lambda e: e.copy))
+
+
+def slot_change(region: RegionRecord, change: SlotChange, servers: Iterable[str] = (),
+                new_extent_id: int = 0) -> SlotOutcome | None:
+    """Apply ``change`` to its slot of ``region``; None when the slot is no longer at
+    ``change.view`` (another change won: decide again).
+
+    Every copy the slot keeps, and the new one (extent id ``new_extent_id``, which the
+    store draws fresh, never reused, when the change adds a copy, on
+    ``change.add.server_id`` with the slot's length), is at view ``change.view + 1``.
+    Raises InvalidArgument for a change that does not fit (:func:`.records.check_slot_change`;
+    ``servers``: the known server ids).
+    """
+    if region.view_of(change.index) != change.view:
+        return None
+    check_slot_change(region, change, servers)
+    copies = region.copies_of(change.index)
+    view = change.view + 1
+    kept = tuple(replace(e, role=change.roles.get(e.copy, e.role), view=view)
+                 for e in copies if e.copy not in change.remove)
+    removed = tuple(e for e in copies if e.copy in change.remove)
+    added = None
+    if change.add is not None:
+        if not new_extent_id:
+            raise ValueError("a change that adds a copy needs a fresh extent id")
+        added = ExtentRecord(new_extent_id, change.index, change.add.server_id, copies[0].length,
+                             copy=change.add.copy, role=change.add.role, view=view)
+    return SlotOutcome(kept, removed, added)

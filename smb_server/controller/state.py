@@ -35,7 +35,6 @@ from .records import (
     check_create,
     check_lease,
     check_request_id,
-    check_slot_change,
     find_orphans,
     initial_role,
 )
@@ -48,6 +47,7 @@ from .rules import (
     lost_on_register,
     report_half_created,
     retried_delete,
+    slot_change,
 )
 from .sqlite_db import SqliteDb, known_extents, load_region, new_extent_id, server_records
 
@@ -375,30 +375,24 @@ class ControllerState:
             region = load_region(db, name)
             if region is None or region.uid != uid or region.state == "creating":
                 raise RegionNotFound(f"no region named {name!r} (uid {uid})")
-            if region.view_of(change.index) != change.view:
-                return None
             servers = [r[0] for r in db.execute("SELECT server_id FROM servers")]
-            check_slot_change(region, change, servers)
-            removed = [e for e in region.copies_of(change.index) if e.copy in change.remove]
-            for e in removed:
+            outcome = slot_change(region, change, servers, new_extent_id(db) if change.add else 0)
+            if outcome is None:
+                return None
+            for e in outcome.removed:
                 db.execute("DELETE FROM extents WHERE extent_id=?", (e.extent_id,))
                 db.execute("DELETE FROM lost_extents WHERE extent_id=?", (e.extent_id,))
-            for copy, role in change.roles.items():
-                if copy not in change.remove:
-                    db.execute("UPDATE extents SET role=? WHERE region_name=? AND idx=? AND copy=?",
-                               (role, name, change.index, copy))
-            if change.add is not None:
-                length = region.copies_of(change.index)[0].length
+            db.executemany("UPDATE extents SET role=?, view=? WHERE extent_id=?",
+                           [(e.role, e.view, e.extent_id) for e in outcome.kept])
+            if (new := outcome.added) is not None:
                 db.execute("INSERT INTO extents (extent_id, region_name, idx, server_id, length, "
                            "copy, role, view) VALUES (?,?,?,?,?,?,?,?)",
-                           (new_extent_id(db), name, change.index, change.add.server_id,
-                            length, change.add.copy, change.add.role, change.view + 1))
-            db.execute("UPDATE extents SET view=? WHERE region_name=? AND idx=?",
-                       (change.view + 1, name, change.index))
+                           (new.extent_id, name, new.index, new.server_id, new.length, new.copy, new.role,
+                            new.view))
             after = load_region(db, name)
         assert after is not None
         log.info("region %s %s", name, change.describe())
-        return after, removed
+        return after, list(outcome.removed)
 
     # -- owner leases --------------------------------------------------------------------
     def lease_region(self, name: str, owner: str, seconds: float, now: float | None = None) -> None:

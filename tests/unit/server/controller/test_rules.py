@@ -2,7 +2,19 @@
 changes out."""
 from __future__ import annotations
 
-from smb_server.controller.records import DELETE_MEMORY_SECONDS, DeletedRegion, HeldExtent
+import pytest
+
+from smb_protocol.errors import InvalidArgument
+from smb_protocol.replicas import ReplicaRole as R
+from smb_server.controller.records import (
+    DELETE_MEMORY_SECONDS,
+    DeletedRegion,
+    ExtentRecord,
+    HeldExtent,
+    NewCopy,
+    RegionRecord,
+    SlotChange,
+)
 from smb_server.controller.rules import (
     delete_memory_horizon,
     drained_state,
@@ -12,6 +24,7 @@ from smb_server.controller.rules import (
     lost_on_register,
     refreshed_on_take_over,
     retried_delete,
+    slot_change,
 )
 
 
@@ -68,3 +81,44 @@ def test_a_retried_delete_is_answered_with_what_it_removed() -> None:
     assert retried_delete("job/y", record) is None      # the request id deleted another region
     assert retried_delete("job/x", "job/x") == DeletedRegion("")   # an older controller's bare name
     assert retried_delete("job/y", "job/x") is None
+
+
+# -- replica sets -----------------------------------------------------------------------------
+def _region() -> RegionRecord:
+    """Two slots of 4096 bytes, each a primary (copy 0) and a backup (copy 1), at view 3."""
+    extents = tuple(ExtentRecord(10 * slot + copy, slot, f"s{slot + copy}", 4096, copy=copy,
+                                 role=R.PRIMARY if copy == 0 else R.BACKUP, view=3)
+                    for slot in (0, 1) for copy in (0, 1))
+    return RegionRecord("job/x", "u" * 32, 8192, "striped", 4096, (), (), False, 0.0, "ready", extents, 2)
+
+
+def test_a_slot_change_promotes_drops_and_adds_at_the_next_view() -> None:
+    region = _region()
+    change = SlotChange(0, 3, roles={1: R.PRIMARY}, remove=frozenset({0}), add=NewCopy(2, "s9"))
+    out = slot_change(region, change, ["s0", "s1", "s9"], new_extent_id=99)
+    assert out is not None
+    assert [(e.extent_id, e.copy, e.role, e.view) for e in out.kept] == [(1, 1, R.PRIMARY, 4)]
+    assert [e.extent_id for e in out.removed] == [0]
+    assert out.added == ExtentRecord(99, 0, "s9", 4096, copy=2, role=R.SYNCING, view=4)
+    assert [e.copy for e in out.slot] == [1, 2]
+    # the other slot is not the change's business
+    assert all(e.index == 0 for e in out.slot + out.removed)
+
+
+def test_a_slot_change_decided_on_an_older_view_is_refused() -> None:
+    assert slot_change(_region(), SlotChange(0, 2, roles={1: R.STALE}), ["s0", "s1"]) is None
+
+
+def test_a_bump_moves_every_copy_to_the_next_view() -> None:
+    out = slot_change(_region(), SlotChange(1, 3))
+    assert out is not None and out.removed == () and out.added is None
+    assert [(e.role, e.view) for e in out.kept] == [(R.PRIMARY, 4), (R.BACKUP, 4)]
+
+
+def test_a_slot_change_that_does_not_fit_is_invalid() -> None:
+    with pytest.raises(InvalidArgument, match="two primaries"):
+        slot_change(_region(), SlotChange(0, 3, roles={1: R.PRIMARY}))
+    with pytest.raises(InvalidArgument, match="no memory server"):
+        slot_change(_region(), SlotChange(0, 3, add=NewCopy(2, "s9")), ["s0", "s1"], 99)
+    with pytest.raises(ValueError, match="fresh extent id"):
+        slot_change(_region(), SlotChange(0, 3, add=NewCopy(2, "s9")))
