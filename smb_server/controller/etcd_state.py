@@ -43,7 +43,7 @@ import logging
 import secrets
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import Any
 
 from smb_protocol import errors
@@ -68,13 +68,17 @@ from .records import (
     region_state,
 )
 from .rules import (
+    OwnerLease,
     delete_memory_horizon,
     drained_state,
     half_created,
+    lapsed,
     lease_ran_out,
+    leased,
     live_state,
     lost_on_register,
     refreshed_on_take_over,
+    renewed,
     report_half_created,
     retried_delete,
     slot_change,
@@ -459,10 +463,9 @@ class EtcdState(RegionCreates):
 
         def attempt() -> bool | None:
             row, rev = self._read_one("owner_leases", owner)
-            lease = {"seconds": max(seconds, row["seconds"] if row else 0.0),
-                     "expires": max(now + seconds, row["expires"] if row else 0.0)}
+            lease = leased(OwnerLease(**row) if row else None, seconds, now)
             compare = [kv.mod_revision_is(key, rev) if row else kv.absent(key)]
-            ops = [kv.put(self._key("region_leases", name), owner), kv.put(key, json.dumps(lease))]
+            ops = [kv.put(self._key("region_leases", name), owner), kv.put(key, json.dumps(asdict(lease)))]
             return True if self._commit(compare, ops) else None
         self._retry(attempt, f"leasing region {name}", regions=False)
 
@@ -473,12 +476,13 @@ class EtcdState(RegionCreates):
 
         def attempt() -> int | None:
             row, rev = self._read_one("owner_leases", owner)
-            if row is None or row["expires"] < now:
+            lease = renewed(OwnerLease(**row) if row else None, now)
+            if lease is None:
                 return 0
             (leases,) = self.kv.read(kv.get_prefix(self._key("region_leases", "")))
             held = sum(1 for item in leases if item.value.decode() == owner)
-            lease = {**row, "expires": now + row["seconds"]}
-            return held if self._commit([kv.mod_revision_is(key, rev)], [kv.put(key, json.dumps(lease))]) else None
+            return held if self._commit([kv.mod_revision_is(key, rev)],
+                                        [kv.put(key, json.dumps(asdict(lease)))]) else None
         return self._retry(attempt, f"renewing the lease of {owner}", regions=False)
 
     def expired_leases(self, now: float | None = None) -> list[str]:
@@ -488,16 +492,14 @@ class EtcdState(RegionCreates):
         owners_prefix, leases_prefix = self._key("owner_leases", ""), self._key("region_leases", "")
         owners, leases, regions = self.kv.read(kv.get_prefix(owners_prefix), kv.get_prefix(leases_prefix),
                                                kv.get_prefix(self._key("regions", "")))
-        expired = {item.key[len(owners_prefix):]: item.mod_revision for item in owners
-                   if item.json()["expires"] < now}
-        ready = {item.json()["name"] for item in regions if item.json()["state"] == "ready"}
-        holding = {item.value.decode() for item in leases}
-        idle = [(owner, rev) for owner, rev in expired.items() if owner not in holding]
+        revisions = {item.key[len(owners_prefix):]: item.mod_revision for item in owners}
+        expired, idle = lapsed({item.key[len(owners_prefix):]: OwnerLease(**item.json()) for item in owners},
+                               {item.key[len(leases_prefix):]: item.value.decode() for item in leases},
+                               [item.json()["name"] for item in regions if item.json()["state"] == "ready"], now)
         if idle:
-            self._commit_each(([kv.mod_revision_is(self._key("owner_leases", o), rev)],
-                               [kv.delete(self._key("owner_leases", o))]) for o, rev in idle)
-        return sorted(item.key[len(leases_prefix):] for item in leases
-                      if item.value.decode() in expired and item.key[len(leases_prefix):] in ready)
+            self._commit_each(([kv.mod_revision_is(self._key("owner_leases", o), revisions[o])],
+                               [kv.delete(self._key("owner_leases", o))]) for o in idle)
+        return expired
 
     def deleted_by(self, name: str, request_id: str) -> DeletedRegion | None:
         """What the delete of ``request_id`` removed when it removed region ``name``

@@ -136,3 +136,39 @@ def slot_change(region: RegionRecord, change: SlotChange, servers: Iterable[str]
         added = ExtentRecord(new_extent_id, change.index, change.add.server_id, copies[0].length,
                              copy=change.add.copy, role=change.add.role, view=view)
     return SlotOutcome(kept, removed, added)
+
+
+# -- owner leases -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class OwnerLease:
+    """An owner's lease on its regions: how long each renewal lasts and when it runs out."""
+
+    seconds: float
+    expires: float   # unix seconds
+
+
+def leased(lease: OwnerLease | None, seconds: float, now: float) -> OwnerLease:
+    """An owner's lease once it ties one more region to a lease of ``seconds``: the
+    longest lease of its regions, running out no earlier than before."""
+    if lease is None:
+        return OwnerLease(seconds, now + seconds)
+    return OwnerLease(max(seconds, lease.seconds), max(now + seconds, lease.expires))
+
+
+def renewed(lease: OwnerLease | None, now: float) -> OwnerLease | None:
+    """A lease renewed at ``now``; None when there is none or it ran out (its regions
+    are gone, or going: a renewal does not bring them back)."""
+    if lease is None or lease.expires < now:
+        return None
+    return replace(lease, expires=now + lease.seconds)
+
+
+def lapsed(owners: Mapping[str, OwnerLease], holders: Mapping[str, str], ready: Iterable[str],
+           now: float) -> tuple[list[str], list[str]]:
+    """(the ready regions whose owner's lease ran out, by name; the owners whose lease
+    ran out that hold no region, which are forgotten). ``holders``: region -> owner."""
+    ran_out = {owner for owner, lease in owners.items() if lease.expires < now}
+    ready = set(ready)
+    regions = sorted(name for name, owner in holders.items() if owner in ran_out and name in ready)
+    idle = sorted(ran_out - set(holders.values()))
+    return regions, idle

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sqlite3
 import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
@@ -39,12 +40,16 @@ from .records import (
     initial_role,
 )
 from .rules import (
+    OwnerLease,
     delete_memory_horizon,
     drained_state,
     half_created,
+    lapsed,
     lease_ran_out,
+    leased,
     live_state,
     lost_on_register,
+    renewed,
     report_half_created,
     retried_delete,
     slot_change,
@@ -401,33 +406,34 @@ class ControllerState:
         names the region. Raises InvalidArgument for a bad owner or lease."""
         owner, seconds, now = check_lease(owner, seconds), float(seconds), self._now(now)
         with self._sql.tx() as db:
+            lease = leased(_owner_lease(db, owner), seconds, now)
             db.execute("INSERT OR REPLACE INTO region_leases (name, owner) VALUES (?, ?)", (name, owner))
-            db.execute("INSERT INTO owner_leases (owner, seconds, expires) VALUES (?, ?, ?) "
-                       "ON CONFLICT(owner) DO UPDATE SET seconds = max(seconds, excluded.seconds), "
-                       "expires = max(expires, excluded.expires)", (owner, seconds, now + seconds))
+            db.execute("INSERT OR REPLACE INTO owner_leases (owner, seconds, expires) VALUES (?, ?, ?)",
+                       (owner, lease.seconds, lease.expires))
 
     def renew_lease(self, owner: str, now: float | None = None) -> int:
         """Renew ``owner``'s lease; returns how many regions it holds (0: none, or the
         lease had run out and they are gone)."""
         now = self._now(now)
         with self._sql.tx() as db:
-            db.execute("UPDATE owner_leases SET expires = ? + seconds WHERE owner = ? AND expires >= ?",
-                       (now, owner, now))
-            return int(db.execute("SELECT count(*) FROM region_leases l JOIN owner_leases o "
-                                  "ON o.owner = l.owner WHERE l.owner = ? AND o.expires >= ?",
-                                  (owner, now)).fetchone()[0])
+            lease = renewed(_owner_lease(db, owner), now)
+            if lease is None:
+                return 0
+            db.execute("UPDATE owner_leases SET expires=? WHERE owner=?", (lease.expires, owner))
+            return int(db.execute("SELECT count(*) FROM region_leases WHERE owner=?", (owner,)).fetchone()[0])
 
     def expired_leases(self, now: float | None = None) -> list[str]:
         """Ready regions whose owner's lease ran out, by name; forgets owners that hold
         no region any more."""
         now = self._now(now)
         with self._sql.tx() as db:
-            db.execute("DELETE FROM owner_leases WHERE expires < ? AND owner NOT IN "
-                       "(SELECT owner FROM region_leases)", (now,))
-            return [r[0] for r in db.execute(
-                "SELECT l.name FROM region_leases l JOIN owner_leases o ON o.owner = l.owner "
-                "JOIN regions r ON r.name = l.name WHERE o.expires < ? AND r.state = 'ready' "
-                "ORDER BY l.name", (now,))]
+            owners = {r["owner"]: OwnerLease(r["seconds"], r["expires"])
+                      for r in db.execute("SELECT owner, seconds, expires FROM owner_leases")}
+            holders = {r["name"]: r["owner"] for r in db.execute("SELECT name, owner FROM region_leases")}
+            ready = [r["name"] for r in db.execute("SELECT name FROM regions WHERE state='ready'")]
+            regions, idle = lapsed(owners, holders, ready, now)
+            db.executemany("DELETE FROM owner_leases WHERE owner=?", [(owner,) for owner in idle])
+        return regions
 
     def deleted_by(self, name: str, request_id: str) -> DeletedRegion | None:
         """What the delete of ``request_id`` removed when it removed region ``name``
@@ -448,3 +454,8 @@ class ControllerState:
                 (len(prefix), prefix))]
             regions = [load_region(db, n) for n in names]
         return [r for r in regions if r is not None]
+
+
+def _owner_lease(db: sqlite3.Connection, owner: str) -> OwnerLease | None:
+    row = db.execute("SELECT seconds, expires FROM owner_leases WHERE owner=?", (owner,)).fetchone()
+    return None if row is None else OwnerLease(row["seconds"], row["expires"])

@@ -16,13 +16,17 @@ from smb_server.controller.records import (
     SlotChange,
 )
 from smb_server.controller.rules import (
+    OwnerLease,
     delete_memory_horizon,
     drained_state,
     half_created,
+    lapsed,
     lease_ran_out,
+    leased,
     live_state,
     lost_on_register,
     refreshed_on_take_over,
+    renewed,
     retried_delete,
     slot_change,
 )
@@ -122,3 +126,27 @@ def test_a_slot_change_that_does_not_fit_is_invalid() -> None:
         slot_change(_region(), SlotChange(0, 3, add=NewCopy(2, "s9")), ["s0", "s1"], 99)
     with pytest.raises(ValueError, match="fresh extent id"):
         slot_change(_region(), SlotChange(0, 3, add=NewCopy(2, "s9")))
+
+
+# -- owner leases -----------------------------------------------------------------------------
+def test_an_owner_lease_is_the_longest_of_its_regions() -> None:
+    first = leased(None, 10.0, 100.0)
+    assert first == OwnerLease(10.0, 110.0)
+    assert leased(first, 5.0, 101.0) == OwnerLease(10.0, 110.0)     # a shorter one shortens nothing
+    assert leased(first, 30.0, 101.0) == OwnerLease(30.0, 131.0)
+
+
+def test_a_renewal_extends_a_live_lease_and_not_one_that_ran_out() -> None:
+    lease = OwnerLease(10.0, 110.0)
+    assert renewed(lease, 105.0) == OwnerLease(10.0, 115.0)
+    assert renewed(lease, 110.0) == OwnerLease(10.0, 120.0)          # the last moment still counts
+    assert renewed(lease, 110.5) is None
+    assert renewed(None, 100.0) is None
+
+
+def test_a_lapsed_owner_names_its_ready_regions_and_an_idle_one_is_forgotten() -> None:
+    owners = {"a": OwnerLease(10.0, 90.0), "b": OwnerLease(10.0, 200.0), "c": OwnerLease(1.0, 50.0)}
+    holders = {"job/1": "a", "job/2": "a", "job/3": "b", "job/4": "a"}
+    regions, idle = lapsed(owners, holders, ["job/1", "job/2", "job/3"], 100.0)
+    assert regions == ["job/1", "job/2"]       # job/4 is not ready (being created): not named
+    assert idle == ["c"]                       # a still holds regions; b has not run out
