@@ -308,7 +308,8 @@ class Route:
                 before = tuple(p.extent_id for p in self.extents)
                 explained = True
                 self._explain(exc)
-                if tuple(p.extent_id for p in self.extents) == before and not self.copies:
+                if (tuple(p.extent_id for p in self.extents) == before and not self.copies) \
+                        or getattr(exc, "outcome_unknown", False):   # an unnumbered one-sided atomic
                     raise
                 log.info("region %s: moved or being moved (%s); running the operation again", self.name, exc)
             explained = False

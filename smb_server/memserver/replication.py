@@ -37,10 +37,12 @@ An unreplicated extent becomes a primary when the controller moves it to another
 server (its new copy is synced as above, then promoted, and the old one released).
 Mutations served the unreplicated way (straight into the mapping, no forwarding) are
 counted while they run (:meth:`Replication.unreplicated`): the configuration that
-makes the extent a primary first waits for those to end, so the copy that starts next
-misses none of them; those that come later see the role and take the primary's path
-(or, for collective chunks, are refused with NotPrimary: their clients retry after the
-move). Waiting requests (locks, collective chunks) are not counted while they wait.
+makes the extent a primary first has the planes revoke the write access they handed
+out (:attr:`Replication.revoke_direct`: the rdma plane's writable registration) and
+waits for those mutations to end, so the copy that starts next misses none of them;
+those that come later see the role and take the primary's path (or, for collective
+chunks, are refused with NotPrimary: their clients retry after the move). Waiting
+requests (locks, collective chunks) are not counted while they wait.
 
 One :class:`Replication` per memory server (built by its :class:`~.node.Node`), shared
 by the servicer and the planes; the request paths of a primary and a backup are
@@ -176,6 +178,9 @@ class Replication:
         self._forwarders: dict[str, Forwarder] = {}
         self._configuring: dict[int, threading.Lock] = {}
         self._unreplicated: dict[int, int] = {}   # extent id -> mutations served unreplicated now
+        #: called with an extent that stops taking direct writes (it became a primary or a
+        #: backup), before its copy starts: a plane that handed out write access revokes it
+        self.revoke_direct: list[Callable[[Extent], None]] = []
         self.counts = dict.fromkeys(("pieces", "bytes", "sync_bytes", "failures"), 0)
         #: called (no lock held) when a backup is newly marked failed: the server sends
         #: a heartbeat at once, so that the controller drops it within about a second
@@ -278,6 +283,9 @@ class Replication:
                     self._forwarder(b.endpoint)
             log.info("extent %d: %s at view %d%s", extent.extent_id, role or "unreplicated", view,
                      "".join(f", backup {b.extent_id} on {b.server_id} ({b.state})" for b in backups))
+            if role and not old.role:
+                for revoke in list(self.revoke_direct):
+                    revoke(extent)
             if role:
                 self._drain_unreplicated(extent.extent_id, self.timeout)
             synced = sum(self._sync(extent, cfg, b) for b in backups if b.state == "syncing")

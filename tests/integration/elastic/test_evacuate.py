@@ -40,7 +40,7 @@ class Load:
 
     SPAN = 3 * MiB        # the accumulated range ends half a MiB past it, the writers' ranges start 1 MiB past it
 
-    def __init__(self, cluster: LocalCluster, name: str, transport: str) -> None:
+    def __init__(self, cluster: LocalCluster, name: str, transport: str, atomics: bool = True) -> None:
         self.cluster, self.name, self.transport = cluster, name, transport
         self.stop = threading.Event()
         self.errors: list[BaseException] = []
@@ -49,9 +49,9 @@ class Load:
         self.written: dict[int, int] = {}        # writer -> last acknowledged pattern
         self.ops = 0
         self._lock = threading.Lock()
+        fns = [self._accumulator, self._writer(0), self._writer(1), self._reader]
         self._threads = [threading.Thread(target=self._run, args=(fn,), daemon=True)
-                         for fn in (self._counter, self._accumulator, self._writer(0), self._writer(1),
-                                    self._reader)]
+                         for fn in ([self._counter] if atomics else []) + fns]
 
     def __enter__(self) -> Load:
         for t in self._threads:
@@ -232,11 +232,12 @@ def test_a_target_killed_mid_move_is_replaced_and_nothing_is_lost(tmp_path):
         np.testing.assert_array_equal(region.read(0, 32 * MiB, dtype=np.int64), data)
 
 
-def test_a_controller_killed_mid_evacuation_resumes_it_after_its_restart(pool):
-    with pool.client(transport="tcp") as c:
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_a_controller_killed_mid_evacuation_resumes_it_after_its_restart(pool, transport):
+    with pool.client(transport=transport) as c:
         region = c.create_region("job/params", 12 * MiB, stripe_unit=MiB, num_servers=3)
         source = holder_of_slot0(c, "job/params")
-        with Load(pool, "job/params", "tcp") as load:
+        with Load(pool, "job/params", transport) as load:
             load.wait_ops(100)
             with pool.admin_client() as admin:
                 admin.drain_server(source, evacuate=True)
@@ -308,4 +309,34 @@ def test_the_commands_evacuate_show_progress_remove_and_rebalance(pool):
         out = smb("rebalance", "--rate", str(64 * MiB))
         assert out.returncode == 0 and "balanced:" in out.stdout, out.stderr
         np.testing.assert_array_equal(region.read(0, dtype=np.int64), np.arange(12 * MiB // 8, dtype=np.int64))
-        assert any(s.extents for s in admin.list_servers() if s.server_id == pool.server_id(4)), (out.stdout, admin.list_servers())
+        joined = pool.server_id(4)
+        assert any(s.extents for s in admin.list_servers() if s.server_id == joined), out.stdout
+
+
+def test_a_source_killed_mid_move_follows_the_rules_of_a_dead_server(tmp_path):
+    """The move cannot finish (its only target is frozen) when the source is killed: the
+    region is degraded, operations raise typed errors and report nothing done; the
+    source back without its memory makes the region lost, never ready with zeros."""
+    with LocalCluster(servers=2, capacity="256M", workdir=str(tmp_path / "cluster"), log_level="INFO") as pool, \
+            pool.client(transport="tcp") as c, pool.admin_client() as admin:
+        region = c.create_region("job/big", 32 * MiB, placement="single")
+        region.write(0, np.ones(32 * MiB // 8, np.int64))
+        source = region.route.extents[0].server_id
+        src, target = [next(i for i in range(2) if (pool.server_id(i) == source) == want) for want in (True, False)]
+        os.kill(pool.server_pid(target), signal.SIGSTOP)
+        try:
+            admin.drain_server(source, evacuate=True)
+            deadline = time.monotonic() + SETTLE
+            while not [p for p in c.open_region("job/big").route.copies if p.role == "syncing"]:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            pool.kill_server(src)
+        finally:
+            os.kill(pool.server_pid(target), signal.SIGCONT)
+        wait_state(c, "job/big", "degraded", timeout=SETTLE)
+        with pytest.raises((errors.ServerUnavailable, errors.RegionLost)):
+            region.accumulate(0, np.ones(8, np.int64))
+        pool.start_server(src)                      # back, without its memory
+        wait_state(c, "job/big", "lost", timeout=SETTLE)
+        with pytest.raises(errors.RegionLost):
+            region.read(0, 8)
