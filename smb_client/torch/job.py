@@ -12,10 +12,12 @@ On entry (every worker; rank and world size from torchrun's variables,
 * the job's client (made by the job from ``SMB_CONTROLLER``/``SMB_TOKEN`` unless one
   is given) takes an owner id made from the job's name and ``TORCHELASTIC_RUN_ID``
   (:attr:`Job.owner`), the same in every worker and in every restart of the group,
-  and renews its lease; the store's regions are made with that lease (``lease``
-  seconds, :data:`LEASE`), so they outlive a restart of the group under ``torchrun
-  --max-restarts`` and are deleted by the controller once no worker renewed them for
-  ``lease`` seconds (the job crashed for good);
+  and renews its lease (each worker makes a small region ``<name>/lease/<rank>-...``
+  under it, which renews the lease at once and keeps it renewed); the store's regions
+  are made with that lease (``lease`` seconds, :data:`LEASE`), so they outlive a
+  restart of the group under ``torchrun --max-restarts`` and are deleted by the
+  controller once no worker renewed them for ``lease`` seconds (the job crashed for
+  good);
 * rank 0 creates the store (replacing what a dead run of the same name left), or,
   in a restarted group (``TORCHELASTIC_RESTART_COUNT`` > 0) that finds the store still
   there, everybody attaches to it and goes on from its weights (:attr:`Job.resumed`
@@ -35,6 +37,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +59,7 @@ __all__ = ["END_TIMEOUT", "LEASE", "Job", "job"]
 
 LEASE = 60.0            # seconds the job's regions outlive its last worker (and bridge a restart)
 END_TIMEOUT = 300.0     # seconds the workers wait for each other at the end
+MARKER_BYTES = 64       # each worker's region under <name>/lease/, which holds the job's lease
 
 
 class Job:
@@ -126,7 +130,10 @@ class Job:
         try:
             if self._given_client is None and self.lease is not None:
                 client.owner = self.owner
-                client._keep_leases(self.lease)   # renewed from the start, restarts included
+                # a region of this worker's own under the job's lease renews the lease at
+                # once (a restarted group's bridge) and keeps renewing it while it lives
+                client.create_region(f"{self.name}/lease/{self.rank}-{uuid.uuid4().hex[:12]}", MARKER_BYTES,
+                                     placement="single", lease=self.lease)
             saved = self._read_checkpoint()
             state = saved[0] if saved is not None else None
             restarted = self.env.restart_count > 0
