@@ -53,6 +53,7 @@ from . import etcd_kv as kv
 from .etcd_create import FIRST_ID_BASE, RegionCreates
 from .etcd_txn import MAX_TXN_OPS as MAX_TXN_OPS  # the limit callers check against
 from .etcd_txn import Fence, _extent_row
+from .leader import Election
 from .moves import check_removable, drain_flag, removed_error
 from .records import (
     DeletedRegion,
@@ -115,7 +116,24 @@ class EtcdState(RegionCreates):
         self.close()
 
 
-    # -- leadership ----------------------------------------------------------------------
+    # -- leadership (:class:`.store.Leadership`) --------------------------------------------
+    @property
+    def leadership(self) -> EtcdState:
+        """This store: its controllers elect a leader."""
+        return self
+
+    def stand_by(self) -> None:
+        """Refuse every write until :meth:`take_over`."""
+        self.fenced = True
+
+    def election(self, address: str, lease_seconds: float) -> Election:
+        """This controller's part in the election, on this store's etcd channel."""
+        return Election(self.kv, self.prefix, address, lease_seconds)
+
+    def step_down(self) -> None:
+        """Stop leading: writes are refused until the next :meth:`take_over`."""
+        self.fence = None
+
     def recover(self) -> list[str]:
         """Remove regions left ``creating`` by a controller that died; returns their names.
 

@@ -25,14 +25,13 @@ from smb_server.runtime.metrics import MetricsServer, Registry
 from smb_server.runtime.rpc_metrics import RpcMetrics
 
 from .etcd_kv import is_etcd_url
-from .etcd_state import EtcdState
 from .etcd_txn import Fence
 from .leader import Election, LeaderGate, LeaderLoop
 from .records import FailedReplica
 from .repair import REPAIR_INTERVAL, RepairManager, RepairMetrics
 from .service import METHOD_ROLES, ControllerServicer
 from .state import SERVER_STATES
-from .store import StateStore, open_state
+from .store import Leadership, StateStore, open_state
 
 log = logging.getLogger(__name__)
 
@@ -111,10 +110,11 @@ class Controller(Daemon):
         # with etcd, only the leader cleans up and writes (after it won: LeaderLoop)
         self.state = open_state(self.store, cfg.lease_seconds, cfg.orphan_grace_seconds,
                                 recover=not replicated)
-        if isinstance(self.state, EtcdState):
-            self.state.fenced = True
-        else:
+        leadership = self.state.leadership
+        if leadership is None:
             self.state.expire_leases()  # servers silent since the last run are down until they call
+        else:
+            leadership.stand_by()       # no write before this controller wins the election
         self.servicer = ControllerServicer(self.state, cfg.secret, cfg.token, cfg.ticket_ttl_seconds,
                                            max_barrier_waits=cfg.barrier_waits_max)
         self.servicer.memservers.tls = tls_settings(cfg)   # the controller calls memory servers
@@ -124,7 +124,7 @@ class Controller(Daemon):
         interceptors: list[ServerInterceptor] = [
             RpcMetrics(self.registry, "smb_controller"),
             RoleAuth(credentials, METHOD_ROLES, exempt=HEALTH_METHODS, client_slots=client_slots)]
-        if replicated:  # standbys refuse, naming the leader
+        if leadership is not None:  # standbys refuse, naming the leader
             interceptors.append(LeaderGate("smb.v1.Controller", self.leading, self._describe_leader))
         self._server = make_server(max_workers=client_slots + SERVER_WORKERS, interceptors=interceptors)
         controller_pb2_grpc.add_ControllerServicer_to_server(  # type: ignore[no-untyped-call]  # generated, untyped
@@ -138,8 +138,8 @@ class Controller(Daemon):
         if not self._port:
             raise errors.Unavailable(f"cannot listen on {cfg.listen} (address in use?)")
         self._server.start()
-        if isinstance(self.state, EtcdState):
-            self._start_election(self.state)
+        if leadership is not None:
+            self._start_election(leadership)
         self.repairer = RepairManager(self.state, self.servicer.memservers,
                                       metrics=RepairMetrics(self.registry))
         self.servicer.on_failed_replicas = self._failed_replicas
@@ -161,24 +161,23 @@ class Controller(Daemon):
         if cfg.ready_file:
             write_atomic(cfg.ready_file, json.dumps({"address": self.address}))
 
-    def _start_election(self, state: EtcdState) -> None:
-        election = self.election = Election(state.kv, state.prefix, self.address,
-                                            self.config.leader_lease_seconds)
+    def _start_election(self, leadership: Leadership) -> None:
+        election = self.election = leadership.election(self.address, self.config.leader_lease_seconds)
 
         if self.servicer is not None:  # barriers' generations outlive a leader
-            self.servicer.barriers.store = state
+            self.servicer.barriers.store = leadership
 
         def on_lead(fence: Fence) -> None:
             if self.servicer is not None:  # memory servers refuse older epochs' admin tickets
                 self.servicer.memservers.epoch = fence.epoch
                 self.servicer.barriers.reset("a new leader took over; retry")
             self._taken_over = False
-            state.take_over(fence)
+            leadership.take_over(fence)
             self._taken_over = True
 
         def on_lose() -> None:
             self._taken_over = False
-            state.fence = None
+            leadership.step_down()
             if self.servicer is not None:  # its barrier waiters retry at the new leader
                 self.servicer.barriers.reset("this controller no longer leads; retry at the leader")
 

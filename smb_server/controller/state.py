@@ -100,6 +100,11 @@ class ControllerState:
             db.executemany("DELETE FROM regions WHERE name=?", [(name,) for name in stale])
         report_half_created(stale)
 
+    @property
+    def leadership(self) -> None:
+        """None: a SQLite file has one controller, which always leads."""
+        return None
+
     def close(self) -> None:
         """Close the database (idempotent)."""
         self._sql.close()

@@ -10,12 +10,44 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from .etcd_kv import is_etcd_url
 from .records import DeletedRegion, ExtentRecord, HeldExtent, RegionRecord, ServerRecord, SlotChange
 
+if TYPE_CHECKING:
+    from .etcd_txn import Fence
+    from .leader import Election
+
 log = logging.getLogger(__name__)
+
+
+class Leadership(Protocol):
+    """A store's side of leadership where several controllers share it (etcd): they
+    elect one leader (:mod:`.leader`), and the store takes writes from it alone. It also
+    keeps barriers' generations (:class:`.barriers.GenerationStore`), which outlive a leader."""
+
+    def stand_by(self) -> None:
+        """Refuse every write until :meth:`take_over` (a controller that has not won)."""
+        ...
+
+    def election(self, address: str, lease_seconds: float) -> Election:
+        """This controller's part in the election, on the store's channel; ``address``:
+        where clients reach it, ``lease_seconds``: how long a silent leader leads."""
+        ...
+
+    def take_over(self, fence: Fence, now: float | None = None) -> None:
+        """Start leading with ``fence`` (every write checks it); clean what a dead leader
+        left half-done."""
+        ...
+
+    def step_down(self) -> None:
+        """Stop leading: writes are refused until the next :meth:`take_over`."""
+        ...
+
+    def barrier_generation(self, name: str) -> int: ...
+
+    def open_barrier(self, name: str, generation: int) -> None: ...
 
 
 class StateStore(Protocol):
@@ -25,6 +57,12 @@ class StateStore(Protocol):
     path: str
     lease_seconds: float          # seconds a silent memory server stays up
     orphan_grace_seconds: float   # seconds before an unknown held extent is an orphan
+
+    @property
+    def leadership(self) -> Leadership | None:
+        """None where this controller is the store's only one and always leads (SQLite);
+        else the store's side of the election among its controllers."""
+        ...
 
     def close(self) -> None: ...
 

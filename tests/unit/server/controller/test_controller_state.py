@@ -60,6 +60,10 @@ def test_register_and_list(state: StateStore) -> None:
         state.register_server("x", "h", "", [], MiB)
 
 
+def test_sqlite_always_leads_and_etcd_elects(state: StateStore, db: str) -> None:
+    assert (state.leadership is None) == (not db.startswith("etcd://"))
+
+
 def test_heartbeat_orphans_respect_grace(state: StateStore) -> None:
     add(state, "a")
     region = make(state, "job/w", 4 * MiB, placement="single")

@@ -19,8 +19,9 @@ MiB = 1 << 20
 
 def _pair(url: str) -> tuple[EtcdState, EtcdState, Election, Election]:
     a, b = EtcdState(url, recover=False), EtcdState(url, recover=False)
-    a.fenced = b.fenced = True
-    return a, b, Election(a.kv, a.prefix, "10.0.0.1:7700", 2), Election(b.kv, b.prefix, "10.0.0.2:7700", 2)
+    a.stand_by()
+    b.stand_by()
+    return a, b, a.election("10.0.0.1:7700", 2), b.election("10.0.0.2:7700", 2)
 
 
 def test_one_leader_at_a_time_and_epochs_grow(etcd_store: str) -> None:
@@ -42,6 +43,19 @@ def test_a_standby_writes_nothing(etcd_store: str) -> None:
     with pytest.raises(errors.ControllerUnavailable, match="stands by"):
         b.register_server("s1", "h", "127.0.0.1:1", [], 64 * MiB)
     assert b.list_servers() == []
+
+
+def test_a_leader_that_steps_down_writes_nothing(etcd_store: str) -> None:
+    a, _, ea, _ = _pair(etcd_store)
+    assert a.leadership is a                    # the store interface's side of the election
+    fence = ea.campaign()
+    assert fence is not None
+    a.take_over(fence)
+    a.register_server("s1", "h", "127.0.0.1:1", [], 64 * MiB)
+    a.step_down()
+    with pytest.raises(errors.ControllerUnavailable, match="stands by"):
+        a.drain("s1")
+    assert a.get_server("s1").state == "up"
 
 
 def test_a_deposed_leader_cannot_write(etcd_store: str) -> None:
