@@ -53,7 +53,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 from smb_protocol import wire
 from smb_protocol.dtypes import DType, itemsize, resolve
@@ -70,6 +70,8 @@ from .region import Region
 log = logging.getLogger(__name__)
 
 __all__ = ["Collective", "CHUNK_BYTES"]
+
+B = TypeVar("B")    # the caller's buffer (numpy array, torch CPU tensor, writable buffer), returned as given
 
 CHUNK_BYTES = 512 << 10        # largest default chunk, bytes: see default_chunk
 MIN_CHUNK = 64 << 10           # smallest default chunk, bytes
@@ -351,7 +353,7 @@ class Collective:
         return out
 
     # -- collectives ------------------------------------------------------------------
-    def all_reduce(self, data: Any, dtype: Any = None) -> Any:
+    def all_reduce(self, data: B, dtype: Any = None) -> B:
         """Sum ``data`` (a writable numpy array, torch CPU tensor or buffer; float32,
         float16, bfloat16, float64, int32 or int64) over the parties, in place; returns
         ``data``. Chunks are pushed in order while the finished ones are pulled."""
@@ -377,7 +379,7 @@ class Collective:
             self.lock.release()
             raise
 
-    def broadcast(self, data: Any, root: int, rank: int, dtype: Any = None) -> Any:
+    def broadcast(self, data: B, root: int, rank: int, dtype: Any = None) -> B:
         """Give every party ``root``'s ``data`` (in place at the others); ``rank`` is
         this party's rank among ``0 .. parties-1``. Returns ``data``."""
         if not (0 <= root < self.parties and 0 <= rank < self.parties):
