@@ -144,6 +144,7 @@ class Controller(Daemon):
                                       metrics=RepairMetrics(self.registry))
         self.servicer.on_failed_replicas = self._failed_replicas
         self.servicer.repairs = self.repairer
+        self.repairer.wake = self._repair_wake.set
         self.servicer.wake_repairs = self._repair_wake.set
         self._repair_thread = threading.Thread(target=self._repair_loop, name="controller-repair",
                                                daemon=True)

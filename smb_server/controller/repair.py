@@ -171,6 +171,9 @@ class RepairManager:
         self.moves = Rebalancer()
         #: evacuating server id -> (unix time this leader first saw it evacuate, bytes it held then)
         self.evacuations: dict[str, tuple[float, int]] = {}
+        #: asks for the next pass now (the controller's repair thread): a copy in step
+        #: may complete a move, which the next pass's fencing does
+        self.wake: Callable[[], None] = lambda: None
         self.clock = clock
         self._pool = futures.ThreadPoolExecutor(sync_workers, thread_name_prefix="replica-sync")
         self._lock = threading.Lock()
@@ -537,6 +540,7 @@ class RepairManager:
         region, removed = result
         self._release(region.uid, removed)
         self.metrics.done(plan.kind, synced, seconds)
+        self.wake()
         log.info("region %s slot %d: copy %d on server %s in step (%d bytes copied in %.3f s, "
                  "%.0f MB/s); %d of %d copies", region.name, index, copy, target.server_id, synced,
                  seconds, synced / max(seconds, 1e-9) / 1e6, in_sync, region.replicas)
