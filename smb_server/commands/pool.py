@@ -25,6 +25,7 @@ from .tokens import admin_token
 
 POLL_SECONDS = 0.5          # between two looks at the controller
 LINE_SECONDS = 5.0          # between two progress lines when stdout is no terminal
+STALLED_SECONDS = 30.0      # without progress before the command says what a move needs
 
 
 class Progress:
@@ -73,14 +74,24 @@ def follow(poll: Callable[[], tuple[bool, int, int, str]], what: str, quiet: boo
     finished, moved, left, detail = poll()
     bar = Progress(what, moved + left, quiet)
     deadline = None if timeout is None else time.monotonic() + timeout
+    last_change, said = time.monotonic(), False
     while not finished:
-        if deadline is not None and time.monotonic() >= deadline:
+        now = time.monotonic()
+        if deadline is not None and now >= deadline:
             bar.close(moved, detail)
             return False
+        if now - last_change > STALLED_SECONDS and not said:
+            said = True
+            print(f"{what}: nothing moved for {STALLED_SECONDS:g} s: a copy needs a server that is up, not "
+                  "draining, with room and no copy of its slot (`smb status`; the controller's log names "
+                  "the slot)", file=sys.stderr, flush=True)
         bar.total = max(bar.total, moved + left)
         bar.show(moved, detail)
         time.sleep(POLL_SECONDS)
+        before = moved
         finished, moved, left, detail = poll()
+        if moved != before:
+            last_change = time.monotonic()
     bar.close(moved, detail)
     return True
 

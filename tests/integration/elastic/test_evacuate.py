@@ -340,3 +340,22 @@ def test_a_source_killed_mid_move_follows_the_rules_of_a_dead_server(tmp_path):
         wait_state(c, "job/big", "lost", timeout=SETTLE)
         with pytest.raises(errors.RegionLost):
             region.read(0, 8)
+
+
+def test_an_evacuation_with_nowhere_to_go_says_what_it_needs_and_moves_nothing(tmp_path, monkeypatch, capsys):
+    """Two servers, a region with two copies: the evacuated server's copy has no other
+    server to go to; the command says so and gives up at its timeout (exit 1), the copy
+    stays and the region stays ready."""
+    from smb_server.commands import pool as pool_cmd
+    monkeypatch.setattr(pool_cmd, "STALLED_SECONDS", 1.0)
+    with LocalCluster(servers=2, capacity="256M", workdir=str(tmp_path / "cluster"), log_level="INFO") as pool, \
+            pool.client(transport="tcp") as c, pool.admin_client() as admin:
+        c.create_region("job/two", 4 * MiB, placement="single", replicas=2)
+        source = pool.server_id(0)
+        assert pool_cmd.evacuate(admin, source, quiet=True, timeout=3.0) == 1
+        err = capsys.readouterr().err
+        assert "nothing moved for 1 s" in err and "still holds extents" in err
+        assert next(s for s in admin.list_servers() if s.server_id == source).extents == 1
+        assert {r.name: r.state for r in c.list_regions()}["job/two"] == "ready"
+        admin.drain_server(source, undrain=True)      # cancels the evacuation
+        assert not next(s for s in admin.list_servers() if s.server_id == source).evacuating
