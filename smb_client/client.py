@@ -35,8 +35,16 @@ log = logging.getLogger(__name__)
 
 DEFAULT_CONTROLLER = "127.0.0.1:7700"
 RECONNECT_FIRST = 0.05       # seconds before the first retry of an unreachable controller
-RECONNECT_CAP = 0.5          # seconds between retries at most
+RECONNECT_CAP = 0.25         # seconds between retries (rounds of a controller list) at most
 SOCKET_CLOSED = "Socket closed"   # gRPC's words for a connection the server closed at once
+
+
+def reconnect_backoff(controllers: int) -> Backoff:
+    """The delays (seconds) between tries of an unreachable controller: over a list of
+    ``controllers`` (one leads, the others stand by and refuse), each failure moves to
+    the next at once and only a whole round waits, so that a standby that just took
+    over is reached within ``RECONNECT_CAP`` of its first answer."""
+    return Backoff(first=RECONNECT_FIRST, cap=RECONNECT_CAP, per_round=max(1, controllers))
 
 
 @dataclass(frozen=True)
@@ -189,7 +197,7 @@ class Client:
         deadline = self.timeout if timeout is None else timeout
         patience = self.reconnect_timeout if reconnect_timeout is None else reconnect_timeout
         retry = Retry(on=(ControllerUnavailable,), timeout=patience,
-                      backoff=Backoff(first=RECONNECT_FIRST, cap=RECONNECT_CAP))
+                      backoff=reconnect_backoff(len(self.controllers)))
         try:
             return retry(lambda: self._call_once(method, request, deadline), what=f"controller {method}")
         except ControllerUnavailable as exc:

@@ -34,7 +34,11 @@ class Backoff:
 
     ``jitter`` is the fraction of each delay drawn at random (0: exact delays; 0.5: each
     delay uniformly in [d/2, d]), so that many clients do not retry in lockstep.
-    :meth:`reset` starts again from ``first`` (after a success).
+    ``per_round``: attempts in one round, for a list of that many servers tried in turn
+    (the caller moves to the next after a failure): the next server is tried at once,
+    and the delay comes only after a whole round, so that a standby that just took over
+    is reached without waiting behind the others' delays. :meth:`reset` starts again
+    from ``first`` and a new round (after a success).
     """
 
     first: float = 0.05
@@ -42,20 +46,27 @@ class Backoff:
     factor: float = 2.0
     jitter: float = 0.0
     rng: random.Random = field(default=_SHARED_RNG, repr=False)
+    per_round: int = 1
     _next: float = field(init=False, repr=False, default=0.0)
+    _tried: int = field(init=False, repr=False, default=0)
 
     def __post_init__(self) -> None:
         if not (self.first > 0 and self.cap >= self.first and self.factor >= 1.0
-                and 0.0 <= self.jitter <= 1.0):
+                and 0.0 <= self.jitter <= 1.0 and self.per_round >= 1):
             raise ValueError(f"bad backoff parameters: first={self.first} cap={self.cap} "
-                             f"factor={self.factor} jitter={self.jitter}")
+                             f"factor={self.factor} jitter={self.jitter} per_round={self.per_round}")
         self._next = self.first
 
     def reset(self) -> None:
         self._next = self.first
+        self._tried = 0
 
     def next_delay(self) -> float:
-        """The delay (seconds) before the next attempt; grows the one after."""
+        """The delay (seconds) before the next attempt; grows the one after (0 within a
+        round: see ``per_round``)."""
+        self._tried += 1
+        if self._tried % self.per_round:
+            return 0.0
         delay = self._next
         self._next = min(self.cap, self._next * self.factor)
         if self.jitter:

@@ -91,3 +91,31 @@ def test_retry_stops_when_the_sleep_says_stop() -> None:
     with pytest.raises(ConnectionError):
         Retry(on=(ConnectionError,), timeout=None, sleep=lambda s: True)(down)
     assert n[0] == 1
+
+
+def test_backoff_over_a_list_waits_only_after_a_whole_round() -> None:
+    b = Backoff(first=0.1, cap=0.4, per_round=3)
+    assert [round(b.next_delay(), 3) for _ in range(12)] == [0, 0, 0.1, 0, 0, 0.2, 0, 0, 0.4, 0, 0, 0.4]
+    b.reset()                                # a success starts a new round from ``first``
+    assert [b.next_delay() for _ in range(3)] == pytest.approx([0, 0, 0.1])
+    with pytest.raises(ValueError):
+        Backoff(per_round=0)
+
+
+def test_retry_over_a_list_tries_every_server_before_it_sleeps() -> None:
+    clock = FakeClock()
+    servers = ["dead", "standby", "leader"]
+    tried: list[tuple[str, float]] = []
+
+    def call() -> str:
+        server = servers[len(tried) % 3]
+        tried.append((server, clock.now))
+        if server != "leader" or clock.now < 0.25:   # the standby takes over at 0.25 s
+            raise ConnectionError(server)
+        return server
+    r = Retry(on=(ConnectionError,), timeout=5.0, backoff=Backoff(first=0.1, cap=0.2, per_round=3),
+              clock=clock, sleep=clock.sleep)
+    assert r(call) == "leader"
+    assert tried == [("dead", 0.0), ("standby", 0.0), ("leader", 0.0), ("dead", 0.1), ("standby", 0.1),
+                     ("leader", 0.1), ("dead", pytest.approx(0.3)), ("standby", pytest.approx(0.3)),
+                     ("leader", pytest.approx(0.3))]
