@@ -93,6 +93,8 @@ class Testbed:
     ``capacity``: RAM each memory server offers (a size such as ``"1G"``).
     ``metrics_port``: where the controller and every memory server serve Prometheus
     ``/metrics`` on their own address (0: off; see :meth:`metrics_urls`).
+    ``spares``: how many of the ``servers`` memory-server hosts (the last ones) are built
+    without their daemon, for a server that joins later (:meth:`start_server`).
     """
 
     __test__ = False
@@ -100,7 +102,7 @@ class Testbed:
     def __init__(self, servers: int, workers: int, *, cap_mbit: float = 200.0, colocate: bool | int = False,
                  lease_seconds: float = 3.0, heartbeat_seconds: float = 0.5, capacity: str = "1G",
                  log_level: str = "WARNING", workdir: str | None = None, keep_workdir: bool = False,
-                 metrics_port: int = 0) -> None:
+                 metrics_port: int = 0, spares: int = 0) -> None:
         if servers < 1 or workers < 0:
             raise ValueError("need at least one memory server and no negative worker count")
         shared = workers if colocate is True else int(colocate)
@@ -109,7 +111,10 @@ class Testbed:
         if not 0 <= shared <= min(workers, servers):
             raise ValueError(f"colocate={colocate}: at most {min(workers, servers)} workers can share a "
                              "memory server's host")
+        if not 0 <= spares < servers:
+            raise ValueError(f"spares={spares}: at least one of the {servers} memory servers must start")
         self.num_servers = servers
+        self.spares = spares
         self.num_workers = workers
         self.cap_mbit = cap_mbit
         self.colocate = shared > 0
@@ -315,18 +320,33 @@ class Testbed:
             "--secret-file", str(secret), "--ready-file", str(ready),
             "--lease", str(self.lease_seconds), "--orphan-grace", "60", *self._metrics_args()])
         self._wait_ready(ready, "controller")
-        transports = "tcp,shm" if self.colocate else "tcp"
-        for i, host in enumerate(self.servers):
-            state = self.workdir / f"srv{i}"
-            state.mkdir(exist_ok=True)
-            self._daemon(host, f"srv{i}", [
-                "server", "--controller", self.controller_address, "--listen-host", host.address,
-                "--advertise-host", host.address, "--capacity", self.capacity,
-                "--state-dir", str(state), "--secret-file", str(secret),
-                "--ready-file", str(state / "ready"), "--transports", transports,
-                "--heartbeat", str(self.heartbeat_seconds), *self._metrics_args()])
+        started = self.num_servers - self.spares
+        for i in range(started):
+            self._spawn_server(i)
         self.server_info = [self._wait_ready(self.workdir / f"srv{i}" / "ready", f"srv{i}")
-                            for i in range(self.num_servers)]
+                            for i in range(started)]
+
+    def _spawn_server(self, i: int) -> None:
+        host = self.servers[i]
+        state = self.workdir / f"srv{i}"
+        state.mkdir(exist_ok=True)
+        self._daemon(host, f"srv{i}", [
+            "server", "--controller", self.controller_address, "--listen-host", host.address,
+            "--advertise-host", host.address, "--capacity", self.capacity,
+            "--state-dir", str(state), "--secret-file", str(self.workdir / "secret"),
+            "--ready-file", str(state / "ready"), "--transports", "tcp,shm" if self.colocate else "tcp",
+            "--heartbeat", str(self.heartbeat_seconds), *self._metrics_args()])
+
+    def start_server(self, index: int) -> dict[str, Any]:
+        """Start the memory server of spare host ``index`` (the next one not started
+        yet); returns its ready file (``server_id``, endpoints) once it registered."""
+        if index != len(self.server_info):
+            raise ValueError(f"memory server {index}: the next one to start is {len(self.server_info)}")
+        self._spawn_server(index)
+        info = self._wait_ready(self.workdir / f"srv{index}" / "ready", f"srv{index}")
+        self.server_info.append(info)
+        log.info("memory server srv%d (%s) joined", index, info.get("server_id"))
+        return info
 
     def _metrics_args(self) -> list[str]:
         return ["--metrics-port", str(self.metrics_port)] if self.metrics_port else []

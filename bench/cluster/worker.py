@@ -16,7 +16,9 @@ the result is written to ``OUT.json``. Modes:
   down and up again; coordinated through files in ``signal_dir``;
 * ``train``, ``monitor``, ``check``, ``cleanup_store``: the replication experiment's
   (:mod:`.replica_worker`);
-* ``training``: synchronous training, memory box against DDP (:mod:`.training_worker`).
+* ``training``: synchronous training, memory box against DDP (:mod:`.training_worker`);
+* ``elastic_sync``, ``elastic_mover``, ``elastic_check``: the elastic-pool benchmark's
+  (``bench/elastic.py``, :mod:`.elastic_worker`).
 
 Workers of one run meet at controller barriers; times are ``time.perf_counter``
 seconds, timestamps ``time.time`` (one clock for all namespaces of the machine).
@@ -40,7 +42,7 @@ from smb_client.transports import tcp
 from smb_protocol import errors
 from smb_server.commands.local_cluster import wait_for_json
 
-from . import replica_worker, training_worker
+from . import elastic_worker, replica_worker, training_worker
 
 log = logging.getLogger(__name__)
 
@@ -428,7 +430,7 @@ def failure(spec: dict[str, Any]) -> dict[str, Any]:
 
 MODES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "probe": probe, "bandwidth": bandwidth, "sharding": sharding, "allreduce": allreduce,
-    "failure": failure, **replica_worker.MODES, **training_worker.MODES,
+    "failure": failure, **replica_worker.MODES, **training_worker.MODES, **elastic_worker.MODES,
 }
 
 
