@@ -390,9 +390,11 @@ class Client:
     def barrier(self, name: str, parties: int, timeout: float | None = None) -> int:
         """Block until ``parties`` callers reached barrier ``name``; returns its generation.
 
-        Raises BarrierTimeout after ``timeout`` seconds (None: wait forever).
+        Raises BarrierTimeout after ``timeout`` seconds (None: wait forever). Every retry
+        of the call (a failover) names the same arrival, so that it is counted once.
         """
-        request = pb.BarrierRequest(name=name, parties=parties, timeout_seconds=timeout or 0.0)
+        request = pb.BarrierRequest(name=name, parties=parties, timeout_seconds=timeout or 0.0,
+                                    arrival_id=uuid.uuid4().hex)
         grpc_timeout = None if timeout is None else timeout + 10.0
         return int(self._call("Barrier", request, timeout=grpc_timeout).generation)
 

@@ -4,19 +4,23 @@ Pure (no gRPC): the servicer passes the caller's ``is_active`` so that a caller 
 went away is forgotten.
 
 With a replicated store (etcd) a barrier's generation (how many times it opened) lives
-in the store (:class:`GenerationStore`): it is written, fenced by the leader epoch, before
-a barrier opens, and read by a new leader. Arrivals stay in the leader's memory: when a
-leader dies or stops leading, its waiters' calls fail with ControllerUnavailable
-(:meth:`Barriers.reset`), and the client retries them at the new leader, where they
-arrive again in the same generation. (A caller is not told apart from its retry, so
-arrivals written to the store would be counted twice.) With SQLite the generations are
-in memory and a restart starts them again at 0.
+in the store (:class:`GenerationStore`), with the arrival ids of its last opening: both
+are written, fenced by the leader epoch, before a barrier opens, and read by a new leader.
+Arrivals waiting for an opening stay in the leader's memory: when a leader dies or stops
+leading, its waiters' calls fail with ControllerUnavailable (:meth:`Barriers.reset`),
+and the client retries them at the new leader, where they arrive again in the same
+generation. A caller names each arrival (an arrival id, the same in its retries), so
+that a retry whose reply was lost after the opening (a failover) is answered from the
+opening it took part in, and a retry while its first call still waits replaces it:
+neither is counted twice. With SQLite the generations and arrival ids are in memory and
+a restart starts them again at 0.
 """
 from __future__ import annotations
 
+import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -26,24 +30,27 @@ from smb_protocol.names import check_barrier_name
 BARRIER_POLL = 0.5  # seconds between checks that a barrier caller is still there
 MAX_WAITERS = 64    # callers that may wait in barriers at once, all barriers together
 MAX_WAITERS_PER_CALLER = 16  # of those, from one caller (one client connection)
+_ARRIVAL_ID = re.compile(r"[0-9a-f]{32}")
 
 
 class GenerationStore(Protocol):
     """Where barriers' generations outlive a leader (:class:`.etcd_state.EtcdState`)."""
 
-    def barrier_generation(self, name: str) -> int:
-        """How many times barrier ``name`` has opened (0: never)."""
+    def barrier_generation(self, name: str) -> tuple[int, tuple[str, ...]]:
+        """How many times barrier ``name`` has opened (0: never), and the arrival ids of
+        its last opening, in order of arrival ("" for a caller that gave none)."""
         ...
 
-    def open_barrier(self, name: str, generation: int) -> None:
+    def open_barrier(self, name: str, generation: int, arrivals: Sequence[str]) -> None:
         """Record that barrier ``name`` opens for the ``generation``-th time (it opened
-        ``generation - 1`` times before); raises ControllerUnavailable when this
-        controller no longer leads."""
+        ``generation - 1`` times before) with the ``arrivals`` (ids, in order); raises
+        ControllerUnavailable when this controller no longer leads."""
         ...
 
 
 @dataclass
 class _Waiter:
+    arrival_id: str = ""
     generation: int = -1
     arrival: int = -1
     done: bool = False
@@ -55,6 +62,7 @@ class _Barrier:
     parties: int = 0
     generation: int = 0  # times this barrier has opened
     waiters: list[_Waiter] | None = None
+    last: tuple[str, ...] = ()  # arrival ids of the last opening, in order of arrival
 
 
 class Barriers:
@@ -82,26 +90,38 @@ class Barriers:
         self._by_caller: dict[str, int] = {}
 
     def wait(self, name: str, parties: int, timeout: float | None = None,
-             is_active: Callable[[], bool] = lambda: True, caller: str = "") -> tuple[int, int]:
+             is_active: Callable[[], bool] = lambda: True, caller: str = "",
+             arrival_id: str = "") -> tuple[int, int]:
         """Block until the barrier opens; returns ``(generation, arrival)``.
 
-        ``timeout`` in seconds (None or <= 0: forever). Raises InvalidArgument (no name,
-        ``parties`` 0, or a ``parties`` other than the waiting callers'), BarrierTimeout,
-        or ControllerUnavailable when the controller closes, ``is_active`` turns false,
-        or ``max_waiters`` callers (``max_per_caller`` with this ``caller`` key) already wait.
+        ``timeout`` in seconds (None or <= 0: forever). ``arrival_id`` (32 lowercase hex
+        digits, or "": none): the caller's name for this arrival, the same in its
+        retries; a retry of an arrival the last opening counted returns what that
+        opening gave it, at once, and a retry of one still waiting takes its place.
+        Raises InvalidArgument (no name, ``parties`` 0, a ``parties`` other than the
+        waiting callers', a malformed arrival id), BarrierTimeout, or
+        ControllerUnavailable when the controller closes, ``is_active`` turns false, or
+        ``max_waiters`` callers (``max_per_caller`` with this ``caller`` key) already wait.
         """
         check_barrier_name(name)
         if parties <= 0:
             raise errors.InvalidArgument("a barrier needs at least one party")
+        if arrival_id and not _ARRIVAL_ID.fullmatch(arrival_id):
+            raise errors.InvalidArgument(f"an arrival id is 32 lowercase hex digits, not {arrival_id!r}")
         deadline = time.monotonic() + timeout if timeout and timeout > 0 else None
         with self._cond:
             if self._closed:
                 raise errors.ControllerUnavailable("the controller is shutting down")
             barrier = self._barriers.get(name)
             if barrier is None:
-                generation = self.store.barrier_generation(name) if self.store is not None else 0
-                barrier = self._barriers[name] = _Barrier(generation=generation, waiters=[])
+                generation, last = self.store.barrier_generation(name) if self.store is not None else (0, ())
+                barrier = self._barriers[name] = _Barrier(generation=generation, waiters=[], last=last)
             assert barrier.waiters is not None
+            if arrival_id and arrival_id in barrier.last:   # its reply was lost: what it got
+                return barrier.generation - 1, barrier.last.index(arrival_id)
+            for earlier in [w for w in barrier.waiters if arrival_id and w.arrival_id == arrival_id]:
+                barrier.waiters.remove(earlier)             # its caller gave up on it: this retry counts
+                earlier.error, earlier.done = errors.ControllerUnavailable("retried by its caller"), True
             if barrier.waiters and barrier.parties != parties:
                 raise errors.InvalidArgument(
                     f"barrier {name!r} is waiting for {barrier.parties} parties "
@@ -117,7 +137,7 @@ class Barriers:
                     f"controller busy: this caller already waits in {mine} barriers (the most "
                     f"one caller may); barrier {name!r} refused, retry later")
             barrier.parties = parties
-            me = _Waiter()
+            me = _Waiter(arrival_id)
             barrier.waiters.append(me)
             if opens:
                 self._open(name, barrier)
@@ -159,9 +179,10 @@ class Barriers:
         """Release the barrier's waiters, once the store (if any) has its new generation;
         if it cannot be written, every waiter fails (and retries at the leader)."""
         assert barrier.waiters is not None
+        arrivals = tuple(w.arrival_id for w in barrier.waiters)
         if self.store is not None:
             try:
-                self.store.open_barrier(name, barrier.generation + 1)
+                self.store.open_barrier(name, barrier.generation + 1, arrivals)
             except errors.SMBError as exc:
                 self._fail(barrier, exc)
                 self._barriers.pop(name, None)
@@ -170,6 +191,7 @@ class Barriers:
             waiter.generation, waiter.arrival, waiter.done = barrier.generation, arrival, True
         barrier.generation += 1
         barrier.waiters = []
+        barrier.last = arrivals
         self._cond.notify_all()
 
     def _fail(self, barrier: _Barrier, error: errors.SMBError) -> None:

@@ -18,6 +18,8 @@ Keys under the store's prefix ``P`` (default ``/smb``), values JSON:
 - ``P/done_deletes/<unix seconds, 12 digits>/<request_id>``: a done delete (the region's
   name), kept ``DELETE_MEMORY_SECONDS`` for its retries; time first, so that the old
   ones go with one range delete;
+- ``P/barriers/<name>`` and ``P/barrier_arrivals/<name>``: how many times a controller
+  barrier opened, and the arrival ids of its last opening (:mod:`.barriers`);
 - ``P/epoch`` and ``P/leader``: the leader election (:mod:`.leader`).
 
 Every change that SQLite makes in one transaction is one etcd transaction here. Each
@@ -529,17 +531,20 @@ class EtcdState(RegionCreates):
         return None if record is None else retried_delete(name, record)
 
     # -- barriers' generations (:class:`.barriers.GenerationStore`) ---------------------------
-    def barrier_generation(self, name: str) -> int:
-        """How many times barrier ``name`` has opened (0: never)."""
-        item = self.kv.get(self._key("barriers", name))
-        return int(item.value) if item is not None else 0
+    def barrier_generation(self, name: str) -> tuple[int, tuple[str, ...]]:
+        """How many times barrier ``name`` has opened (0: never) and its last opening's
+        arrival ids (``P/barriers/<name>`` and ``P/barrier_arrivals/<name>``)."""
+        opened, arrivals = self.kv.read(kv.get(self._key("barriers", name)),
+                                        kv.get(self._key("barrier_arrivals", name)))
+        return (int(opened[0].value) if opened else 0), (tuple(arrivals[0].json()) if arrivals else ())
 
-    def open_barrier(self, name: str, generation: int) -> None:
-        """Record the ``generation``-th opening of barrier ``name`` (one fenced transaction
-        that compares the generation before it)."""
+    def open_barrier(self, name: str, generation: int, arrivals: Sequence[str]) -> None:
+        """Record the ``generation``-th opening of barrier ``name`` with its arrival ids
+        (one fenced transaction that compares the generation before it)."""
         key = self._key("barriers", name)
         before = kv.value_is(key, str(generation - 1)) if generation > 1 else kv.absent(key)
-        if not self._commit([before], [kv.put(key, str(generation))]):
+        ops = [kv.put(key, str(generation)), kv.put(self._key("barrier_arrivals", name), json.dumps(list(arrivals)))]
+        if not self._commit([before], ops):
             raise errors.ControllerUnavailable(f"barrier {name!r} opened elsewhere meanwhile; retry")
 
     def list_regions(self, prefix: str = "") -> list[RegionRecord]:

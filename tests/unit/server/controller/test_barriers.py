@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 
 import pytest
 
@@ -44,16 +45,18 @@ class _Generations:
 
     def __init__(self) -> None:
         self.opened: dict[str, int] = {"b": 6}
+        self.arrivals: dict[str, tuple[str, ...]] = {}
         self.refuse = False
 
-    def barrier_generation(self, name: str) -> int:
-        return self.opened.get(name, 0)
+    def barrier_generation(self, name: str) -> tuple[int, tuple[str, ...]]:
+        return self.opened.get(name, 0), self.arrivals.get(name, ())
 
-    def open_barrier(self, name: str, generation: int) -> None:
+    def open_barrier(self, name: str, generation: int, arrivals: Sequence[str]) -> None:
         if self.refuse:
             raise errors.ControllerUnavailable("this controller no longer leads")
         assert generation == self.opened.get(name, 0) + 1
         self.opened[name] = generation
+        self.arrivals[name] = tuple(arrivals)
 
 
 def _arrive(barriers: Barriers, n: int, out: list[object]) -> list[threading.Thread]:
@@ -117,3 +120,58 @@ def test_a_reset_fails_the_waiters_of_a_controller_that_stops_leading() -> None:
     for t in threads:
         t.join()
     assert len(out) == 3 and all(isinstance(x, errors.ControllerUnavailable) for x in out)
+
+
+def _ids(n: int) -> list[str]:
+    return [f"{k:032x}" for k in range(1, n + 1)]
+
+
+def test_an_arrival_whose_reply_was_lost_is_answered_at_a_new_leader_and_not_counted_again() -> None:
+    store = _Generations()
+    old = Barriers(store=store)
+    a, b = _ids(2)
+    got: list[object] = []
+    waiter = threading.Thread(target=lambda: got.append(old.wait("b", 2, timeout=30, arrival_id=a)))
+    waiter.start()
+    _until_waiting(old, 1)
+    assert old.wait("b", 2, arrival_id=b) == (6, 1)    # opens generation 6 (its reply is lost)
+    waiter.join()
+    assert got == [(6, 0)] and store.arrivals["b"] == (a, b)
+    new = Barriers(store=store)                        # the leader dies; b retries at the next
+    assert new.wait("b", 2, arrival_id=b) == (6, 1)    # at once: the opening it took part in
+    # the retry was not counted in generation 7: a alone does not open it
+    out: list[object] = []
+    second = threading.Thread(target=lambda: out.append(new.wait("b", 2, timeout=30, arrival_id=_ids(3)[2])))
+    second.start()
+    _until_waiting(new, 1)
+    assert new.wait("b", 2, arrival_id=b) == (6, 1)    # retried again meanwhile: still not counted
+    assert new._waiting == 1  # noqa: SLF001
+    assert new.wait("b", 2, arrival_id="f" * 32) == (7, 1)
+    second.join()
+    assert out == [(7, 0)]
+
+
+def test_a_retry_of_an_arrival_still_waiting_takes_its_place() -> None:
+    barriers = Barriers()                              # SQLite: arrivals in memory only
+    a, b = _ids(2)
+    out: list[object] = []
+
+    def first() -> None:
+        try:
+            out.append(barriers.wait("b", 2, timeout=30, arrival_id=a))
+        except errors.SMBError as exc:
+            out.append(exc)
+    gone = threading.Thread(target=first)
+    gone.start()
+    _until_waiting(barriers, 1)
+    retry = threading.Thread(target=lambda: out.append(barriers.wait("b", 2, timeout=30, arrival_id=a)))
+    retry.start()
+    gone.join()                                       # the first call gives way to its retry
+    assert len(out) == 1 and isinstance(out[0], errors.ControllerUnavailable)
+    _until_waiting(barriers, 1)
+    assert barriers.wait("b", 2, arrival_id=b) == (0, 1)   # two arrivals, not three
+    retry.join()
+    assert out[1:] == [(0, 0)]
+    assert barriers.wait("b", 2, arrival_id=b) == (0, 1)   # b's retry after the opening
+    with pytest.raises(errors.InvalidArgument, match="arrival id"):
+        barriers.wait("b", 2, arrival_id="not-an-id")

@@ -212,3 +212,19 @@ def test_a_leader_whose_key_is_deleted_steps_down_at_once(etcd_store: str) -> No
         assert ea.fence is None or ea.fence.epoch == 2   # it may have won again since
     finally:
         loop.stop()
+
+
+def test_a_barrier_opening_is_kept_with_its_arrivals_and_fenced(etcd_store: str) -> None:
+    a, b, ea, eb = _pair(etcd_store)
+    fence = ea.campaign()
+    assert fence is not None
+    a.take_over(fence)
+    assert b.barrier_generation("train/step") == (0, ())
+    a.open_barrier("train/step", 1, ["a" * 32, ""])
+    a.open_barrier("train/step", 2, ["b" * 32, "c" * 32])
+    assert b.barrier_generation("train/step") == (2, ("b" * 32, "c" * 32))   # what a new leader reads
+    with pytest.raises(errors.ControllerUnavailable, match="opened elsewhere"):
+        a.open_barrier("train/step", 2, ["d" * 32])       # decided on an older generation
+    with pytest.raises(errors.ControllerUnavailable, match="stands by"):
+        b.open_barrier("train/step", 3, [])               # a standby opens nothing
+    assert b.barrier_generation("train/step") == (2, ("b" * 32, "c" * 32))
