@@ -34,6 +34,7 @@ import logging
 import secrets
 import sqlite3
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -205,6 +206,20 @@ class SqliteDb:
             if not self._closed:
                 self._closed = True
                 self._db.close()
+
+
+class SqliteStore:
+    """What the parts of the SQLite store share: the database (set by
+    :class:`.state.ControllerState`, which owns it) and its lease settings."""
+
+    _sql: SqliteDb
+    lease_seconds: float          # seconds a silent memory server stays up
+    orphan_grace_seconds: float   # seconds before an unknown held extent is an orphan
+
+    @staticmethod
+    def _now(now: float | None) -> float:
+        """``now``, or the time now (unix seconds)."""
+        return time.time() if now is None else float(now)
 
 
 def known_extents(db: sqlite3.Connection, server_id: str) -> dict[int, tuple[str, str]]:

@@ -5,9 +5,11 @@ no gRPC, no sockets, no threads of its own. The servicer in :mod:`.service` tran
 messages into calls here; tests drive it directly with a fake clock (every method that
 depends on time takes ``now``, unix seconds, defaulting to :func:`time.time`).
 
-Every durable change the controller makes is one method here and one SQLite
-transaction, so that a reader can check that nothing a successor needs lives outside a
-transaction. The tables, the connection and the reads of rows into records are in
+Every durable change the controller makes is one method and one SQLite transaction,
+which loads records and applies what a rule of :mod:`.rules` decides, so that a reader
+can check that nothing a successor needs lives outside a transaction. Regions and
+replica sets are here; memory servers in :mod:`.sqlite_servers`, owner leases in
+:mod:`.sqlite_leases`; the tables, the connection and the reads of rows into records in
 :mod:`.sqlite_db`; records and input checks in :mod:`.records`. Region state as
 reported to clients: :func:`.records.region_state`.
 
@@ -17,15 +19,10 @@ from __future__ import annotations
 
 import json
 import logging
-import sqlite3
-import time
-import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
-from smb_protocol.errors import InvalidArgument, RegionExists, RegionNotFound, ServerNotFound
-from smb_protocol.placement import check_bytes
+from smb_protocol.errors import InvalidArgument, RegionExists, RegionNotFound
 
-from .moves import check_removable, drain_flag, removed_error
 from .records import (
     DeletedRegion,
     ExtentRecord,
@@ -34,27 +31,19 @@ from .records import (
     ServerRecord,
     SlotChange,
     check_create,
-    check_lease,
     check_request_id,
-    find_orphans,
     initial_role,
 )
 from .rules import (
-    OwnerLease,
     delete_memory_horizon,
-    drained_state,
     half_created,
-    lapsed,
-    lease_ran_out,
-    leased,
-    live_state,
-    lost_on_register,
-    renewed,
     report_half_created,
     retried_delete,
     slot_change,
 )
-from .sqlite_db import SqliteDb, known_extents, load_region, new_extent_id, server_records
+from .sqlite_db import SqliteDb, load_region, new_extent_id
+from .sqlite_leases import OwnerLeases
+from .sqlite_servers import ServerRows
 
 __all__ = ["SERVER_STATES", "ControllerState", "ExtentRecord", "HeldExtent", "RegionRecord",
            "ServerRecord"]
@@ -65,7 +54,7 @@ SERVER_STATES = ("up", "down", "draining")
 
 
 # -- the state -----------------------------------------------------------------------------
-class ControllerState:
+class ControllerState(ServerRows, OwnerLeases):
     """Servers, regions and extents in one SQLite database; owns its connection.
 
     ``path`` is a file (created when missing) or ``":memory:"``. ``lease_seconds``: a
@@ -114,144 +103,6 @@ class ControllerState:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    @staticmethod
-    def _now(now: float | None) -> float:
-        return time.time() if now is None else float(now)
-
-    # -- servers -------------------------------------------------------------------------
-    def register_server(self, server_id: str, host_id: str, grpc_address: str,
-                        endpoints: Sequence[str], capacity: int,
-                        held: Iterable[HeldExtent] = (), now: float | None = None
-                        ) -> tuple[str, list[int]]:
-        """Add or refresh a memory server; returns its id and the orphan extent ids.
-
-        An empty ``server_id`` gets a generated one. A known server keeps its drain flag;
-        it comes back ``up`` (or ``draining``). ``capacity`` is in bytes.
-        """
-        now = self._now(now)
-        if not grpc_address:
-            raise InvalidArgument("a memory server must give its gRPC address")
-        capacity = check_bytes("capacity", capacity)
-        server_id = server_id or uuid.uuid4().hex[:12]
-        held = list(held)
-        with self._sql.tx() as db:
-            if db.execute("SELECT 1 FROM removed_servers WHERE server_id=?", (server_id,)).fetchone():
-                raise removed_error(server_id)
-            row = db.execute("SELECT drain FROM servers WHERE server_id=?", (server_id,)).fetchone()
-            endpoints_json = json.dumps(list(endpoints))
-            if row is None:
-                db.execute(
-                    "INSERT INTO servers (server_id, host_id, grpc_address, endpoints, capacity, "
-                    "state, drain, last_heartbeat, registered_at) VALUES (?,?,?,?,?,'up',0,?,?)",
-                    (server_id, host_id, grpc_address, endpoints_json, int(capacity), now, now))
-                log.info("server %s registered at %s (%d bytes)", server_id, grpc_address, capacity)
-            else:
-                state = live_state(row["drain"])
-                db.execute(
-                    "UPDATE servers SET host_id=?, grpc_address=?, endpoints=?, capacity=?, state=?, "
-                    "last_heartbeat=?, registered_at=? WHERE server_id=?",
-                    (host_id, grpc_address, endpoints_json, int(capacity), state, now, now, server_id))
-                log.info("server %s registered again at %s (%d bytes, %s)", server_id,
-                         grpc_address, capacity, state)
-            known = known_extents(db, server_id)
-            db.executemany("INSERT OR IGNORE INTO lost_extents (extent_id) VALUES (?)",
-                           [(eid,) for eid in lost_on_register(server_id, known, held)])
-            return server_id, self._orphans(server_id, known, held)
-
-    def heartbeat(self, server_id: str, held: Iterable[HeldExtent] = (),
-                  now: float | None = None) -> list[int]:
-        """Renew a server's lease; returns the ids of its orphan extents.
-
-        Orphans are held extents the database does not know (or knows on another server,
-        or under another region uid) that the server has held for at least the grace
-        period. Raises ServerNotFound for an unknown server (it should register again).
-        """
-        now = self._now(now)
-        with self._sql.tx() as db:
-            row = db.execute("SELECT state, drain FROM servers WHERE server_id=?",
-                             (server_id,)).fetchone()
-            if row is None:
-                raise ServerNotFound(f"no memory server {server_id!r} is registered; register first")
-            state = live_state(row["drain"])
-            if row["state"] == "down":
-                log.info("server %s is back (%s)", server_id, state)
-            db.execute("UPDATE servers SET state=?, last_heartbeat=? WHERE server_id=?",
-                       (state, now, server_id))
-            return self._orphans(server_id, known_extents(db, server_id), held)
-
-    def _orphans(self, server_id: str, known: dict[int, tuple[str, str]],
-                 held: Iterable[HeldExtent]) -> list[int]:
-        return find_orphans(server_id, known, held, self.orphan_grace_seconds)
-
-    def expire_leases(self, now: float | None = None) -> list[str]:
-        """Mark servers whose lease ran out ``down``; returns the ids newly marked."""
-        now = self._now(now)
-        with self._sql.tx() as db:
-            ids = [r["server_id"] for r in db.execute(
-                "SELECT server_id, state, last_heartbeat FROM servers ORDER BY server_id")
-                if lease_ran_out(r["state"], r["last_heartbeat"], now, self.lease_seconds)]
-            for sid in ids:
-                db.execute("UPDATE servers SET state='down' WHERE server_id=?", (sid,))
-        for sid in ids:
-            log.warning("server %s missed its lease (%.1f s): marked down", sid, self.lease_seconds)
-        return ids
-
-    def unregister(self, server_id: str, reason: str = "") -> ServerRecord:
-        """A server stopping cleanly: mark it ``down`` now, not after its lease.
-
-        Its drain flag and its extents stay; a later registration brings it back
-        ``up`` (or ``draining``). Raises ServerNotFound.
-        """
-        with self._sql.tx() as db:
-            row = db.execute("SELECT state FROM servers WHERE server_id=?", (server_id,)).fetchone()
-            if row is None:
-                raise ServerNotFound(f"no memory server {server_id!r} is registered")
-            db.execute("UPDATE servers SET state='down' WHERE server_id=?", (server_id,))
-        log.info("server %s stopped%s: marked down", server_id, f" ({reason})" if reason else "")
-        return self.get_server(server_id)
-
-    def drain(self, server_id: str, undrain: bool = False, evacuate: bool = False) -> ServerRecord:
-        """Stop (or, with ``undrain``, resume) placing new extents on a server; with
-        ``evacuate`` its copies are also moved elsewhere (by the repair pass).
-
-        Raises ServerNotFound.
-        """
-        flag = drain_flag(undrain, evacuate)
-        with self._sql.tx() as db:
-            row = db.execute("SELECT state FROM servers WHERE server_id=?", (server_id,)).fetchone()
-            if row is None:
-                raise ServerNotFound(f"no memory server {server_id!r}; see ListServers for the ids")
-            db.execute("UPDATE servers SET drain=?, state=? WHERE server_id=?",
-                       (flag, drained_state(row["state"], undrain), server_id))
-        log.info("server %s %s", server_id, "undrained" if undrain else "evacuating" if evacuate else "draining")
-        return self.get_server(server_id)
-
-    def remove_server(self, server_id: str) -> ServerRecord:
-        """Forget a drained server that holds nothing (:func:`.records.check_removable`);
-        returns its last record. Raises ServerNotFound, InvalidArgument."""
-        with self._sql.tx() as db:
-            server = next((s for s in server_records(db) if s.server_id == server_id), None)
-            if server is None:
-                raise ServerNotFound(f"no memory server {server_id!r}; see ListServers for the ids")
-            check_removable(server)
-            db.execute("DELETE FROM servers WHERE server_id=?", (server_id,))
-            db.execute("INSERT OR REPLACE INTO removed_servers (server_id, removed_at) VALUES (?,?)",
-                       (server_id, time.time()))
-        log.info("server %s removed from the pool", server_id)
-        return server
-
-    def get_server(self, server_id: str) -> ServerRecord:
-        """One server; raises ServerNotFound."""
-        for s in self.list_servers():
-            if s.server_id == server_id:
-                return s
-        raise ServerNotFound(f"no memory server {server_id!r}")
-
-    def list_servers(self) -> list[ServerRecord]:
-        """Every server ever registered, by id, with ``used`` computed from its extents."""
-        with self._sql.read() as db:
-            return server_records(db)
 
     # -- regions -------------------------------------------------------------------------
     def begin_create_region(self, name: str, size: int, placement: str = "striped",
@@ -404,42 +255,6 @@ class ControllerState:
         log.info("region %s %s", name, change.describe())
         return after, list(outcome.removed)
 
-    # -- owner leases --------------------------------------------------------------------
-    def lease_region(self, name: str, owner: str, seconds: float, now: float | None = None) -> None:
-        """Tie region ``name`` to ``owner``'s lease of ``seconds``: once the owner renewed
-        nothing for that long (the longest lease of its regions), :meth:`expired_leases`
-        names the region. Raises InvalidArgument for a bad owner or lease."""
-        owner, seconds, now = check_lease(owner, seconds), float(seconds), self._now(now)
-        with self._sql.tx() as db:
-            lease = leased(_owner_lease(db, owner), seconds, now)
-            db.execute("INSERT OR REPLACE INTO region_leases (name, owner) VALUES (?, ?)", (name, owner))
-            db.execute("INSERT OR REPLACE INTO owner_leases (owner, seconds, expires) VALUES (?, ?, ?)",
-                       (owner, lease.seconds, lease.expires))
-
-    def renew_lease(self, owner: str, now: float | None = None) -> int:
-        """Renew ``owner``'s lease; returns how many regions it holds (0: none, or the
-        lease had run out and they are gone)."""
-        now = self._now(now)
-        with self._sql.tx() as db:
-            lease = renewed(_owner_lease(db, owner), now)
-            if lease is None:
-                return 0
-            db.execute("UPDATE owner_leases SET expires=? WHERE owner=?", (lease.expires, owner))
-            return int(db.execute("SELECT count(*) FROM region_leases WHERE owner=?", (owner,)).fetchone()[0])
-
-    def expired_leases(self, now: float | None = None) -> list[str]:
-        """Ready regions whose owner's lease ran out, by name; forgets owners that hold
-        no region any more."""
-        now = self._now(now)
-        with self._sql.tx() as db:
-            owners = {r["owner"]: OwnerLease(r["seconds"], r["expires"])
-                      for r in db.execute("SELECT owner, seconds, expires FROM owner_leases")}
-            holders = {r["name"]: r["owner"] for r in db.execute("SELECT name, owner FROM region_leases")}
-            ready = [r["name"] for r in db.execute("SELECT name FROM regions WHERE state='ready'")]
-            regions, idle = lapsed(owners, holders, ready, now)
-            db.executemany("DELETE FROM owner_leases WHERE owner=?", [(owner,) for owner in idle])
-        return regions
-
     def deleted_by(self, name: str, request_id: str) -> DeletedRegion | None:
         """What the delete of ``request_id`` removed when it removed region ``name``
         (within the last ``DELETE_MEMORY_SECONDS``), else None: a retry of it is answered
@@ -460,7 +275,3 @@ class ControllerState:
             regions = [load_region(db, n) for n in names]
         return [r for r in regions if r is not None]
 
-
-def _owner_lease(db: sqlite3.Connection, owner: str) -> OwnerLease | None:
-    row = db.execute("SELECT seconds, expires FROM owner_leases WHERE owner=?", (owner,)).fetchone()
-    return None if row is None else OwnerLease(row["seconds"], row["expires"])
