@@ -172,6 +172,11 @@ class EtcdStore:
     def next_id_key(self) -> str:
         return self._key("next_extent_id")
 
+    def _removal(self, row: dict[str, Any]) -> list[kv.Op]:
+        """The ops that remove a region: its key and its extents' index keys."""
+        return [kv.delete(self._key("regions", row["name"])), kv.delete(self._key("region_leases", row["name"]))] + [
+            kv.delete(self._key("placed", sid, eid)) for eid, _, sid, *_ in row["extents"]]
+
     def _leader_in_store(self) -> str:
         """``at host:port (epoch N)`` of the leader the leader key names, for messages."""
         try:

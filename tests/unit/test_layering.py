@@ -24,8 +24,6 @@ LONG_MODULES: dict[str, str] = {
                              "no_sync, buffers, publishing, aligned stopping)",
     "smb_client.torch.backend": "a process group's operations share one worker thread, one failure state "
                                 "and its size-class collectives",
-    "smb_server.controller.etcd_state": "every durable change is one method and one etcd transaction, matching "
-                                        "state's (keys, commits and retries are in etcd_txn)",
     "smb_server.controller.repair": "the sequences of a repair pass keep their ordering rules (store before "
                                     "servers, backups before a new primary) in one place",
     "smb_server.memserver.tcp_plane": "a connection's framing, deadlines, greeting, parting answers and TLS "
