@@ -25,7 +25,8 @@ from smb_protocol import errors
 
 from . import etcd_kv as kv
 from .etcd_txn import COMMIT_ATTEMPTS, MAX_TXN_OPS, EtcdStore, GroupCommit, Pending, Snapshot
-from .records import RegionRecord, RegionRequest, ServerRecord, initial_role
+from .records import RegionRecord, RegionRequest, ServerRecord
+from .rules import check_new_region, plan_region
 
 log = logging.getLogger(__name__)
 
@@ -88,22 +89,12 @@ class RegionCreates(EtcdStore):
         """The row of a new region planned on ``snap`` (and ``seen``: what the plans of
         this pass took), its extent ids from ``first``."""
         existing = snap.regions.get(req.name)
-        if existing is not None:
-            what = " (being created)" if existing[0]["state"] == "creating" else ""
-            raise errors.RegionExists(f"region {req.name!r} already exists{what}; open it, delete it, "
-                                      "or pass exist_ok")
-        if req.uid in seen.uids:
-            raise errors.InvalidArgument(f"uid {req.uid} already names another region; draw a new one")
-        alive = now - self.lease_seconds
-        up = [s for s in seen.servers if s.state == "up" and s.last_heartbeat >= alive]
-        layout, copies = req.plan({s.server_id: max(0, s.free - seen.taken.get(s.server_id, 0)) for s in up},
-                                  {s.server_id: s.host_id for s in up})
+        check_new_region(req, existing[0]["state"] if existing else None, req.uid in seen.uids)
+        layout, planned = plan_region(req, seen.servers, now, self.lease_seconds, seen.taken)
         extents: list[list[Any]] = []
-        for idx, (length, sids) in enumerate(zip(layout.extent_lengths, copies, strict=True)):
-            for copy, sid in enumerate(sids):
-                role, view = initial_role(req.replicas, copy)
-                extents.append([first + len(extents), idx, sid, length, copy, role, view])
-                seen.taken[sid] = seen.taken.get(sid, 0) + length
+        for e in planned:
+            extents.append([first + len(extents), e.index, e.server_id, e.length, e.copy, e.role, e.view])
+            seen.taken[e.server_id] = seen.taken.get(e.server_id, 0) + e.length
         seen.uids.add(req.uid)
         return {"name": req.name, "uid": req.uid, "size": layout.size, "placement": layout.kind,
                 "stripe_unit": layout.stripe_unit, "segment_sizes": list(layout.segment_sizes),

@@ -12,14 +12,21 @@ import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
+from smb_protocol.errors import InvalidArgument, RegionExists
+from smb_protocol.placement import Layout
+from smb_protocol.replicas import ReplicaRole
+
 from .records import (
     DELETE_MEMORY_SECONDS,
     DeletedRegion,
     ExtentRecord,
     HeldExtent,
     RegionRecord,
+    RegionRequest,
+    ServerRecord,
     SlotChange,
     check_slot_change,
+    initial_role,
 )
 
 log = logging.getLogger(__name__)
@@ -64,6 +71,47 @@ def lost_on_register(server_id: str, known: Mapping[int, tuple[str, str]],
 
 
 # -- regions ----------------------------------------------------------------------------------
+def check_new_region(req: RegionRequest, existing: str | None, uid_taken: bool) -> None:
+    """Raise RegionExists when a region of the requested name exists (``existing``: its
+    stored state, None when there is none), InvalidArgument when another region has its uid."""
+    if existing is not None:
+        what = " (being created)" if existing == "creating" else ""
+        raise RegionExists(f"region {req.name!r} already exists{what}; open it, delete it, or pass exist_ok")
+    if uid_taken:
+        raise InvalidArgument(f"uid {req.uid} already names another region; draw a new one")
+
+
+@dataclass(frozen=True)
+class PlannedExtent:
+    """One copy of one slot of a region being planned (the store draws its extent id)."""
+
+    index: int
+    server_id: str
+    length: int        # bytes
+    copy: int
+    role: ReplicaRole
+    view: int
+
+
+def plan_region(req: RegionRequest, servers: Iterable[ServerRecord], now: float, lease_seconds: float,
+                taken: Mapping[str, int] | None = None) -> tuple[Layout, list[PlannedExtent]]:
+    """Where a new region goes: its layout and every copy of every slot, in order.
+
+    Only servers ``up`` (not draining, not down) whose last heartbeat is within
+    ``lease_seconds`` of ``now`` take extents, each offering its free bytes less what
+    ``taken`` (server id -> bytes) gives to regions planned before it in the same batch.
+    Copy 0 of a slot is its primary (:func:`.records.initial_role`). Raises OutOfMemory.
+    """
+    taken = taken or {}
+    up = [s for s in servers if s.state == "up" and s.last_heartbeat >= now - lease_seconds]
+    layout, copies = req.plan({s.server_id: max(0, s.free - taken.get(s.server_id, 0)) for s in up},
+                              {s.server_id: s.host_id for s in up})
+    extents = [PlannedExtent(idx, sid, length, copy, *initial_role(req.replicas, copy))
+               for idx, (length, sids) in enumerate(zip(layout.extent_lengths, copies, strict=True))
+               for copy, sid in enumerate(sids)]
+    return layout, extents
+
+
 def half_created(states: Mapping[str, str]) -> list[str]:
     """The regions (name -> stored state) a controller that died mid-create left
     ``creating``, by name: a new leader removes them, and the extents their servers did

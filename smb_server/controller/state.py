@@ -21,7 +21,7 @@ import json
 import logging
 from collections.abc import Mapping, Sequence
 
-from smb_protocol.errors import InvalidArgument, RegionExists, RegionNotFound
+from smb_protocol.errors import InvalidArgument, RegionNotFound
 
 from .records import (
     DeletedRegion,
@@ -32,16 +32,17 @@ from .records import (
     SlotChange,
     check_create,
     check_request_id,
-    initial_role,
 )
 from .rules import (
+    check_new_region,
     delete_memory_horizon,
     half_created,
+    plan_region,
     report_half_created,
     retried_delete,
     slot_change,
 )
-from .sqlite_db import SqliteDb, load_region, new_extent_id
+from .sqlite_db import SqliteDb, load_region, new_extent_id, server_records
 from .sqlite_leases import OwnerLeases
 from .sqlite_servers import ServerRows
 
@@ -130,19 +131,9 @@ class ControllerState(ServerRows, OwnerLeases):
         uid, replicas = req.uid, req.replicas
         with self._sql.tx() as db:
             row = db.execute("SELECT state FROM regions WHERE name=?", (name,)).fetchone()
-            if row is not None:
-                what = " (being created)" if row["state"] == "creating" else ""
-                raise RegionExists(f"region {name!r} already exists{what}; open it, delete it, "
-                                   "or pass exist_ok")
-            rows = db.execute(
-                "SELECT s.server_id, s.host_id, s.capacity, COALESCE(SUM(e.length), 0) AS used "
-                "FROM servers s LEFT JOIN extents e ON e.server_id = s.server_id "
-                "WHERE s.state='up' AND s.last_heartbeat >= ? GROUP BY s.server_id",
-                (now - self.lease_seconds,)).fetchall()
-            free = {r["server_id"]: max(0, r["capacity"] - r["used"]) for r in rows}
-            layout, copies = req.plan(free, {r["server_id"]: r["host_id"] for r in rows})
-            if db.execute("SELECT 1 FROM regions WHERE uid=?", (uid,)).fetchone() is not None:
-                raise InvalidArgument(f"uid {uid} already names another region; draw a new one")
+            check_new_region(req, row["state"] if row else None,
+                             db.execute("SELECT 1 FROM regions WHERE uid=?", (uid,)).fetchone() is not None)
+            layout, extents = plan_region(req, server_records(db), now, self.lease_seconds)
             db.execute(
                 "INSERT INTO regions (name, uid, size, placement, stripe_unit, segment_sizes, "
                 "segment_extents, persistent, created_at, state, replicas) "
@@ -150,12 +141,10 @@ class ControllerState(ServerRows, OwnerLeases):
                 (name, uid, layout.size, layout.kind, layout.stripe_unit,
                  json.dumps(list(layout.segment_sizes)), json.dumps(list(layout.segment_extents)),
                  int(bool(persistent)), now, replicas))
-            for idx, (length, sids) in enumerate(zip(layout.extent_lengths, copies, strict=True)):
-                for copy, sid in enumerate(sids):
-                    role, view = initial_role(replicas, copy)
-                    db.execute("INSERT INTO extents (extent_id, region_name, idx, server_id, length, "
-                               "copy, role, view) VALUES (?,?,?,?,?,?,?,?)",
-                               (new_extent_id(db), name, idx, sid, length, copy, role, view))
+            for e in extents:
+                db.execute("INSERT INTO extents (extent_id, region_name, idx, server_id, length, "
+                           "copy, role, view) VALUES (?,?,?,?,?,?,?,?)",
+                           (new_extent_id(db), name, e.index, e.server_id, e.length, e.copy, e.role, e.view))
             region = load_region(db, name)
         assert region is not None
         log.info("planned region %s (%s, %d bytes) on %d extent(s)", name, region.placement,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from smb_protocol.errors import InvalidArgument
+from smb_protocol.errors import InvalidArgument, OutOfMemory, RegionExists
 from smb_protocol.replicas import ReplicaRole as R
 from smb_server.controller.records import (
     DELETE_MEMORY_SECONDS,
@@ -13,10 +13,13 @@ from smb_server.controller.records import (
     HeldExtent,
     NewCopy,
     RegionRecord,
+    ServerRecord,
     SlotChange,
+    check_create,
 )
 from smb_server.controller.rules import (
     OwnerLease,
+    check_new_region,
     delete_memory_horizon,
     drained_state,
     half_created,
@@ -25,6 +28,7 @@ from smb_server.controller.rules import (
     leased,
     live_state,
     lost_on_register,
+    plan_region,
     refreshed_on_take_over,
     renewed,
     retried_delete,
@@ -150,3 +154,31 @@ def test_a_lapsed_owner_names_its_ready_regions_and_an_idle_one_is_forgotten() -
     regions, idle = lapsed(owners, holders, ["job/1", "job/2", "job/3"], 100.0)
     assert regions == ["job/1", "job/2"]       # job/4 is not ready (being created): not named
     assert idle == ["c"]                       # a still holds regions; b has not run out
+
+
+# -- placement --------------------------------------------------------------------------------
+def _server(sid: str, state: str = "up", heartbeat: float = 100.0, used: int = 0) -> ServerRecord:
+    return ServerRecord(sid, f"host-{sid}", f"{sid}:1", (), 1 << 20, used, 0, state, heartbeat, 0.0)
+
+
+def test_a_new_region_goes_to_live_servers_only_with_their_free_bytes() -> None:
+    servers = [_server("a"), _server("b", state="draining"), _server("c", heartbeat=90.0),
+               _server("d", state="down"), _server("e", used=(1 << 20) - 16384)]
+    req = check_create("job/x", 3 * 4096, stripe_unit=4096, replicas=2)
+    layout, extents = plan_region(req, servers, now=100.0, lease_seconds=5.0)
+    assert {e.server_id for e in extents} == {"a", "e"}     # b drains, c is silent, d is down
+    assert [(e.index, e.copy, e.role, e.view) for e in extents][:2] == [(0, 0, R.PRIMARY, 1), (0, 1, R.BACKUP, 1)]
+    assert sum(e.length for e in extents) == 2 * layout.size
+    with pytest.raises(OutOfMemory):                        # e's free bytes are taken by the batch
+        plan_region(req, servers, 100.0, 5.0, taken={"e": 16384})
+
+
+def test_a_new_region_needs_a_free_name_and_uid() -> None:
+    req = check_create("job/x", 4096)
+    check_new_region(req, None, uid_taken=False)
+    with pytest.raises(RegionExists, match="being created"):
+        check_new_region(req, "creating", uid_taken=False)
+    with pytest.raises(RegionExists):
+        check_new_region(req, "ready", uid_taken=False)
+    with pytest.raises(InvalidArgument, match="uid"):
+        check_new_region(req, None, uid_taken=True)
