@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 RETRY = 0.5         # seconds before the election is tried again after etcd failed it
 MIN_LEASE = 2       # seconds; etcd refuses shorter leases
+DESCRIBE_REFRESH = 0.1  # seconds between reads of the leader key for refusals' messages
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,7 @@ class Election:
         self._renewed = 0.0  # monotonic seconds of the last successful grant/renewal
         self.known: LeaderInfo | None = None  # the leader as last read or watched
         self.gone_revision = 0   # revision of the last deletion of the leader key seen
+        self._described = -DESCRIBE_REFRESH  # monotonic seconds of describe()'s last read
 
     def current(self) -> LeaderInfo | None:
         """The leader now, or None while there is none (read from etcd)."""
@@ -72,8 +74,20 @@ class Election:
         return self.known
 
     def describe(self) -> str:
-        """``at host:port (epoch N)`` of the leader as last seen, for messages (no etcd read)."""
+        """``at host:port (epoch N)`` of the leader as last seen, for messages.
+
+        No etcd read while the watch names another controller. While it names none, or
+        this one (which refuses, so it does not lead: it was paused, or its watch lags
+        behind), the leader key is read, at most once per ``DESCRIBE_REFRESH`` seconds.
+        """
         known = self.known
+        if (known is None or known.address == self.address) and \
+                time.monotonic() - self._described >= DESCRIBE_REFRESH:
+            self._described = time.monotonic()
+            try:
+                known = self.current()
+            except errors.ControllerUnavailable:
+                pass
         return "not elected yet; retry" if known is None else f"at {known.address} (epoch {known.epoch})"
 
     def watch(self, wake: Callable[[], None]) -> kv.Watch:

@@ -228,3 +228,16 @@ def test_a_barrier_opening_is_kept_with_its_arrivals_and_fenced(etcd_store: str)
     with pytest.raises(errors.ControllerUnavailable, match="stands by"):
         b.open_barrier("train/step", 3, [])               # a standby opens nothing
     assert b.barrier_generation("train/step") == (2, ("b" * 32, "c" * 32))
+
+
+def test_a_refusal_names_the_leader_even_when_the_watch_lags(etcd_store: str) -> None:
+    a, b, ea, eb = _pair(etcd_store)
+    fence_a = ea.campaign()
+    assert fence_a is not None
+    eb.known = None                           # its watch has not shown the leader yet
+    assert eb.describe() == "at 10.0.0.1:7700 (epoch 1)"
+    # a is paused: its lease runs out and b leads, but a's watch still names a itself
+    a.kv.revoke(ea.lease)
+    assert eb.campaign() is not None
+    assert ea.known is not None and ea.known.address == "10.0.0.1:7700"
+    assert ea.describe() == "at 10.0.0.2:7700 (epoch 2)"
