@@ -35,13 +35,21 @@ client fails at once with a typed error instead of waiting for transport retries
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
-from smb_protocol.errors import ExtentNotFound, InvalidArgument, OutOfMemory, ServerUnavailable, TicketExpired
+from smb_protocol.errors import (
+    ExtentNotFound,
+    InvalidArgument,
+    NotPrimary,
+    OutOfMemory,
+    ServerUnavailable,
+    TicketExpired,
+)
 from smb_protocol.rdma import verbs
 from smb_protocol.tickets import Ticket, TicketMode
 
@@ -79,7 +87,7 @@ class _Registration:
     ro: Any
 
     def close(self) -> None:
-        for mr in (self.rw, self.ro):
+        for mr in (self.rw, self.ro) if self.rw is not self.ro else (self.ro,):
             try:
                 mr.close()
             except Exception as exc:
@@ -113,6 +121,7 @@ class RdmaPlane:
         self._dropped: collections.OrderedDict[tuple[bytes, int, int], None] = collections.OrderedDict()
         try:
             arena.add_listener(self)
+            node.replication.revoke_direct.append(self.revoke_writes)
         except BaseException:
             self._release_all()
             raise
@@ -140,6 +149,35 @@ class RdmaPlane:
         with self._lock:
             self._regs[extent.extent_id] = _Registration(extent, address, rw, ro)
         log.debug("extent %d registered: rkey rw %#x ro %#x", extent.extent_id, rw.rkey, ro.rkey)
+
+    def revoke_writes(self, extent: Extent) -> None:
+        """The extent stops taking one-sided writes (it is being moved, or became a
+        replicated copy): its writable registration is replaced (once deregistered, no
+        queue pair can write or run atomics through the old rkey), and every connection
+        that reaches it is told NotPrimary and closed, so that its client opens the
+        region again and sends mutations to the extent's tcp plane. A new Connect gets
+        the read-only rkey while the extent has a role."""
+        with self._lock:
+            reg = self._regs.get(extent.extent_id)
+            if reg is None or reg.extent is not extent:
+                return
+            conns = [c for c in self._conns if extent.extent_id in c.extent_ids]
+            old = reg.rw
+            try:
+                reg.rw = self.device.create_mr(reg.address, extent.length, self.rw_access)
+            except Exception as exc:   # read-only until the arena re-registers it
+                log.warning("extent %d: cannot register it again for writes: %s", extent.extent_id, exc)
+                reg.rw = reg.ro
+        notice = NotPrimary(f"extent {extent.extent_id} is being moved or replicated: its mutations go "
+                            "to its primary's tcp data plane; open the region again")
+        for conn in conns:
+            conn.doom(f"extent {extent.extent_id} stopped taking rdma writes", notice)
+        if old is not reg.ro:
+            try:
+                old.close()
+            except Exception as exc:
+                log.warning("extent %d: deregistration failed: %s", extent.extent_id, exc)
+        log.info("extent %d: rdma write access revoked (%d connection(s) closed)", extent.extent_id, len(conns))
 
     def extent_retiring(self, extent: Extent) -> None:
         """Cut every connection that reaches the extent, then deregister it."""
@@ -304,6 +342,8 @@ class RdmaPlane:
             return
         self.closing = True
         self.arena.remove_listener(self)
+        with contextlib.suppress(ValueError):
+            self.node.replication.revoke_direct.remove(self.revoke_writes)
         self._thread.join(timeout)
         self._release_all()
         log.info("rdma data plane on %s closed", self.device.name)

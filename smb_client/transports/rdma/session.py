@@ -10,7 +10,7 @@ from typing import Any
 from smb_protocol import rpc
 from smb_protocol.addressing import Endpoint, format_hostport
 from smb_protocol.dtypes import DType, itemsize
-from smb_protocol.errors import InvalidArgument, Misaligned, OutOfRange, ReadOnly
+from smb_protocol.errors import InvalidArgument, Misaligned, OutOfRange, ReadOnly, SMBError
 from smb_protocol.rdma_wire import MsgOp
 
 from .. import Session
@@ -201,7 +201,13 @@ class RdmaSession(Session):
             for offset, _, _ in ops:
                 self._check(rext, extent_id, offset, 8)
             return conn.atomics(rext, ops)
-        olds: list[int] = self._do(ticket, run)
+        try:
+            olds: list[int] = self._do(ticket, run)
+        except SMBError as exc:
+            # a one-sided atomic carries no request number: whether one that failed took
+            # effect is unknown, so nothing above may send it again (smb_client.route)
+            exc.outcome_unknown = True   # type: ignore[attr-defined]
+            raise
         return olds
 
     def fetch_add(self, ticket: str, extent_id: int, offset: int, value: int, seq: int = 0) -> int:
