@@ -6,18 +6,16 @@ from __future__ import annotations
 
 import json
 import logging
-import uuid
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from smb_protocol import errors
-from smb_protocol.placement import check_bytes
 
 from . import etcd_kv as kv
 from .etcd_txn import EtcdStore
 from .moves import check_removable, drain_flag, removed_error
 from .records import HeldExtent, ServerRecord, find_orphans
-from .rules import drained_state, lease_ran_out, live_state, lost_on_register
+from .rules import check_registration, drained_state, find_server, lease_ran_out, live_state, lost_on_register
 
 log = logging.getLogger(__name__)
 
@@ -35,10 +33,7 @@ class EtcdServers(EtcdStore):
         """Add or refresh a memory server; returns its id and the orphan extent ids (as
         :meth:`.state.ControllerState.register_server`)."""
         now = self._now(now)
-        if not grpc_address:
-            raise errors.InvalidArgument("a memory server must give its gRPC address")
-        capacity = check_bytes("capacity", capacity)
-        server_id = server_id or uuid.uuid4().hex[:12]
+        server_id, capacity = check_registration(server_id, grpc_address, capacity)
         held = list(held)
 
         def attempt() -> tuple[str, list[int]] | None:
@@ -156,10 +151,7 @@ class EtcdServers(EtcdStore):
 
     def get_server(self, server_id: str) -> ServerRecord:
         """One server; raises ServerNotFound."""
-        for s in self.list_servers():
-            if s.server_id == server_id:
-                return s
-        raise errors.ServerNotFound(f"no memory server {server_id!r}")
+        return find_server(self.list_servers(), server_id)
 
     def list_servers(self) -> list[ServerRecord]:
         """Every server ever registered, by id, with ``used`` computed from its extents."""

@@ -49,8 +49,6 @@ import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
-from smb_protocol import errors
-
 from . import etcd_kv as kv
 from .etcd_create import FIRST_ID_BASE, RegionCreates
 from .etcd_leadership import EtcdLeadership
@@ -67,7 +65,15 @@ from .records import (
     check_request_id,
     region_state,
 )
-from .rules import delete_memory_horizon, retried_delete, slot_change
+from .rules import (
+    abortable,
+    check_committable,
+    check_created,
+    check_settings,
+    delete_memory_horizon,
+    retried_delete,
+    slot_change,
+)
 
 log = logging.getLogger(__name__)
 
@@ -83,13 +89,9 @@ class EtcdState(RegionCreates, EtcdLeadership, EtcdServers, EtcdLeases):
 
     def __init__(self, url: str, lease_seconds: float = 5.0, orphan_grace_seconds: float = 30.0,
                  recover: bool = True, timeout: float = kv.REQUEST_TIMEOUT) -> None:
-        if lease_seconds <= 0:
-            raise errors.InvalidArgument(f"lease must be positive, got {lease_seconds} seconds")
-        if orphan_grace_seconds < 0:
-            raise errors.InvalidArgument(f"orphan grace must not be negative, got {orphan_grace_seconds}")
+        lease_seconds, orphan_grace_seconds = check_settings(lease_seconds, orphan_grace_seconds)
         super().__init__(url, timeout)
-        self.lease_seconds = float(lease_seconds)
-        self.orphan_grace_seconds = float(orphan_grace_seconds)
+        self.lease_seconds, self.orphan_grace_seconds = lease_seconds, orphan_grace_seconds
         if recover:
             self.recover()
 
@@ -136,8 +138,8 @@ class EtcdState(RegionCreates, EtcdLeadership, EtcdServers, EtcdLeases):
         def attempt() -> RegionRecord | None:
             snap = self._snapshot(region_prefix=name)
             row, rev = snap.regions.get(name, (None, 0))
-            if row is None or (uid is not None and row["uid"] != uid):
-                raise errors.RegionNotFound(f"region {name!r} was removed while it was being created")
+            check_committable(name, row["uid"] if row else None, uid)
+            assert row is not None
             key = self._key("regions", name)
             row = {**row, "state": "ready"}
             if not self._commit([kv.mod_revision_is(key, rev)], [kv.put(key, json.dumps(row))]):
@@ -151,7 +153,7 @@ class EtcdState(RegionCreates, EtcdLeadership, EtcdServers, EtcdLeases):
         """Forget a region still ``creating``; returns its extents (``[]`` when none is)."""
         def attempt() -> list[ExtentRecord] | None:
             row, rev = self._read_one("regions", name)
-            if row is None or row["state"] != "creating" or (uid is not None and row["uid"] != uid):
+            if row is None or not abortable(row["state"], row["uid"], uid):
                 return []
             if not self._commit([kv.mod_revision_is(self._key("regions", name), rev)], self._removal(row)):
                 return None
@@ -164,8 +166,8 @@ class EtcdState(RegionCreates, EtcdLeadership, EtcdServers, EtcdLeases):
         """A ready region (state ``ready``, ``degraded`` or ``lost``); raises RegionNotFound."""
         snap = self._snapshot(region_prefix=name)
         found = snap.regions.get(name)
-        if found is None or found[0]["state"] == "creating":
-            raise errors.RegionNotFound(f"no region named {name!r}")
+        check_created(name, found[0]["state"] if found else None)
+        assert found is not None
         return snap.region(found[0])
 
     def delete_region(self, name: str, request_id: str = "", now: float | None = None) -> list[ExtentRecord]:
@@ -177,8 +179,8 @@ class EtcdState(RegionCreates, EtcdLeadership, EtcdServers, EtcdLeases):
         def attempt() -> RegionRecord | None:
             snap = self._snapshot(region_prefix=name)
             found = snap.regions.get(name)
-            if found is None or found[0]["state"] == "creating":
-                raise errors.RegionNotFound(f"no region named {name!r}")
+            check_created(name, found[0]["state"] if found else None)
+            assert found is not None
             row, rev = found
             ops = self._removal(row)
             ops += [kv.delete(self._key("lost", e[0])) for e in row["extents"] if e[0] in snap.lost]
@@ -203,8 +205,8 @@ class EtcdState(RegionCreates, EtcdLeadership, EtcdServers, EtcdLeases):
         def attempt() -> tuple[tuple[RegionRecord, list[ExtentRecord]] | None] | None:
             snap = self._snapshot(region_prefix=name, extra=(self.next_id_key,))
             found = snap.regions.get(name)
-            if found is None or found[0]["uid"] != uid or found[0]["state"] == "creating":
-                raise errors.RegionNotFound(f"no region named {name!r} (uid {uid})")
+            check_created(name, found[0]["state"] if found else None, found[0]["uid"] if found else None, uid)
+            assert found is not None
             row, rev = found
             counter = snap.extra[self.next_id_key]
             eid = int(counter.value) if counter is not None else FIRST_ID_BASE + secrets.randbits(61)

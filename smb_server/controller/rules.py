@@ -9,11 +9,12 @@ Checks of what callers send are in :mod:`.records`; the evacuation rules in :mod
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
-from smb_protocol.errors import InvalidArgument, RegionExists
-from smb_protocol.placement import Layout
+from smb_protocol.errors import InvalidArgument, RegionExists, RegionNotFound, ServerNotFound
+from smb_protocol.placement import Layout, check_bytes
 from smb_protocol.replicas import ReplicaRole
 
 from .records import (
@@ -32,7 +33,33 @@ from .records import (
 log = logging.getLogger(__name__)
 
 
-# -- memory servers -------------------------------------------------------------------------
+# -- a store's settings and memory servers --------------------------------------------------
+def check_settings(lease_seconds: float, orphan_grace_seconds: float) -> tuple[float, float]:
+    """A store's lease (seconds, more than 0) and orphan grace (seconds, at least 0).
+    Raises InvalidArgument."""
+    if lease_seconds <= 0:
+        raise InvalidArgument(f"lease must be positive, got {lease_seconds} seconds")
+    if orphan_grace_seconds < 0:
+        raise InvalidArgument(f"orphan grace must not be negative, got {orphan_grace_seconds}")
+    return float(lease_seconds), float(orphan_grace_seconds)
+
+
+def check_registration(server_id: str, grpc_address: str, capacity: int) -> tuple[str, int]:
+    """A registering server's id (a generated one for "") and capacity (bytes). Raises
+    InvalidArgument (no gRPC address, a capacity that is not a byte count)."""
+    if not grpc_address:
+        raise InvalidArgument("a memory server must give its gRPC address")
+    return server_id or uuid.uuid4().hex[:12], check_bytes("capacity", capacity)
+
+
+def find_server(servers: Iterable[ServerRecord], server_id: str) -> ServerRecord:
+    """Server ``server_id`` among ``servers``; raises ServerNotFound."""
+    for s in servers:
+        if s.server_id == server_id:
+            return s
+    raise ServerNotFound(f"no memory server {server_id!r}")
+
+
 def live_state(drain: int) -> str:
     """The state of a server that registers or heartbeats: ``draining`` while its drain
     flag (:data:`.moves.DRAIN_STOP` or ``DRAIN_EVACUATE``) is set, else ``up``."""
@@ -110,6 +137,28 @@ def plan_region(req: RegionRequest, servers: Iterable[ServerRecord], now: float,
                for idx, (length, sids) in enumerate(zip(layout.extent_lengths, copies, strict=True))
                for copy, sid in enumerate(sids)]
     return layout, extents
+
+
+def check_created(name: str, stored_state: str | None, stored_uid: str | None = None,
+                  uid: str | None = None) -> None:
+    """Raise RegionNotFound unless region ``name`` exists (``stored_state`` not None) and
+    is created (not ``creating``), and, with ``uid``, is that incarnation of the name."""
+    if stored_state is None or stored_state == "creating" or (uid is not None and stored_uid != uid):
+        raise RegionNotFound(f"no region named {name!r}" + (f" (uid {uid})" if uid is not None else ""))
+
+
+def check_committable(name: str, stored_uid: str | None, uid: str | None = None) -> None:
+    """Raise RegionNotFound unless region ``name`` (its uid ``stored_uid``, None when there
+    is none) is still there to commit, and, with ``uid``, is that incarnation (a commit is
+    idempotent: a region already ready commits again)."""
+    if stored_uid is None or (uid is not None and stored_uid != uid):
+        raise RegionNotFound(f"region {name!r} was removed while it was being created")
+
+
+def abortable(stored_state: str | None, stored_uid: str | None, uid: str | None = None) -> bool:
+    """A region that an abort removes: one still ``creating`` (of ``uid``, when given);
+    an abort of anything else does nothing."""
+    return stored_state == "creating" and (uid is None or stored_uid == uid)
 
 
 def half_created(states: Mapping[str, str]) -> list[str]:

@@ -6,15 +6,13 @@ from __future__ import annotations
 import json
 import logging
 import time
-import uuid
 from collections.abc import Iterable, Sequence
 
-from smb_protocol.errors import InvalidArgument, ServerNotFound
-from smb_protocol.placement import check_bytes
+from smb_protocol.errors import ServerNotFound
 
 from .moves import check_removable, drain_flag, removed_error
 from .records import HeldExtent, ServerRecord, find_orphans
-from .rules import drained_state, lease_ran_out, live_state, lost_on_register
+from .rules import check_registration, drained_state, find_server, lease_ran_out, live_state, lost_on_register
 from .sqlite_db import SqliteStore, known_extents, server_records
 
 log = logging.getLogger(__name__)
@@ -34,10 +32,7 @@ class ServerRows(SqliteStore):
         it comes back ``up`` (or ``draining``). ``capacity`` is in bytes.
         """
         now = self._now(now)
-        if not grpc_address:
-            raise InvalidArgument("a memory server must give its gRPC address")
-        capacity = check_bytes("capacity", capacity)
-        server_id = server_id or uuid.uuid4().hex[:12]
+        server_id, capacity = check_registration(server_id, grpc_address, capacity)
         held = list(held)
         with self._sql.tx() as db:
             if db.execute("SELECT 1 FROM removed_servers WHERE server_id=?", (server_id,)).fetchone():
@@ -147,10 +142,7 @@ class ServerRows(SqliteStore):
 
     def get_server(self, server_id: str) -> ServerRecord:
         """One server; raises ServerNotFound."""
-        for s in self.list_servers():
-            if s.server_id == server_id:
-                return s
-        raise ServerNotFound(f"no memory server {server_id!r}")
+        return find_server(self.list_servers(), server_id)
 
     def list_servers(self) -> list[ServerRecord]:
         """Every server ever registered, by id, with ``used`` computed from its extents."""

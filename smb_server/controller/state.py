@@ -21,8 +21,6 @@ import json
 import logging
 from collections.abc import Mapping, Sequence
 
-from smb_protocol.errors import InvalidArgument, RegionNotFound
-
 from .records import (
     DeletedRegion,
     ExtentRecord,
@@ -34,7 +32,11 @@ from .records import (
     check_request_id,
 )
 from .rules import (
+    abortable,
+    check_committable,
+    check_created,
     check_new_region,
+    check_settings,
     delete_memory_horizon,
     half_created,
     plan_region,
@@ -68,13 +70,8 @@ class ControllerState(ServerRows, OwnerLeases):
 
     def __init__(self, path: str, lease_seconds: float = 5.0,
                  orphan_grace_seconds: float = 30.0) -> None:
-        if lease_seconds <= 0:
-            raise InvalidArgument(f"lease must be positive, got {lease_seconds} seconds")
-        if orphan_grace_seconds < 0:
-            raise InvalidArgument(f"orphan grace must not be negative, got {orphan_grace_seconds}")
+        self.lease_seconds, self.orphan_grace_seconds = check_settings(lease_seconds, orphan_grace_seconds)
         self.path = path
-        self.lease_seconds = float(lease_seconds)
-        self.orphan_grace_seconds = float(orphan_grace_seconds)
         self._sql = SqliteDb(path)
         try:
             self._forget_half_created()
@@ -158,8 +155,7 @@ class ControllerState(ServerRows, OwnerLeases):
         """
         with self._sql.tx() as db:
             row = db.execute("SELECT uid FROM regions WHERE name=?", (name,)).fetchone()
-            if row is None or (uid is not None and row["uid"] != uid):
-                raise RegionNotFound(f"region {name!r} was removed while it was being created")
+            check_committable(name, row["uid"] if row else None, uid)
             db.execute("UPDATE regions SET state='ready' WHERE name=?", (name,))
             region = load_region(db, name)
         assert region is not None
@@ -173,7 +169,7 @@ class ControllerState(ServerRows, OwnerLeases):
         """
         with self._sql.tx() as db:
             region = load_region(db, name)
-            if region is None or region.state != "creating" or (uid is not None and region.uid != uid):
+            if region is None or not abortable(region.state, region.uid, uid):
                 return []
             db.execute("DELETE FROM regions WHERE name=?", (name,))
         log.info("creation of region %s aborted", name)
@@ -183,8 +179,8 @@ class ControllerState(ServerRows, OwnerLeases):
         """A ready region (state ``ready`` or ``degraded``); raises RegionNotFound."""
         with self._sql.read() as db:
             region = load_region(db, name)
-        if region is None or region.state == "creating":
-            raise RegionNotFound(f"no region named {name!r}")
+        check_created(name, region.state if region else None)
+        assert region is not None
         return region
 
     def delete_region(self, name: str, request_id: str = "", now: float | None = None) -> list[ExtentRecord]:
@@ -197,8 +193,8 @@ class ControllerState(ServerRows, OwnerLeases):
         request_id, now = check_request_id(request_id), self._now(now)
         with self._sql.tx() as db:
             region = load_region(db, name)
-            if region is None or region.state == "creating":
-                raise RegionNotFound(f"no region named {name!r}")
+            check_created(name, region.state if region else None)
+            assert region is not None
             db.executemany("DELETE FROM lost_extents WHERE extent_id=?",
                            [(e.extent_id,) for e in region.extents])
             db.execute("DELETE FROM regions WHERE name=?", (name,))
@@ -223,8 +219,8 @@ class ControllerState(ServerRows, OwnerLeases):
         """
         with self._sql.tx() as db:
             region = load_region(db, name)
-            if region is None or region.uid != uid or region.state == "creating":
-                raise RegionNotFound(f"no region named {name!r} (uid {uid})")
+            check_created(name, region.state if region else None, region.uid if region else None, uid)
+            assert region is not None
             servers = [r[0] for r in db.execute("SELECT server_id FROM servers")]
             outcome = slot_change(region, change, servers, new_extent_id(db) if change.add else 0)
             if outcome is None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from smb_protocol.errors import InvalidArgument, OutOfMemory, RegionExists
+from smb_protocol.errors import InvalidArgument, OutOfMemory, RegionExists, RegionNotFound, ServerNotFound
 from smb_protocol.replicas import ReplicaRole as R
 from smb_server.controller.records import (
     DELETE_MEMORY_SECONDS,
@@ -19,9 +19,15 @@ from smb_server.controller.records import (
 )
 from smb_server.controller.rules import (
     OwnerLease,
+    abortable,
+    check_committable,
+    check_created,
     check_new_region,
+    check_registration,
+    check_settings,
     delete_memory_horizon,
     drained_state,
+    find_server,
     half_created,
     lapsed,
     lease_ran_out,
@@ -182,3 +188,47 @@ def test_a_new_region_needs_a_free_name_and_uid() -> None:
         check_new_region(req, "ready", uid_taken=False)
     with pytest.raises(InvalidArgument, match="uid"):
         check_new_region(req, None, uid_taken=True)
+
+
+# -- settings, registrations and a region's life -----------------------------------------------
+def test_a_store_needs_a_positive_lease_and_no_negative_grace() -> None:
+    assert check_settings(5, 0) == (5.0, 0.0)
+    with pytest.raises(InvalidArgument, match="lease"):
+        check_settings(0, 30)
+    with pytest.raises(InvalidArgument, match="grace"):
+        check_settings(5, -1)
+
+
+def test_a_registration_needs_an_address_and_a_byte_count_and_gets_an_id() -> None:
+    assert check_registration("s1", "h:1", 4096) == ("s1", 4096)
+    drawn, _ = check_registration("", "h:1", 4096)
+    assert len(drawn) == 12
+    with pytest.raises(InvalidArgument, match="gRPC address"):
+        check_registration("s1", "", 4096)
+    with pytest.raises(InvalidArgument):
+        check_registration("s1", "h:1", -1)
+    assert find_server([_server("a"), _server("b")], "b").server_id == "b"
+    with pytest.raises(ServerNotFound):
+        find_server([_server("a")], "b")
+
+
+def test_only_a_created_region_is_found() -> None:
+    check_created("job/x", "ready")
+    check_created("job/x", "lost", "u1", uid="u1")
+    for state, uid in ((None, None), ("creating", None)):
+        with pytest.raises(RegionNotFound, match="no region named 'job/x'$"):
+            check_created("job/x", state, uid)
+    with pytest.raises(RegionNotFound, match="uid u2"):
+        check_created("job/x", "ready", "u1", uid="u2")
+
+
+def test_a_commit_finds_its_incarnation_and_an_abort_only_a_region_being_created() -> None:
+    check_committable("job/x", "u1")
+    check_committable("job/x", "u1", "u1")          # again (ready already): idempotent
+    with pytest.raises(RegionNotFound, match="removed while it was being created"):
+        check_committable("job/x", None)
+    with pytest.raises(RegionNotFound):
+        check_committable("job/x", "u2", "u1")      # the name was deleted and created again
+    assert abortable("creating", "u1") and abortable("creating", "u1", "u1")
+    assert not abortable("ready", "u1") and not abortable(None, None)
+    assert not abortable("creating", "u2", "u1")
