@@ -424,6 +424,8 @@ def summarize(run: dict[str, Any], s: Settings) -> dict[str, Any]:
                        "joined": (m.get("joined") or {}).get("host"),
                        "job_bytes_before": _by_host(run, m.get("job_bytes_before") or {}),
                        "job_bytes_after": _by_host(run, _per_server(m.get("store_after") or {})),
+                       "primary_bytes_before": _by_host(run, m.get("primary_before") or {}),
+                       "primary_bytes_after": _by_host(run, m.get("primary_after") or {}),
                        "removed": m.get("removed"), "finished_before_training": bool(
                            m.get("move_end") and spans and m["move_end"] < spans["whole"][1]),
                        "controller_log": run.get("controller_log")}
@@ -555,7 +557,17 @@ def table(results: dict[str, Any]) -> str:
                              f"| {_f(st['mean_exchange_wait_seconds'], '.3f')} | {longest} "
                              f"| {_f(cpu.get('workers'))} / {_f(cpu.get('servers'))} / {_f(cpu.get('controller'))} "
                              f"| {_f(cpu.get('machine_busy'), '.0%')} | {busiest} |")
-    return "\n".join(rows) + "\n\n" + "\n".join(where) + "\n"
+    places = ["| scheme | move | job's bytes per server before (MB) | after | primaries' bytes before | after |",
+              "| --- | --- | --- | --- | --- | --- |"]
+    for scheme in results.get("schemes", []):
+        for name in ("evacuate", "rebalance"):
+            mv = (results[scheme].get(name, {}).get("summary") or {}).get("move")
+            if not mv:
+                continue
+            cells = [", ".join(f"{h} {n / 1e6:.1f}" for h, n in sorted((mv.get(k) or {}).items())) or "-"
+                     for k in ("job_bytes_before", "job_bytes_after", "primary_bytes_before", "primary_bytes_after")]
+            places.append(f"| {scheme} | {name} | " + " | ".join(cells) + " |")
+    return "\n".join(rows) + "\n\n" + "\n".join(where) + "\n\n" + "\n".join(places) + "\n"
 
 
 def plot(results: dict[str, Any], name: str, path: str) -> None:

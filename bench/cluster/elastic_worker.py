@@ -130,6 +130,18 @@ def store_bytes(c: Client, prefix: str) -> dict[str, dict[str, int]]:
     return out
 
 
+def primary_bytes(c: Client, prefix: str) -> dict[str, int]:
+    """Bytes of the store's primaries (the copies that serve reads and order mutations;
+    the only copy of an unreplicated slot) per memory server."""
+    out: dict[str, int] = {}
+    for r in c.list_regions(f"{prefix}/"):
+        info, _ = c.open_info(r.name, "ro")
+        for e in info.extents:
+            p = ExtentPlace.from_message(e)
+            out[p.server_id] = out.get(p.server_id, 0) + p.length
+    return out
+
+
 def _servers(admin: Client) -> dict[str, list[Any]]:
     """server id -> [state, bytes used, extents, bytes moved off it, its move rate (bytes/s)]."""
     return {s.server_id: [s.state, s.used, s.extents, s.moved_bytes, s.move_rate] for s in admin.list_servers()}
@@ -188,6 +200,7 @@ def mover(spec: dict[str, Any]) -> dict[str, Any]:
             elif phase == "before" and total >= trigger:
                 out["trigger"] = {"time": now, "total": total}
                 out["store_before"] = store_bytes(c, prefix)
+                out["primary_before"] = primary_bytes(c, prefix)
                 out["servers_before"] = _servers(admin)
                 held = {s: sum(per.get(s, 0) for per in out["store_before"].values())
                         for s in out["servers_before"]}
@@ -200,8 +213,8 @@ def mover(spec: dict[str, Any]) -> dict[str, Any]:
                     out["move_start"] = time.time()
                     admin.drain_server(source, evacuate=True)
                 else:
-                    r = admin.rebalance(rate)
                     out["move_start"] = time.time()
+                    r = admin.rebalance(rate)
                     base_moved = r.bytes_moved
                     out["rebalance_first"] = {"running": r.running, "bytes_left": r.bytes_left}
                 out["moved"] = []   # [time, bytes moved so far]
@@ -218,6 +231,7 @@ def mover(spec: dict[str, Any]) -> dict[str, Any]:
                     out["move_end"] = now
                     out["bytes_moved"] = moved
                     out["servers_after_move"] = servers
+                    out["primary_after"] = primary_bytes(c, prefix)
                     if action == "evacuate":
                         out["removed"] = admin.remove_server(source).server_id
                         _write_json(sig / "removed.json", {"time": time.time(), "server": source})
