@@ -204,10 +204,13 @@ class DataPlane:
         self._check_open()
         if len(tasks) == 1:
             return [tasks[0]()]
-        try:
-            futures = [self._io.submit(t) for t in tasks[1:]]
-        except RuntimeError:   # shut down meanwhile
-            raise ServerUnavailable("the client's data plane is closed") from None
+        futures: list[Future[T]] = []
+        for t in tasks[1:]:
+            try:
+                futures.append(self._io.submit(t))
+            except RuntimeError:
+                self._check_open()   # closed meanwhile; else the interpreter is exiting:
+                futures.append(_ran_here(t))   # atexit handlers still get their work done
         try:
             first = tasks[0]()
         except BaseException:
@@ -224,7 +227,8 @@ class DataPlane:
         try:
             return self._async.submit(fn, *args, **kwargs)
         except RuntimeError:
-            raise ServerUnavailable("the client's data plane is closed") from None
+            self._check_open()
+            return _ran_here(partial(fn, *args, **kwargs))   # the interpreter is exiting
 
     def _check_open(self) -> None:
         if self._closed:
@@ -260,3 +264,15 @@ def _close_all(sessions: list[tuple[str, Session]]) -> None:
             s.close()
         except Exception as exc:   # closing must not stop closing the others
             log.debug("closing %s: %s", uri, exc)
+
+
+def _ran_here(fn: Callable[[], T]) -> Future[T]:
+    """A future of ``fn`` run in the caller's thread: the pools refuse work once the
+    interpreter began to exit (``threading`` shuts executors down before ``atexit``
+    handlers run), and a handler that ends a job still has requests to send."""
+    future: Future[T] = Future()
+    try:
+        future.set_result(fn())
+    except BaseException as exc:
+        future.set_exception(exc)
+    return future

@@ -305,12 +305,14 @@ class Route:
             try:
                 return self._retrying_once(fn)
             except (errors.ServerUnavailable, errors.ExtentNotFound) as exc:
-                before = tuple(p.extent_id for p in self.extents)
+                before = self._places()
                 explained = True
                 self._explain(exc)
-                if (tuple(p.extent_id for p in self.extents) == before and not self.copies) \
-                        or getattr(exc, "outcome_unknown", False):   # an unnumbered one-sided atomic
+                if getattr(exc, "outcome_unknown", False):   # an unnumbered one-sided atomic
                     raise
+                if not isinstance(exc, errors.NotPrimary) and self._places() == before and not self.copies:
+                    raise      # the same server holds it and nothing moves: the server failed
+                # a refusal (NotPrimary) applied nothing; a switch under way ends soon
                 log.info("region %s: moved or being moved (%s); running the operation again", self.name, exc)
             explained = False
             return self._failing_over(fn)
@@ -318,6 +320,10 @@ class Route:
             if not explained:
                 self._explain(exc)
             raise
+
+    def _places(self) -> tuple[tuple[int, str], ...]:
+        """Each slot's extent and server: what a move changes."""
+        return tuple((p.extent_id, p.server_id) for p in self.extents)
 
     def refresh(self) -> None:
         """Open the region again: a fresh ticket and the current server list.

@@ -54,7 +54,6 @@ from smb_protocol.errors import (
     OutOfRange,
     PermissionDenied,
     ProtocolError,
-    ReadOnly,
     ServerUnavailable,
     status_error,
 )
@@ -269,14 +268,15 @@ class ShmSession(Session):
             self._channel.close()
             self._channel = None
 
-    def _map(self, ticket: str, extent_id: int, write: bool = False) -> tuple[_Mapping, _Channel]:
-        """The extent's mapping and the channel it was made under, once the server has
-        accepted ``ticket`` for it."""
+    def _map(self, ticket: str, extent_id: int, write: bool = False) -> tuple[_Mapping, _Channel, bool]:
+        """The extent's mapping, the channel it was made under, and whether ``ticket`` may
+        write into it, once the server has accepted ``ticket`` for it."""
         key = (ticket, extent_id)
         m = self._maps.get(extent_id)
         granted = self._granted.get(key)
         channel = self._channel
-        if m is None or granted is None or channel is None or (granted and not m.writable):
+        if m is None or granted is None or channel is None or (granted and not m.writable) \
+                or (write and not granted and m.live[0] == LIVE):
             with self._lock:
                 if self._channel is not None and not self._channel.alive():
                     self._retire()
@@ -287,7 +287,10 @@ class ShmSession(Session):
                 channel = self._channel
                 m = self._maps.get(extent_id)
                 granted = self._granted.get(key)
-                if m is None or granted is None or (granted and not m.writable):
+                if m is None or granted is None or (granted and not m.writable) \
+                        or (write and not granted and m.live[0] == LIVE):
+                    # a read-write ticket refused writing while the extent was replicated
+                    # or moving is granted it again once the extent takes direct writes
                     fd, length, granted = fetch_extent_fd(self.path, ticket, extent_id)
                     if len(self._granted) >= MAX_GRANTS:
                         self._granted.clear()   # asking the server again is harmless
@@ -297,12 +300,10 @@ class ShmSession(Session):
                         # a replaced read-only mapping is unmapped once no view of it is left
                     else:
                         os.close(fd)
-        if write and not granted and m.live[0] == LIVE:
-            raise ReadOnly("write through a read-only ticket")
         m.check(extent_id)   # released (a region deleted, a clean stop) says so first
         # the server's liveness is checked once, after the copy (by the caller): a copy
         # into or out of a dead server's memory is then reported, never taken for done
-        return m, channel
+        return m, channel, bool(granted)
 
     def _bounds(self, m: _Mapping, extent_id: int, offset: int, length: int) -> None:
         if offset < 0 or offset + length > m.length:
@@ -313,9 +314,9 @@ class ShmSession(Session):
               seq: int = 0) -> None:
         """A copy into the mapping (running it again writes the same bytes), or through
         the server with ``seq`` while the server says so (module docstring)."""
-        m, channel = self._map(ticket, extent_id, write=True)
+        m, channel, granted = self._map(ticket, extent_id, write=True)
         self._bounds(m, extent_id, offset, sum(len(b) for b in buffers))
-        if not m.direct:
+        if not (granted and m.direct):   # the server decides (a read-only ticket: ReadOnly)
             self._server().write(ticket, extent_id, offset, buffers, seq)
             return
         pos = offset
@@ -331,7 +332,7 @@ class ShmSession(Session):
         self._check_live(channel)   # died meanwhile: nobody will read what we wrote
 
     def read_into(self, ticket: str, extent_id: int, offset: int, buffers: Sequence[memoryview]) -> None:
-        m, channel = self._map(ticket, extent_id)
+        m, channel, _ = self._map(ticket, extent_id)
         self._bounds(m, extent_id, offset, sum(len(b) for b in buffers))
         pos = offset
         for b in buffers:

@@ -48,7 +48,7 @@ class GenerationStore(Protocol):
         ...
 
 
-@dataclass
+@dataclass(eq=False)   # waiters are told apart by identity: two may look alike
 class _Waiter:
     arrival_id: str = ""
     generation: int = -1

@@ -194,3 +194,35 @@ def test_open_by_name_sees_same_memory(cluster, tclient, name):
         r2.close()
     assert bytes(r.read(MiB + 3, 6)) == b"worker"
     tclient.delete_region(name)
+
+
+AT_EXIT = """
+import atexit, sys
+import numpy as np
+import smb_client
+
+client = smb_client.Client(sys.argv[1], sys.argv[2], transport=sys.argv[4])
+region = client.create_region(sys.argv[3], 1 << 20, stripe_unit=1 << 16, num_servers=2)
+
+def at_exit():   # runs after threading shut the executors down
+    data = np.arange(1 << 17, dtype=np.int64)
+    region.write(0, data)                                    # many requests, both servers
+    ok = np.array_equal(region.read(0, 1 << 20, dtype=np.int64), data)
+    region.write_async(0, data[:8]).result()
+    client.delete_region(sys.argv[3])
+    client.close()
+    print("at exit:", "ok" if ok else "wrong")
+atexit.register(at_exit)
+"""
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_a_client_works_in_an_atexit_handler(cluster, client, name, transport, tmp_path):
+    import subprocess
+    import sys
+    script = tmp_path / "at_exit.py"
+    script.write_text(AT_EXIT)
+    proc = subprocess.run([sys.executable, str(script), cluster.address, cluster.token, name, transport],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "at exit: ok" in proc.stdout, proc.stderr[-3000:]
+    assert client.list_regions(name) == []

@@ -21,7 +21,7 @@ import pytest
 from smb_client.transports.tcp import TcpConnection
 from smb_protocol import tickets
 from smb_protocol.dtypes import DType
-from smb_protocol.errors import InvalidArgument, NotPrimary, ServerUnavailable, Status
+from smb_protocol.errors import InvalidArgument, NotPrimary, ReadOnly, ServerUnavailable, Status
 from smb_protocol.wire import Op
 from smb_server.memserver import dedup, replication
 from smb_server.memserver.arena import HEADER_BYTES
@@ -387,3 +387,32 @@ def test_shm_hands_out_read_only_descriptors_of_replicated_extents(nodes):
         finally:
             os.close(fds[0])
 
+
+
+def test_a_read_write_ticket_writes_directly_again_once_its_extent_stops_being_replicated(nodes):
+    """A client mapped the extent while it was replicated (a move's copy, read-only to
+    it); once the controller made it an unreplicated extent again, the same ticket's
+    writes go into the mapping, not refused as read-only."""
+    from smb_client.transports.shm import ShmSession
+    from smb_client.transports.tcp import TcpSession
+    from smb_protocol.addressing import parse_endpoint
+
+    (node,) = nodes(1)
+    node.configure(1, "primary")          # the source of a move: its copy is listed elsewhere
+    rw = tickets.sign(SECRET, UID, [node.eid], "rw", ttl=600)[0]
+    tcp = TcpSession(parse_endpoint(node.endpoint), {"client_id": 7, "connections": 1})
+    shm = ShmSession(parse_endpoint(f"shm://{node.shm.path}"), {"arithmetic": tcp})
+    try:
+        shm.write(rw, node.eid, 0, [memoryview(b"a" * 64)], seq=1)    # through the server
+        assert not shm._maps[node.eid].writable
+        node.configure(2, "")             # the move ended: it takes direct writes again
+        shm.write(rw, node.eid, 64, [memoryview(b"b" * 64)], seq=2)
+        assert shm._maps[node.eid].writable, "the ticket was not granted writing again"
+        assert node.data()[:128] == b"a" * 64 + b"b" * 64
+        ro = tickets.sign(SECRET, UID, [node.eid], "ro", ttl=600)[0]
+        with pytest.raises(ReadOnly):     # the server still refuses a read-only ticket
+            shm.write(ro, node.eid, 0, [memoryview(b"c" * 8)], seq=3)
+        assert node.data()[:8] == b"a" * 8
+    finally:
+        shm.close()
+        tcp.close()

@@ -60,6 +60,7 @@ def test_it_trains_as_ddp_and_its_regions_go_at_exit(cluster, client, tmp_path):
     for mode in ("gloo", "sdp"):
         proc = torchrun(cluster, tmp_path, mode)
         assert proc.returncode == 0, proc.stderr[-4000:]
+        assert "failed" not in proc.stderr, proc.stderr[-4000:]   # nothing went wrong at exit
     for rank in (0, 1):
         want = torch.load(tmp_path / f"gloo-rank{rank}.pt", weights_only=True)
         got = torch.load(tmp_path / f"sdp-rank{rank}.pt", weights_only=True)

@@ -175,3 +175,31 @@ def test_a_retry_of_an_arrival_still_waiting_takes_its_place() -> None:
     assert barriers.wait("b", 2, arrival_id=b) == (0, 1)   # b's retry after the opening
     with pytest.raises(errors.InvalidArgument, match="arrival id"):
         barriers.wait("b", 2, arrival_id="not-an-id")
+
+
+def test_a_caller_that_gives_up_takes_only_itself_out() -> None:
+    """Two callers without arrival ids look alike; the one that times out leaves, the
+    other stays counted and is released when the barrier opens."""
+    b = Barriers()
+    got: dict[str, object] = {}
+
+    def call(who: str, timeout: float) -> None:
+        try:
+            got[who] = b.wait("job/x", 3, timeout=timeout)
+        except errors.SMBError as exc:
+            got[who] = exc
+    stays = threading.Thread(target=call, args=("stays", 30))
+    stays.start()
+    _until_waiting(b, 1)
+    leaves = threading.Thread(target=call, args=("leaves", 0.05))
+    leaves.start()
+    leaves.join(10)
+    assert isinstance(got["leaves"], errors.BarrierTimeout)
+    third = threading.Thread(target=call, args=("third", 30))
+    third.start()
+    _until_waiting(b, 2)
+    assert b.wait("job/x", 3, timeout=5) == (0, 2)    # the one that stays counts, the one that left not
+    stays.join(10)
+    third.join(10)
+    assert (got["stays"], got["third"]) == ((0, 0), (0, 1))
+    b.close()
