@@ -78,6 +78,26 @@ def head_of(copies: Sequence[ExtentRecord]) -> ExtentRecord | None:
                 next((c for c in copies if c.role == ReplicaRole.NONE), None))
 
 
+def head_bytes(regions: Iterable[RegionRecord]) -> dict[str, int]:
+    """Bytes of the slots each server heads (:func:`head_of`): where the slots' reads
+    and mutations go, so where their traffic goes."""
+    heads: dict[str, int] = {}
+    for region in regions:
+        for index in sorted({e.index for e in region.extents}):
+            head = head_of(region.copies_of(index))
+            if head is not None:
+                heads[head.server_id] = heads.get(head.server_id, 0) + head.length
+    return heads
+
+
+def new_head(stay: Sequence[ExtentRecord], heads: Mapping[str, int]) -> ExtentRecord:
+    """The copy that becomes a slot's primary when its primary leaves: a backup on a
+    server that is up, on the one heading the fewest bytes (``heads``), so that the
+    traffic of a server that is emptied spreads over the others, a new server's
+    included, instead of staying where the backups were."""
+    return min(stay, key=lambda c: (c.server_state != "up", heads.get(c.server_id, 0), c.copy))
+
+
 def leaving(region: RegionRecord, index: int, servers: Mapping[str, ServerRecord],
             moving: Mapping[int, str] = {}) -> frozenset[int]:
     """The copy numbers of slot ``index`` that are to leave it: in-step copies on an
@@ -110,6 +130,13 @@ def bytes_leaving(regions: Iterable[RegionRecord], servers: Mapping[str, ServerR
     return total
 
 
+def syncing(regions: Iterable[RegionRecord], servers: Mapping[str, ServerRecord]) -> bool:
+    """Some copy on a server that is up is being brought in step (after a handover, the
+    copies besides the new primary are): its slot cannot move until it is."""
+    return any(c.role == ReplicaRole.SYNCING and c.server_id in servers and servers[c.server_id].state != "down"
+               for r in regions if r.state in ("ready", "degraded") for c in r.extents)
+
+
 @dataclass(frozen=True)
 class Move:
     """One copy to move for a rebalance: extent ``extent_id`` (slot ``index`` of
@@ -128,19 +155,22 @@ def plan_rebalance(servers: Sequence[ServerRecord], regions: Sequence[RegionReco
     """The moves (at most ``limit``) that even out the bytes held by the servers that
     are up: repeatedly a copy from the fullest server to the emptiest one, as long as it
     narrows their gap (its length is below the gap), the emptiest holds no copy of its
-    slot and has room. Among the fullest server's copies, one of the region with the
-    most slots there (less those on the emptiest) goes first, so that a striped
-    region's slots, and its traffic, spread too; then the longest. Only slots of ready
-    regions whose copies are all in step move."""
+    slot and has room (else the next pair of servers). Among the fullest server's
+    copies, one of a region with more slots there than on the emptiest goes first, so
+    that a striped region's slots, and its traffic, spread too; among those, the one
+    that leaves the bytes each server heads (:func:`head_bytes`: its slots' traffic)
+    most even, taking into account which copy a moved primary's handover promotes
+    (:func:`new_head`); then one of the region with the most such slots; then the
+    longest. Only slots of ready regions whose copies are all in step move."""
     used = {s.server_id: s.used for s in servers if s.state == "up" and not s.evacuating}
     free = {s.server_id: s.free for s in servers if s.server_id in used}
     if len(used) < 2:
         return []
     where: dict[str, list[tuple[RegionRecord, ExtentRecord]]] = {sid: [] for sid in used}
     holders: dict[tuple[str, int], set[str]] = {}
-    for region in regions:
-        if region.state != "ready":
-            continue
+    ready = [r for r in regions if r.state == "ready"]
+    heads = {sid: 0 for sid in used} | head_bytes(ready)
+    for region in ready:
         for index in sorted({e.index for e in region.extents}):
             copies = region.copies_of(index)
             holders[(region.uid, index)] = {c.server_id for c in copies}
@@ -149,20 +179,56 @@ def plan_rebalance(servers: Sequence[ServerRecord], regions: Sequence[RegionReco
             for c in copies:
                 if c.server_id in where:
                     where[c.server_id].append((region, c))
+
+    def head_after(region: RegionRecord, c: ExtentRecord, target: str) -> str:
+        """The server heading ``c``'s slot once ``c`` moved to ``target``."""
+        if c.role == ReplicaRole.NONE:
+            return target
+        head = head_of(region.copies_of(c.index))
+        if head is None or head.copy != c.copy:
+            return head.server_id if head is not None else ""
+        stay = [o for o in region.copies_of(c.index) if o.copy != c.copy and o.server_id in used]
+        if not stay:
+            return target
+        return min([target, *(o.server_id for o in stay)], key=lambda s: (heads.get(s, 0), s != target))
+
+    def spread(region: RegionRecord, c: ExtentRecord, source: str, target: str) -> int:
+        """How uneven the bytes the servers head are after the move (sum of squares)."""
+        after = dict(heads)
+        if c.role in (ReplicaRole.NONE, ReplicaRole.PRIMARY):
+            after[source] = after.get(source, 0) - c.length
+            head = head_after(region, c, target)
+            after[head] = after.get(head, 0) + c.length
+        return sum(v * v for sid, v in after.items() if sid in used)
     moves: list[Move] = []
+    def widest() -> tuple[str, str, list[tuple[RegionRecord, ExtentRecord]]]:
+        """The fullest server with a copy that may move to the emptiest server that may
+        take one (a pair of servers whose slots all overlap is passed over)."""
+        for source in sorted(used, key=lambda s: (-used[s], s)):
+            for target in sorted(used, key=lambda s: (used[s], s)):
+                gap = used[source] - used[target]
+                if gap <= 0:
+                    break
+                fits = [(r, c) for r, c in where[source] if c.length < gap and c.length <= free[target]
+                        and target not in holders[(r.uid, c.index)]]
+                if fits:
+                    return source, target, fits
+        return "", "", []
+
     while len(moves) < limit:
-        source = max(used, key=lambda s: (used[s], s))
-        target = min(used, key=lambda s: (used[s], s))
-        gap = used[source] - used[target]
-        fits = [(r, c) for r, c in where[source]
-                if c.length < gap and c.length <= free[target] and target not in holders[(r.uid, c.index)]]
+        source, target, fits = widest()
         if not fits:
             return moves
         slots = {uid: (sum(source in h for (u, _), h in holders.items() if u == uid)
                        - sum(target in h for (u, _), h in holders.items() if u == uid))
                  for uid in {r.uid for r, _ in fits}}
-        region, c = max(fits, key=lambda rc: (slots[rc[0].uid], rc[1].length, -rc[1].extent_id))
+        region, c = max(fits, key=lambda rc: (slots[rc[0].uid] > 0, -spread(rc[0], rc[1], source, target),
+                                              slots[rc[0].uid], rc[1].length, -rc[1].extent_id))
         moves.append(Move(region.name, c.index, c.extent_id, source, target, c.length))
+        if c.role in (ReplicaRole.NONE, ReplicaRole.PRIMARY):
+            head = head_after(region, c, target)
+            heads[source] -= c.length
+            heads[head] = heads.get(head, 0) + c.length
         where[source].remove((region, c))
         holders[(region.uid, c.index)] = (holders[(region.uid, c.index)] - {source}) | {target}
         used[source] -= c.length
@@ -231,8 +297,8 @@ class Rebalancer:
                     self.moved += m.length
             due = self.rate <= 0 or now >= self._started + self.moved / self.rate
             plan = plan_rebalance(servers, regions) if self.active else []
-            if self.active and not plan and not self._moving:
-                self.active = False
+            if self.active and not plan and not self._moving and not syncing(regions, by_id):
+                self.active = False   # done: nothing to move once every copy is in step
             if self.active and plan and not self._moving and due:
                 self._moving[plan[0].extent_id] = plan[0]
             self.bytes_left = sum(m.length for m in plan)

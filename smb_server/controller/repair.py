@@ -73,7 +73,7 @@ from smb_protocol import errors
 from smb_protocol.replicas import ReplicaRole
 
 from .memservers import Backup, MemoryServers
-from .moves import Rebalancer, holds_all, leaving
+from .moves import Rebalancer, head_bytes, head_of, holds_all, leaving
 from .records import (
     ExtentRecord,
     FailedReplica,
@@ -241,11 +241,13 @@ class RepairManager:
         self.evacuations = {s.server_id: self.evacuations.get(s.server_id, (time.time(), s.used))
                             for s in servers if s.evacuating}
         moving = self.moves.picked()
-        regions = [r for r in self.state.list_regions() if self._tended(r, by_id, moving)]
+        listed = self.state.list_regions()
+        heads = head_bytes(listed)   # kept up to date by the handovers of this pass
+        regions = [r for r in listed if self._tended(r, by_id, moving)]
         for region in regions:
             for index in sorted({e.index for e in region.extents}):
                 try:
-                    region = self._fence(region, index, suspect, leaving(region, index, by_id, moving))
+                    region = self._fence(region, index, suspect, leaving(region, index, by_id, moving), heads)
                 except errors.RegionNotFound:
                     break   # deleted meanwhile
                 except errors.ControllerUnavailable:
@@ -335,14 +337,20 @@ class RepairManager:
         return suspect
 
     def _fence(self, region: RegionRecord, index: int, suspect: set[str],
-               leave: frozenset[int] = frozenset()) -> RegionRecord:
+               leave: frozenset[int] = frozenset(), heads: dict[str, int] | None = None) -> RegionRecord:
         key = (region.uid, index)
-        fence = plan_fence(region, index, suspect, leave)
+        heads = {} if heads is None else heads
+        before = head_of(region.copies_of(index))
+        fence = plan_fence(region, index, suspect, leave, heads)
         if fence is not None:
             result = self.state.change_slot(region.name, region.uid, fence.change)
             if result is None:
                 return region      # changed meanwhile: the next pass decides again
             region, removed = result
+            after = head_of(region.copies_of(index))
+            if before is not None and after is not None and after.server_id != before.server_id:
+                heads[before.server_id] = heads.get(before.server_id, 0) - before.length
+                heads[after.server_id] = heads.get(after.server_id, 0) + after.length
             self.metrics.done(fence.kind)
             if fence.kind in ("leave", "handover"):
                 self.metrics.moved(sum(e.length for e in removed))

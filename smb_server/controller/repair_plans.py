@@ -5,12 +5,12 @@ brings in. No I/O here.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from smb_protocol.replicas import IN_SYNC, ReplicaRole
 
-from .moves import head_of, holds_all
+from .moves import head_of, holds_all, new_head
 from .records import ExtentRecord, FailedReplica, RegionRecord, ServerRecord, SlotChange
 
 log = logging.getLogger(__name__)
@@ -25,21 +25,23 @@ class Fence:
 
 
 def plan_fence(region: RegionRecord, index: int, suspect: Iterable[str] = (),
-               leave: frozenset[int] = frozenset()) -> Fence | None:
+               leave: frozenset[int] = frozenset(), heads: Mapping[str, int] = {}) -> Fence | None:
     """The change that takes dead copies out of slot ``index``'s replica set (:mod:`.repair`,
     step 1), or else the copies in ``leave`` (:func:`.moves.leaving`) once enough others
-    are in step (:func:`plan_leave`), or None. ``suspect``: servers whose copies count as
-    dead while the slot has an in-sync copy on another server."""
+    are in step (:func:`plan_leave`, ``heads`` as there), or None. ``suspect``: servers
+    whose copies count as dead while the slot has an in-sync copy on another server."""
     fence = _plan_dead(region, index, suspect)
     if fence is None and leave:
-        return plan_leave(region, index, leave)
+        return plan_leave(region, index, leave, heads)
     return fence
 
 
-def plan_leave(region: RegionRecord, index: int, leave: frozenset[int]) -> Fence | None:
+def plan_leave(region: RegionRecord, index: int, leave: frozenset[int],
+               heads: Mapping[str, int] = {}) -> Fence | None:
     """Take the copies in ``leave`` out of slot ``index`` once ``replicas`` in-step
     copies stay: leaving backups become ``stale`` and are dropped; a leaving primary
-    is replaced by a backup that stays (a handover: backups first, which fences it),
+    is replaced by a backup that stays (a handover: backups first, which fences it), the
+    one on the server heading the fewest bytes (``heads``, :func:`.moves.new_head`);
     the other staying copies become ``syncing`` as after any promotion (one may have
     applied a mutation the new primary refused)."""
     copies = region.copies_of(index)
@@ -51,7 +53,7 @@ def plan_leave(region: RegionRecord, index: int, leave: frozenset[int]) -> Fence
                                      if c.copy in leave and c.role != ReplicaRole.STALE}
     kind = "leave"
     if primary.copy in leave:
-        new = min((c for c in stay if c.role == ReplicaRole.BACKUP), key=lambda c: (c.server_state != "up", c.copy))
+        new = new_head([c for c in stay if c.role == ReplicaRole.BACKUP], heads)
         roles[new.copy] = ReplicaRole.PRIMARY
         for c in copies:
             if c.copy not in leave and c.copy != new.copy and c.role in (ReplicaRole.BACKUP, ReplicaRole.SYNCING):

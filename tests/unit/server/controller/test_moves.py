@@ -9,7 +9,7 @@ import pytest
 
 from smb_protocol import errors
 from smb_server.controller.creation import RegionCreator, RegionSpec
-from smb_server.controller.moves import Rebalancer, leaving, plan_rebalance
+from smb_server.controller.moves import Rebalancer, head_bytes, leaving, plan_rebalance
 from smb_server.controller.records import NewCopy, SlotChange
 from smb_server.controller.repair import RETRY_SECONDS, RepairManager, RepairMetrics
 from smb_server.controller.state import ControllerState
@@ -244,3 +244,44 @@ def test_moves_show_in_the_controllers_metrics(state, servers, clock) -> None:
         assert "smb_controller_moved_bytes_total 1.048576e+06" in text
     finally:
         manager.close()
+
+
+def striped_on_three(state: ControllerState, servers) -> None:
+    """Three regions of three 1 MiB slots with two copies each on s0-s2 (each server
+    heads three slots and holds 6 MiB), then a spare s3."""
+    add_servers(state, 3, capacity=256 * MiB)
+    creator = RegionCreator(state, servers, threads=2)
+    try:
+        for k in range(3):
+            creator.create(RegionSpec(f"job/{k}", 3 * MiB, stripe_unit=MiB, num_servers=3, replicas=2))
+    finally:
+        creator.close()
+    assert sorted(head_bytes(state.list_regions()).values()) == [3 * MiB] * 3
+    add_servers_more(state, 1)
+
+
+def test_an_evacuation_hands_the_leaving_primaries_to_the_server_heading_the_least(state, servers, manager) -> None:
+    """The server that took the evacuated copies heads its share of the slots (their
+    reads and mutations), not only backups."""
+    striped_on_three(state, servers)
+    settle(manager)
+    state.drain("s0", evacuate=True)
+    evacuate_all(manager, 10)
+    heads = head_bytes(state.list_regions())
+    assert state.get_server("s0").extents == 0
+    assert heads == {"s1": 3 * MiB, "s2": 3 * MiB, "s3": 3 * MiB}
+
+
+def test_a_rebalance_onto_a_new_server_spreads_the_primaries_too(state, servers, manager, clock) -> None:
+    striped_on_three(state, servers)
+    settle(manager)
+    manager.moves.start(bytes_per_second=0, now=clock())
+    for _ in range(40):
+        settle(manager)
+        if not manager.moves.running():
+            break
+    assert not manager.moves.running()
+    used = {s.server_id: s.used for s in state.list_servers()}
+    assert max(used.values()) - min(used.values()) <= MiB
+    heads = head_bytes(state.list_regions())
+    assert heads.get("s3", 0) >= MiB and max(heads.values()) - min(heads.values()) <= MiB, heads
