@@ -343,6 +343,7 @@ class RepairManager:
         before = head_of(region.copies_of(index))
         fence = plan_fence(region, index, suspect, leave, heads)
         if fence is not None:
+            planned_on = region
             result = self.state.change_slot(region.name, region.uid, fence.change)
             if result is None:
                 return region      # changed meanwhile: the next pass decides again
@@ -352,8 +353,9 @@ class RepairManager:
                 heads[before.server_id] = heads.get(before.server_id, 0) - before.length
                 heads[after.server_id] = heads.get(after.server_id, 0) + after.length
             self.metrics.done(fence.kind)
-            if fence.kind in ("leave", "handover"):
-                self.metrics.moved(sum(e.length for e in removed))
+            if fence.kind in ("leave", "handover"):   # the leaving copies stop serving now
+                self.metrics.moved(sum(c.length for c in planned_on.copies_of(index) if c.copy in leave
+                                       and fence.change.roles.get(c.copy) == ReplicaRole.STALE))
                 log.info("region %s slot %d: %s (view %d)", region.name, index, fence.change.describe(),
                          region.view_of(index))
             elif fence.kind == "promote":

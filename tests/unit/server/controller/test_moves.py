@@ -283,5 +283,6 @@ def test_a_rebalance_onto_a_new_server_spreads_the_primaries_too(state, servers,
     assert not manager.moves.running()
     used = {s.server_id: s.used for s in state.list_servers()}
     assert max(used.values()) - min(used.values()) <= MiB
+    assert manager.metrics.moved_bytes == used["s3"]     # every copy the empty server got was moved
     heads = head_bytes(state.list_regions())
     assert heads.get("s3", 0) >= MiB and max(heads.values()) - min(heads.values()) <= MiB, heads
