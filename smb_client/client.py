@@ -387,14 +387,17 @@ class Client:
         r = self._call("Rebalance", pb.RebalanceRequest(bytes_per_second=bytes_per_second, stop=stop))
         return RebalanceStatus(r.running, r.bytes_left, r.bytes_moved)
 
-    def barrier(self, name: str, parties: int, timeout: float | None = None) -> int:
+    def barrier(self, name: str, parties: int, timeout: float | None = None, *,
+                rank: int | None = None) -> int:
         """Block until ``parties`` callers reached barrier ``name``; returns its generation.
 
-        Raises BarrierTimeout after ``timeout`` seconds (None: wait forever). Every retry
-        of the call (a failover) names the same arrival, so that it is counted once.
+        Raises BarrierTimeout after ``timeout`` seconds (None: wait forever); when every
+        caller gave its ``rank`` (0 .. parties-1), its message names the ranks that did
+        not come ("; missing: rank 3"). Every retry of the call (a failover) names the
+        same arrival, so that it is counted once.
         """
         request = pb.BarrierRequest(name=name, parties=parties, timeout_seconds=timeout or 0.0,
-                                    arrival_id=uuid.uuid4().hex)
+                                    arrival_id=uuid.uuid4().hex, rank=rank)
         grpc_timeout = None if timeout is None else timeout + 10.0
         return int(self._call("Barrier", request, timeout=grpc_timeout).generation)
 

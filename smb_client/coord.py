@@ -49,7 +49,7 @@ from .route import WAIT_SLICE, in_slices, until
 log = logging.getLogger(__name__)
 
 __all__ = ["Attendance", "Barrier", "Lock", "PartiesMissing", "REPORT_EVERY", "Roll", "WaitCond", "wait",
-           "WAIT_SLICE", "report_waiting"]
+           "WAIT_SLICE", "controller_barrier", "missing_ranks", "ranks_text", "report_waiting"]
 
 DEFAULT_LEASE = 10.0    # seconds
 REPORT_EVERY = 5.0      # seconds a wait for other parties runs before it says so, and between reports
@@ -97,20 +97,29 @@ def report_waiting(what: str, waited: float, arrived: int | None, parties: int |
 class BarrierSource(Protocol):
     """What :func:`controller_barrier` needs of a client (a :class:`~smb_client.client.Client`)."""
 
-    def barrier(self, name: str, parties: int, timeout: float | None = None) -> int:
-        """The controller's barrier ``name`` of ``parties``."""
+    def barrier(self, name: str, parties: int, timeout: float | None = None, *,
+                rank: int | None = None) -> int:
+        """The controller's barrier ``name`` of ``parties``, this caller being ``rank``."""
 
 
 _ARRIVED = re.compile(r"(\d+) of (\d+) parties arrived")
+_MISSING = re.compile(r"missing: rank ([\d, ]+)")
+
+
+def missing_ranks(error: BaseException) -> list[int] | None:
+    """The ranks a controller barrier's timeout names as missing (None: not named)."""
+    named = _MISSING.search(str(error))
+    return [int(r) for r in named.group(1).split(",")] if named else None
 
 
 def controller_barrier(client: BarrierSource, name: str, parties: int, timeout: float | None = None, *,
-                       report_every: float | None = None) -> int:
+                       rank: int | None = None, report_every: float | None = None) -> int:
     """The controller's barrier ``name`` (:meth:`Client.barrier
     <smb_client.client.Client.barrier>`), waited for in slices of ``report_every``
     seconds, each late one logged with how many had arrived (a caller whose slice ran
     out leaves the barrier, so arriving again is safe); :class:`PartiesMissing` after
-    ``timeout`` seconds (None: for ever). Returns the generation."""
+    ``timeout`` seconds (None: for ever). When every party gives its ``rank``, both name
+    the ranks that did not come. Returns the generation."""
     deadline = until(timeout)
     started = time.monotonic()
     what = f"barrier {name}"
@@ -118,17 +127,18 @@ def controller_barrier(client: BarrierSource, name: str, parties: int, timeout: 
     while True:
         left = deadline - time.monotonic()
         try:
-            return client.barrier(name, parties, timeout=max(0.001, min(left, every)))
+            return client.barrier(name, parties, timeout=max(0.001, min(left, every)), rank=rank)
         except BarrierTimeout as exc:
             found = _ARRIVED.search(str(exc))
             arrived = int(found.group(1)) if found else None
+            missing = missing_ranks(exc)
             waited = time.monotonic() - started
             if time.monotonic() >= deadline:
                 counted = f"{arrived} of {parties} parties arrived" if arrived is not None else \
                     f"not all {parties} parties arrived"
-                raise PartiesMissing(f"{what}: {counted} within {waited:.0f} s", what=what,
-                                     arrived=arrived, parties=parties) from None
-            report_waiting(what, waited, arrived, parties, None)
+                raise PartiesMissing(f"{what}: {counted} within {waited:.0f} s{ranks_text(missing)}",
+                                     what=what, arrived=arrived, parties=parties, missing=missing) from None
+            report_waiting(what, waited, arrived, parties, missing)
 
 
 class Attendance:

@@ -204,7 +204,8 @@ class Job:
             for t in self._trainers:
                 t.close()
             assert self.client is not None
-            controller_barrier(self.client, f"{self.name}/end", self.world, timeout=self.end_timeout)
+            controller_barrier(self.client, f"{self.name}/end", self.world, timeout=self.end_timeout,
+                               rank=self.rank)
             self.store.close()
             if self.rank == 0:
                 ParameterStore.destroy_prefix(self.client, self.name)

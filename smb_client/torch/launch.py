@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from smb_protocol.errors import BarrierTimeout, InvalidArgument
 
-from ..coord import REPORT_EVERY, PartiesMissing, controller_barrier
+from ..coord import REPORT_EVERY, PartiesMissing, controller_barrier, missing_ranks, ranks_text
 from . import failure
 from .flat import FlatModel
 from .store import ParameterStore
@@ -129,6 +129,7 @@ def open_store(client: Client, env: WorkerEnv, prefix: str, model: torch.nn.Modu
     message saying that the master failed and why.
     """
     parties = env.world_size if members is None else members
+    rank = env.rank if members is None else None     # among some members, ranks are not theirs
     creates = env.is_master if creator is None else creator
     if parties < 1:
         raise InvalidArgument(f"members must be >= 1, got {parties}")
@@ -140,7 +141,7 @@ def open_store(client: Client, env: WorkerEnv, prefix: str, model: torch.nn.Modu
     if creates and resume and any(r.name == meta for r in client.list_regions(meta)):
         log.info("resuming from the parameter store under %s (restart %d)", prefix, env.restart_count)
         creates = False
-        controller_barrier(client, name, parties, timeout=ready_timeout)
+        controller_barrier(client, name, parties, timeout=ready_timeout, rank=rank)
     elif creates:
         try:
             store = ParameterStore.create(client, prefix, model, **create)
@@ -149,15 +150,16 @@ def open_store(client: Client, env: WorkerEnv, prefix: str, model: torch.nn.Modu
         except BaseException as exc:
             failure.publish(client, prefix, exc)
             raise
-        controller_barrier(client, name, parties, timeout=ready_timeout)
+        controller_barrier(client, name, parties, timeout=ready_timeout, rank=rank)
     else:
-        _await_master(client, prefix, name, parties, ready_timeout)
+        _await_master(client, prefix, name, parties, ready_timeout, rank)
     if store is None:
         store = ParameterStore.attach(client, prefix, model, timeout=ready_timeout)
     return store
 
 
-def _await_master(client: Client, prefix: str, name: str, parties: int, timeout: float) -> None:
+def _await_master(client: Client, prefix: str, name: str, parties: int, timeout: float,
+                  rank: int | None = None) -> None:
     """The barrier ``name``, waited for in slices of :data:`FAILURE_POLL` seconds with a
     look for the master's failure record between them (a caller whose wait times out
     leaves the barrier, so arriving again is safe)."""
@@ -165,17 +167,20 @@ def _await_master(client: Client, prefix: str, name: str, parties: int, timeout:
     started = time.monotonic()
     since = time.time()
     reported = started
+    missing: list[int] | None = None
     while True:
         failure.check(client, prefix, since)
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise PartiesMissing(f"barrier {name!r}: the master did not create parameter store {prefix!r}, "
-                                 f"or not all {parties} parties arrived, within {timeout:g} s",
-                                 what=f"barrier {name}", parties=parties)
+                                 f"or not all {parties} parties arrived, within {timeout:g} s"
+                                 f"{ranks_text(missing)}", what=f"barrier {name}", parties=parties,
+                                 missing=missing)
         try:
-            client.barrier(name, parties, timeout=min(FAILURE_POLL, remaining))
+            client.barrier(name, parties, timeout=min(FAILURE_POLL, remaining), rank=rank)
             return
         except BarrierTimeout as exc:
+            missing = missing_ranks(exc)
             if time.monotonic() - reported >= REPORT_EVERY:
                 reported = time.monotonic()
                 log.warning("barrier %s: waiting for %.0f s for the master to create parameter store %s "

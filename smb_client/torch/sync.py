@@ -250,7 +250,8 @@ class SyncDataParallel:
                                      worker_hosts=worker_hosts, priority=self.priority, lease=store.lease)
             if self.roll is not None:   # nobody waits yet: everybody is at the barrier below
                 self.roll.reset()
-        controller_barrier(store.client, f"{store.prefix}/allreduce", self.world, timeout=self.barrier_timeout)
+        controller_barrier(store.client, f"{store.prefix}/allreduce", self.world, timeout=self.barrier_timeout,
+                           rank=self.rank)
         if coll is None:
             coll = Collective.open(store.client, name, self.world, timeout=self.barrier_timeout, fresh=True,
                                    priority=self.priority)
@@ -468,7 +469,8 @@ class SyncDataParallel:
             self.store.region("counters").write(SYNC_BARRIER_WORD * 8, bytes(8))
             if self.roll is not None and self._coll is None:   # the collective's rounds count already
                 self.roll.reset()
-        controller_barrier(self.store.client, self.barrier_name, self.world, timeout=self.barrier_timeout)
+        controller_barrier(self.store.client, self.barrier_name, self.world, timeout=self.barrier_timeout,
+                           rank=self.rank)
         self._barrier_ready = True
 
     _zero_cache: memoryview | None = None

@@ -51,6 +51,7 @@ class GenerationStore(Protocol):
 @dataclass(eq=False)   # waiters are told apart by identity: two may look alike
 class _Waiter:
     arrival_id: str = ""
+    rank: int | None = None                # the caller's rank, where it gave one
     generation: int = -1
     arrival: int = -1
     done: bool = False
@@ -91,15 +92,17 @@ class Barriers:
 
     def wait(self, name: str, parties: int, timeout: float | None = None,
              is_active: Callable[[], bool] = lambda: True, caller: str = "",
-             arrival_id: str = "") -> tuple[int, int]:
+             arrival_id: str = "", rank: int | None = None) -> tuple[int, int]:
         """Block until the barrier opens; returns ``(generation, arrival)``.
 
         ``timeout`` in seconds (None or <= 0: forever). ``arrival_id`` (32 lowercase hex
         digits, or "": none): the caller's name for this arrival, the same in its
         retries; a retry of an arrival the last opening counted returns what that
         opening gave it, at once, and a retry of one still waiting takes its place.
+        ``rank`` (0 .. parties-1, or None): the caller's rank, so that a timeout names
+        the ranks missing when every caller waiting gave one ("; missing: rank 2, 3").
         Raises InvalidArgument (no name, ``parties`` 0, a ``parties`` other than the
-        waiting callers', a malformed arrival id), BarrierTimeout, or
+        waiting callers', a malformed arrival id, a rank out of range), BarrierTimeout, or
         ControllerUnavailable when the controller closes, ``is_active`` turns false, or
         ``max_waiters`` callers (``max_per_caller`` with this ``caller`` key) already wait.
         """
@@ -108,6 +111,9 @@ class Barriers:
             raise errors.InvalidArgument("a barrier needs at least one party")
         if arrival_id and not _ARRIVAL_ID.fullmatch(arrival_id):
             raise errors.InvalidArgument(f"an arrival id is 32 lowercase hex digits, not {arrival_id!r}")
+        if rank is not None and not 0 <= rank < parties:
+            raise errors.InvalidArgument(f"barrier {name!r}: rank {rank} is not among {parties} parties "
+                                         f"(0 .. {parties - 1})")
         deadline = time.monotonic() + timeout if timeout and timeout > 0 else None
         with self._cond:
             if self._closed:
@@ -137,7 +143,7 @@ class Barriers:
                     f"controller busy: this caller already waits in {mine} barriers (the most "
                     f"one caller may); barrier {name!r} refused, retry later")
             barrier.parties = parties
-            me = _Waiter(arrival_id)
+            me = _Waiter(arrival_id, rank)
             barrier.waiters.append(me)
             if opens:
                 self._open(name, barrier)
@@ -164,7 +170,7 @@ class Barriers:
             elif remaining is not None and remaining <= 0:
                 problem = errors.BarrierTimeout(
                     f"barrier {name!r}: {len(barrier.waiters)} of {parties} parties arrived "
-                    f"within {timeout:g} s")
+                    f"within {timeout:g} s{_missing_text(barrier.waiters, parties)}")
             elif not is_active():
                 problem = errors.ControllerUnavailable("the caller went away")
             if problem is not None:
@@ -214,3 +220,13 @@ class Barriers:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+
+
+def _missing_text(waiters: Sequence[_Waiter], parties: int) -> str:
+    """``"; missing: rank 1, 3"``: the ranks none of ``waiters`` holds, when every one of
+    them gave its rank (empty otherwise: who is missing is then unknown)."""
+    ranks = {w.rank for w in waiters}
+    if None in ranks:
+        return ""
+    missing = [r for r in range(parties) if r not in ranks]
+    return "; missing: rank " + ", ".join(map(str, missing)) if missing else ""

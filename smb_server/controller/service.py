@@ -249,5 +249,6 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
     def Barrier(self, request: controller_pb2.BarrierRequest, context: grpc.ServicerContext) -> Any:
         generation, arrival = self.barriers.wait(
             request.name, request.parties, request.timeout_seconds or None, is_active=context.is_active,
-            caller=context.peer(), arrival_id=request.arrival_id)
+            caller=context.peer(), arrival_id=request.arrival_id,
+            rank=request.rank if request.HasField("rank") else None)
         return controller_pb2.BarrierResponse(generation=generation, arrival=arrival)

@@ -146,3 +146,14 @@ def test_a_broadcast_whose_root_never_comes_names_it(client, name, region, caplo
                    for m in _reports(caplog, f"broadcast from rank 1 on {name}/b"))
     finally:
         coll.destroy()
+
+
+def test_a_controller_barrier_names_the_rank_that_never_came(client, name, caplog):
+    with caplog.at_level(logging.WARNING, logger="smb_client.coord"):
+        with pytest.raises(PartiesMissing) as info:
+            controller_barrier(client, f"{name}/ready", 3, timeout=1.0, rank=1, report_every=REPORT)
+    assert info.value.missing == [0, 2] and info.value.arrived == 1
+    assert str(info.value).endswith("; missing: rank 0, 2")
+    assert any("1 of 3 arrived" in m and "missing: rank 0, 2" in m for m in _reports(caplog, f"barrier {name}/ready"))
+    with pytest.raises(errors.InvalidArgument, match="rank 3 is not among 3 parties"):
+        client.barrier(f"{name}/ready", 3, timeout=1.0, rank=3)

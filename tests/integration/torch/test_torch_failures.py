@@ -9,6 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from smb_client.coord import PartiesMissing  # noqa: E402
 from smb_client.torch import ParameterStore, WorkerEnv, open_store  # noqa: E402
 from smb_protocol.errors import OutOfMemory  # noqa: E402
 
@@ -92,3 +93,11 @@ def test_an_old_failure_record_does_not_fail_a_new_run(cluster, name, monkeypatc
         for t in threads:
             t.join(60)
         assert results == {0: True, 1: True}, results
+
+
+def test_a_worker_that_never_comes_is_named(cluster, name):
+    with cluster.client() as c:
+        with pytest.raises(PartiesMissing) as info:
+            open_store(c, WorkerEnv(rank=0, world_size=3), name, torch.nn.Linear(4, 2), ready_timeout=1.5)
+        assert info.value.missing == [1, 2] and "missing: rank 1, 2" in str(info.value)
+        ParameterStore.destroy_prefix(c, name)
