@@ -44,6 +44,7 @@ together.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import struct
@@ -403,6 +404,18 @@ class Collective:
             self.round += 1
             self._run(jobs, f"broadcast from rank {root} on {self.region.name}, round {self.round - 1}")
         return data
+
+    # -- asyncio ----------------------------------------------------------------------
+    async def aall_reduce(self, data: B, dtype: Any = None) -> B:
+        """:meth:`all_reduce` as a coroutine: the round runs in a thread of the event
+        loop's default executor (:func:`asyncio.to_thread`) while the loop goes on. A
+        cancelled await returns at once; the round still runs to its end (every party
+        takes part in it), and ``data`` then holds the sum."""
+        return await asyncio.to_thread(self.all_reduce, data, dtype)
+
+    async def abroadcast(self, data: B, root: int, rank: int, dtype: Any = None) -> B:
+        """:meth:`broadcast` as a coroutine, run as :meth:`aall_reduce` runs."""
+        return await asyncio.to_thread(self.broadcast, data, root, rank, dtype)
 
 
 def watch(futures: Sequence[Future[Any]], every: float, report: Callable[[], None]) -> None:

@@ -31,6 +31,7 @@ their ``fetch_add`` over tcp too, and a coordination word should be changed with
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import secrets
@@ -255,6 +256,13 @@ class Barrier:
                         f"{ranks_text(missing)} ({exc})", what=what, arrived=word, parties=self.parties,
                         missing=missing) from None
                 report_waiting(what, waited, word, self.parties, missing)
+
+    async def await_parties(self, timeout: float | None = None) -> int:
+        """:meth:`wait` as a coroutine (``await barrier.await_parties()``): it waits in a
+        thread of the event loop's default executor (:func:`asyncio.to_thread`) while the
+        loop goes on. A cancelled await returns at once; this party has arrived all the
+        same (as after a timeout), and the others are released once all have come."""
+        return await asyncio.to_thread(self.wait, timeout)
 
     def _arrived(self, generation: int) -> int:
         """How many parties arrived in ``generation`` so far (read through the server)."""

@@ -1,6 +1,6 @@
-"""The asyncio forms of a region's data-plane calls: the same results and typed errors
-as the blocking calls, awaited without blocking the event loop (a real local cluster,
-over tcp and shm)."""
+"""The asyncio forms of a region's data-plane calls, of collectives and of barriers: the
+same results and typed errors as the blocking calls, awaited without blocking the event
+loop (a real local cluster, over tcp and shm)."""
 from __future__ import annotations
 
 import asyncio
@@ -8,6 +8,7 @@ import asyncio
 import numpy as np
 import pytest
 
+from smb_client import Barrier, Collective
 from smb_protocol import errors
 
 KiB = 1 << 10
@@ -79,3 +80,48 @@ def test_a_cancelled_wait_ends_the_await_at_once(region):
             await task
         return await region.afetch_add(16384, 1)  # the loop and the region go on
     assert asyncio.run(main()) == 0
+
+
+PARTIES = 3
+
+
+def test_parties_awaiting_in_one_loop_all_reduce_and_broadcast(cluster, name):
+    # all parties are tasks of one event loop: a blocking form would hold the loop in
+    # the first party's round, which waits for the others for ever
+    clients = [cluster.client() for _ in range(PARTIES)]
+    try:
+        colls = [Collective.create(clients[0], name, 64 * KiB, PARTIES, chunk_bytes=4 * KiB)]
+        colls += [Collective.open(c, name, PARTIES, timeout=30) for c in clients[1:]]
+        data = [np.arange(8 * 1024, dtype=np.int64) * (r + 1) for r in range(PARTIES)]
+        sent = np.full(1000, 42.5, dtype=np.float32)
+        got = [sent.copy() if r == 1 else np.zeros(1000, np.float32) for r in range(PARTIES)]
+
+        async def main():
+            sums = await asyncio.gather(*(coll.aall_reduce(d) for coll, d in zip(colls, data)))
+            await asyncio.gather(*(coll.abroadcast(g, 1, r) for r, (coll, g) in enumerate(zip(colls, got))))
+            return sums
+        sums = asyncio.run(asyncio.wait_for(main(), 60))
+        expected = np.arange(8 * 1024, dtype=np.int64) * (1 + 2 + 3)
+        for r in range(PARTIES):
+            assert sums[r] is data[r]
+            np.testing.assert_array_equal(data[r], expected)
+            np.testing.assert_array_equal(got[r], sent)
+        colls[0].destroy()
+        for coll in colls[1:]:
+            coll.close()
+    finally:
+        for c in clients:
+            c.close()
+
+
+def test_parties_awaiting_a_barrier_in_one_loop(region):
+    barriers = [Barrier(region, 32768, PARTIES, report_every=0.2) for _ in range(PARTIES)]
+
+    async def main():
+        first = await asyncio.gather(*(b.await_parties(timeout=30) for b in barriers))
+        second = await asyncio.gather(*(b.await_parties(timeout=30) for b in barriers))
+        with pytest.raises(errors.BarrierTimeout, match="1 of 3 parties arrived"):
+            await barriers[0].await_parties(timeout=0.3)
+        return first, second
+    first, second = asyncio.run(asyncio.wait_for(main(), 60))
+    assert first == [0] * PARTIES and second == [1] * PARTIES
