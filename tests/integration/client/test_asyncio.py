@@ -97,8 +97,8 @@ def test_parties_awaiting_in_one_loop_all_reduce_and_broadcast(cluster, name):
         got = [sent.copy() if r == 1 else np.zeros(1000, np.float32) for r in range(PARTIES)]
 
         async def main():
-            sums = await asyncio.gather(*(coll.aall_reduce(d) for coll, d in zip(colls, data)))
-            await asyncio.gather(*(coll.abroadcast(g, 1, r) for r, (coll, g) in enumerate(zip(colls, got))))
+            sums = await asyncio.gather(*(coll.aall_reduce(d) for coll, d in zip(colls, data, strict=True)))
+            await asyncio.gather(*(coll.abroadcast(g, 1, r) for r, (coll, g) in enumerate(zip(colls, got, strict=True))))
             return sums
         sums = asyncio.run(asyncio.wait_for(main(), 60))
         expected = np.arange(8 * 1024, dtype=np.int64) * (1 + 2 + 3)
