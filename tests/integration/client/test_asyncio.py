@@ -98,7 +98,7 @@ def test_parties_awaiting_in_one_loop_all_reduce_and_broadcast(cluster, name):
 
         async def main():
             sums = await asyncio.gather(*(coll.aall_reduce(d) for coll, d in zip(colls, data, strict=True)))
-            await asyncio.gather(*(coll.abroadcast(g, 1, r) for r, (coll, g) in enumerate(zip(colls, got, strict=True))))
+            await asyncio.gather(*(coll.abroadcast(got[r], 1, r) for r, coll in enumerate(colls)))
             return sums
         sums = asyncio.run(asyncio.wait_for(main(), 60))
         expected = np.arange(8 * 1024, dtype=np.int64) * (1 + 2 + 3)
