@@ -155,7 +155,11 @@ def plan_rebalance(servers: Sequence[ServerRecord], regions: Sequence[RegionReco
     """The moves (at most ``limit``) that even out the bytes held by the servers that
     are up: repeatedly a copy from the fullest server to the emptiest one, as long as it
     narrows their gap (its length is below the gap), the emptiest holds no copy of its
-    slot and has room (else the next pair of servers). Among the fullest server's
+    slot and has room, and the move gathers no region: the target ends with at most
+    the region's fair share of its copies (all its copies over the servers, rounded
+    up) or no more than the source had (else the next pair of servers). Bytes are
+    evened out only so far as a region's traffic stays spread: a region whose slots
+    gathered on fewer servers would be served by fewer links. Among the fullest server's
     copies, one of a region with more slots there than on the emptiest goes first, so
     that a striped region's slots, and its traffic, spread too; among those, the one
     that leaves the bytes each server heads (:func:`head_bytes`: its slots' traffic)
@@ -200,17 +204,31 @@ def plan_rebalance(servers: Sequence[ServerRecord], regions: Sequence[RegionReco
             head = head_after(region, c, target)
             after[head] = after.get(head, 0) + c.length
         return sum(v * v for sid, v in after.items() if sid in used)
+    copies = {r.uid: len(r.extents) for r in ready}
+
+    def on(uid: str, sid: str) -> int:
+        """How many of region ``uid``'s slots have a copy on ``sid``."""
+        return sum(sid in h for (u, _), h in holders.items() if u == uid)
+
+    def gathers(region: RegionRecord, source: str, target: str) -> bool:
+        """Whether moving a copy of ``region`` from ``source`` to ``target`` leaves the
+        target more of its copies than both the fair share and what the source had."""
+        fair = -(-copies[region.uid] // len(used))
+        after = on(region.uid, target) + 1
+        return after > fair and after > on(region.uid, source)
+
     moves: list[Move] = []
     def widest() -> tuple[str, str, list[tuple[RegionRecord, ExtentRecord]]]:
         """The fullest server with a copy that may move to the emptiest server that may
-        take one (a pair of servers whose slots all overlap is passed over)."""
+        take one (a pair of servers whose slots all overlap, or where every move would
+        gather a region, is passed over)."""
         for source in sorted(used, key=lambda s: (-used[s], s)):
             for target in sorted(used, key=lambda s: (used[s], s)):
                 gap = used[source] - used[target]
                 if gap <= 0:
                     break
                 fits = [(r, c) for r, c in where[source] if c.length < gap and c.length <= free[target]
-                        and target not in holders[(r.uid, c.index)]]
+                        and target not in holders[(r.uid, c.index)] and not gathers(r, source, target)]
                 if fits:
                     return source, target, fits
         return "", "", []

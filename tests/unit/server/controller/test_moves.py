@@ -286,3 +286,32 @@ def test_a_rebalance_onto_a_new_server_spreads_the_primaries_too(state, servers,
     assert manager.metrics.moved_bytes == used["s3"]     # every copy the empty server got was moved
     heads = head_bytes(state.list_regions())
     assert heads.get("s3", 0) >= MiB and max(heads.values()) - min(heads.values()) <= MiB, heads
+
+
+def test_a_rebalance_keeps_a_small_striped_region_spread(state, servers, manager, clock) -> None:
+    """The elastic benchmark's SEASGD store: global weights (three small slots, read by
+    every worker) and deltas (three big slots), two copies each on s0-s2. Evening the
+    bytes out onto a fourth server must not gather the weights' copies onto fewer
+    servers: their reads would then share fewer links."""
+    add_servers(state, 3, capacity=256 * MiB)
+    creator = RegionCreator(state, servers, threads=2)
+    try:
+        creator.create(RegionSpec("job/params", 4505664, stripe_unit=MiB, num_servers=3, replicas=2))
+        creator.create(RegionSpec("job/deltas", 4 * 4505664, stripe_unit=MiB, num_servers=3, replicas=2))
+    finally:
+        creator.close()
+    add_servers_more(state, 1)
+    settle(manager)
+    manager.moves.start(bytes_per_second=0, now=clock())
+    for _ in range(40):
+        settle(manager)
+        if not manager.moves.running():
+            break
+    assert not manager.moves.running()
+    used = {s.server_id: s.used for s in state.list_servers()}
+    assert used["s3"] > 0
+    for region in state.list_regions():
+        copies = [c.server_id for c in region.extents]
+        per_server = {sid: copies.count(sid) for sid in used}
+        cap = -(-len(copies) // len(used))     # 6 copies on 4 servers: at most 2 each
+        assert max(per_server.values()) <= cap, (region.name, per_server)
