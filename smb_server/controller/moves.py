@@ -204,7 +204,7 @@ def plan_rebalance(servers: Sequence[ServerRecord], regions: Sequence[RegionReco
             head = head_after(region, c, target)
             after[head] = after.get(head, 0) + c.length
         return sum(v * v for sid, v in after.items() if sid in used)
-    copies = {r.uid: len(r.extents) for r in ready}
+    count = {r.uid: len(r.extents) for r in ready}   # copies of each region
 
     def on(uid: str, sid: str) -> int:
         """How many of region ``uid``'s slots have a copy on ``sid``."""
@@ -213,7 +213,7 @@ def plan_rebalance(servers: Sequence[ServerRecord], regions: Sequence[RegionReco
     def gathers(region: RegionRecord, source: str, target: str) -> bool:
         """Whether moving a copy of ``region`` from ``source`` to ``target`` leaves the
         target more of its copies than both the fair share and what the source had."""
-        fair = -(-copies[region.uid] // len(used))
+        fair = -(-count[region.uid] // len(used))
         after = on(region.uid, target) + 1
         return after > fair and after > on(region.uid, source)
 
