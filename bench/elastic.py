@@ -383,18 +383,26 @@ def cpu_windows(samplers: dict[str, CpuSampler], spans: dict[str, list[float]]) 
 
 
 def _step_stats(run: dict[str, Any], a: float, b: float) -> dict[str, Any]:
-    """Median step seconds and (sync) mean seconds waiting for the exchange, in [a, b]."""
-    secs, waits, longest = [], [], None
+    """Median step seconds and mean seconds waiting for the memory box per step, in [a,
+    b], from the workers' step logs as recorded: sync steps [end, seconds, exchange wait,
+    loss]; SEASGD steps [end, seconds, elastic update, step count published, loss]."""
+    secs, waits, updates, counts, longest = [], [], [], [], None
     for w in run.get("workers", []):
         for e in w.get("step_log", []):
             if a <= e[0] <= b:
                 secs.append(e[1])
-                if len(e) == 4:
-                    waits.append(e[2])
+                wait = e[2] if len(e) == 4 else e[2] + e[3] if len(e) == 5 else None
+                if wait is not None:
+                    waits.append(wait)
+                if len(e) == 5:
+                    updates.append(e[2])
+                    counts.append(e[3])
                 if longest is None or e[1] > longest[0]:
-                    longest = (e[1], e[2] if len(e) == 4 else None)
+                    longest = (e[1], wait)
     return {"median_step_seconds": statistics.median(secs) if secs else None,
             "mean_exchange_wait_seconds": statistics.fmean(waits) if waits else None, "steps": len(secs),
+            "mean_update_seconds": statistics.fmean(updates) if updates else None,
+            "mean_count_seconds": statistics.fmean(counts) if counts else None,
             "longest_step_seconds": longest[0] if longest else None,
             "longest_step_exchange_wait": longest[1] if longest else None}
 
@@ -426,6 +434,8 @@ def summarize(run: dict[str, Any], s: Settings) -> dict[str, Any]:
                        "job_bytes_after": _by_host(run, _per_server(m.get("store_after") or {})),
                        "primary_bytes_before": _by_host(run, m.get("primary_before") or {}),
                        "primary_bytes_after": _by_host(run, m.get("primary_after") or {}),
+                       "heads_before": {k: _by_host(run, v) for k, v in (m.get("heads_before") or {}).items()},
+                       "heads_after": {k: _by_host(run, v) for k, v in (m.get("heads_after") or {}).items()},
                        "removed": m.get("removed"), "finished_before_training": bool(
                            m.get("move_end") and spans and m["move_end"] < spans["whole"][1]),
                        "controller_log": run.get("controller_log")}
@@ -534,8 +544,9 @@ def table(results: dict[str, Any]) -> str:
                 f"| {_f(sm['accuracy'], '.3f')} ({_f(base['accuracy'], '.3f')}) "
                 f"| {_f((ck['copies_bytes_compared'] or 0) / 1e6, '.1f')}, {_f(ck['copies_differing_bytes'], 'd')} "
                 f"| {weights} | {', '.join(ends) or '-'} | {lost} |")
-    where = ["| scheme | move | window | steps/s | median step (s) | exchange wait per step (s) "
-             "| longest step (s; its exchange wait) "
+    where = ["| scheme | move | window | steps/s | median step (s) "
+             "| memory-box wait per step (s; SEASGD: update + step count) "
+             "| longest step (s; its memory-box wait) "
              "| CPU cores: workers / servers / controller | machine busy | busiest link (MB/s, share of cap) |",
              "| --- | --- | --- | ---: | ---: | ---: | ---: | --- | ---: | --- |"]
     for scheme in results.get("schemes", []):
@@ -552,9 +563,12 @@ def table(results: dict[str, Any]) -> str:
                 longest = _f(st.get("longest_step_seconds"), ".3f")
                 if st.get("longest_step_exchange_wait") is not None:
                     longest += f"; {st['longest_step_exchange_wait']:.3f}"
+                wait = _f(st['mean_exchange_wait_seconds'], '.3f')
+                if st.get("mean_update_seconds") is not None:
+                    wait += f" ({st['mean_update_seconds']:.3f} + {st['mean_count_seconds']:.3f})"
                 where.append(f"| {scheme} | {name} | {span} | {_f(sm['steps_per_second'].get(span))} "
                              f"| {_f(st['median_step_seconds'], '.3f')} "
-                             f"| {_f(st['mean_exchange_wait_seconds'], '.3f')} | {longest} "
+                             f"| {wait} | {longest} "
                              f"| {_f(cpu.get('workers'))} / {_f(cpu.get('servers'))} / {_f(cpu.get('controller'))} "
                              f"| {_f(cpu.get('machine_busy'), '.0%')} | {busiest} |")
     places = ["| scheme | move | job's bytes per server before (MB) | after | primaries' bytes before | after |",
@@ -567,7 +581,21 @@ def table(results: dict[str, Any]) -> str:
             cells = [", ".join(f"{h} {n / 1e6:.1f}" for h, n in sorted((mv.get(k) or {}).items())) or "-"
                      for k in ("job_bytes_before", "job_bytes_after", "primary_bytes_before", "primary_bytes_after")]
             places.append(f"| {scheme} | {name} | " + " | ".join(cells) + " |")
-    return "\n".join(rows) + "\n\n" + "\n".join(where) + "\n\n" + "\n".join(places) + "\n"
+    heads = ["| scheme | move | region | its primaries before (MB) | after |", "| --- | --- | --- | --- | --- |"]
+    for scheme in results.get("schemes", []):
+        for name in ("evacuate", "rebalance"):
+            mv = (results[scheme].get(name, {}).get("summary") or {}).get("move") or {}
+            for region in sorted(mv.get("heads_before") or {}):
+                cells = [", ".join(f"{h} {_size(n)}" for h, n in sorted((mv.get(k) or {}).get(region, {}).items()))
+                         or "-" for k in ("heads_before", "heads_after")]
+                heads.append(f"| {scheme} | {name} | {region} | " + " | ".join(cells) + " |")
+    return "\n".join(rows) + "\n\n" + "\n".join(where) + "\n\n" + "\n".join(places) + "\n\n" + \
+        "\n".join(heads) + "\n"
+
+
+def _size(n: int) -> str:
+    """Bytes as MB with two decimals, or in bytes where that shows 0.00."""
+    return f"{n / 1e6:.2f}" if n >= 5000 else f"{n} B"
 
 
 def plot(results: dict[str, Any], name: str, path: str) -> None:

@@ -175,9 +175,11 @@ def _seasgd(ctx: dict[str, Any]) -> dict[str, Any]:
         progress = Progress(rank == 0 and not args.quiet, target, f"seasgd x{world}")
         evaluator = make_model(args.seed, args.hidden)
         curve: list[tuple[float, int, float]] = []
-        # with record_steps: [time.time() at its end, seconds, loss] of every step, and the
-        # sum of the deltas this worker pushed into the global weights (float64)
-        step_log: list[tuple[float, float, float]] = []
+        # with record_steps: [time.time() at its end, seconds, seconds in the elastic update
+        # (reading the global weights, waiting for the last push), seconds publishing the
+        # step count, loss] of every step, and the sum of the deltas this worker pushed into
+        # the global weights (float64)
+        step_log: list[tuple[float, float, float, float, float]] = []
         pushed = torch.zeros(ea.delta.numel(), dtype=torch.float64) if record else None
         smallest = float("inf")   # the smallest largest element of one pushed delta
 
@@ -197,14 +199,18 @@ def _seasgd(ctx: dict[str, Any]) -> dict[str, Any]:
                 loss = F.cross_entropy(model(t["x_train"][idx]), t["y_train"][idx])
                 loss.backward()
                 opt.step()
+                u0 = time.perf_counter()
                 if ea.after_step() and pushed is not None:
                     pushed += ea.delta.double()   # being pushed in the background, not changed
                     smallest = min(smallest, float(ea.delta.abs().max()))
+                u1 = time.perf_counter()
                 local_steps += 1
                 progress.update(loss=f"{loss.item():.3f}")
+                c0 = time.perf_counter()
                 stop = counters.tick()
                 if record:
-                    step_log.append((time.time(), time.perf_counter() - s0, loss.item()))
+                    done = time.perf_counter()
+                    step_log.append((time.time(), done - s0, u1 - u0, done - c0, loss.item()))
                 if stop:
                     break
                 if rank == 0 and eval_every and local_steps % eval_every == 0:

@@ -130,15 +130,26 @@ def store_bytes(c: Client, prefix: str) -> dict[str, dict[str, int]]:
     return out
 
 
-def primary_bytes(c: Client, prefix: str) -> dict[str, int]:
-    """Bytes of the store's primaries (the copies that serve reads and order mutations;
-    the only copy of an unreplicated slot) per memory server."""
-    out: dict[str, int] = {}
+def region_heads(c: Client, prefix: str) -> dict[str, dict[str, int]]:
+    """Bytes of the primaries of the store's regions (the copies that serve reads and
+    order mutations; the only copy of an unreplicated slot) per region and memory server."""
+    out: dict[str, dict[str, int]] = {}
     for r in c.list_regions(f"{prefix}/"):
         info, _ = c.open_info(r.name, "ro")
+        per: dict[str, int] = {}
         for e in info.extents:
             p = ExtentPlace.from_message(e)
-            out[p.server_id] = out.get(p.server_id, 0) + p.length
+            per[p.server_id] = per.get(p.server_id, 0) + p.length
+        out[r.name.rpartition("/")[2]] = per
+    return out
+
+
+def primary_bytes(heads: dict[str, dict[str, int]]) -> dict[str, int]:
+    """The store's primary bytes per memory server, from :func:`region_heads`."""
+    out: dict[str, int] = {}
+    for per in heads.values():
+        for sid, n in per.items():
+            out[sid] = out.get(sid, 0) + n
     return out
 
 
@@ -200,7 +211,8 @@ def mover(spec: dict[str, Any]) -> dict[str, Any]:
             elif phase == "before" and total >= trigger:
                 out["trigger"] = {"time": now, "total": total}
                 out["store_before"] = store_bytes(c, prefix)
-                out["primary_before"] = primary_bytes(c, prefix)
+                out["heads_before"] = region_heads(c, prefix)
+                out["primary_before"] = primary_bytes(out["heads_before"])
                 out["servers_before"] = _servers(admin)
                 held = {s: sum(per.get(s, 0) for per in out["store_before"].values())
                         for s in out["servers_before"]}
@@ -231,7 +243,8 @@ def mover(spec: dict[str, Any]) -> dict[str, Any]:
                     out["move_end"] = now
                     out["bytes_moved"] = moved
                     out["servers_after_move"] = servers
-                    out["primary_after"] = primary_bytes(c, prefix)
+                    out["heads_after"] = region_heads(c, prefix)
+                    out["primary_after"] = primary_bytes(out["heads_after"])
                     if action == "evacuate":
                         out["removed"] = admin.remove_server(source).server_id
                         _write_json(sig / "removed.json", {"time": time.time(), "server": source})

@@ -182,7 +182,7 @@ def trim(run: dict[str, Any], keep_steps: bool) -> None:
     for w in run.get("workers", []):
         steps = w.pop("step_log", None) or []
         if keep_steps:
-            w["step_log"] = [[round(e, 3), round(sec, 4), round(loss, 4)] for e, sec, loss in steps]
+            w["step_log"] = [[round(e[0], 3), round(e[1], 4), round(e[-1], 4)] for e in steps]
         durations = sorted(sec for _, sec, _ in steps)
         if durations:
             w["step_seconds"] = {"median": durations[len(durations) // 2], "max": durations[-1]}
