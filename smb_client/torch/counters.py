@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import enum
 import logging
+from collections.abc import Iterable
 from typing import Any, Protocol
 
 import numpy as np
@@ -71,6 +72,8 @@ class CounterRegion(Protocol):
     def size(self) -> int: ...
 
     def fetch_add(self, offset: int, value: int) -> int: ...
+
+    def fetch_add_many(self, items: Iterable[tuple[int, int]]) -> list[int]: ...
 
     def compare_swap(self, offset: int, expected: int, desired: int) -> int: ...
 
@@ -129,9 +132,26 @@ class SharedCounters:
             self.region.compare_swap(self._offset(STOP_WORD), 0, self.count)
 
     def tick(self, iterations: int = 1) -> bool:
-        """Publish finished iterations; True when this worker should stop now."""
-        self.publish(iterations)
-        return self.should_stop()
+        """Publish finished iterations; True when this worker should stop now.
+
+        One request (one round trip, paid every step): this worker's count, the total
+        under the ``average`` rule and the stop word go together (``fetch_add_many``; the
+        stop word read after the adds); a second one only when this worker fires the rule.
+        """
+        if iterations < 1:
+            raise InvalidArgument(f"iterations must be >= 1, got {iterations}")
+        ops = [(self.rank_offset(self.rank), iterations)]
+        if self.rule is StopRule.AVERAGE:
+            ops.append((self._offset(TOTAL_WORD), iterations))
+        ops.append((self._offset(STOP_WORD), 0))
+        olds = self.region.fetch_add_many(ops)
+        self.count = olds[0] + iterations
+        if self.rule is StopRule.AVERAGE:
+            self.total_seen = olds[1] + iterations
+        stop = olds[-1]
+        if stop == 0 and self._fires():
+            stop = self.region.compare_swap(self._offset(STOP_WORD), 0, self.count) or self.count
+        return self._stops_at(stop)
 
     def stop_word(self) -> int:
         """The stop word now (0: running; else the count at which a rule fired)."""
@@ -139,7 +159,10 @@ class SharedCounters:
 
     def should_stop(self) -> bool:
         """Whether this worker should stop now (lockstep: once its count reached the stop word)."""
-        stop = self.stop_word()
+        return self._stops_at(self.stop_word())
+
+    def _stops_at(self, stop: int) -> bool:
+        """Whether the stop word ``stop`` stops this worker now."""
         if stop == 0:
             return False
         return self.count >= stop if self.lockstep else True

@@ -285,3 +285,43 @@ def test_open_store_master_creates_others_attach(cluster, name):
         t.join(60)
     assert not errors, errors
     assert torch.equal(models[1], models[0]) and torch.equal(models[2], models[0])
+
+
+class _Counting:
+    """A real region whose requests are counted (every method call that reaches a server)."""
+
+    def __init__(self, region):
+        self.region, self.calls = region, []
+
+    def __getattr__(self, attr):
+        value = getattr(self.region, attr)
+        if attr in ("fetch_add", "fetch_add_many", "compare_swap", "read", "write"):
+            def counted(*args, **kwargs):
+                self.calls.append(attr)
+                return value(*args, **kwargs)
+            return counted
+        return value
+
+
+@pytest.mark.parametrize("rule", ["master", "fastest", "average"])
+def test_a_tick_is_one_request_until_the_rule_fires(client, name, rule):
+    region = client.create_region(name, 4096, placement="single")
+    try:
+        counting = _Counting(region)
+        counters = SharedCounters(counting, 1, 2, rule, target=3)
+        assert not counters.tick() and not counters.tick()
+        assert counting.calls == ["fetch_add_many"] * 2
+        counting.calls.clear()
+        if rule == "master":                      # rank 1 never fires it; rank 0 does
+            assert not counters.tick()
+            SharedCounters(region, 0, 2, rule, target=3).tick(3)
+            assert counters.tick()
+            assert counting.calls == ["fetch_add_many"] * 2
+        else:                                     # fastest: its 3rd step fires it; average: 6 in all
+            assert counters.tick(1 if rule == "fastest" else 4)
+            assert counting.calls == ["fetch_add_many", "compare_swap"]
+        snap = SharedCounters(region, 0, 2).snapshot()
+        assert snap["stop"] == (3 if rule == "master" else counters.count)
+        assert snap["counts"][1] == counters.count
+    finally:
+        client.delete_region(name)
