@@ -90,12 +90,26 @@ def head_bytes(regions: Iterable[RegionRecord]) -> dict[str, int]:
     return heads
 
 
-def new_head(stay: Sequence[ExtentRecord], heads: Mapping[str, int]) -> ExtentRecord:
+def slots_headed(region: RegionRecord, but: int) -> dict[str, int]:
+    """How many of ``region``'s slots each server heads, slot ``but`` left out."""
+    out: dict[str, int] = {}
+    for index in sorted({e.index for e in region.extents} - {but}):
+        head = head_of(region.copies_of(index))
+        if head is not None:
+            out[head.server_id] = out.get(head.server_id, 0) + 1
+    return out
+
+
+def new_head(stay: Sequence[ExtentRecord], heads: Mapping[str, int],
+             region_heads: Mapping[str, int] = {}) -> ExtentRecord:
     """The copy that becomes a slot's primary when its primary leaves: a backup on a
-    server that is up, on the one heading the fewest bytes (``heads``), so that the
-    traffic of a server that is emptied spreads over the others, a new server's
-    included, instead of staying where the backups were."""
-    return min(stay, key=lambda c: (c.server_state != "up", heads.get(c.server_id, 0), c.copy))
+    server that is up, on the one heading the fewest of the region's other slots
+    (``region_heads``, :func:`slots_headed`: a striped region's reads stay spread over
+    as many servers as before), then the fewest bytes (``heads``), so that the traffic
+    of a server that is emptied spreads over the others, a new server's included,
+    instead of staying where the backups were."""
+    return min(stay, key=lambda c: (c.server_state != "up", region_heads.get(c.server_id, 0),
+                                    heads.get(c.server_id, 0), c.copy))
 
 
 def leaving(region: RegionRecord, index: int, servers: Mapping[str, ServerRecord],
@@ -194,7 +208,9 @@ def plan_rebalance(servers: Sequence[ServerRecord], regions: Sequence[RegionReco
         stay = [o for o in region.copies_of(c.index) if o.copy != c.copy and o.server_id in used]
         if not stay:
             return target
-        return min([target, *(o.server_id for o in stay)], key=lambda s: (heads.get(s, 0), s != target))
+        others = slots_headed(region, c.index)
+        return min([target, *(o.server_id for o in stay)],
+                   key=lambda s: (others.get(s, 0), heads.get(s, 0), s != target))
 
     def spread(region: RegionRecord, c: ExtentRecord, source: str, target: str) -> int:
         """How uneven the bytes the servers head are after the move (sum of squares)."""

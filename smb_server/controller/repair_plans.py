@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from smb_protocol.replicas import IN_SYNC, ReplicaRole
 
-from .moves import head_of, holds_all, new_head
+from .moves import head_of, holds_all, new_head, slots_headed
 from .records import ExtentRecord, FailedReplica, RegionRecord, ServerRecord, SlotChange
 
 log = logging.getLogger(__name__)
@@ -41,7 +41,8 @@ def plan_leave(region: RegionRecord, index: int, leave: frozenset[int],
     """Take the copies in ``leave`` out of slot ``index`` once ``replicas`` in-step
     copies stay: leaving backups become ``stale`` and are dropped; a leaving primary
     is replaced by a backup that stays (a handover: backups first, which fences it), the
-    one on the server heading the fewest bytes (``heads``, :func:`.moves.new_head`);
+    one on the server heading the fewest of the region's other slots, then the fewest
+    bytes (``heads``, :func:`.moves.new_head`);
     the other staying copies become ``syncing`` as after any promotion (one may have
     applied a mutation the new primary refused)."""
     copies = region.copies_of(index)
@@ -53,7 +54,7 @@ def plan_leave(region: RegionRecord, index: int, leave: frozenset[int],
                                      if c.copy in leave and c.role != ReplicaRole.STALE}
     kind = "leave"
     if primary.copy in leave:
-        new = new_head([c for c in stay if c.role == ReplicaRole.BACKUP], heads)
+        new = new_head([c for c in stay if c.role == ReplicaRole.BACKUP], heads, slots_headed(region, index))
         roles[new.copy] = ReplicaRole.PRIMARY
         for c in copies:
             if c.copy not in leave and c.copy != new.copy and c.role in (ReplicaRole.BACKUP, ReplicaRole.SYNCING):

@@ -9,7 +9,7 @@ import pytest
 
 from smb_protocol import errors
 from smb_server.controller.creation import RegionCreator, RegionSpec
-from smb_server.controller.moves import Rebalancer, head_bytes, leaving, plan_rebalance
+from smb_server.controller.moves import Rebalancer, head_bytes, head_of, leaving, plan_rebalance
 from smb_server.controller.records import NewCopy, SlotChange
 from smb_server.controller.repair import RETRY_SECONDS, RepairManager, RepairMetrics
 from smb_server.controller.state import ControllerState
@@ -315,3 +315,5 @@ def test_a_rebalance_keeps_a_small_striped_region_spread(state, servers, manager
         per_server = {sid: copies.count(sid) for sid in used}
         cap = -(-len(copies) // len(used))     # 6 copies on 4 servers: at most 2 each
         assert max(per_server.values()) <= cap, (region.name, per_server)
+        heads = [head_of(region.copies_of(i)).server_id for i in sorted({e.index for e in region.extents})]
+        assert len(set(heads)) == len(heads), (region.name, heads)   # each slot headed elsewhere
