@@ -31,7 +31,9 @@ BRIDGE = "br0"              # the bridge, inside the switch namespace
 HOST_IF = "eth0"            # a host's end of its link, inside its namespace
 CMD_TIMEOUT = 20.0          # seconds one ip/tc command may take
 TBF_BURST = "128kb"         # bucket size: above one 64 KiB GSO packet, ~5 ms at 200 Mbit/s
-TBF_LATENCY = "50ms"        # longest a packet may wait in the bucket's queue
+# longest a packet may wait in the bucket's queue (SMB_BENCH_TBF_LATENCY: another bound,
+# e.g. "5ms", to see what the queue adds to small requests behind bulk transfers)
+TBF_LATENCY = os.environ.get("SMB_BENCH_TBF_LATENCY", "50ms")
 
 
 class NetnsError(RuntimeError):

@@ -183,7 +183,7 @@ def trim(run: dict[str, Any], keep_steps: bool) -> None:
         steps = w.pop("step_log", None) or []
         if keep_steps:
             w["step_log"] = [[round(e[0], 3), round(e[1], 4), round(e[-1], 4)] for e in steps]
-        durations = sorted(sec for _, sec, _ in steps)
+        durations = sorted(e[1] for e in steps)
         if durations:
             w["step_seconds"] = {"median": durations[len(durations) // 2], "max": durations[-1]}
         w["curve"] = [[round(x, 4) for x in c] for c in w.get("curve", [])]
@@ -310,9 +310,9 @@ def summarize(r: dict[str, Any]) -> dict[str, Any]:
     for w in sorted(k.get("workers", []), key=lambda w: w["rank"]):
         log_ = w.get("step_log") or []
         end = ready or (t + 60)
-        during = [(e, sec) for e, sec, _ in log_ if e >= t and e - sec <= end]
+        during = [(e[0], e[1]) for e in log_ if e[0] >= t and e[0] - e[1] <= end]
         longest = max(during, key=lambda x: x[1], default=None)
-        normal = sorted(sec for e, sec, _ in log_ if e < t)
+        normal = sorted(e[1] for e in log_ if e[0] < t)
         stalls.append({"rank": w["rank"], "longest_step": longest[1] if longest else None,
                        "resumed_after": longest[0] - t if longest else None,
                        "median_step": normal[len(normal) // 2] if normal else None})
