@@ -151,6 +151,14 @@ def syncing(regions: Iterable[RegionRecord], servers: Mapping[str, ServerRecord]
                for r in regions if r.state in ("ready", "degraded") for c in r.extents)
 
 
+#: a rebalance moves a copy that narrows a gap between two servers by at least this
+#: fraction of it on its own, or copies that may move between them and together make
+#: up :data:`WORTH_TOGETHER`'s fraction: every move costs a sync, and a primary's a
+#: handover, which a few bytes do not pay for
+WORTH_ALONE = 64
+WORTH_TOGETHER = 8
+
+
 @dataclass(frozen=True)
 class Move:
     """One copy to move for a rebalance: extent ``extent_id`` (slot ``index`` of
@@ -169,9 +177,13 @@ def plan_rebalance(servers: Sequence[ServerRecord], regions: Sequence[RegionReco
     """The moves (at most ``limit``) that even out the bytes held by the servers that
     are up: repeatedly a copy from the fullest server to the emptiest one, as long as it
     narrows their gap (its length is below the gap), the emptiest holds no copy of its
-    slot and has room, and the move gathers no region: the target ends with at most
-    the region's fair share of its copies (all its copies over the servers, rounded
-    up) or no more than the source had (else the next pair of servers). Bytes are
+    slot and has room, the move is worth its sync (the copy is at least
+    1/:data:`WORTH_ALONE` of the gap, or the copies that may move between the pair make
+    up 1/:data:`WORTH_TOGETHER` of it together: a 4 KB region does not move to narrow
+    a 6 MB gap, a thousand of them do), and the move gathers no region: the target
+    ends with at most the region's fair share of its copies (all its copies over the
+    servers, rounded up) or no more than the source had (else the next pair of
+    servers). Bytes are
     evened out only so far as a region's traffic stays spread: a region whose slots
     gathered on fewer servers would be served by fewer links. Among the fullest server's
     copies, one of a region with more slots there than on the emptiest goes first, so
@@ -245,7 +257,10 @@ def plan_rebalance(servers: Sequence[ServerRecord], regions: Sequence[RegionReco
                     break
                 fits = [(r, c) for r, c in where[source] if c.length < gap and c.length <= free[target]
                         and target not in holders[(r.uid, c.index)] and not gathers(r, source, target)]
-                if fits:
+                worth = [(r, c) for r, c in fits if c.length * WORTH_ALONE >= gap]
+                if worth:
+                    return source, target, worth
+                if sum(c.length for _, c in fits) * WORTH_TOGETHER >= gap:
                     return source, target, fits
         return "", "", []
 
