@@ -183,27 +183,30 @@ def plan_rebalance(servers: Sequence[ServerRecord], regions: Sequence[RegionReco
     a 6 MB gap, a thousand of them do), and the move gathers no region: the target
     ends with at most the region's fair share of its copies (all its copies over the
     servers, rounded up) or no more than the source had (else the next pair of
-    servers). Bytes are
-    evened out only so far as a region's traffic stays spread: a region whose slots
-    gathered on fewer servers would be served by fewer links. Among the fullest server's
-    copies, one of a region with more slots there than on the emptiest goes first, so
-    that a striped region's slots, and its traffic, spread too; among those, the one
-    that leaves the bytes each server heads (:func:`head_bytes`: its slots' traffic)
-    most even, taking into account which copy a moved primary's handover promotes
-    (:func:`new_head`); then one of the region with the most such slots; then the
-    longest. Only slots of ready regions whose copies are all in step move."""
+    servers). Bytes are evened out only so far as a region's traffic stays spread: a
+    region whose slots gathered on fewer servers would be served by fewer links. Among
+    the fullest server's copies, one of a region with more slots there than on the
+    emptiest goes first, so that a striped region's slots, and its traffic, spread too;
+    among those, the one that leaves the bytes each server heads (:func:`head_bytes`:
+    its slots' traffic) most even, taking into account which copy a moved primary's
+    handover promotes (:func:`new_head`); then one of the region with the most such
+    slots; then the longest. Only slots of ready regions whose copies are all in step
+    move."""
     used = {s.server_id: s.used for s in servers if s.state == "up" and not s.evacuating}
     free = {s.server_id: s.free for s in servers if s.server_id in used}
     if len(used) < 2:
         return []
     where: dict[str, list[tuple[RegionRecord, ExtentRecord]]] = {sid: [] for sid in used}
     holders: dict[tuple[str, int], set[str]] = {}
+    on: dict[tuple[str, str], int] = {}   # (region uid, server) -> its slots with a copy there
     ready = [r for r in regions if r.state == "ready"]
     heads = {sid: 0 for sid in used} | head_bytes(ready)
     for region in ready:
         for index in sorted({e.index for e in region.extents}):
             copies = region.copies_of(index)
             holders[(region.uid, index)] = {c.server_id for c in copies}
+            for sid in holders[(region.uid, index)]:
+                on[(region.uid, sid)] = on.get((region.uid, sid), 0) + 1
             if not all(holds_all(c) for c in copies):
                 continue
             for c in copies:
@@ -234,16 +237,12 @@ def plan_rebalance(servers: Sequence[ServerRecord], regions: Sequence[RegionReco
         return sum(v * v for sid, v in after.items() if sid in used)
     count = {r.uid: len(r.extents) for r in ready}   # copies of each region
 
-    def on(uid: str, sid: str) -> int:
-        """How many of region ``uid``'s slots have a copy on ``sid``."""
-        return sum(sid in h for (u, _), h in holders.items() if u == uid)
-
     def gathers(region: RegionRecord, source: str, target: str) -> bool:
         """Whether moving a copy of ``region`` from ``source`` to ``target`` leaves the
         target more of its copies than both the fair share and what the source had."""
         fair = -(-count[region.uid] // len(used))
-        after = on(region.uid, target) + 1
-        return after > fair and after > on(region.uid, source)
+        after = on.get((region.uid, target), 0) + 1
+        return after > fair and after > on.get((region.uid, source), 0)
 
     moves: list[Move] = []
     def widest() -> tuple[str, str, list[tuple[RegionRecord, ExtentRecord]]]:
@@ -268,9 +267,7 @@ def plan_rebalance(servers: Sequence[ServerRecord], regions: Sequence[RegionReco
         source, target, fits = widest()
         if not fits:
             return moves
-        slots = {uid: (sum(source in h for (u, _), h in holders.items() if u == uid)
-                       - sum(target in h for (u, _), h in holders.items() if u == uid))
-                 for uid in {r.uid for r, _ in fits}}
+        slots = {uid: on.get((uid, source), 0) - on.get((uid, target), 0) for uid in {r.uid for r, _ in fits}}
         region, c = max(fits, key=lambda rc: (slots[rc[0].uid] > 0, -spread(rc[0], rc[1], source, target),
                                               slots[rc[0].uid], rc[1].length, -rc[1].extent_id))
         moves.append(Move(region.name, c.index, c.extent_id, source, target, c.length))
@@ -280,6 +277,8 @@ def plan_rebalance(servers: Sequence[ServerRecord], regions: Sequence[RegionReco
             heads[head] = heads.get(head, 0) + c.length
         where[source].remove((region, c))
         holders[(region.uid, c.index)] = (holders[(region.uid, c.index)] - {source}) | {target}
+        on[(region.uid, source)] -= 1
+        on[(region.uid, target)] = on.get((region.uid, target), 0) + 1
         used[source] -= c.length
         used[target] += c.length
         free[target] -= c.length
