@@ -42,6 +42,7 @@ from concurrent.futures import Future
 from typing import Protocol
 
 from smb_protocol.errors import BarrierTimeout, InvalidArgument, LockNotHeld, Timeout
+from smb_protocol.waits import missing_ranks, ranks_text
 from smb_protocol.wire import WaitCond
 
 from .region import Region
@@ -81,13 +82,6 @@ class Roll(Protocol):
         """The ranks that have not come as far as this one, or None when unknown."""
 
 
-def ranks_text(ranks: Sequence[int] | None) -> str:
-    """``"; missing: rank 1, 3"`` (empty when unknown or none)."""
-    if not ranks:
-        return ""
-    return "; missing: rank " + ", ".join(str(r) for r in ranks)
-
-
 def report_waiting(what: str, waited: float, arrived: int | None, parties: int | None,
                    missing: Sequence[int] | None) -> None:
     """Log the warning of a wait that lasts (``waited`` seconds so far)."""
@@ -104,13 +98,6 @@ class BarrierSource(Protocol):
 
 
 _ARRIVED = re.compile(r"(\d+) of (\d+) parties arrived")
-_MISSING = re.compile(r"missing: rank ([\d, ]+)")
-
-
-def missing_ranks(error: BaseException) -> list[int] | None:
-    """The ranks a controller barrier's timeout names as missing (None: not named)."""
-    named = _MISSING.search(str(error))
-    return [int(r) for r in named.group(1).split(",")] if named else None
 
 
 def controller_barrier(client: BarrierSource, name: str, parties: int, timeout: float | None = None, *,

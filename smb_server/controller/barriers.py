@@ -26,6 +26,7 @@ from typing import Protocol
 
 from smb_protocol import errors
 from smb_protocol.names import check_barrier_name
+from smb_protocol.waits import ranks_text
 
 BARRIER_POLL = 0.5  # seconds between checks that a barrier caller is still there
 MAX_WAITERS = 64    # callers that may wait in barriers at once, all barriers together
@@ -228,5 +229,4 @@ def _missing_text(waiters: Sequence[_Waiter], parties: int) -> str:
     ranks = {w.rank for w in waiters}
     if None in ranks:
         return ""
-    missing = [r for r in range(parties) if r not in ranks]
-    return "; missing: rank " + ", ".join(map(str, missing)) if missing else ""
+    return ranks_text([r for r in range(parties) if r not in ranks])
