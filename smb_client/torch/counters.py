@@ -123,13 +123,7 @@ class SharedCounters:
         """Publish ``iterations`` finished iterations and fire the rule if it is met
         (without reading the stop word). Lockstep workers publish before their step's
         barrier and call :meth:`should_stop` after it."""
-        if iterations < 1:
-            raise InvalidArgument(f"iterations must be >= 1, got {iterations}")
-        self.count = self.region.fetch_add(self.rank_offset(self.rank), iterations) + iterations
-        if self.rule is StopRule.AVERAGE:
-            self.total_seen = self.region.fetch_add(self._offset(TOTAL_WORD), iterations) + iterations
-        if self._fires():
-            self.region.compare_swap(self._offset(STOP_WORD), 0, self.count)
+        self._publish(iterations, read_stop=False)
 
     def tick(self, iterations: int = 1) -> bool:
         """Publish finished iterations; True when this worker should stop now.
@@ -138,20 +132,28 @@ class SharedCounters:
         under the ``average`` rule and the stop word go together (``fetch_add_many``; the
         stop word read after the adds); a second one only when this worker fires the rule.
         """
+        return self._stops_at(self._publish(iterations, read_stop=True))
+
+    def _publish(self, iterations: int, *, read_stop: bool) -> int:
+        """Add ``iterations`` to this worker's count (and the total under ``average``),
+        with the stop word read after them when ``read_stop``, in one request; fire the
+        rule if it is met and the stop word is not known to be set. Returns the stop word
+        (0 when not read and this worker did not set it)."""
         if iterations < 1:
             raise InvalidArgument(f"iterations must be >= 1, got {iterations}")
         ops = [(self.rank_offset(self.rank), iterations)]
         if self.rule is StopRule.AVERAGE:
             ops.append((self._offset(TOTAL_WORD), iterations))
-        ops.append((self._offset(STOP_WORD), 0))
+        if read_stop:
+            ops.append((self._offset(STOP_WORD), 0))
         olds = self.region.fetch_add_many(ops)
         self.count = olds[0] + iterations
         if self.rule is StopRule.AVERAGE:
             self.total_seen = olds[1] + iterations
-        stop = olds[-1]
+        stop = olds[-1] if read_stop else 0
         if stop == 0 and self._fires():
             stop = self.region.compare_swap(self._offset(STOP_WORD), 0, self.count) or self.count
-        return self._stops_at(stop)
+        return stop
 
     def stop_word(self) -> int:
         """The stop word now (0: running; else the count at which a rule fired)."""
