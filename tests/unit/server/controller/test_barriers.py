@@ -11,17 +11,27 @@ from smb_protocol import errors
 from smb_server.controller.barriers import Barriers
 
 
-def _waiting(b: Barriers, count: int, name: str, parties: int, caller: str) -> list[threading.Thread]:
-    """Start ``count`` callers of ``name``; returns once they all wait."""
+def _waiting(b: Barriers, count: int, name: str, parties: int, caller: str = "",
+             ranks: Sequence[int | None] = ()) -> list[threading.Thread]:
+    """Start ``count`` callers of ``name`` (``ranks``: theirs, one each, when given);
+    returns once they all wait. A caller whose wait times out (5 s) or is woken by
+    :meth:`Barriers.close` ends quietly."""
     target = b._waiting + count  # noqa: SLF001
-    threads = [threading.Thread(target=b.wait, args=(name, parties, 5), kwargs={"caller": caller},
-                                daemon=True) for _ in range(count)]
+    threads = [threading.Thread(target=_wait_quietly, args=(b, name, parties, caller, ranks[i] if ranks else None),
+                                daemon=True) for i in range(count)]
     for t in threads:
         t.start()
     deadline = time.monotonic() + 5
     while b._waiting < target and time.monotonic() < deadline:  # noqa: SLF001
         time.sleep(0.01)
     return threads
+
+
+def _wait_quietly(b: Barriers, name: str, parties: int, caller: str, rank: int | None) -> None:
+    try:
+        b.wait(name, parties, 5, caller=caller, rank=rank)
+    except (errors.BarrierTimeout, errors.ControllerUnavailable):
+        pass
 
 
 def test_waits_beyond_the_limits_are_refused_but_the_opener_is_not() -> None:
@@ -207,29 +217,23 @@ def test_a_caller_that_gives_up_takes_only_itself_out() -> None:
 
 def test_a_timeout_names_the_ranks_that_did_not_come() -> None:
     b = Barriers()
-    waiting = [threading.Thread(target=lambda r=r: _swallow(b, "job/ranked", 4, r), daemon=True) for r in (0, 2)]
-    for t in waiting:
-        t.start()
-    deadline = time.monotonic() + 5
-    while b._waiting < 2 and time.monotonic() < deadline:  # noqa: SLF001
-        time.sleep(0.01)
+    waiting = _waiting(b, 2, "job/ranked", 4, ranks=(0, 2))
     with pytest.raises(errors.BarrierTimeout, match=r"3 of 4 parties arrived within 0.2 s; missing: rank 3$"):
         b.wait("job/ranked", 4, timeout=0.2, rank=1)
+    b.close()
     for t in waiting:
         t.join(10)
 
 
 def test_ranks_are_not_named_when_a_caller_gave_none() -> None:
     b = Barriers()
-    t = threading.Thread(target=_swallow, args=(b, "job/some", 3, None), daemon=True)
-    t.start()
-    deadline = time.monotonic() + 5
-    while b._waiting < 1 and time.monotonic() < deadline:  # noqa: SLF001
-        time.sleep(0.01)
+    waiting = _waiting(b, 1, "job/some", 3)
     with pytest.raises(errors.BarrierTimeout) as info:
         b.wait("job/some", 3, timeout=0.2, rank=0)
     assert str(info.value).endswith("2 of 3 parties arrived within 0.2 s")
-    t.join(10)
+    b.close()
+    for t in waiting:
+        t.join(10)
 
 
 def test_a_rank_outside_the_parties_is_refused() -> None:
@@ -237,11 +241,3 @@ def test_a_rank_outside_the_parties_is_refused() -> None:
     with pytest.raises(errors.InvalidArgument, match=r"rank 4 is not among 4 parties \(0 .. 3\)"):
         b.wait("job/r", 4, timeout=1, rank=4)
     assert b._waiting == 0 and "job/r" not in b._barriers  # noqa: SLF001
-
-
-def _swallow(b: Barriers, name: str, parties: int, rank: int | None) -> None:
-    """Wait long enough for the other caller in the test to time out first."""
-    try:
-        b.wait(name, parties, timeout=1.5, rank=rank)
-    except errors.BarrierTimeout:
-        pass

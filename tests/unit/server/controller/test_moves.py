@@ -272,8 +272,8 @@ def test_an_evacuation_hands_the_leaving_primaries_to_the_server_heading_the_lea
     assert heads == {"s1": 3 * MiB, "s2": 3 * MiB, "s3": 3 * MiB}
 
 
-def test_a_rebalance_onto_a_new_server_spreads_the_primaries_too(state, servers, manager, clock) -> None:
-    striped_on_three(state, servers)
+def rebalance_all(manager: RepairManager, clock) -> None:
+    """Start a rebalance (no rate limit) and run repair passes until it is done."""
     settle(manager)
     manager.moves.start(bytes_per_second=0, now=clock())
     for _ in range(40):
@@ -281,6 +281,11 @@ def test_a_rebalance_onto_a_new_server_spreads_the_primaries_too(state, servers,
         if not manager.moves.running():
             break
     assert not manager.moves.running()
+
+
+def test_a_rebalance_onto_a_new_server_spreads_the_primaries_too(state, servers, manager, clock) -> None:
+    striped_on_three(state, servers)
+    rebalance_all(manager, clock)
     used = {s.server_id: s.used for s in state.list_servers()}
     assert max(used.values()) - min(used.values()) <= MiB
     assert manager.metrics.moved_bytes == used["s3"]     # every copy the empty server got was moved
@@ -305,13 +310,7 @@ def test_a_rebalance_keeps_a_small_striped_region_spread(state, servers, manager
     small_before = {r.name: sorted(c.server_id for c in r.extents) for r in state.list_regions()
                     if r.size == 4096}
     add_servers_more(state, 1)
-    settle(manager)
-    manager.moves.start(bytes_per_second=0, now=clock())
-    for _ in range(40):
-        settle(manager)
-        if not manager.moves.running():
-            break
-    assert not manager.moves.running()
+    rebalance_all(manager, clock)
     used = {s.server_id: s.used for s in state.list_servers()}
     assert used["s3"] > 0
     # 4 KB copies are not worth a sync (and a handover) to narrow a gap of megabytes
