@@ -432,8 +432,8 @@ def summarize(run: dict[str, Any], s: Settings) -> dict[str, Any]:
                        "joined": (m.get("joined") or {}).get("host"),
                        "job_bytes_before": _by_host(run, m.get("job_bytes_before") or {}),
                        "job_bytes_after": _by_host(run, _per_server(m.get("store_after") or {})),
-                       "primary_bytes_before": _by_host(run, m.get("primary_before") or {}),
-                       "primary_bytes_after": _by_host(run, m.get("primary_after") or {}),
+                       "primary_bytes_before": _by_host(run, _per_server(m.get("heads_before") or {})),
+                       "primary_bytes_after": _by_host(run, _per_server(m.get("heads_after") or {})),
                        "heads_before": {k: _by_host(run, v) for k, v in (m.get("heads_before") or {}).items()},
                        "heads_after": {k: _by_host(run, v) for k, v in (m.get("heads_after") or {}).items()},
                        "removed": m.get("removed"), "finished_before_training": bool(

@@ -117,39 +117,18 @@ def _write_json(path: Path, doc: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def store_bytes(c: Client, prefix: str) -> dict[str, dict[str, int]]:
-    """Bytes of every copy of the store's regions, per region and memory server."""
+def store_bytes(c: Client, prefix: str, *, primaries: bool = False) -> dict[str, dict[str, int]]:
+    """Bytes of every copy of the store's regions, per region and memory server; with
+    ``primaries``, of the primaries alone (the copies that serve reads and order
+    mutations; the only copy of an unreplicated slot)."""
     out: dict[str, dict[str, int]] = {}
     for r in c.list_regions(f"{prefix}/"):
         info, _ = c.open_info(r.name, "ro")
         per: dict[str, int] = {}
-        for e in (*info.extents, *getattr(info, "copies", ())):
+        for e in (*info.extents, *(() if primaries else getattr(info, "copies", ()))):
             p = ExtentPlace.from_message(e)
             per[p.server_id] = per.get(p.server_id, 0) + p.length
         out[r.name.rpartition("/")[2]] = per
-    return out
-
-
-def region_heads(c: Client, prefix: str) -> dict[str, dict[str, int]]:
-    """Bytes of the primaries of the store's regions (the copies that serve reads and
-    order mutations; the only copy of an unreplicated slot) per region and memory server."""
-    out: dict[str, dict[str, int]] = {}
-    for r in c.list_regions(f"{prefix}/"):
-        info, _ = c.open_info(r.name, "ro")
-        per: dict[str, int] = {}
-        for e in info.extents:
-            p = ExtentPlace.from_message(e)
-            per[p.server_id] = per.get(p.server_id, 0) + p.length
-        out[r.name.rpartition("/")[2]] = per
-    return out
-
-
-def primary_bytes(heads: dict[str, dict[str, int]]) -> dict[str, int]:
-    """The store's primary bytes per memory server, from :func:`region_heads`."""
-    out: dict[str, int] = {}
-    for per in heads.values():
-        for sid, n in per.items():
-            out[sid] = out.get(sid, 0) + n
     return out
 
 
@@ -211,8 +190,7 @@ def mover(spec: dict[str, Any]) -> dict[str, Any]:
             elif phase == "before" and total >= trigger:
                 out["trigger"] = {"time": now, "total": total}
                 out["store_before"] = store_bytes(c, prefix)
-                out["heads_before"] = region_heads(c, prefix)
-                out["primary_before"] = primary_bytes(out["heads_before"])
+                out["heads_before"] = store_bytes(c, prefix, primaries=True)
                 out["servers_before"] = _servers(admin)
                 held = {s: sum(per.get(s, 0) for per in out["store_before"].values())
                         for s in out["servers_before"]}
@@ -243,8 +221,7 @@ def mover(spec: dict[str, Any]) -> dict[str, Any]:
                     out["move_end"] = now
                     out["bytes_moved"] = moved
                     out["servers_after_move"] = servers
-                    out["heads_after"] = region_heads(c, prefix)
-                    out["primary_after"] = primary_bytes(out["heads_after"])
+                    out["heads_after"] = store_bytes(c, prefix, primaries=True)
                     if action == "evacuate":
                         out["removed"] = admin.remove_server(source).server_id
                         _write_json(sig / "removed.json", {"time": time.time(), "server": source})
