@@ -82,10 +82,12 @@ def cmd_up(args: argparse.Namespace) -> int:
     state = json.dumps({"pid": os.getpid(), "address": cluster.address, "workdir": str(cluster.workdir)})
     written = [pid_file, cluster.workdir / STATE_FILE]
     try:
-        for path in written:
-            _write_private(path, state + "\n")
+        # the env file first: the pid file says the cluster is ready, so whoever sees it
+        # (`smb down`, a script, a user's `source`) finds the env file already written
         if args.env_file:
             _write_private(Path(args.env_file), cluster.describe())
+        for path in written:
+            _write_private(path, state + "\n")
         print(f"Soft Memory Box: controller at {cluster.address}, {args.memory_servers} memory servers "
               f"of {format_bytes(cluster.capacity)} (logs in {cluster.workdir})")
         if args.metrics:

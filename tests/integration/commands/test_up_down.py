@@ -100,6 +100,25 @@ def test_up_env_file_keeps_the_token_across_restarts_and_down_finds_the_workdir(
     assert tokens[0] == tokens[1]
 
 
+def test_up_is_ready_only_once_the_env_file_is_written(tmp_path):
+    """The pid file is `smb up`'s ready signal: whoever sees it must find the env file
+    written. The env file is a FIFO here, so `smb up` blocks in writing it until this
+    test reads it: the pid file must not exist before then, whatever the timing."""
+    env_file = tmp_path / "smb.env"
+    os.mkfifo(env_file)
+    up = Up(tmp_path, _env(SMB_TOKEN="fifo-token"), "--env-file", str(env_file),
+            "--workdir", str(tmp_path / "w"))
+    try:
+        with open(env_file) as fifo:       # returns once `smb up` opened it to write
+            assert not up.pid_file.exists(), "smb up reported ready before writing its env file"
+            text = fifo.read()
+        assert "export SMB_TOKEN=fifo-token" in text
+        state = up.wait_ready()
+        assert f"export SMB_CONTROLLER={state['address']}" in text
+    finally:
+        up.kill()
+
+
 def test_down_without_a_cluster_names_the_file_and_the_fix(tmp_path):
     out = smb("down", "--pid-file", str(tmp_path / "none.pid"), env=_env())
     assert out.returncode == 1
