@@ -77,10 +77,10 @@ def worker(rank: int, env: dict[str, str], n: int, name: str, parties: int, roun
             spans.append((wall, wall + times[-1]))
             if not (got[0] == want and got[-1] == want):
                 raise AssertionError(f"rank {rank}: sum {got[0]} != {want}")
+        coll.close()
+        c.barrier(f"{name}/done", parties=parties)   # every party has its last sum: then delete
         if rank == 0:
-            coll.destroy()
-        else:
-            coll.close()
+            c.delete_region(name)
         out.put((times, spans))
 
 

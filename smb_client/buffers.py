@@ -1,4 +1,5 @@
-"""Views of caller buffers: bytes, numpy arrays and torch CPU tensors, without copies."""
+"""Views of caller buffers: bytes, numpy arrays and torch CPU tensors, without copies
+(CUDA tensors are staged by :mod:`.cuda` before they get here)."""
 from __future__ import annotations
 
 from typing import Any
@@ -11,7 +12,7 @@ from smb_protocol.errors import InvalidArgument
 
 def _torch_view(t: Any, writable: bool) -> tuple[memoryview, DType]:
     if t.device.type != "cpu":
-        raise InvalidArgument(f"tensor on {t.device}: only CPU tensors can be moved directly; call .cpu()")
+        raise InvalidArgument(f"tensor on {t.device}: CPU and CUDA tensors can be moved; copy it to one")
     if not t.is_contiguous():
         if writable:
             raise InvalidArgument("read_into needs a contiguous tensor")

@@ -19,7 +19,7 @@ from typing import Any
 from smb_protocol import rpc
 from smb_protocol._proto.smb.v1 import controller_pb2 as pb
 from smb_protocol._proto.smb.v1 import controller_pb2_grpc as pb_grpc
-from smb_protocol.errors import ControllerUnavailable, InvalidArgument, RegionNotFound, SMBError, Timeout
+from smb_protocol.errors import Closed, ControllerUnavailable, InvalidArgument, RegionNotFound, SMBError, Timeout
 from smb_protocol.hostinfo import host_id
 from smb_protocol.names import check_region_name
 from smb_protocol.placement import MAX_REPLICAS, check_bytes, check_weights
@@ -191,9 +191,9 @@ class Client:
               reconnect_timeout: float | None = None) -> Any:
         """One controller call; while the controller is unreachable (restarting), retry
         with backoff for up to ``reconnect_timeout`` seconds (default: the client's),
-        then raise ControllerUnavailable (at once on a closed client)."""
+        then raise ControllerUnavailable (Closed, at once, on a closed client)."""
         if self._closed:
-            raise ControllerUnavailable(f"controller {method}: the client is closed (Client.close was called)")
+            raise Closed(self._closed_text(method))
         deadline = self.timeout if timeout is None else timeout
         patience = self.reconnect_timeout if reconnect_timeout is None else reconnect_timeout
         retry = Retry(on=(ControllerUnavailable,), timeout=patience,
@@ -201,9 +201,16 @@ class Client:
         try:
             return retry(lambda: self._call_once(method, request, deadline), what=f"controller {method}")
         except ControllerUnavailable as exc:
-            if type(exc) is not ControllerUnavailable or self._closed:
-                raise     # ControllerBusy answered; a closed client says so itself
+            if self._closed:    # closed meanwhile: that, not the channel it closed, is the cause
+                raise Closed(self._closed_text(method)) from exc
+            if type(exc) is not ControllerUnavailable:
+                raise     # ControllerBusy answered
             raise ControllerUnavailable(self._unreachable(exc, patience)) from None
+
+    @staticmethod
+    def _closed_text(method: str) -> str:
+        return (f"controller {method}: the client is closed (Client.close was called); "
+                "make a new one with smb_client.connect()")
 
     def _unreachable(self, exc: ControllerUnavailable, patience: float) -> str:
         """The message of a controller that did not answer: the address tried, where it
@@ -391,9 +398,10 @@ class Client:
                 rank: int | None = None) -> int:
         """Block until ``parties`` callers reached barrier ``name``; returns its generation.
 
-        Raises BarrierTimeout after ``timeout`` seconds (None: wait forever); when every
-        caller gave its ``rank`` (0 .. parties-1), its message names the ranks that did
-        not come ("; missing: rank 3"). Every retry of the call (a failover) names the
+        Raises BarrierTimeout after ``timeout`` seconds (None: wait forever), whose
+        ``arrived`` and ``parties`` count the callers; when every caller gave its ``rank``
+        (0 .. parties-1), its ``missing`` lists the ranks that did not come and its
+        message names them ("; missing: rank 3"). Every retry of the call (a failover) names the
         same arrival, so that it is counted once.
         """
         request = pb.BarrierRequest(name=name, parties=parties, timeout_seconds=timeout or 0.0,

@@ -6,26 +6,34 @@ on one memory server (segments are dealt to the servers evenly, or in proportion
 weights derived from where the workers run: :meth:`Collective.create`), so the
 summation is spread over the servers and each chunk's requests stay on one server::
 
-    chunk i:  slot 0 (chunk bytes) | slot 1 (chunk bytes) | count 0 | count 1 | padding to 64 bytes
+    chunk i:  slot 0 (chunk bytes) | slot 1 (chunk bytes) | count 0 | count 1 | members | padding to 64 bytes
 
-``all_reduce`` of round ``k`` uses slot ``k % 2``. Every party *pushes* each chunk (the
-server stores the round's first arrival and adds the others, counting arrivals in the
-slot's count word, under the extent's lock), and *pulls* its sum once the count shows
-every party's push (the server sends it then, and counts the pull). Both halves travel
+Round ``k`` (every ``all_reduce`` and ``broadcast`` is one, numbered from 0 by every
+party alike) uses slot ``k % 2``. Every party *pushes* each chunk (the server stores the
+round's first arrival and adds the others, counting arrivals in the slot's count word,
+under the extent's lock), and *pulls* its sum once the count shows every party's push
+(the server sends it then, and counts the pull). Both halves travel
 as one ``REDUCE`` per chunk on a pipelined connection per server, the sum sent back by
 the server unasked (:mod:`.exchange`: chunks in order through a window, lowest first);
 ``pipelined=False`` and TLS endpoints send a ``PUSH`` and a ``PULL`` request instead.
 Later chunks go out while earlier sums come back, so both directions of every link
 stay busy; there is no barrier between the phases and no controller call.
 
-Reset without an extra round: a count word only grows. A slot's round starts at a
-*base* count that every party knows (it tracks the slot's history), and the round's
-first push *stores* instead of adding, so nobody zeroes the slot. A push of a later
-round waits, at the server, until the count reaches its base, which it only does once
-every party pulled the slot's previous round; so a slot is never overwritten while
-someone still reads it. Double buffering (two slots) makes that wait free in steady
-state. ``all_reduce`` adds ``2 × parties`` to a count (pushes and pulls), ``broadcast``
-``parties`` (the root's push and the others' pulls).
+The server knows the round. A count word names the round its slot holds and how many
+pushes and pulls of it arrived (:mod:`smb_protocol.rounds`), and every push and pull
+names its round. The round's first push *stores* instead of adding, so nobody zeroes the
+slot; a push of a later round waits, at the server, until every party pulled the slot's
+previous round, so a slot is never overwritten while someone still reads it; a push or
+pull of a round the slot is past, or one too many, is refused with
+:class:`~smb_protocol.errors.RoundMismatch`, never added into another round's sum.
+Double buffering (two slots) makes the wait free in steady state.
+
+Parties may open the collective at any moment, in any order: every party starts at
+round 0, and the group cannot finish a round without every party, so a party that
+opens late joins the round the others wait in. A party counts itself into the
+collective's ``members`` word at its first round; one beyond ``parties`` (a party that
+came back after a restart, or a second object of the same party) is refused with
+RoundMismatch before it sends anything.
 
 Every party must call the same collectives in the same order with the same sizes (as
 with any collective library). Chunk requests are numbered: a retry after a broken
@@ -47,7 +55,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import struct
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -58,9 +65,11 @@ from typing import Any, TypeVar
 
 from smb_protocol import wire
 from smb_protocol.dtypes import DType, itemsize, resolve
-from smb_protocol.errors import DtypeError, InvalidArgument, Misaligned, SMBError, Timeout
+from smb_protocol.errors import DtypeError, InvalidArgument, Misaligned, RoundMismatch, SMBError, Timeout
 from smb_protocol.placement import check_weights, chunk_shares
+from smb_protocol.rounds import ChunkRound, arrivals, slot_round
 
+from . import cuda, cuda_round
 from .buffers import as_view
 from .client import Client
 from .coord import REPORT_EVERY, PartiesMissing, Roll, ranks_text, report_waiting
@@ -78,11 +87,11 @@ CHUNK_BYTES = 512 << 10        # largest default chunk, bytes: see default_chunk
 MIN_CHUNK = 64 << 10           # smallest default chunk, bytes
 CHUNKS_PER_SERVER = 4          # default chunks per server at least, for overlap and balance
 WINDOW_CHUNKS = 4              # default window: bytes in flight, in chunks
-TAIL = 64                      # bytes after a chunk's two slots: two count words, padding
+TAIL = 64                      # bytes after a chunk's two slots: two count words, the members word, padding
+MEMBERS = 16                   # offset in chunk 0's tail of the word that counts the parties that joined
 DEFAULT_TIMEOUT = 300.0        # seconds a push or pull waits for the other parties
 MAX_THREADS = 8                # pushes (and pulls) in flight per collective
 MAX_SHARE_SERVERS = 64         # weighted default chunks: as for at most this many even servers
-_WORDS = struct.Struct("<qq")
 
 
 def _check_parties(parties: object) -> None:
@@ -102,7 +111,7 @@ class Collective:
     """
 
     def __init__(self, region: Region, parties: int, *, timeout: float = DEFAULT_TIMEOUT,
-                 fresh: bool = False, window: int | None = None, priority: bool = True,
+                 fresh: bool = True, window: int | None = None, priority: bool = True,
                  pipelined: bool = True) -> None:
         _check_parties(parties)
         layout = region.layout
@@ -122,14 +131,9 @@ class Collective:
                                       seg_off, start, length))
             start += length
         self.nbytes = start
-        # the base of each (slot, chunk): the count when its next round starts; zero for a
-        # region nobody used yet (``fresh``), else read now (open every party at the same
-        # quiet point, when nobody is in a collective on it)
-        self._bases = [[0] * len(self.chunks), [0] * len(self.chunks)]
-        for c in self.chunks if not fresh else ():
-            raw = region.read(c.region_words, 16)
-            self._bases[0][c.index], self._bases[1][c.index] = _WORDS.unpack(bytes(raw))
+        del fresh   # every party starts at round 0; the server checks the rounds
         self.round = 0
+        self._joined = False
         threads = max(1, min(len(self.chunks), MAX_THREADS))
         self._pushes = ThreadPoolExecutor(threads, thread_name_prefix="smb-push")
         self._pulls = ThreadPoolExecutor(threads, thread_name_prefix="smb-pull")
@@ -241,12 +245,14 @@ class Collective:
 
     @classmethod
     def open(cls, client: Client, name: str, parties: int, *, timeout: float = DEFAULT_TIMEOUT,
-             fresh: bool = False, window: int | None = None, priority: bool = True,
+             fresh: bool = True, window: int | None = None, priority: bool = True,
              pipelined: bool = True) -> Collective:
-        """Open the collective ``name`` that another party created. ``fresh``: it was
-        just created and has not been used by this party's group before (its counts are
-        taken as zero, which stays right even if a faster party already pushed); else its
-        counts are read, so open it when no party is inside a collective on it."""
+        """Open the collective ``name`` that another party created, at any moment: this
+        party starts at round 0 with the others, and a late one joins the round they
+        wait in. A party beyond ``parties`` (one that came back after a restart) gets
+        :class:`~smb_protocol.errors.RoundMismatch` at its first round; so does one whose
+        group already went past round 0 without it. ``fresh`` is accepted for older
+        callers and changes nothing: no value of it can make a sum wrong."""
         return cls(client.open_region(name), parties, timeout=timeout, fresh=fresh, window=window,
                    priority=priority, pipelined=pipelined)
 
@@ -271,19 +277,37 @@ class Collective:
         self.close()
 
     # -- requests ---------------------------------------------------------------------
-    def _push(self, chunk: Chunk, slot: int, base: int, data: list[memoryview], dt: DType) -> None:
-        route = self.region.route
-        seq = route.next_seq()
-        route.coordinate(chunk.slot, lambda s, place: s.push(
-            route.ticket, place.extent_id, chunk.slots[slot], data, dt,
-            chunk.words[slot], base, self.timeout, seq))
+    def _ref(self, chunk: Chunk, round_: int, root: bool = False) -> ChunkRound:
+        """Round ``round_`` of ``chunk``, as its requests name it."""
+        return ChunkRound(chunk.words[round_ % 2], self.parties, round_, root)
 
-    def _pull(self, chunk: Chunk, slot: int, target: int, out: list[memoryview]) -> None:
+    def _push(self, chunk: Chunk, round_: int, data: list[memoryview], dt: DType, root: bool = False) -> None:
         route = self.region.route
         seq = route.next_seq()
+        ref = self._ref(chunk, round_, root)
+        route.coordinate(chunk.slot, lambda s, place: s.push(
+            route.ticket, place.extent_id, chunk.slots[round_ % 2], data, dt, ref, self.timeout, seq))
+
+    def _pull(self, chunk: Chunk, round_: int, out: list[memoryview]) -> None:
+        route = self.region.route
+        seq = route.next_seq()
+        ref = self._ref(chunk, round_)
         route.coordinate(chunk.slot, lambda s, place: s.pull(
-            route.ticket, place.extent_id, chunk.slots[slot], out,
-            chunk.words[slot], target, self.timeout, seq))
+            route.ticket, place.extent_id, chunk.slots[round_ % 2], out, ref, self.timeout, seq))
+
+    def _join(self) -> None:
+        """Count this party into the collective's members, once, before its first round
+        (hold :attr:`lock`); RoundMismatch when it already has its ``parties``."""
+        if self._joined:
+            return
+        before = self.region.fetch_add(self.chunks[0].region_words + MEMBERS, 1)
+        if before >= self.parties:
+            raise RoundMismatch(
+                f"collective {self.region.name} already has its {self.parties} parties ({before} joined "
+                "before this one): a party that came back after a restart, or a second Collective "
+                "object of one party, cannot join it; every party must make a new collective "
+                "(a new name) to start over")
+        self._joined = True
 
     def _typed(self, data: Any, dtype: Any) -> tuple[memoryview, DType]:
         view, inferred = as_view(data, writable=True)
@@ -315,28 +339,22 @@ class Collective:
                                  f"{ranks_text(ranks)} ({exc})", what=what, parties=self.parties,
                                  missing=ranks) from None
 
-    def plan_round(self, nbytes: int) -> tuple[int, list[tuple[Chunk, int, int]]]:
-        """Start the next all-reduce round (hold :attr:`lock`): its slot, and the chunks
-        a packed buffer of ``nbytes`` covers, each with the bytes of it used and its base
-        count (every party's counts move on by ``2 × parties``)."""
-        slot = self.round % 2
-        bases = self._bases[slot]
-        planned = []
-        for c, n in self._used(nbytes):
-            planned.append((c, n, bases[c.index]))
-            bases[c.index] += 2 * self.parties
+    def plan_round(self, nbytes: int) -> tuple[int, list[tuple[Chunk, int]]]:
+        """Start the next all-reduce round (hold :attr:`lock`): its number, and the
+        chunks a packed buffer of ``nbytes`` covers, each with the bytes of it used."""
+        self._join()
+        round_ = self.round
         self.round += 1
-        return slot, planned
+        return round_, self._used(nbytes)
 
-    def exchange(self, chunk: Chunk, slot: int, base: int, parts: list[memoryview],
-                 dt: DType) -> list[Future[None]]:
-        """Push ``parts`` as ``chunk``'s share of a round that starts at count ``base``,
-        and have the sum in them once every party pushed: streamed back on a pipelined
-        connection (:mod:`.exchange`), or pulled; the futures."""
+    def exchange(self, chunk: Chunk, round_: int, parts: list[memoryview], dt: DType) -> list[Future[None]]:
+        """Push ``parts`` as ``chunk``'s share of round ``round_``, and have the sum in
+        them once every party pushed: streamed back on a pipelined connection
+        (:mod:`.exchange`), or pulled; the futures."""
         if self.exchanger is not None:
-            return [self.exchanger.submit(chunk, slot, base, parts, dt)]
-        return [self._pushes.submit(self._push, chunk, slot, base, parts, dt),
-                self._pulls.submit(self._pull, chunk, slot, base + self.parties, parts)]
+            return [self.exchanger.submit(chunk, round_, parts, dt)]
+        return [self._pushes.submit(self._push, chunk, round_, parts, dt),
+                self._pulls.submit(self._pull, chunk, round_, parts)]
 
     def _check_usable(self) -> None:
         """A collective whose round failed part way cannot go on: its counts are unknown."""
@@ -362,7 +380,7 @@ class Collective:
         return data
 
     def begin(self, data: Any, dtype: Any = None, *, runs: Sequence[tuple[int, int]] | None = None,
-              hold: int | None = None) -> AllReduce:
+              hold: int | None = None) -> AllReduce | cuda_round.StagedRound:
         """Start an all-reduce of ``data`` (as :meth:`all_reduce`) whose bytes become
         final piece by piece: call :meth:`AllReduce.ready` as they do (each chunk is
         pushed once all its bytes are), then :meth:`AllReduce.finish`. ``runs``:
@@ -370,7 +388,10 @@ class Collective:
         chunks outside them are neither pushed nor pulled (every party must pass the
         same; only their bytes travel, packed). ``hold``: the offset of a byte whose chunk
         is pushed only by ``finish``
-        (the round's end can then not be seen by anyone before every party called it)."""
+        (the round's end can then not be seen by anyone before every party called it).
+        A CUDA tensor's round is staged through pinned host memory (:mod:`.cuda_round`)."""
+        if cuda.is_cuda(data):
+            return cuda_round.begin(self, data, dtype, runs, hold)
         view, dt = self._typed(data, dtype)
         self.lock.acquire()
         try:
@@ -385,24 +406,29 @@ class Collective:
         this party's rank among ``0 .. parties-1``. Returns ``data``."""
         if not (0 <= root < self.parties and 0 <= rank < self.parties):
             raise InvalidArgument(f"root {root} and rank {rank} must lie in 0..{self.parties - 1}")
+        if cuda.is_cuda(data):
+            return cuda_round.broadcast(self, data, root, rank, dtype)
         view, dt = self._typed(data, dtype)
         if len(view) > self.nbytes:
             raise InvalidArgument(f"{len(view)} bytes do not fit collective {self.region.name} "
                                   f"({self.nbytes} bytes)")
         with self.lock:
-            slot = self.round % 2
-            bases = self._bases[slot]
+            self._check_usable()
+            self._join()
+            round_ = self.round
+            self.round += 1
             jobs: list[tuple[ThreadPoolExecutor, Callable[[], None]]] = []
             for c, n in self._used(len(view)):
                 part = view[c.start:c.start + n]
-                base = bases[c.index]
                 if rank == root:
-                    jobs.append((self._pushes, partial(self._push, c, slot, base, [part], dt)))
+                    jobs.append((self._pushes, partial(self._push, c, round_, [part], dt, True)))
                 else:
-                    jobs.append((self._pulls, partial(self._pull, c, slot, base + 1, [part])))
-                bases[c.index] = base + self.parties
-            self.round += 1
-            self._run(jobs, f"broadcast from rank {root} on {self.region.name}, round {self.round - 1}")
+                    jobs.append((self._pulls, partial(self._pull, c, round_, [part])))
+            try:
+                self._run(jobs, f"broadcast from rank {root} on {self.region.name}, round {round_}")
+            except SMBError as exc:
+                self.failed = exc
+                raise
         return data
 
     # -- asyncio ----------------------------------------------------------------------
@@ -458,15 +484,13 @@ class AllReduce:
         self._missing: dict[int, int] = {}      # chunk index -> bytes not final yet
         self._held: int | None = None
         held = self._packed(hold) if hold is not None else None
-        self._round = coll.round
-        self.slot, planned = coll.plan_round(packed)
-        self._bases: dict[int, int] = {}
-        for c, n, base in planned:
+        self._round, planned = coll.plan_round(packed)
+        for c, n in planned:
             self._todo[c.index] = (c, n)
             self._missing[c.index] = n
-            self._bases[c.index] = base
             if held is not None and c.start <= held < c.start + n:
                 self._held = c.index
+        self._chunks = sorted(self._missing)
         self._finished = False
 
     def _packed(self, offset: int) -> int | None:
@@ -501,7 +525,7 @@ class AllReduce:
     def _launch(self, index: int) -> None:
         c, n = self._todo.pop(index)
         parts = self._pieces(c.start, c.start + n)
-        self.futures.extend(self.coll.exchange(c, self.slot, self._bases[index], parts, self.dt))
+        self.futures.extend(self.coll.exchange(c, self._round, parts, self.dt))
 
     def finish(self) -> None:
         """Push what is left (in chunk order), wait for every push and pull; raise the
@@ -542,13 +566,15 @@ class AllReduce:
     def _arrived(self) -> int | None:
         """How many parties pushed the round's last chunk (the one pushed at
         :meth:`finish`); None when its count cannot be read."""
-        if not self._bases:
+        if not self._chunks:
             return None
-        index = self._held if self._held is not None else max(self._bases)
+        index = self._held if self._held is not None else self._chunks[-1]
         chunk = self.coll.chunks[index]
         try:
-            raw = bytes(self.coll.region.read(chunk.region_words + 8 * self.slot, 8))
+            raw = bytes(self.coll.region.read(chunk.region_words + 8 * (self._round % 2), 8))
         except SMBError:
             return None
-        count = int.from_bytes(raw, "little", signed=True)
-        return max(0, min(self.coll.parties, count - self._bases[index]))
+        word = int.from_bytes(raw, "little", signed=True)
+        if slot_round(word) != self._round:
+            return 0
+        return min(self.coll.parties, arrivals(word))

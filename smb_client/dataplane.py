@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 from smb_client import transports
 from smb_protocol.addressing import parse_endpoint
-from smb_protocol.errors import InvalidArgument, ServerUnavailable
+from smb_protocol.errors import Closed, InvalidArgument, ServerUnavailable
 from smb_protocol.placement import ExtentPlace
 from smb_protocol.rdma import verbs
 
@@ -34,6 +34,8 @@ from .futures import wait_all
 from .transports import Session
 
 log = logging.getLogger(__name__)
+
+CLOSED = "the client's data plane is closed (Client.close was called); make a new client with smb_client.connect()"
 
 T = TypeVar("T")
 TRANSPORT_POLICIES = ("auto", "tcp", "shm", "rdma")
@@ -171,7 +173,7 @@ class DataPlane:
         session, made when missing."""
         with self._lock:
             if self._closed:
-                raise ServerUnavailable("the client's data plane is closed")
+                raise Closed(CLOSED)
             served = self._served.setdefault(place.server_id, place)
             chosen = self._coordinating if coordination else self._chosen
             uri = chosen.get(place.server_id)
@@ -232,7 +234,7 @@ class DataPlane:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise ServerUnavailable("the client's data plane is closed (Client.close was called)")
+            raise Closed(CLOSED)
 
     def close(self) -> None:
         """Refuse new work, wait for submitted work, then close every session. Idempotent."""

@@ -43,6 +43,7 @@ from typing import Protocol
 from smb_protocol.dtypes import DType
 from smb_protocol.errors import ExtentNotFound, NotPrimary, ServerUnavailable, SMBError, TicketExpired
 from smb_protocol.placement import ExtentPlace
+from smb_protocol.rounds import ChunkRound
 
 from .region import Region
 from .route import FAILOVER_TIMEOUT, name_server
@@ -82,14 +83,14 @@ class Owner(Protocol):
 
 
 class _Task:
-    __slots__ = ("chunk", "slot", "base", "parts", "dt", "seq", "nbytes", "future", "in_flight",
+    __slots__ = ("chunk", "slot", "round", "parts", "dt", "seq", "nbytes", "future", "in_flight",
                  "attempts", "ticket", "stream", "moved_at", "pause")
 
-    def __init__(self, chunk: Chunk, slot: int, base: int, parts: Sequence[memoryview], dt: DType,
+    def __init__(self, chunk: Chunk, round_: int, parts: Sequence[memoryview], dt: DType,
                  seq: int) -> None:
         self.chunk = chunk
-        self.slot = slot
-        self.base = base
+        self.slot = round_ % 2
+        self.round = round_
         self.parts = list(parts)
         self.dt = dt
         self.seq = seq
@@ -123,11 +124,10 @@ class Exchanger:
         self._thread.start()
 
     # -- the round's side -------------------------------------------------------------
-    def submit(self, chunk: Chunk, slot: int, base: int, parts: Sequence[memoryview],
-               dt: DType) -> Future[None]:
-        """Queue ``chunk``'s share of the round that starts at count ``base`` (slot
-        ``slot``); the future ends once its sum is in ``parts``."""
-        task = _Task(chunk, slot, base, parts, dt, self.coll.region.route.next_seq())
+    def submit(self, chunk: Chunk, round_: int, parts: Sequence[memoryview], dt: DType) -> Future[None]:
+        """Queue ``chunk``'s share of round ``round_``; the future ends once its sum is in
+        ``parts``."""
+        task = _Task(chunk, round_, parts, dt, self.coll.region.route.next_seq())
         self._queue_task(task)
         return task.future
 
@@ -206,8 +206,8 @@ class Exchanger:
         task.ticket = route.ticket
         c = task.chunk
         stream.send(task.ticket, Reduction(
-            place.extent_id, c.slots[task.slot], task.parts, task.dt, c.words[task.slot], task.base,
-            self.coll.parties, self.coll.timeout, task.seq,
+            place.extent_id, c.slots[task.slot], task.parts, task.dt,
+            ChunkRound(c.words[task.slot], self.coll.parties, task.round), self.coll.timeout, task.seq,
             pushed=lambda: self._pushed(task), done=lambda err: self._done(task, err)))
 
     def _pushed(self, task: _Task) -> None:

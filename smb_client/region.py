@@ -33,6 +33,7 @@ from smb_protocol.placement import ExtentPlace, Layout, Run
 from smb_protocol.tickets import TicketMode
 from smb_protocol.wire import WaitCond
 
+from . import cuda
 from .buffers import as_view
 from .region_async import AsyncForms
 from .route import RegionSource, Route, in_slices, layout_of, until
@@ -160,7 +161,9 @@ class Region(AsyncForms):
 
     # -- bytes ---------------------------------------------------------------------
     def write(self, offset: int, data: Any) -> None:
-        """Write ``data`` (bytes, numpy array, torch CPU tensor) at ``offset`` bytes."""
+        """Write ``data`` (bytes, numpy array, torch tensor) at ``offset`` bytes."""
+        if cuda.is_cuda(data):
+            return cuda.write(self, offset, data)
         self.route.check_writable()
         view, _ = as_view(data)
         self.layout.check_range(offset, len(view))
@@ -169,6 +172,8 @@ class Region(AsyncForms):
 
     def read_into(self, offset: int, out: Any) -> Any:
         """Fill the writable buffer ``out`` from ``offset``; returns ``out``."""
+        if cuda.is_cuda(out):
+            return cuda.read_into(self, offset, out)
         view, _ = as_view(out, writable=True)
         self.layout.check_range(offset, len(view))
         tasks = self._tasks(offset, view, 1, _read, numbered=False)
@@ -178,6 +183,9 @@ class Region(AsyncForms):
     def read(self, offset: int = 0, length: int | None = None, dtype: Any = None) -> Any:
         """``length`` bytes from ``offset`` (default: to the end), as a bytearray, or as a
         numpy array of ``dtype`` (bfloat16 comes back as its uint16 bit patterns)."""
+        if isinstance(length, str):   # read(0, "float32"): the type where the length goes
+            raise InvalidArgument(f"read(offset, length, dtype): the length {length!r} is a type; pass it as "
+                                  f"dtype=, e.g. read({offset!r}, dtype={length!r}) for the rest of the region")
         if length is None:
             length = self.size - offset
         self.layout.check_range(offset, length)
@@ -206,6 +214,8 @@ class Region(AsyncForms):
 
     def accumulate(self, offset: int, data: Any, dtype: Any = None) -> None:
         """Server-side ``region[offset:] += data`` elementwise."""
+        if cuda.is_cuda(data):
+            return cuda.accumulate(self, offset, data, dtype)
         self.route.check_writable()
         view, dt = self._typed(offset, data, dtype)
         tasks = self._tasks(offset, view, itemsize(dt), _accumulate(dt))
@@ -213,6 +223,8 @@ class Region(AsyncForms):
 
     def axpy(self, offset: int, x: Any, alpha: float, dtype: Any = None) -> None:
         """Server-side ``region[offset:] += alpha * x`` elementwise (a floating type)."""
+        if cuda.is_cuda(x):
+            return cuda.accumulate(self, offset, x, dtype, alpha=alpha)
         self.route.check_writable()
         view, dt = self._typed(offset, x, dtype)
         if dt not in FLOATING_TYPES:
@@ -289,6 +301,9 @@ class Region(AsyncForms):
 
     def write_many(self, items: Iterable[tuple[int, Any]]) -> None:
         """Write several ``(offset, data)`` pairs, all servers in parallel."""
+        items = list(items)
+        if any(cuda.is_cuda(data) for _, data in items):
+            return cuda.write_many(self, items)
         self.route.check_writable()
 
         def plan(offset: int, data: Any) -> list[Callable[[], Any]]:
@@ -300,6 +315,9 @@ class Region(AsyncForms):
     def read_many(self, items: Iterable[tuple[int, Any]]) -> list[Any]:
         """Fill several ``(offset, out)`` buffers, all servers in parallel; returns the
         buffers, in order (as :meth:`read_into` returns its buffer)."""
+        items = list(items)
+        if any(cuda.is_cuda(out) for _, out in items):
+            return cuda.read_many(self, items)
         outs: list[Any] = []
 
         def plan(offset: int, out: Any) -> list[Callable[[], Any]]:
@@ -346,6 +364,9 @@ class Region(AsyncForms):
 
     def accumulate_many(self, items: Iterable[tuple[int, Any]], dtype: Any = None) -> None:
         """Accumulate several ``(offset, data)`` pairs, all servers in parallel."""
+        items = list(items)
+        if any(cuda.is_cuda(data) for _, data in items):
+            return cuda.write_many(self, items, accumulate_as=dtype)
         self.route.check_writable()
 
         def plan(offset: int, data: Any) -> list[Callable[[], Any]]:

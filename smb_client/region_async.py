@@ -21,6 +21,8 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from .cuda import on_caller_stream
+
 if TYPE_CHECKING:
     from .route import Route
 
@@ -52,7 +54,8 @@ class AsyncForms:
         def accumulate_many(self, items: Iterable[tuple[int, Any]], dtype: Any = None) -> None: ...
 
     def _submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Future[T]:
-        return self.route.submit(fn, *args, **kwargs)
+        # a CUDA tensor's staging runs after the work queued on the caller's stream
+        return self.route.submit(on_caller_stream(fn, args), *args, **kwargs)
 
     # -- futures --------------------------------------------------------------------
     def write_async(self, offset: int, data: Any) -> Future[None]:

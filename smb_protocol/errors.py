@@ -12,6 +12,7 @@ below is built from the tree, none is kept by hand.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from typing import ClassVar
 
 
@@ -51,6 +52,8 @@ class Status(enum.IntEnum):
     REGION_LOST = 26
     LOCK_NOT_HELD = 27
     NOT_PRIMARY = 28
+    ROUND_MISMATCH = 29
+    CLOSED = 30
 
 
 class SMBError(Exception):
@@ -111,9 +114,18 @@ class Timeout(SMBError):
 
 
 class BarrierTimeout(Timeout):
-    """Not every party reached the barrier in time."""
+    """Not every party reached the barrier in time. ``arrived`` and ``parties`` count
+    them, ``missing`` lists the ranks that did not come (each None where unknown); the
+    controller sends them beside the message (:mod:`smb_protocol.waits`)."""
 
     status: ClassVar[Status] = Status.BARRIER_TIMEOUT
+
+    def __init__(self, message: str = "", *, arrived: int | None = None, parties: int | None = None,
+                 missing: Sequence[int] | None = None) -> None:
+        super().__init__(message)
+        self.arrived = arrived
+        self.parties = parties
+        self.missing = None if missing is None else list(missing)
 
 
 class NotFound(SMBError):
@@ -229,6 +241,25 @@ class LockNotHeld(SMBError):
     grpc_code: ClassVar[str] = "FAILED_PRECONDITION"
 
 
+class RoundMismatch(SMBError):
+    """A collective's push or pull that does not belong to the round its chunk is in, or
+    a party beyond the collective's ``parties``: a party that opened the collective after
+    the others went past its first round, one that came back after a restart, or a
+    replayed request. The memory server refuses it, so that nothing is added into another
+    round's sum; the collective cannot go on for this party. Every party makes a new
+    collective (a new name) to start over."""
+
+    status: ClassVar[Status] = Status.ROUND_MISMATCH
+
+
+class Closed(SMBError):
+    """An object used after its ``close()``: a client, its data plane, a process group.
+    A mistake in the caller, not a passing failure: it is no :class:`Unavailable`, so a
+    retry policy of base classes never retries it. Open a new one instead."""
+
+    status: ClassVar[Status] = Status.CLOSED
+
+
 class ProtocolError(SMBError):
     """A peer spoke the wire protocol wrongly."""
 
@@ -314,6 +345,6 @@ __all__ = [
     "BarrierTimeout", "NotFound", "RegionNotFound", "ExtentNotFound", "ServerNotFound",
     "RegionExists", "RegionLost", "OutOfMemory", "PermissionDenied", "AuthenticationError", "InvalidTicket",
     "TicketExpired", "ReadOnly", "InvalidArgument", "OutOfRange", "Misaligned", "DtypeError",
-    "LockNotHeld", "ProtocolError", "ServerError", "Status", "error_class", "error_classes", "error_status",
-    "status_error", "wire_class",
+    "LockNotHeld", "RoundMismatch", "Closed", "ProtocolError", "ServerError", "Status", "error_class",
+    "error_classes", "error_status", "status_error", "wire_class",
 ]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -141,6 +142,13 @@ class Layout:
 
     # -- mapping ------------------------------------------------------------------
     def check_range(self, offset: int, length: int) -> None:
+        """OutOfRange unless ``[offset, offset+length)`` lies in the region;
+        InvalidArgument when either is not a whole number (of bytes)."""
+        try:
+            offset, length = operator.index(offset), operator.index(length)
+        except TypeError:
+            raise InvalidArgument(f"offset and length are whole numbers of bytes, not {offset!r} "
+                                  f"and {length!r}") from None
         if offset < 0 or length < 0 or offset + length > self.size:
             raise OutOfRange(
                 f"range [{offset}, {offset + length}) outside region of {self.size} bytes")

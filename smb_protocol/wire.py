@@ -121,40 +121,31 @@ WRITE_OPS = frozenset({Op.WRITE, Op.ACCUMULATE, Op.SCALE, Op.AXPY, Op.FETCH_ADD,
 #: word's value (8 bytes) or an error (TIMEOUT, LOCK_NOT_HELD).
 COORD_OPS = frozenset({Op.WAIT, Op.LOCK, Op.UNLOCK})
 #: a collective's chunk requests (``smb_client/collective.py``), each on a chunk of at most
-#: :data:`MAX_CHUNK` bytes with its int64 count word (``arg0``, an extent offset) in the
-#: same extent. PUSH (payload, ``dtype``): waits until the count is >= ``arg1`` (the
-#: round's base), stores the payload when the count equals it (the round's first arrival)
-#: and adds it otherwise, then adds 1 to the count; answers the count before. PULL: waits
-#: until the count is >= ``arg1``, answers the chunk's bytes, then adds 1 to the count
-#: (the chunk may be overwritten once every party pulled it). ``alpha``: the wait's
-#: timeout (s). Both are numbered (exactly once, a repeated PULL sends the bytes again
-#: and counts nothing).
+#: :data:`MAX_CHUNK` bytes with its int64 count word in the same extent. Each names the
+#: round it belongs to (:class:`smb_protocol.rounds.ChunkRound`): ``arg0`` packs the count
+#: word's offset (low 48 bits) and the number of parties (above), ``arg1`` is the round
+#: (from 0; bit 62 marks a broadcast root's push); ``alpha`` is the wait's timeout (s).
+#: The count word names the round its slot holds and its arrivals, and the server refuses
+#: a push or pull that does not fit it with ``ROUND_MISMATCH`` (see :mod:`smb_protocol.rounds`).
+#: PUSH (payload, ``dtype``): waits until the slot's previous round ended, stores the
+#: payload as the round's first arrival or adds it, and counts the arrival; answers the
+#: count word before. PULL: waits until every party's push is in, answers the chunk's
+#: bytes, then counts the pull (the chunk may be overwritten once every party pulled it).
+#: Both are numbered (exactly once; a repeated PULL sends the bytes again and counts
+#: nothing, or is refused once a later round overwrote them).
 #:
 #: REDUCE is a PUSH and its PULL in one request, for connections that pipeline
-#: (``smb_client/transports/stream.py``): ``arg0`` packs the count word's offset (low 48
-#: bits) and the number of parties (high 16 bits), ``arg1`` is the round's base. The
-#: server answers twice, under the request's ``req_id``: once the push is applied, an
-#: answer of kind :data:`PUSHED` (8 bytes: the count before); then, as soon as the count
-#: reaches base + parties (every party's push landed), the chunk's sum (kind
-#: :data:`FINAL`), and counts the pull. The pull is numbered ``seq + 1`` (a client spaces
-#: its numbers). Answers of different requests on one connection may interleave at
-#: frame boundaries; an error is always a final answer.
+#: (``smb_client/transports/stream.py``), with the fields of a PUSH. The server answers
+#: twice, under the request's ``req_id``: once the push is applied, an answer of kind
+#: :data:`PUSHED` (8 bytes: the count word before); then, as soon as every party's push
+#: landed, the chunk's sum (kind :data:`FINAL`), and counts the pull. The pull is
+#: numbered ``seq + 1`` (a client spaces its numbers). Answers of different requests on
+#: one connection may interleave at frame boundaries; an error is always a final answer,
+#: and no request gets an answer after its final one.
 COLLECTIVE_OPS = frozenset({Op.PUSH, Op.PULL, Op.REDUCE})
 MAX_CHUNK = 4 << 20         # bytes of one PUSH, PULL or REDUCE
-REDUCE_WORD_BITS = 48       # bits of a REDUCE's arg0 that hold the count word's offset
-MAX_PARTIES = (1 << 15) - 1  # parties a REDUCE can name
 FINAL = 0                   # answer kind (the response's fourth byte): the request's last answer
 PUSHED = 1                  # answer kind: a REDUCE's push took effect; its sum follows
-
-
-def pack_reduce_word(word: int, parties: int) -> int:
-    """A REDUCE's ``arg0``: the count word's offset and the number of parties."""
-    return word | (parties << REDUCE_WORD_BITS)
-
-
-def unpack_reduce_word(arg0: int) -> tuple[int, int]:
-    """(word offset, parties) of a REDUCE's ``arg0``."""
-    return arg0 & ((1 << REDUCE_WORD_BITS) - 1), (arg0 >> REDUCE_WORD_BITS) & 0xFFFF
 
 
 def pack_request(op: int, req_id: int = 0, extent_id: int = 0, offset: int = 0, length: int = 0,

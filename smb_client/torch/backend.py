@@ -4,7 +4,9 @@
     torch.distributed.init_process_group("smb")     # under torchrun; then plain DDP
 
 Rank, world size and the c10d store come from ``init_process_group``, the memory box
-from ``SMB_CONTROLLER`` and ``SMB_TOKEN`` (:func:`smb_client.connect`). CPU tensors only.
+from ``SMB_CONTROLLER`` and ``SMB_TOKEN`` (:func:`smb_client.connect`). CPU and CUDA
+tensors (a CUDA tensor is staged through pinned host memory, :mod:`smb_client.cuda`, so
+DDP on a CUDA model runs unchanged).
 
 Every operation is a :class:`~smb_client.collective.Collective` round, made lazily per
 *size class* (a power of two, at least :data:`MIN_CLASS` bytes): rank 0 creates
@@ -62,10 +64,11 @@ from torch._C._distributed_c10d import (
 )
 from torch.distributed.distributed_c10d import GroupName
 
-from smb_protocol.errors import DtypeError, InvalidArgument, SMBError, Timeout
+from smb_protocol.errors import Closed, DtypeError, InvalidArgument, SMBError, Timeout
 
 from ..client import Client, connect
 from ..collective import Collective
+from ..cuda import on_caller_stream
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +94,7 @@ def register() -> None:
     global _registered
     if _registered or not dist.is_available():
         return
-    dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu"])
+    dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu", "cuda"])
     _registered = True
 
 
@@ -117,7 +120,7 @@ def _check_reduce(op: Any, tensors: Sequence[torch.Tensor]) -> bool:
     if name not in ("SUM", "AVG"):
         raise UnsupportedOperation(f"the smb backend reduces with SUM and AVG only, not {name}")
     for t in tensors:
-        _check_cpu(t)
+        _check_device(t)
         allowed = AVERAGEABLE if name == "AVG" else REDUCIBLE
         if t.dtype not in allowed:
             raise UnsupportedOperation(
@@ -126,9 +129,9 @@ def _check_reduce(op: Any, tensors: Sequence[torch.Tensor]) -> bool:
     return name == "AVG"
 
 
-def _check_cpu(t: torch.Tensor) -> None:
-    if t.device.type != "cpu":
-        raise UnsupportedOperation(f"the smb backend takes CPU tensors, not {t.device}")
+def _check_device(t: torch.Tensor) -> None:
+    if t.device.type not in ("cpu", "cuda"):
+        raise UnsupportedOperation(f"the smb backend takes CPU and CUDA tensors, not {t.device}")
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -235,8 +238,15 @@ class SMBProcessGroup(ProcessGroup):
         return dist.distributed_c10d._world.pg_names.get(self, GroupName(self.prefix))
 
     # -- the worker -----------------------------------------------------------------
-    def _submit(self, fn: Callable[[], Any], what: str) -> SMBWork:
-        future: torch.futures.Future[Any] = torch.futures.Future()
+    def _submit(self, fn: Callable[[], Any], what: str, tensors: Sequence[torch.Tensor] = ()) -> SMBWork:
+        """Run ``fn`` on the worker thread; ``tensors``: the operation's tensors. With CUDA
+        ones, the worker runs on the caller's current stream (staging starts after the
+        caller's queued work) and the future is a CUDA one (its waiters' streams wait for
+        the copies back)."""
+        devices: list[int | str | torch.device] = sorted({t.device for t in tensors if t.is_cuda}, key=str)
+        future: torch.futures.Future[Any] = torch.futures.Future(devices=devices) if devices \
+            else torch.futures.Future()
+        fn = on_caller_stream(fn, list(tensors))
 
         def run() -> None:
             try:
@@ -252,7 +262,7 @@ class SMBProcessGroup(ProcessGroup):
                 future.set_result(result)
         with self._lock:
             if self._closed:
-                raise InvalidArgument(f"process group {self.prefix} is shut down")
+                raise Closed(f"process group {self.prefix} is shut down (destroy_process_group was called)")
             self._worker.submit(run)
         return SMBWork(future, what)
 
@@ -304,7 +314,7 @@ class SMBProcessGroup(ProcessGroup):
             for t in tensors:
                 self._reduce(t, average)
             return tensors
-        return self._submit(run, "all_reduce")
+        return self._submit(run, "all_reduce", tensors)
 
     allreduce_coalesced = allreduce
 
@@ -312,7 +322,7 @@ class SMBProcessGroup(ProcessGroup):
         """Give every rank the root rank's tensors (any dtype)."""
         root = opts.rootRank if opts is not None else 0
         for t in tensors:
-            _check_cpu(t)
+            _check_device(t)
 
         def run() -> list[torch.Tensor]:
             for t in tensors:
@@ -330,7 +340,7 @@ class SMBProcessGroup(ProcessGroup):
                 if buf is not t:
                     t.copy_(buf)
             return tensors
-        return self._submit(run, "broadcast")
+        return self._submit(run, "broadcast", tensors)
 
     def _gather(self, outputs: list[torch.Tensor], inp: torch.Tensor) -> None:
         """Every rank's ``inp`` into ``outputs[r]`` (worker thread)."""
@@ -348,7 +358,7 @@ class SMBProcessGroup(ProcessGroup):
                   opts: AllgatherOptions | None = None) -> SMBWork:
         """``output_tensors[i][r]`` becomes rank r's ``input_tensors[i]`` (any dtype)."""
         for outs, inp in zip(output_tensors, input_tensors, strict=True):
-            _check_cpu(inp)
+            _check_device(inp)
             if len(outs) != self._size:
                 raise InvalidArgument(f"allgather needs {self._size} output tensors, got {len(outs)}")
 
@@ -356,13 +366,13 @@ class SMBProcessGroup(ProcessGroup):
             for outs, inp in zip(output_tensors, input_tensors, strict=True):
                 self._gather(outs, inp)
             return output_tensors
-        return self._submit(run, "all_gather")
+        return self._submit(run, "all_gather", [*input_tensors, *(t for outs in output_tensors for t in outs)])
 
     def all_gather_single(self, output: torch.Tensor, inp: torch.Tensor,
                           opts: AllgatherOptions | None = None) -> SMBWork:
         """``output`` (``size`` times ``inp``'s elements) becomes every rank's ``inp`` in
         rank order."""
-        _check_cpu(inp)
+        _check_device(inp)
         if output.numel() != inp.numel() * self._size:
             raise InvalidArgument(f"all_gather_into_tensor: output holds {output.numel()} elements, "
                                   f"not {self._size} x {inp.numel()}")
@@ -373,7 +383,7 @@ class SMBProcessGroup(ProcessGroup):
             if flat.data_ptr() != output.data_ptr():
                 output.copy_(flat.view(output.shape))
             return [output]
-        return self._submit(run, "all_gather_into_tensor")
+        return self._submit(run, "all_gather_into_tensor", [inp, output])
 
     _allgather_base = all_gather_single  # type: ignore[assignment]  # the older name
 
@@ -391,7 +401,7 @@ class SMBProcessGroup(ProcessGroup):
                 lo = sum(t.numel() for t in ins[:self._rank])
                 out.copy_(stage[lo:lo + ins[self._rank].numel()].view(out.shape))
             return output_tensors
-        return self._submit(run, "reduce_scatter")
+        return self._submit(run, "reduce_scatter", [*output_tensors, *(t for ins in input_tensors for t in ins)])
 
     def reduce_scatter_single(self, output: torch.Tensor, inp: torch.Tensor,
                              opts: ReduceScatterOptions | None = None) -> SMBWork:
@@ -407,7 +417,7 @@ class SMBProcessGroup(ProcessGroup):
             n = output.numel()
             output.copy_(stage[self._rank * n:(self._rank + 1) * n].view(output.shape))
             return [output]
-        return self._submit(run, "reduce_scatter_tensor")
+        return self._submit(run, "reduce_scatter_tensor", [inp, output])
 
     _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]  # the older name
 

@@ -26,14 +26,17 @@ import os
 import sys
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 
+from smb_protocol.errors import InvalidArgument
+
+from .counters import SharedCounters
 from .job import LEASE, Job
-from .sync import SyncDataParallel
+from .sync import BARRIER_TIMEOUT, DEFAULT_BUCKET_BYTES, DEFAULT_PUBLISH_EVERY, SyncDataParallel
 
 log = logging.getLogger(__name__)
 
@@ -75,18 +78,73 @@ def default_name() -> str:
 
 class DistributedDataParallel(torch.nn.Module):
     """Synchronous data parallelism through the memory box where DDP would wrap
-    ``module`` (see the module). ``options`` go to :class:`SyncDataParallel`
-    (``bucket_bytes``, ``buffers``, ``exchange``, ...); ``name``, ``lease`` and
-    ``job_options`` (``placement``, ``client``, ``env``, ...) to the :class:`Job`. The
-    module stays the caller's; :meth:`close` ends the job."""
+    ``module`` (see the module). The module stays the caller's; :meth:`close` ends the job.
 
-    def __init__(self, module: torch.nn.Module, *, name: str | None = None, lease: float | None = LEASE,
-                 job_options: dict[str, Any] | None = None, **options: Any) -> None:
+    DDP's arguments, in DDP's order, so that a DDP call moves over unchanged:
+
+    * ``broadcast_buffers``: True (or None, DDP's default) gives every replica rank 0's
+      buffers each step (``buffers="broadcast"``), False leaves each its own
+      (``buffers="none"``); ``buffers=`` below says the same, one of them at a time.
+    * ``bucket_cap_mb``: the size of the pushed buckets, in MiB (``bucket_bytes``).
+    * ``process_group``: the workers are torchrun's; a group of another size raises
+      InvalidArgument (the memory box, not the group, carries the gradients).
+    * ``mixed_precision``: not supported (InvalidArgument): gradients are summed in the
+      parameters' own types.
+    * Accepted and without effect here: ``device_ids``, ``output_device`` and ``dim``
+      (one replica per process, on the CPU); ``init_sync`` (every worker always starts
+      from the store's weights, rank 0's); ``find_unused_parameters`` and
+      ``static_graph`` (a parameter without a gradient is found anyway: its bucket is
+      pushed at the end of the backward pass); ``check_reduction``;
+      ``gradient_as_bucket_view`` (the gradients always are views of one flat buffer);
+      ``delay_all_reduce_named_params``, ``param_to_hook_all_reduce``,
+      ``skip_all_reduce_unused_params``, ``bucket_cap_mb_list``, ``batched_grad_copy``,
+      ``forward_sync_buffers`` and ``device_mesh``.
+
+    Then the wrapper's own, keyword only: ``name`` (default :func:`default_name`),
+    ``lease`` and ``job_options`` (a dict of :class:`Job`'s options: ``client``,
+    ``env``, ``placement``, ``grad_slots``, ...) make the job; ``overlap`` through
+    ``priority`` are :class:`SyncDataParallel`'s.
+    """
+
+    def __init__(self, module: torch.nn.Module, device_ids: Sequence[Any] | None = None,
+                 output_device: Any = None, dim: int = 0, broadcast_buffers: bool | None = None,
+                 init_sync: bool = True, process_group: Any = None, bucket_cap_mb: float | None = None,
+                 find_unused_parameters: bool = False, check_reduction: bool = False,
+                 gradient_as_bucket_view: bool = False, static_graph: bool = False,
+                 delay_all_reduce_named_params: Any = None, param_to_hook_all_reduce: Any = None,
+                 mixed_precision: Any = None, device_mesh: Any = None,
+                 skip_all_reduce_unused_params: bool = False, bucket_cap_mb_list: list[int] | None = None,
+                 batched_grad_copy: bool = False, forward_sync_buffers: bool | None = None, *,
+                 name: str | None = None, lease: float | None = LEASE, job_options: dict[str, Any] | None = None,
+                 overlap: bool = True, bucket_bytes: int | None = None, counters: SharedCounters | None = None,
+                 barrier_timeout: float = BARRIER_TIMEOUT, publish_every: int = DEFAULT_PUBLISH_EVERY,
+                 buffers: str | None = None, exchange: str = "auto", worker_hosts: Sequence[str] | None = None,
+                 check_env: bool = True, priority: bool = True) -> None:
         super().__init__()
+        if mixed_precision is not None:
+            raise InvalidArgument("mixed_precision is not supported here: gradients are summed in the "
+                                  "parameters' own types (keep float32 parameters for float32 sums)")
+        if broadcast_buffers is not None and buffers is not None:
+            raise InvalidArgument("give broadcast_buffers= (DDP's) or buffers= (SyncDataParallel's), not both")
+        if bucket_cap_mb is not None and bucket_bytes is not None:
+            raise InvalidArgument("give bucket_cap_mb= (DDP's, MiB) or bucket_bytes=, not both")
+        if buffers is None:
+            buffers = "none" if broadcast_buffers is False else "broadcast"
+        if bucket_bytes is None:
+            bucket_bytes = DEFAULT_BUCKET_BYTES if bucket_cap_mb is None else max(1, int(bucket_cap_mb * (1 << 20)))
         self.module = module
-        self.job = Job(name or default_name(), module, lease=lease, **(job_options or {})).start()
+        self.job = Job(name or default_name(), module, lease=lease, **(job_options or {}))
+        if process_group is not None:
+            size = torch.distributed.get_world_size(process_group)
+            if size != self.job.world:
+                raise InvalidArgument(f"process_group has {size} ranks, but the job trains with torchrun's "
+                                      f"WORLD_SIZE={self.job.world} workers: leave process_group out")
+        self.job.start()
         try:
-            self.dp: SyncDataParallel = self.job.sync(**options)
+            self.dp: SyncDataParallel = self.job.sync(
+                overlap=overlap, bucket_bytes=bucket_bytes, counters=counters, barrier_timeout=barrier_timeout,
+                publish_every=publish_every, buffers=buffers, exchange=exchange, worker_hosts=worker_hosts,
+                check_env=check_env, priority=priority)
         except BaseException:
             self.job.abandon()
             raise

@@ -4,7 +4,9 @@ When the master's :meth:`~smb_client.torch.store.ParameterStore.create` fails un
 :func:`~smb_client.torch.launch.open_store`, the master writes its error into the
 region ``<prefix>/failed`` (an 8-byte length, then JSON: error class name, message,
 time) and raises it; the others look for that region while they wait and raise the same
-error class at once. The next creation under the prefix removes the record.
+error class at once. The next creation under the prefix removes the record, and a
+record made with the store's ``lease`` goes with that lease, so a job that never comes
+back (its name, as the DDP wrapper's, never used again) leaves nothing.
 """
 from __future__ import annotations
 
@@ -33,15 +35,18 @@ def region_name(prefix: str) -> str:
     return f"{prefix}/{KIND}"
 
 
-def publish(client: Client, prefix: str, exc: BaseException) -> None:
+def publish(client: Client, prefix: str, exc: BaseException, lease: float | None = None) -> None:
     """Leave the master's creation error in ``<prefix>/failed`` for the workers waiting
-    to attach (best effort: a failure to do so is only logged)."""
+    to attach (best effort: a failure to do so is only logged). ``lease`` (seconds): the
+    record holds ``client``'s owner lease, as the store's regions would have, and is
+    deleted once nobody renewed it for that long (None: it stays until the next creation
+    under ``prefix`` or :func:`clear`)."""
     doc = json.dumps({"error": errors.wire_class(exc).__name__, "message": str(exc),
                       "time": time.time()}).encode()
     try:
         clear(client, prefix)
         region = client.create_region(region_name(prefix), -(-(len(doc) + LENGTH.size) // PAGE) * PAGE,
-                                      placement="single")
+                                      placement="single", lease=lease)
         try:
             region.write(0, LENGTH.pack(len(doc)) + doc)
         finally:

@@ -43,8 +43,11 @@ class FlatModel:
         self.params: list[torch.nn.Parameter] = [p for _, p in model.named_parameters()]
         self.trainable: list[bool] = [bool(p.requires_grad) for p in self.params]
         n = self.layout.slot_bytes
-        self.param_bytes = torch.zeros(n, dtype=torch.uint8)
-        self.grad_bytes = torch.zeros(n, dtype=torch.uint8)
+        #: where the flat buffers live: the parameters' device (a CUDA one's region
+        #: operations are staged through pinned host memory, see smb_client.cuda)
+        self.device = self.params[0].device if self.params else torch.device("cpu")
+        self.param_bytes = torch.zeros(n, dtype=torch.uint8, device=self.device)
+        self.grad_bytes = torch.zeros(n, dtype=torch.uint8, device=self.device)
         uniform = self.layout.uniform
         self.dtype = torch_dtype(uniform) if uniform else None   # None: mixed types
         self.flat_params = self.param_bytes if self.dtype is None else self.param_bytes.view(self.dtype)

@@ -38,6 +38,7 @@ import hashlib
 import logging
 import os
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,10 +49,11 @@ from smb_protocol.errors import InvalidArgument
 from ..client import Client, connect
 from ..coord import controller_barrier
 from . import checkpoint as ckpt
+from .counters import SharedCounters
 from .launch import READY_TIMEOUT, WorkerEnv, open_store
 from .seasgd import SEASGD
-from .store import ParameterStore
-from .sync import SyncDataParallel
+from .store import SCHEMES, ParameterStore
+from .sync import BARRIER_TIMEOUT, DEFAULT_BUCKET_BYTES, DEFAULT_PUBLISH_EVERY, SyncDataParallel
 
 log = logging.getLogger(__name__)
 
@@ -69,18 +71,27 @@ class Job:
     :meth:`finish` (or :meth:`abandon`). Owns its client unless ``client`` is given;
     the model and the optimizer stay the caller's.
 
-    ``create`` holds :meth:`ParameterStore.create` options (``placement``,
-    ``scheme``, ...); ``workers`` and ``lease`` are the job's.
+    ``checkpoint`` (a file), ``optimizer``, ``lease`` (seconds, None: no lease),
+    ``ready_timeout`` and ``end_timeout`` (seconds) are the job's (see the module);
+    ``client`` and ``env`` default to ones made from the environment.
+
+    The store: ``scheme`` is the trainer it is sized for, ``"sync"`` (the default,
+    for :meth:`sync`) or ``"seasgd"``/``"hybrid"`` (a private delta slot per worker,
+    for :meth:`seasgd`; without them :meth:`seasgd` still trains, keeping no private
+    delta). ``placement``, ``grad_slots``, ``delta_slots``, ``stripe_unit``,
+    ``num_servers``, ``buffers`` and ``replicas`` are :meth:`ParameterStore.create`'s;
+    the job sets its ``workers`` (the world size), ``lease`` and ``replace`` itself.
     """
 
     def __init__(self, name: str, model: torch.nn.Module, *, checkpoint: str | os.PathLike[str] | None = None,
                  optimizer: torch.optim.Optimizer | None = None, client: Client | None = None,
                  env: WorkerEnv | None = None, lease: float | None = LEASE,
                  ready_timeout: float = READY_TIMEOUT, end_timeout: float = END_TIMEOUT,
-                 **create: Any) -> None:
-        for taken in ("workers", "lease", "replace"):
-            if taken in create:
-                raise InvalidArgument(f"job() sets {taken}= itself")
+                 scheme: str | None = None, placement: str = "striped", grad_slots: int | None = None,
+                 delta_slots: int | None = None, stripe_unit: int | None = None, num_servers: int = 0,
+                 buffers: bool = True, replicas: int = 1) -> None:
+        if scheme is not None and scheme not in SCHEMES:
+            raise InvalidArgument(f"unknown scheme {scheme!r}: one of {', '.join(SCHEMES)}")
         self.name = name
         self.model = model
         self.checkpoint = Path(checkpoint) if checkpoint is not None else None
@@ -89,7 +100,10 @@ class Job:
         self.lease = lease
         self.ready_timeout = ready_timeout
         self.end_timeout = end_timeout
-        self.create = create
+        #: the :meth:`ParameterStore.create` options of the job's store
+        self.create: dict[str, Any] = {
+            "scheme": scheme, "placement": placement, "grad_slots": grad_slots, "delta_slots": delta_slots,
+            "stripe_unit": stripe_unit, "num_servers": num_servers, "buffers": buffers, "replicas": replicas}
         self._given_client = client
         self.client: Client | None = None
         self._store: ParameterStore | None = None
@@ -166,15 +180,33 @@ class Job:
         return ckpt.read(self.checkpoint)
 
     # -- trainers -------------------------------------------------------------------
-    def sync(self, **options: Any) -> SyncDataParallel:
-        """A :class:`SyncDataParallel` over the job's store (closed by :meth:`finish`)."""
-        dp = SyncDataParallel(self.store, self.rank, self.world, **options)
+    def sync(self, *, overlap: bool = True, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+             counters: SharedCounters | None = None, barrier_timeout: float = BARRIER_TIMEOUT,
+             publish_every: int = DEFAULT_PUBLISH_EVERY, buffers: str = "broadcast", exchange: str = "auto",
+             worker_hosts: Sequence[str] | None = None, check_env: bool = True,
+             priority: bool = True) -> SyncDataParallel:
+        """A :class:`SyncDataParallel` over the job's store, this worker's rank and the
+        world size (closed by :meth:`finish`); the options are its own."""
+        dp = SyncDataParallel(self.store, self.rank, self.world, overlap=overlap, bucket_bytes=bucket_bytes,
+                              counters=counters, barrier_timeout=barrier_timeout, publish_every=publish_every,
+                              buffers=buffers, exchange=exchange, worker_hosts=worker_hosts,
+                              check_env=check_env, priority=priority)
         self._trainers.append(dp)
         return dp
 
-    def seasgd(self, **options: Any) -> SEASGD:
-        """A :class:`SEASGD` worker over the job's store (closed by :meth:`finish`)."""
-        worker = SEASGD(self.store, self.rank, self.world, **options)
+    def seasgd(self, *, moving_rate: float | None = None, update_interval: int = 4,
+               keep_deltas: bool | None = None, publish_buffers: bool = True) -> SEASGD:
+        """A :class:`SEASGD` worker over the job's store (closed by :meth:`finish`); the
+        options are its own. ``keep_deltas`` (default: when the store has this worker's
+        delta slot, i.e. the job was made with ``scheme="seasgd"``) writes every delta
+        into the worker's private slot as well."""
+        if keep_deltas is None:
+            keep_deltas = self.store.delta_slots > self.rank
+            if not keep_deltas:
+                log.info("job %s: the store has no delta slot for rank %d (job(..., scheme=\"seasgd\") "
+                         "reserves them): SEASGD keeps no private delta", self.name, self.rank)
+        worker = SEASGD(self.store, self.rank, self.world, moving_rate=moving_rate,
+                        update_interval=update_interval, keep_deltas=keep_deltas, publish_buffers=publish_buffers)
         self._trainers.append(worker)
         return worker
 
@@ -249,7 +281,17 @@ class Job:
             self.abandon()
 
 
-def job(name: str, model: torch.nn.Module, **options: Any) -> Job:
-    """The job ``name`` training ``model`` (see :class:`Job` for ``options``):
-    ``with job(...) as j:`` starts it and finishes or abandons it."""
-    return Job(name, model, **options)
+def job(name: str, model: torch.nn.Module, *, checkpoint: str | os.PathLike[str] | None = None,
+        optimizer: torch.optim.Optimizer | None = None, client: Client | None = None,
+        env: WorkerEnv | None = None, lease: float | None = LEASE,
+        ready_timeout: float = READY_TIMEOUT, end_timeout: float = END_TIMEOUT,
+        scheme: str | None = None, placement: str = "striped", grad_slots: int | None = None,
+        delta_slots: int | None = None, stripe_unit: int | None = None, num_servers: int = 0,
+        buffers: bool = True, replicas: int = 1) -> Job:
+    """The job ``name`` training ``model`` (the options are :class:`Job`'s):
+    ``with job(...) as j:`` starts it and finishes or abandons it. For
+    :meth:`Job.seasgd`, ``scheme="seasgd"`` gives every worker its delta slot."""
+    return Job(name, model, checkpoint=checkpoint, optimizer=optimizer, client=client, env=env, lease=lease,
+               ready_timeout=ready_timeout, end_timeout=end_timeout, scheme=scheme, placement=placement,
+               grad_slots=grad_slots, delta_slots=delta_slots, stripe_unit=stripe_unit,
+               num_servers=num_servers, buffers=buffers, replicas=replicas)

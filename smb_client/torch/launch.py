@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from smb_protocol.errors import BarrierTimeout, InvalidArgument
 
-from ..coord import REPORT_EVERY, PartiesMissing, controller_barrier, missing_ranks, ranks_text
+from ..coord import REPORT_EVERY, PartiesMissing, controller_barrier, ranks_text
 from . import failure
 from .flat import FlatModel
 from .store import ParameterStore
@@ -115,24 +115,30 @@ def open_store(client: Client, env: WorkerEnv, prefix: str, model: torch.nn.Modu
     options); everybody meets at the barrier ``<prefix>/ready``; the others then attach
     by name and load the master's parameters, so that all start from the same weights.
 
-    ``members`` is how many processes call this (default: every worker); ``creator``
-    whether this one creates (default: rank 0). ``resume`` (default: when torchrun
+    ``members`` is how many processes call this (default: every worker; more than
+    ``env.world_size`` raises InvalidArgument at once); ``creator`` whether this one
+    creates (default: rank 0). ``resume`` (default: when torchrun
     restarted the group, ``TORCHELASTIC_RESTART_COUNT`` > 0): a store already under
     ``prefix`` is kept and everybody, the master included, attaches to it and loads the
     stored weights; without one, the master creates it as usual. ``on_create(store)``
     runs at the master after it created the store and before the others attach (to
     load a checkpoint into it, say); an error there is published as a creation error.
 
-    When the creation fails, the master leaves its error in ``<prefix>/failed`` and
-    raises it; the others, who look for that record about every second while they wait,
-    raise the same error class within seconds (not after ``ready_timeout``), its
-    message saying that the master failed and why.
+    When the creation fails, the master leaves its error in ``<prefix>/failed`` (under
+    the store's ``lease`` when it has one, so it goes with the job) and raises it; the
+    others, who look for that record about every second while they wait, raise the same
+    error class within seconds (not after ``ready_timeout``), its message saying that
+    the master failed and why.
     """
     parties = env.world_size if members is None else members
     rank = env.rank if members is None else None     # among some members, ranks are not theirs
     creates = env.is_master if creator is None else creator
     if parties < 1:
         raise InvalidArgument(f"members must be >= 1, got {parties}")
+    if parties > env.world_size:
+        raise InvalidArgument(f"open_store(members={parties}), but the launch has WORLD_SIZE={env.world_size} "
+                              f"workers: {parties} members would never all arrive at {prefix}/ready; members "
+                              "counts the workers that call open_store (default: all of them)")
     store = None
     name = f"{prefix}/ready"
     if resume is None:
@@ -148,7 +154,7 @@ def open_store(client: Client, env: WorkerEnv, prefix: str, model: torch.nn.Modu
             if on_create is not None:
                 on_create(store)
         except BaseException as exc:
-            failure.publish(client, prefix, exc)
+            failure.publish(client, prefix, exc, lease=create.get("lease"))
             raise
         controller_barrier(client, name, parties, timeout=ready_timeout, rank=rank)
     else:
@@ -180,7 +186,7 @@ def _await_master(client: Client, prefix: str, name: str, parties: int, timeout:
             client.barrier(name, parties, timeout=min(FAILURE_POLL, remaining), rank=rank)
             return
         except BarrierTimeout as exc:
-            missing = missing_ranks(exc)
+            missing = exc.missing
             if time.monotonic() - reported >= REPORT_EVERY:
                 reported = time.monotonic()
                 log.warning("barrier %s: waiting for %.0f s for the master to create parameter store %s "

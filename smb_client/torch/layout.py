@@ -27,6 +27,7 @@ ELEMENT_BYTES = 4           # float32
 DTYPE = "float32"
 PARAM_DTYPES = ("float32", "bfloat16", "float16")       # what a parameter store holds
 BUFFER_DTYPES = PARAM_DTYPES + ("float64", "int32", "int64")
+DEVICE_TYPES = ("cpu", "cuda")                          # where its tensors may live (CUDA: staged)
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "int32": 4, "int64": 8}
 FLOATING = frozenset({"float32", "bfloat16", "float16", "float64"})
 MIN_STRIPE_UNIT = 4096      # bytes
@@ -111,11 +112,16 @@ class FlatLayout:
 
     @classmethod
     def of_module(cls, module: torch.nn.Module) -> FlatLayout:
-        """The layout of ``module.named_parameters()``: float32, bfloat16 or float16 CPU
-        tensors (mixed types allowed)."""
+        """The layout of ``module.named_parameters()``: float32, bfloat16 or float16
+        tensors (mixed types allowed), all on the CPU or all on one CUDA device."""
         shapes = []
+        devices = set()
         for name, p in module.named_parameters():
             check_tensor(name, p)
+            devices.add(p.device)
+            if len(devices) > 1:
+                raise InvalidArgument(f"parameters on {', '.join(sorted(map(str, devices)))}: the parameter "
+                                      "store needs them all on one device")
             shapes.append((name, tuple(p.shape), dtype_name(p.dtype)))
         return cls.of(shapes)
 
@@ -128,8 +134,9 @@ class FlatLayout:
             if dtype not in BUFFER_DTYPES:
                 raise DtypeError(f"buffer {name!r} is {dtype}; the parameter store holds buffers of "
                                  f"{', '.join(BUFFER_DTYPES)}")
-            if b.device.type != "cpu":
-                raise InvalidArgument(f"buffer {name!r} is on {b.device}; the parameter store needs CPU tensors")
+            if b.device.type not in DEVICE_TYPES:
+                raise InvalidArgument(f"buffer {name!r} is on {b.device}; the parameter store needs CPU or "
+                                      "CUDA tensors")
             shapes.append((name, tuple(b.shape), dtype))
         return cls.of(shapes, allow_empty=True)
 
@@ -249,10 +256,11 @@ def dtype_name(dtype: torch.dtype | str) -> str:
 
 
 def check_tensor(name: str, t: torch.Tensor) -> None:
-    """A float32, bfloat16 or float16 CPU tensor, or a typed error saying what is wrong."""
+    """A float32, bfloat16 or float16 tensor on the CPU or a CUDA device, or a typed
+    error saying what is wrong."""
     if dtype_name(t.dtype) not in PARAM_DTYPES:
         raise DtypeError(f"parameter {name!r} is {dtype_name(t.dtype)}; the parameter store holds "
                          "float32, bfloat16 or float16 (convert the model with .float())")
-    if t.device.type != "cpu":
+    if t.device.type not in DEVICE_TYPES:
         raise InvalidArgument(f"parameter {name!r} is on {t.device}; the parameter store needs CPU "
-                              "tensors (train on CPU or copy to a CPU replica)")
+                              "or CUDA tensors")

@@ -61,7 +61,8 @@ class SEASGD:
         if keep_deltas and store.delta_slots <= rank:
             raise InvalidArgument(f"SEASGD keeps a private delta slot per worker: store {store.prefix!r} has "
                                   f"{store.delta_slots} delta slots, rank {rank} needs {rank + 1} "
-                                  "(create it with delta_slots=workers, or pass keep_deltas=False)")
+                                  "(create it with scheme=\"seasgd\", workers=<world>, under job() with "
+                                  "job(..., scheme=\"seasgd\"); or pass keep_deltas=False)")
         self.store = store
         self.flat = store.flat
         self.rank = rank

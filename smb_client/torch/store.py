@@ -88,8 +88,9 @@ def _nbytes(data: Data) -> int:
 
 
 def _raw(data: Any) -> Any:
-    """Byte tensors (a mixed-type flat buffer) travel as numpy bytes; typed ones as is."""
-    if isinstance(data, torch.Tensor) and data.dtype == torch.uint8:
+    """Byte tensors (a mixed-type flat buffer) travel as numpy bytes; typed ones (and CUDA
+    ones, staged as bytes) as is."""
+    if isinstance(data, torch.Tensor) and data.dtype == torch.uint8 and not data.is_cuda:
         return data.numpy()
     return data
 

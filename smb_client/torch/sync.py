@@ -73,6 +73,7 @@ from smb_protocol.hostinfo import host_id
 
 from ..collective import AllReduce, Collective
 from ..coord import Attendance, Barrier, controller_barrier
+from ..cuda_round import StagedRound
 from ..futures import wait_all
 from .counters import SYNC_BARRIER_WORD, SharedCounters
 from .flat import GradientHooks
@@ -195,7 +196,7 @@ class SyncDataParallel:
         self._barrier_ready = False                # the first step zeroes the word (see _meet)
         self.exchange = exchange
         self._coll: Collective | None = None
-        self._round: AllReduce | None = None
+        self._round: AllReduce | StagedRound | None = None
         if exchange == "collective":
             self._coll = self._open_collective(self._worker_hosts(worker_hosts))
             self._coll.roll = self.roll
@@ -257,7 +258,7 @@ class SyncDataParallel:
                                    priority=self.priority)
         return coll
 
-    def _begin_round(self) -> AllReduce:
+    def _begin_round(self) -> AllReduce | StagedRound:
         if self._round is None:
             assert self._coll is not None
             self._round = self._coll.begin(self.flat.flat_grads, runs=self._runs, hold=self._hold)

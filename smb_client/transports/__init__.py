@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from smb_protocol.addressing import Endpoint
 from smb_protocol.dtypes import DType
 from smb_protocol.errors import InvalidArgument
+from smb_protocol.rounds import ChunkRound
 
 if TYPE_CHECKING:
     from .stream import ReduceStream
@@ -98,17 +99,16 @@ class Session(abc.ABC):
         raise self._no_coordination("unlock")
 
     def push(self, ticket: str, extent_id: int, offset: int, buffers: Sequence[memoryview], dtype: DType,
-             word: int, base: int, timeout: float, seq: int = 0) -> int:
-        """A collective's ``PUSH`` (see :data:`smb_protocol.wire.COLLECTIVE_OPS`): store or
-        add ``buffers`` at ``offset`` once the count ``word`` reached ``base``, waiting up
-        to ``timeout`` seconds; the count before."""
+             ref: ChunkRound, timeout: float, seq: int = 0) -> int:
+        """A collective's ``PUSH`` of ``buffers`` at ``offset`` into the round ``ref``
+        names (see :data:`smb_protocol.wire.COLLECTIVE_OPS`), waiting up to ``timeout``
+        seconds for the slot; the count word before."""
         raise self._no_coordination("push")
 
-    def pull(self, ticket: str, extent_id: int, offset: int, buffers: Sequence[memoryview], word: int,
-             target: int, timeout: float, seq: int = 0) -> None:
-        """A collective's ``PULL`` into ``buffers`` once the count ``word`` reached
-        ``target``, waiting up to ``timeout`` seconds (see
-        :data:`smb_protocol.wire.COLLECTIVE_OPS`)."""
+    def pull(self, ticket: str, extent_id: int, offset: int, buffers: Sequence[memoryview],
+             ref: ChunkRound, timeout: float, seq: int = 0) -> None:
+        """A collective's ``PULL`` of the round ``ref`` names into ``buffers``, waiting up
+        to ``timeout`` seconds for every push (see :data:`smb_protocol.wire.COLLECTIVE_OPS`)."""
         raise self._no_coordination("pull")
 
     def reductions(self) -> ReduceStream | None:

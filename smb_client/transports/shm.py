@@ -57,6 +57,7 @@ from smb_protocol.errors import (
     ServerUnavailable,
     status_error,
 )
+from smb_protocol.rounds import ChunkRound
 
 from . import Session, register
 
@@ -377,12 +378,12 @@ class ShmSession(Session):
         return self._server().unlock(ticket, extent_id, offset, holder)
 
     def push(self, ticket: str, extent_id: int, offset: int, buffers: Sequence[memoryview], dtype: DType,
-             word: int, base: int, timeout: float, seq: int = 0) -> int:
-        return self._server().push(ticket, extent_id, offset, buffers, dtype, word, base, timeout, seq)
+             ref: ChunkRound, timeout: float, seq: int = 0) -> int:
+        return self._server().push(ticket, extent_id, offset, buffers, dtype, ref, timeout, seq)
 
-    def pull(self, ticket: str, extent_id: int, offset: int, buffers: Sequence[memoryview], word: int,
-             target: int, timeout: float, seq: int = 0) -> None:
-        self._server().pull(ticket, extent_id, offset, buffers, word, target, timeout, seq)
+    def pull(self, ticket: str, extent_id: int, offset: int, buffers: Sequence[memoryview],
+             ref: ChunkRound, timeout: float, seq: int = 0) -> None:
+        self._server().pull(ticket, extent_id, offset, buffers, ref, timeout, seq)
 
     def close(self) -> None:
         """Unmaps every extent; the arithmetic session belongs to the caller."""

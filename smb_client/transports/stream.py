@@ -30,6 +30,7 @@ from typing import Protocol
 from smb_protocol import wire
 from smb_protocol.dtypes import DType
 from smb_protocol.errors import ProtocolError, ServerUnavailable, SMBError, status_error
+from smb_protocol.rounds import ChunkRound
 
 from .errors import ConnectionBroken
 
@@ -50,25 +51,22 @@ class Connection(Protocol):
 
 class Reduction:
     """One ``REDUCE`` in flight: push ``parts`` (``dtype`` elements) as the chunk at
-    ``offset`` of extent ``extent_id`` in the round that starts at count ``base`` among
-    ``parties``, and receive the sum into ``parts``. ``pushed()`` is called when the
+    ``offset`` of extent ``extent_id`` into the round ``ref`` names, and receive the sum
+    into ``parts``. ``pushed()`` is called when the
     push took effect, ``done(error)`` once with None (the sum is in ``parts``) or the
     typed error; both run on the stream's receiving thread and must be quick."""
 
-    __slots__ = ("extent_id", "offset", "parts", "nbytes", "dtype", "word", "base", "parties",
-                 "timeout", "seq", "pushed", "done")
+    __slots__ = ("extent_id", "offset", "parts", "nbytes", "dtype", "ref", "timeout", "seq", "pushed", "done")
 
     def __init__(self, extent_id: int, offset: int, parts: Sequence[memoryview], dtype: DType,
-                 word: int, base: int, parties: int, timeout: float, seq: int,
+                 ref: ChunkRound, timeout: float, seq: int,
                  pushed: Callable[[], None], done: Callable[[SMBError | None], None]) -> None:
         self.extent_id = extent_id
         self.offset = offset
         self.parts = list(parts)
         self.nbytes = sum(len(p) for p in self.parts)
         self.dtype = dtype
-        self.word = word
-        self.base = base
-        self.parties = parties
+        self.ref = ref
         self.timeout = timeout
         self.seq = seq
         self.pushed = pushed
@@ -116,9 +114,9 @@ class ReduceStream:
             if broke:
                 r.done(ConnectionBroken(f"{self.where}: the connection broke"))
                 return
+            arg0, arg1 = r.ref.args()
             frames.append(wire.pack_request(
-                wire.Op.REDUCE, req_id, r.extent_id, r.offset, r.nbytes, r.dtype,
-                wire.pack_reduce_word(r.word, r.parties), r.base, r.timeout,
+                wire.Op.REDUCE, req_id, r.extent_id, r.offset, r.nbytes, r.dtype, arg0, arg1, r.timeout,
                 client=conn.client_id if r.seq else 0, seq=r.seq))
             frames += r.parts
             try:

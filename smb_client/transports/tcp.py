@@ -47,6 +47,7 @@ from smb_protocol.errors import (
     Timeout,
     status_error,
 )
+from smb_protocol.rounds import ChunkRound
 from smb_protocol.tls import TLS_SCHEME, TLSConfig, is_trust_failure, untrusted
 
 from . import Session, register
@@ -335,15 +336,17 @@ class TcpSession(Session):
         return int(_WORD.unpack(body)[0])
 
     def push(self, ticket: str, extent_id: int, offset: int, buffers: Sequence[memoryview], dtype: DType,
-             word: int, base: int, timeout: float, seq: int = 0) -> int:
+             ref: ChunkRound, timeout: float, seq: int = 0) -> int:
+        arg0, arg1 = ref.args()
         body = self._do(ticket, wire.Op.PUSH, extent_id, offset, sum(len(b) for b in buffers), dtype=dtype,
-                        arg0=word, arg1=base, alpha=timeout, payload=buffers, seq=seq, waits=timeout)
+                        arg0=arg0, arg1=arg1, alpha=timeout, payload=buffers, seq=seq, waits=timeout)
         return int(_WORD.unpack(body)[0])
 
-    def pull(self, ticket: str, extent_id: int, offset: int, buffers: Sequence[memoryview], word: int,
-             target: int, timeout: float, seq: int = 0) -> None:
-        self._do(ticket, wire.Op.PULL, extent_id, offset, sum(len(b) for b in buffers), arg0=word,
-                 arg1=target, alpha=timeout, into=buffers, seq=seq, waits=timeout)
+    def pull(self, ticket: str, extent_id: int, offset: int, buffers: Sequence[memoryview],
+             ref: ChunkRound, timeout: float, seq: int = 0) -> None:
+        arg0, arg1 = ref.args()
+        self._do(ticket, wire.Op.PULL, extent_id, offset, sum(len(b) for b in buffers), arg0=arg0,
+                 arg1=arg1, alpha=timeout, into=buffers, seq=seq, waits=timeout)
 
     def reductions(self) -> ReduceStream | None:
         """The pipelined ``REDUCE`` stream to this server (made on first use; one per

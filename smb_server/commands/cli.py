@@ -27,6 +27,14 @@ from smb_server.runtime.config import (
 
 # set on the top-level parser; a daemon reads them from there (see _flags)
 GLOBAL_SETTINGS = ("log_level", "log_format")
+# `smb server drain|undrain|remove`: the memory-server settings they read (pool.admin_client)
+ADMIN_ACTIONS = ("drain", "undrain", "remove")
+ADMIN_SETTINGS = ("controller", "token", "secret_file", "tls_ca", "tls_cert", "tls_key", "server_id", "state_dir")
+ADMIN_CREDENTIAL = ("The operator's credential comes from SMB_ADMIN_TOKEN (or the file SMB_ADMIN_TOKEN_FILE "
+                    "names), else it is derived from the shared secret (--secret-file or SMB_SECRET), as on "
+                    "a memory-server host.")
+# the exit status when stdout's reader went away (`smb status | head`), as after SIGPIPE
+BROKEN_PIPE_EXIT = 141
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -37,13 +45,13 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="bearer token (default: env SMB_TOKEN, which is better: a flag shows in ps)")
 
 
-def add_setting_flags(p: argparse.ArgumentParser, cls: type) -> None:
+def add_setting_flags(p: argparse.ArgumentParser, cls: type, only: Sequence[str] | None = None) -> None:
     """One flag per setting of ``cls`` (``--<name-with-dashes>`` and its aliases), with
-    the setting's documentation, default and variable as help. Values stay text (None
-    when not given) and are converted and checked by :func:`~smb_server.runtime.config.load`,
-    so a bad flag is reported like a bad file key."""
+    the setting's documentation, default and variable as help (``only``: just these
+    settings). Values stay text (None when not given) and are converted and checked by
+    :func:`~smb_server.runtime.config.load`, so a bad flag is reported like a bad file key."""
     for f in settings(cls):
-        if f.name in GLOBAL_SETTINGS:
+        if f.name in GLOBAL_SETTINGS or (only is not None and f.name not in only):
             continue
         meta = f.metadata
         default = default_of(f)
@@ -57,6 +65,48 @@ def add_setting_flags(p: argparse.ArgumentParser, cls: type) -> None:
         p.add_argument("--" + f.name.replace("_", "-"), *meta.get("aliases", ()), dest=f.name,
                        default=None, metavar=metavar, **extra,
                        help=f"{meta['doc']} ({shown}; env SMB_{f.name.upper()}; key {f.name})")
+
+
+def _admin_options(p: argparse.ArgumentParser, drain: bool) -> None:
+    """The options of ``smb server drain`` (``drain``) or undrain/remove besides the settings."""
+    if drain:
+        p.add_argument("--evacuate", action="store_true",
+                       help="drain: also move every copy the server holds to other servers, and follow "
+                            "the moves until it holds nothing")
+        p.add_argument("--timeout", type=float, default=None,
+                       help="drain --evacuate: stop following after this many seconds (exit 1; the moves go on)")
+        p.add_argument("--quiet", action="store_true", help="drain --evacuate: no progress output")
+    p.add_argument("--config", default=None, help=f"TOML file (default {DEFAULT_SERVER_FILE} if present)")
+
+
+def admin_parser(action: str) -> argparse.ArgumentParser:
+    """What ``smb server ACTION --help`` shows for drain, undrain and remove: the options
+    that action reads, not the daemon's settings (parsing stays ``smb server``'s)."""
+    what = {"drain": "The memory server takes no new extents; the regions it holds keep working "
+                     "(--evacuate: every copy it holds moves to other servers)",
+            "undrain": "A drained memory server takes new extents again",
+            "remove": "Forget a drained memory server that holds nothing"}[action]
+    p = argparse.ArgumentParser(prog=f"smb server {action}",
+                                description=f"{what}. The server is the one --server-id names, else "
+                                            "this host's configuration (server_id, or the id kept in "
+                                            f"state_dir). {ADMIN_CREDENTIAL}")
+    _admin_options(p, action == "drain")
+    add_setting_flags(p, ServerConfig, only=ADMIN_SETTINGS)
+    return p
+
+
+class _ServerHelp(argparse.Action):
+    """``smb server --help`` lists the daemon's settings; ``smb server drain --help``
+    (undrain, remove) only what that action reads (:func:`admin_parser`)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, help: str | None = None) -> None:
+        super().__init__(option_strings, dest=dest, default=argparse.SUPPRESS, nargs=0, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        action = getattr(namespace, "action", None)
+        (admin_parser(action) if action in ADMIN_ACTIONS else parser).print_help()
+        parser.exit()
 
 
 def _flags(args: argparse.Namespace, cls: type) -> dict[str, Any]:
@@ -84,7 +134,7 @@ def cmd_controller(args: argparse.Namespace) -> int:
 
 
 def cmd_server(args: argparse.Namespace) -> int:
-    if args.action in ("drain", "undrain", "remove"):
+    if args.action in ADMIN_ACTIONS:
         return _server_admin(args)
     from smb_server.memserver.main import serve
     cfg = load(ServerConfig, args.config, default_path=DEFAULT_SERVER_FILE,
@@ -207,6 +257,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         argv.append("--quiet")
     if args.replace:
         argv.append("--replace")
+    if args.max_restarts:
+        argv += ["--max-restarts", str(args.max_restarts)]
     controller = None if args.local else (args.controller or os.environ.get("SMB_CONTROLLER"))
     if controller:  # otherwise the example starts a local cluster
         # the token stays in the environment (SMB_TOKEN), never on a command line
@@ -273,22 +325,19 @@ def build_parser() -> argparse.ArgumentParser:
     add_setting_flags(p, ControllerConfig)
     p.set_defaults(fn=cmd_controller)
 
-    p = sub.add_parser("server", help="run a memory server daemon, or drain/undrain it",
+    p = sub.add_parser("server", help="run a memory server daemon, or drain/undrain it", add_help=False,
                        description="smb server [run]: run the daemon. smb server drain: the server "
                                    "named by --server-id, or else by this configuration (server_id, "
                                    "or the id kept in state_dir), takes no new extents; its regions "
                                    "keep working. smb server undrain: it takes new extents again. "
+                                   "`smb server drain --help` (undrain, remove) lists only what "
+                                   "that action takes. "
                                    "Settings: flag > SMB_* variable > --config file > default.")
-    p.add_argument("action", nargs="?", default="run", choices=["run", "drain", "undrain", "remove"],
+    p.add_argument("-h", "--help", action=_ServerHelp, help="show this help message and exit")
+    p.add_argument("action", nargs="?", default="run", choices=["run", *ADMIN_ACTIONS],
                    help="run the daemon (default), drain/undrain the server, or remove a drained, "
                         "empty one from the pool")
-    p.add_argument("--evacuate", action="store_true",
-                   help="drain: also move every copy the server holds to other servers, and follow "
-                        "the moves until it holds nothing")
-    p.add_argument("--timeout", type=float, default=None,
-                   help="drain --evacuate: stop following after this many seconds (exit 1; the moves go on)")
-    p.add_argument("--quiet", action="store_true", help="drain --evacuate: no progress output")
-    p.add_argument("--config", default=None, help=f"TOML file (default {DEFAULT_SERVER_FILE} if present)")
+    _admin_options(p, drain=True)
     add_setting_flags(p, ServerConfig)
     p.set_defaults(fn=cmd_server)
 
@@ -344,6 +393,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--replace", action="store_true",
                    help="delete regions an unfinished run left under the job's namespace (default: refuse)")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="torchrun starts the workers again up to this many times after one dies "
+                        "(default 0); the job goes on from the store in the memory box")
     p.add_argument("extra", nargs="*", help="further trainer options, after --")
     p.set_defaults(fn=cmd_train)
 
@@ -375,13 +427,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         code: int = args.fn(args)
+        sys.stdout.flush()      # a reader that went away shows here, not at the exit
         return code
+    except BrokenPipeError:
+        return _reader_gone()
     except ConfigError as exc:
         print(f"smb {args.command}: configuration error: {exc}", file=sys.stderr)
         return 2
     except errors.SMBError as exc:
         print(f"smb {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
+
+
+def _reader_gone() -> int:
+    """stdout's reader went away (``smb status | head``): end quietly, as a command
+    stopped by SIGPIPE would, and let nothing flush into the closed pipe at the exit."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+    return BROKEN_PIPE_EXIT
 
 
 if __name__ == "__main__":

@@ -160,6 +160,26 @@ def loopback_selftest(dev: verbs.Device) -> None:
                 log.debug("close failed: %s", exc)
 
 
+def check_gpudirect(report: Report, modules: str = "/proc/modules") -> None:
+    """Say whether the kernel can let an RDMA NIC reach GPU memory (GPUDirect RDMA:
+    the ``nvidia_peermem`` module, or the older ``nv_peer_mem``). Informational: the
+    client stages CUDA tensors through pinned host memory either way (docs/rdma.md)."""
+    try:
+        with open(modules) as f:
+            loaded = {line.split()[0] for line in f if line.strip()}
+    except OSError:
+        return
+    if not any(m.startswith("nvidia") for m in loaded):
+        return                         # no NVIDIA driver: nothing to say
+    peer = sorted(loaded & {"nvidia_peermem", "nv_peer_mem"})
+    if peer:
+        report.ok(f"GPUDirect RDMA kernel module loaded ({peer[0]}); CUDA tensors are still staged "
+                  "through pinned host memory")
+    else:
+        report.warn("GPUDirect RDMA module (nvidia_peermem) not loaded: CUDA tensors are staged through "
+                    "pinned host memory", "`modprobe nvidia_peermem` where the NIC and driver support it")
+
+
 def run_doctor(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """Run every check; print findings; 0 when all pass, else 1."""
     report = Report(out or sys.stdout)
@@ -174,6 +194,7 @@ def run_doctor(args: argparse.Namespace, out: TextIO | None = None) -> int:
     if wanted:
         names = [n for n in names if n == wanted] or names
     check_memlock(report)
+    check_gpudirect(report)
     if not names:
         report.fail("no RDMA device on this host (/sys/class/infiniband is empty or missing); "
                     "clients will use tcp (or shm on the server's host)",

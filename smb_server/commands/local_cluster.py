@@ -51,10 +51,13 @@ class ClusterError(errors.SMBError, RuntimeError):
 
 def check_port_free(port: int, host: str = LOOPBACK) -> None:
     """Raise ClusterError (naming the port and what to do) when ``port`` cannot be bound
-    on ``host``; port 0 is always free."""
+    on ``host``; port 0 is always free. The test bind uses SO_REUSEADDR, as the
+    controller's listener does: connections of a stopped cluster left in TIME_WAIT do not
+    hold the port, a listener does."""
     if not port:
         return
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
         except OSError as exc:

@@ -129,7 +129,7 @@ class EtcdServers(EtcdStore):
         def change(row: dict[str, Any]) -> dict[str, Any]:
             return {**row, "drain": flag, "state": drained_state(row["state"], undrain)}
         self._update_server(server_id, change,
-                            f"no memory server {server_id!r}; see ListServers for the ids")
+                            f"no memory server {server_id!r}; `smb status` lists the ids")
         log.info("server %s %s", server_id, "undrained" if undrain else "evacuating" if evacuate else "draining")
         return self.get_server(server_id)
 
@@ -140,7 +140,7 @@ class EtcdServers(EtcdStore):
             server = next((s for s in self.list_servers() if s.server_id == server_id), None)
             row, rev = self._read_one("servers", server_id)
             if server is None or row is None:
-                raise errors.ServerNotFound(f"no memory server {server_id!r}; see ListServers for the ids")
+                raise errors.ServerNotFound(f"no memory server {server_id!r}; `smb status` lists the ids")
             check_removable(server)
             key = self._key("servers", server_id)
             tombstone = kv.put(self._key("removed", server_id), json.dumps({"removed_at": self._now(None)}))

@@ -120,7 +120,7 @@ class ServerRows(SqliteStore):
         with self._sql.tx() as db:
             row = db.execute("SELECT state FROM servers WHERE server_id=?", (server_id,)).fetchone()
             if row is None:
-                raise ServerNotFound(f"no memory server {server_id!r}; see ListServers for the ids")
+                raise ServerNotFound(f"no memory server {server_id!r}; `smb status` lists the ids")
             db.execute("UPDATE servers SET drain=?, state=? WHERE server_id=?",
                        (flag, drained_state(row["state"], undrain), server_id))
         log.info("server %s %s", server_id, "undrained" if undrain else "evacuating" if evacuate else "draining")
@@ -132,7 +132,7 @@ class ServerRows(SqliteStore):
         with self._sql.tx() as db:
             server = next((s for s in server_records(db) if s.server_id == server_id), None)
             if server is None:
-                raise ServerNotFound(f"no memory server {server_id!r}; see ListServers for the ids")
+                raise ServerNotFound(f"no memory server {server_id!r}; `smb status` lists the ids")
             check_removable(server)
             db.execute("DELETE FROM servers WHERE server_id=?", (server_id,))
             db.execute("INSERT OR REPLACE INTO removed_servers (server_id, removed_at) VALUES (?,?)",

@@ -1,14 +1,18 @@
 """A collective's chunk requests on a memory server (``PUSH``, ``PULL`` and ``REDUCE``, formats in
 :mod:`smb_protocol.wire`; the client side is ``smb_client/collective.py``).
 
-A chunk has an int64 count word beside it in the same extent. A push waits until the
-count reaches the round's base, then under the extent's lock stores its chunk (the
-round's first arrival) or adds it, and counts the arrival; the decision and the count
-change under one lock, so concurrent pushes of a round never lose a contribution. A
-pull waits until the count reaches its target, sends the chunk, then counts the pull
-(once per numbered request: a repeat gets the bytes again and counts nothing), so the
-chunk may be overwritten once every party pulled it. A ``REDUCE`` is a push (here) and
-its pull, which the plane queues and serves when the chunk is complete
+A chunk's slot has an int64 count word beside it in the same extent, naming the round
+the slot holds and its arrivals; every request names its round, and
+:mod:`smb_protocol.rounds` says what each may do. A push waits until the slot's previous
+round ended, then under the extent's lock stores its chunk (the round's first arrival)
+or adds it, and counts the arrival; the decision and the count change under one lock,
+so concurrent pushes of a round never lose a contribution, and a push that fits no round
+the slot can take is refused (RoundMismatch), never added. A pull waits until every
+push of its round is in, sends the chunk, then counts the pull (once per numbered
+request: a repeat gets the bytes again and counts nothing, while the slot still holds
+its round), so the chunk may be overwritten once every party pulled it. A pull whose
+answer went out is done: nothing after it sends a second answer. A ``REDUCE`` is a push
+(here) and its pull, which the plane queues and serves when the chunk is complete
 (:mod:`.deliveries`). Collectives use regions of their own: replicated extents refuse
 them, and so does an extent being moved (NotPrimary: the client retries at the extent's
 new place once the move is done, with the same numbers). A push or pull counts as a
@@ -17,10 +21,13 @@ stops waiting, so a move's copy starts only after it, or refuses it.
 """
 from __future__ import annotations
 
+import logging
 import struct
+import time
 
-from smb_protocol import wire
-from smb_protocol.errors import ExtentNotFound, InvalidArgument, Misaligned
+from smb_protocol import rounds, wire
+from smb_protocol.errors import ExtentNotFound, InvalidArgument, Misaligned, Timeout
+from smb_protocol.rounds import Step
 from smb_protocol.wire import WaitCond
 
 from . import kernels, ops
@@ -29,7 +36,9 @@ from .dedup import Entry
 from .kernels import Arith
 from .node import Node
 from .peer import Peer
-from .requests import Pull, Push, Reduce
+from .requests import Pull, Push
+
+log = logging.getLogger(__name__)
 
 _OLD = struct.Struct("<q")
 
@@ -48,28 +57,31 @@ def check_chunk(req: Push | Pull, extent: Extent) -> None:
 
 
 def push(node: Node, peer: Peer, extent: Extent, req: Push, entry: Entry | None) -> bytes:
-    """Receive the chunk whole, wait until the count reaches ``req.base``, then store or
-    add it and count the arrival; answers the count before."""
+    """Receive the chunk whole, wait until its slot's previous round ended, then store or
+    add it and count the arrival; answers the count word before."""
     check_chunk(req, extent)
-    if isinstance(req, Reduce) and not 1 <= req.parties <= wire.MAX_PARTIES:
-        raise InvalidArgument(f"reduce: parties must lie in 1..{wire.MAX_PARTIES}, not {req.parties}")
     dt = kernels.check_arith(Arith.ACCUMULATE, req.dtype, req.offset, req.length)
+    deadline = time.monotonic() + req.timeout
     with extent.pin(), peer.payload(req.length) as src:
         chunk = src.take(req.length) if req.length else memoryview(b"")
-        node.waiters.wait(extent, req.word, WaitCond.AT_LEAST, req.base, req.timeout, peer.cancelled)
-        with node.replication.unreplicated(extent.extent_id), extent.lock, \
-                extent.data[req.offset:req.offset + req.length] as dst, \
-                extent.data[req.word:req.word + 8] as count:
-            old = kernels.fetch_add(count, 0)
-            if old == req.base:
-                dst[:] = chunk
-            else:
-                kernels.apply(Arith.ACCUMULATE, dst, chunk, dt, 0.0)
-            # counted after the sum is in place: a pull reads once the count says so,
-            # without the lock
-            kernels.fetch_add(count, 1)
-            if entry is not None:
-                entry.applied = max(req.length, 1)
+        while True:
+            with node.replication.unreplicated(extent.extent_id), extent.lock, \
+                    extent.data[req.word:req.word + 8] as count:
+                old = kernels.fetch_add(count, 0)
+                step, word = rounds.admit_push(old, req.ref)
+                if step is not Step.WAIT:
+                    with extent.data[req.offset:req.offset + req.length] as dst:
+                        if step is Step.START:
+                            dst[:] = chunk
+                        else:
+                            kernels.apply(Arith.ACCUMULATE, dst, chunk, dt, 0.0)
+                    # counted after the sum is in place: a pull reads once the count says
+                    # so, without the lock
+                    kernels.fetch_add(count, word - old)
+                    if entry is not None:
+                        entry.applied = max(req.length, 1)
+                    break
+            _wait(node, peer, extent, req.word, word, deadline, req.timeout)
     if not extent.live:
         raise ExtentNotFound(f"extent {extent.extent_id} was released during the push")
     node.waiters.touched(extent.extent_id, req.word, 8)
@@ -77,26 +89,62 @@ def push(node: Node, peer: Peer, extent: Extent, req: Push, entry: Entry | None)
     return _OLD.pack(old)
 
 
+def _wait(node: Node, peer: Peer, extent: Extent, word: int, value: int, deadline: float,
+          timeout: float) -> None:
+    """Wait until the count word at ``word`` reaches ``value``; Timeout at ``deadline``."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise Timeout(f"the count word at byte {word} of extent {extent.extent_id} did not reach "
+                      f"{value:#x} within {timeout:.3g} s: not every party came")
+    node.waiters.wait(extent, word, WaitCond.AT_LEAST, value, left, peer.cancelled)
+
+
 def pull(node: Node, peer: Peer, req: Pull) -> None:
-    """Wait until the count reaches ``req.target``, send the chunk, then count the pull;
-    answers through :meth:`~.peer.Peer.send`."""
+    """Wait until every push of the round is in, send the chunk, then count the pull;
+    answers through :meth:`~.peer.Peer.send`, once: a failure after the answer went out
+    (the extent released meanwhile) ends the pull quietly."""
     extent = peer.tickets.check(node.arena, req.extent_id, write=True)
     extent.check_range(req.offset, req.length)
     check_chunk(req, extent)
+    deadline = time.monotonic() + req.timeout
 
     def run(entry: Entry | None) -> None:
-        node.waiters.wait(extent, req.word, WaitCond.AT_LEAST, req.target, req.timeout, peer.cancelled)
+        while True:
+            word = _word(extent, req.word)
+            step, value = rounds.admit_pull(word, req.ref)
+            if step is Step.GO:
+                break
+            _wait(node, peer, extent, req.word, value, deadline, req.timeout)
         with node.replication.unreplicated(extent.extent_id):
             ops.read(peer, extent, req)   # in the socket's buffer once this returns
-            with extent.pin(), extent.lock, extent.data[req.word:req.word + 8] as count:
-                kernels.fetch_add(count, 1)
+            try:
+                with extent.pin(), extent.lock, extent.data[req.word:req.word + 8] as count:
+                    kernels.fetch_add(count, 1)
+            except ExtentNotFound:   # released after the sum went out: nothing left to count
+                log.debug("extent %d released after a pull was answered", req.extent_id)
     if not req.seq:
         run(None)
     else:
         fresh, _, _ = node.dedup.once(req.client, req.seq, req.what(), peer.dedup_wait, run)
         if not fresh:
             peer.stats.add(repeats=1)
-            ops.read(peer, extent, req)
+            _send_again(peer, extent, req)
             return None
     node.waiters.touched(req.extent_id, req.word, 8)
     return None
+
+
+def _word(extent: Extent, offset: int) -> int:
+    with extent.pin(), extent.data[offset:offset + 8] as view:
+        return kernels.fetch_add(view, 0)
+
+
+def _send_again(peer: Peer, extent: Extent, req: Pull) -> None:
+    """Answer a repeated pull with the sum again, copied under the extent's lock while the
+    slot still holds the pull's round (a later round's push takes the same lock)."""
+    with extent.pin(), extent.lock, extent.data[req.word:req.word + 8] as count:
+        rounds.check_pulled_again(kernels.fetch_add(count, 0), req.ref)
+        with extent.data[req.offset:req.offset + req.length] as view:
+            copy = memoryview(bytes(view))
+    peer.stats.add(bytes_read=req.length, operations=1)
+    peer.send(req.req_id, copy)

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from smb_protocol.rdma_wire import MsgOp
-from smb_protocol.wire import Op, unpack_reduce_word
+from smb_protocol.rounds import ChunkRound
+from smb_protocol.wire import Op
 
 from .kernels import Arith
 
@@ -151,15 +152,22 @@ class LockPiece(Request):
         return self.word, self.answer, 0.0
 
 
+_NO_ROUND = ChunkRound(0, 1, 0)
+
+
 @dataclass(slots=True)
 class Push(Request):
-    """A collective's push of a chunk (the payload) of ``dtype`` elements: waits until
-    the count word at ``word`` reaches ``base``, stores or adds, counts the arrival."""
+    """A collective's push of a chunk (the payload) of ``dtype`` elements into the round
+    ``ref`` names (:mod:`smb_protocol.rounds`): waits until the slot's previous round
+    ended, stores or adds, counts the arrival."""
     dtype: int = 0
-    word: int = 0
-    base: int = 0
+    ref: ChunkRound = _NO_ROUND
     timeout: float = 0.0
     payload: ClassVar[bool] = True
+
+    @property
+    def word(self) -> int:
+        return self.ref.word
 
     def dtype_code(self) -> int:
         return self.dtype
@@ -167,27 +175,28 @@ class Push(Request):
 
 @dataclass(slots=True)
 class Pull(Request):
-    """A collective's pull: waits until the count word at ``word`` reaches ``target``,
-    answers the chunk, counts the pull."""
-    word: int = 0
-    target: int = 0
+    """A collective's pull of the round ``ref`` names: waits until every party's push is
+    in, answers the chunk, counts the pull."""
+    ref: ChunkRound = _NO_ROUND
     timeout: float = 0.0
 
+    @property
+    def word(self) -> int:
+        return self.ref.word
+
     def what(self) -> tuple[int, ...]:
-        return (int(self.op), self.extent_id, self.offset, self.length, self.word)
+        return (int(self.op), self.extent_id, self.offset, self.length, self.ref.word)
 
 
 @dataclass(slots=True)
 class Reduce(Push):
-    """A push whose sum the server streams back once every one of ``parties`` pushed
-    (``REDUCE``): the push as :class:`Push`, then :meth:`pull`."""
-    parties: int = 0
+    """A push whose sum the server streams back once every party pushed (``REDUCE``):
+    the push as :class:`Push`, then :meth:`pull`."""
 
     def pull(self) -> Pull:
         """The pull that delivers the chunk's sum, numbered ``seq + 1``."""
         return Pull(Op.PULL, self.req_id, self.extent_id, self.offset, self.length, self.client,
-                    self.seq + 1 if self.seq else 0, word=self.word, target=self.base + self.parties,
-                    timeout=self.timeout)
+                    self.seq + 1 if self.seq else 0, ref=self.ref, timeout=self.timeout)
 
 
 @dataclass(slots=True)
@@ -203,9 +212,10 @@ _MSG_ARITH = {MsgOp.ACCUMULATE: Arith.ACCUMULATE, MsgOp.AXPY: Arith.AXPY, MsgOp.
 def from_frame(op: Op, dtype: int, req_id: int, extent_id: int, offset: int, length: int,
                arg0: int, arg1: int, alpha: float, client: int, seq: int,
                forwarded: bool = False) -> Request:
-    """The request of a tcp frame header (see :mod:`smb_protocol.wire` for the fields).
-    ``forwarded``: the connection presented a replica ticket for the extent, so a
-    mutation is a piece a primary forwards."""
+    """The request of a tcp frame header (see :mod:`smb_protocol.wire` for the fields);
+    InvalidArgument for fields that cannot be the operation's. ``forwarded``: the
+    connection presented a replica ticket for the extent, so a mutation is a piece a
+    primary forwards."""
     head = (op, req_id, extent_id, offset, length, client, seq, forwarded)
     arith = _ARITH.get(op)
     if arith is not None:
@@ -225,12 +235,11 @@ def from_frame(op: Op, dtype: int, req_id: int, extent_id: int, offset: int, len
             return LockPiece(*head, word=arg0, answer=arg1)
         return Lock(*head, holder=arg0, lease=arg1 / 1000.0, timeout=alpha)
     if op is Op.PUSH:
-        return Push(*head, dtype=dtype, word=arg0, base=arg1, timeout=alpha)
+        return Push(*head, dtype=dtype, ref=ChunkRound.from_args(arg0, arg1), timeout=alpha)
     if op is Op.PULL:
-        return Pull(*head, word=arg0, target=arg1, timeout=alpha)
+        return Pull(*head, ref=ChunkRound.from_args(arg0, arg1), timeout=alpha)
     if op is Op.REDUCE:
-        word, parties = unpack_reduce_word(arg0)
-        return Reduce(*head, dtype=dtype, word=word, base=arg1, timeout=alpha, parties=parties)
+        return Reduce(*head, dtype=dtype, ref=ChunkRound.from_args(arg0, arg1), timeout=alpha)
     if op is Op.SEED:
         return Seed(*head)
     if op is Op.HELLO:

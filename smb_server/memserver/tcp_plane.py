@@ -290,9 +290,9 @@ class _Connection:
         if not self.tickets:
             raise _Drop(f"{op.name} before HELLO")
         forwarded = (op in wire.WRITE_OPS or op is Op.SEED) and self._forwarded(extent_id)
-        req = requests.from_frame(op, dtype, req_id, extent_id, offset, length, arg0, arg1, alpha,
-                                  client, seq, forwarded)
         try:
+            req = requests.from_frame(op, dtype, req_id, extent_id, offset, length, arg0, arg1, alpha,
+                                      client, seq, forwarded)
             if isinstance(req, requests.Reduce) and self.plane.tls is not None:
                 raise InvalidArgument("reduce is not served over TLS (one thread both reads and "
                                       "writes a TLS stream): use push and pull")

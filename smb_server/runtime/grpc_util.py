@@ -13,16 +13,23 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeAlias, TypeVar
 
 import grpc
 
-from smb_protocol import errors
+from smb_protocol import errors, waits
 from smb_protocol.rpc import ERROR_KEY, MESSAGE_SIZE_OPTIONS, status_code_for
 from smb_protocol.tls import TLSConfig
 
-from .credentials import INSECURE, SERVER, Credentials, Principal
+from .credentials import ADMIN, CLIENT, INSECURE, SERVER, Credentials, Principal
 
 log = logging.getLogger(__name__)
 
 REFUSAL_LOG_INTERVAL = 10.0  # seconds; per interval, refusals beyond REFUSALS_LOGGED ...
 REFUSALS_LOGGED = 10         # ... are logged as one count at the start of the next
+# where the credential of each role comes from, said when a call needs the role
+ROLE_CREDENTIALS = {
+    ADMIN: "an operator's credential is SMB_ADMIN_TOKEN (or the file SMB_ADMIN_TOKEN_FILE names), which "
+           "`smb server drain` and the like read, or the one derived from the shared secret",
+    CLIENT: "a client's credential is the cluster's token (SMB_TOKEN, or token=...)",
+    SERVER: "a memory server's credential is derived from the shared secret (secret_file, SMB_SECRET)",
+}
 _PRINCIPAL: contextvars.ContextVar[Principal | None] = contextvars.ContextVar("smb_principal",
                                                                              default=None)
 
@@ -157,8 +164,10 @@ class RoleAuth(ServerInterceptor):
                 "token=...; memory servers: the shared secret; operators: SMB_ADMIN_TOKEN)")
         if not any(principal.has(role) for role in allowed):
             also = f" (or {' or '.join(allowed[1:])})" if len(allowed) > 1 else ""
+            where = ROLE_CREDENTIALS.get(allowed[0])
             return errors.PermissionDenied(
-                f"{name} needs the {allowed[0]} role{also}; this caller is {principal}")
+                f"{name} needs the {allowed[0]} role{also}; this caller is {principal}"
+                + (f"; {where}" if where else ""))
         return None
 
     def intercept_service(self, continuation: Continuation, details: grpc.HandlerCallDetails) -> Handler | None:
@@ -203,9 +212,10 @@ class RoleAuth(ServerInterceptor):
 
 
 def abort(context: grpc.ServicerContext, exc: BaseException) -> NoReturn:
-    """End the call with the status code and typed name of ``exc``."""
+    """End the call with the status code and typed name of ``exc`` (and its fields,
+    where it has any: a barrier timeout's counts)."""
     name = errors.wire_class(exc).__name__
-    context.set_trailing_metadata(((ERROR_KEY, name),))
+    context.set_trailing_metadata(((ERROR_KEY, name), *waits.metadata(exc)))
     context.abort(status_code_for(exc), str(exc) or name)
 
 

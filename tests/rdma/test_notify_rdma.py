@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from smb_client.collective import Collective
+from tests.integration.client.test_collective_timing import late_opener_sums_exactly
 from tests.integration.client.test_locks import (  # noqa: F401  (collected here with transport=rdma)
     test_a_held_lock_keeps_others_out_until_released,
     test_a_holder_killed_with_sigkill_frees_the_lock_after_its_lease,
@@ -106,3 +107,9 @@ def test_collective_among_rdma_clients(cluster, name):
         colls[0].destroy()
         for c in clients:
             c.close()
+
+
+def test_a_late_opener_among_rdma_clients_gets_exact_sums(cluster, name):
+    """A party that opens the collective after a faster one pushed (the docs' way, no
+    ``fresh``), with rdma clients: every round exact on both."""
+    late_opener_sums_exactly(cluster, name, "rdma")

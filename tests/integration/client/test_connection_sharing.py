@@ -136,12 +136,15 @@ def test_regions_of_a_closed_client_raise_a_typed_error(cluster, name):
     r.write(0, b"before close")
     c.close()
     c.close()                                                # idempotent
-    with pytest.raises(errors.ServerUnavailable, match="closed"):
+    # Closed, not an Unavailable a retry policy would retry
+    with pytest.raises(errors.Closed, match="closed"):
         r.read(0, MiB)                                       # several servers: the io pool path
-    with pytest.raises(errors.ServerUnavailable, match="closed"):
+    with pytest.raises(errors.Closed, match="closed"):
         r.fetch_add(0, 1)
-    with pytest.raises(errors.ServerUnavailable, match="closed"):
+    with pytest.raises(errors.Closed, match="closed"):
         r.write_async(0, b"x")
+    with pytest.raises(errors.Closed, match="smb_client.connect"):
+        c.open_region(name)
     with cluster.client() as other:
         assert bytes(other.open_region(name).read(0, 12)) == b"before close"
         other.delete_region(name)

@@ -39,6 +39,12 @@ def test_range_alignment_dtype_errors(cluster, witness, name, transport):
             r.read(-1, 4)
         with pytest.raises(errors.OutOfRange):
             r.read_into(MiB, bytearray(1))
+        with pytest.raises(errors.InvalidArgument, match=r"dtype='float32'"):
+            r.read(0, "float32")                             # the type where the length goes
+        with pytest.raises(errors.InvalidArgument, match="whole numbers of bytes"):
+            r.read(0, 2.5)
+        with pytest.raises(errors.InvalidArgument, match="whole numbers of bytes"):
+            r.write("0", b"abc")
         with pytest.raises(errors.Misaligned):
             r.accumulate(2, np.ones(4, np.float32))
         with pytest.raises(errors.Misaligned):

@@ -17,52 +17,15 @@ import time
 import numpy as np
 import pytest
 
-from smb_client.transports.tcp import TcpSession
 from smb_protocol import tickets, wire
-from smb_protocol.addressing import parse_endpoint
 from smb_protocol.dtypes import DType
 from smb_protocol.errors import InvalidArgument, Status
+from smb_protocol.rounds import ChunkRound
 from smb_protocol.wire import Op
-from smb_server.memserver.arena import Arena
-from smb_server.memserver.node import Node
 from smb_server.memserver.scratch import SCRATCH_BYTES
-from smb_server.memserver.stats import PlaneStats
-from smb_server.memserver.tcp_plane import TcpPlane
+from tests.integration.memserver.planes import _hello, _request, _session, _ticket
 
-SECRET = b"e" * 32
-UID = "region-once"
 MiB = 1 << 20
-CLIENT = 0x5EED
-
-
-def _ticket(extent_ids: list[int]) -> str:
-    return tickets.sign(SECRET, UID, extent_ids, "rw", ttl=600.0)[0]
-
-
-@pytest.fixture
-def plane():
-    arena = Arena(128 * MiB)
-    stats = PlaneStats()
-    tcp = TcpPlane(Node(arena, SECRET), "127.0.0.1", 0, stats.for_transport("tcp"))
-    arena.reserve(1, UID, 32 * MiB)
-    yield arena, tcp, stats
-    tcp.close()
-    arena.close()
-
-
-def _request(sock: socket.socket, req_id: int, op: int, extent_id: int = 0, offset: int = 0,
-             length: int = 0, dtype: int = 0, arg0: int = 0, payload: bytes = b"",
-             seq: int = 0) -> tuple[int, bytes]:
-    wire.sendmsg_all(sock, [wire.pack_request(op, req_id, extent_id, offset, length, dtype, arg0,
-                                              client=CLIENT if seq else 0, seq=seq), payload])
-    status, got, n = wire.unpack_response(wire.recv_exact(sock, wire.RESPONSE.size))
-    assert got == req_id
-    return status, bytes(wire.recv_exact(sock, n))
-
-
-def _hello(sock: socket.socket, token: str) -> None:
-    raw = token.encode()
-    assert _request(sock, 1, Op.HELLO, length=len(raw), payload=raw)[0] == Status.OK
 
 
 def test_a_repeated_numbered_request_gets_its_first_answer_and_applies_once(plane):
@@ -152,10 +115,6 @@ class CuttingProxy:
         self._lsock.close()
         for s in self._socks:
             s.close()
-
-
-def _session(port: int) -> TcpSession:
-    return TcpSession(parse_endpoint(f"tcp://127.0.0.1:{port}"), {"client_id": CLIENT, "connections": 1})
 
 
 def test_an_accumulate_cut_mid_payload_resumes_on_a_new_connection(plane):
@@ -258,17 +217,18 @@ def test_a_collective_pull_whose_answer_was_cut_is_sent_again_and_counted_once(p
     direct = _session(tcp.port)
     data = np.arange(1024, dtype=np.int64)
     word = 2 * data.nbytes
-    assert direct.push(token, 1, 0, [memoryview(data).cast("B")], DType.INT64, word, 0, 5.0, seq=1 << 20) == 0
+    ref = ChunkRound(word, 1, 0)
+    assert direct.push(token, 1, 0, [memoryview(data).cast("B")], DType.INT64, ref, 5.0, seq=1 << 20) == 0
     direct.close()
     proxy = CuttingProxy(tcp.port, down_limit=wire.RESPONSE.size + wire.RESPONSE.size + 100)
     session = _session(proxy.port)
     out = np.zeros_like(data)
     try:
-        session.pull(token, 1, 0, [memoryview(out).cast("B")], word, 1, 5.0, seq=2 << 20)
+        session.pull(token, 1, 0, [memoryview(out).cast("B")], ref, 5.0, seq=2 << 20)
     finally:
         session.close()
         proxy.close()
     assert proxy.cuts == 1
     np.testing.assert_array_equal(out, data)
-    assert struct.unpack("<q", bytes(arena.get(1).data[word:word + 8]))[0] == 2   # one push, one pull
+    assert struct.unpack("<q", bytes(arena.get(1).data[word:word + 8]))[0] == ref.end   # one push, one pull
     assert stats.snapshot()["repeats"] == 1

@@ -78,3 +78,59 @@ def test_a_crashed_program_leaves_its_regions_to_the_lease(cluster, client, tmp_
     while client.list_regions(name + "/") and time.monotonic() < deadline:
         time.sleep(0.2)
     assert client.list_regions(name + "/") == []
+
+
+def test_a_failed_creation_leaves_nothing_once_its_lease_ran_out(cluster, client, name, monkeypatch):
+    """The wrapper's job names are never used again, so its failure record must not
+    wait for a next creation: it holds the job's lease, as the store would have."""
+    from smb_client.torch import DistributedDataParallel
+    from smb_protocol.errors import OutOfMemory
+
+    monkeypatch.setenv("SMB_CONTROLLER", cluster.address)
+    monkeypatch.setenv("SMB_TOKEN", cluster.token)
+    # 400 gradient slots of 4 MiB: more than the cluster holds
+    with pytest.raises(OutOfMemory):
+        DistributedDataParallel(torch.nn.Linear(1024, 1024), name=name, lease=1.0,
+                                job_options={"grad_slots": 400})
+    assert f"{name}/failed" in [r.name for r in client.list_regions(name + "/")]
+    deadline = time.monotonic() + 30
+    while client.list_regions(name + "/") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert client.list_regions(name + "/") == []
+
+
+def test_ddps_arguments_are_taken(cluster, client, name, monkeypatch):
+    """A DDP call moves over unchanged: the arguments that mean something here are
+    used, the others accepted."""
+    from smb_client.torch import DistributedDataParallel
+    from smb_client.torch.job import Job
+    from smb_protocol.errors import InvalidArgument
+
+    monkeypatch.setenv("SMB_CONTROLLER", cluster.address)
+    monkeypatch.setenv("SMB_TOKEN", cluster.token)
+    asked: dict = {}
+    sync = Job.sync
+
+    def spy(self, **options):
+        asked.update(options)
+        return sync(self, **options)
+    monkeypatch.setattr(Job, "sync", spy)
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"used": torch.nn.Linear(4, 2), "unused": torch.nn.Linear(4, 2)})
+    ddp = DistributedDataParallel(model, device_ids=None, output_device=None, broadcast_buffers=False,
+                                  bucket_cap_mb=1, find_unused_parameters=True, gradient_as_bucket_view=True,
+                                  static_graph=False, name=name, lease=5.0)
+    try:
+        assert (ddp.dp.buffers, asked["bucket_bytes"]) == ("none", 1 << 20)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        unused = model["unused"].weight.detach().clone()
+        for _ in range(2):
+            opt.zero_grad()
+            model["used"](torch.ones(3, 4)).sum().backward()    # one layer gets no gradient
+            opt.step()
+        assert ddp.dp.step == 2 and torch.equal(model["unused"].weight, unused)   # a zero gradient
+    finally:
+        ddp.close()
+    assert client.list_regions(name + "/") == []
+    with pytest.raises(InvalidArgument, match="mixed_precision"):
+        DistributedDataParallel(model, mixed_precision=object(), name=name)

@@ -160,10 +160,56 @@ def test_a_failed_job_leaves_its_regions_to_the_lease(cluster, name):
         assert c.list_regions(f"{name}/") == []
 
 
+@pytest.mark.parametrize("scheme", [None, "seasgd"])
+def test_seasgd_trains_with_the_job_defaults_and_keeps_deltas_with_its_scheme(cluster, client, name, scheme):
+    """``job()`` then ``j.seasgd()`` works as written; ``scheme="seasgd"`` reserves every
+    worker's delta slot, which the worker then fills."""
+    x, y = data(4)
+    seen: dict[int, tuple[int, bool, float]] = {}
+    errs: list[BaseException] = []
+
+    def worker(rank: int) -> None:
+        try:
+            with cluster.client() as c:
+                model = make_model()
+                opt = torch.optim.SGD(model.parameters(), lr=LR)
+                with job(name, model, client=c, env=WorkerEnv(rank, WORLD), scheme=scheme) as j:
+                    w = j.seasgd(update_interval=1)
+                    for step in range(2):
+                        lo = (step * WORLD + rank) * BATCH
+                        opt.zero_grad()
+                        torch.nn.functional.cross_entropy(model(x[lo:lo + BATCH]), y[lo:lo + BATCH]).backward()
+                        opt.step()
+                        w.after_step()
+                    w.finish()
+                    kept = 0.0
+                    if j.store.delta_slots:
+                        delta = j.store.flat.new_flat()
+                        j.store.read_into("deltas", j.store.slot_offset("deltas", rank), delta)
+                        kept = float(delta.abs().sum())
+                    seen[rank] = (j.store.delta_slots, w.keep_deltas, kept)
+        except BaseException as exc:
+            errs.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(r,), daemon=True) for r in range(WORLD)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errs, errs
+    for rank in range(WORLD):
+        slots, keeps, kept = seen[rank]
+        assert (slots, keeps) == ((WORLD, True) if scheme else (0, False))
+        assert (kept > 0) == bool(scheme)
+    assert client.list_regions(f"{name}/") == []
+
+
 def test_job_misuse_says_what_to_do(cluster, name, tmp_path):
     model = make_model()
-    with pytest.raises(InvalidArgument, match="sets workers= itself"):
-        Job(name, model, workers=3)
+    with pytest.raises(TypeError, match="workers"):
+        Job(name, model, workers=3)                         # the job sets it: not an option
+    with pytest.raises(InvalidArgument, match="seasgd"):
+        Job(name, model, scheme="elastic")
     j = Job(name, model)
     with pytest.raises(InvalidArgument, match="has not started"):
         j.store.close()

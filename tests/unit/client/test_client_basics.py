@@ -12,6 +12,7 @@ from smb_protocol import errors
 from smb_protocol.addressing import parse_endpoint, parse_hostport
 from smb_protocol.dtypes import DType, resolve
 from smb_protocol.placement import ExtentPlace
+from smb_protocol.retry import Retry
 from smb_protocol.units import format_bytes, parse_size
 
 
@@ -113,10 +114,14 @@ def test_dataplane_arguments_and_lifecycle():
     assert dp.session(place) is session and list(dp.sessions()) == ["tcp://127.0.0.1:1"]
     dp.close()
     dp.close()
-    with pytest.raises(errors.ServerUnavailable, match="closed"):
+    # use after close is the caller's mistake: Closed, which no retry policy of
+    # Unavailable retries
+    with pytest.raises(errors.Closed, match="closed"):
         dp.session(place)
-    with pytest.raises(errors.ServerUnavailable, match="closed"):
+    with pytest.raises(errors.Closed, match="closed"):
         dp.run([lambda: 1])
+    with pytest.raises(errors.Closed, match="closed"):
+        dp.submit(lambda: 1)
     with pytest.raises(errors.ServerUnavailable):       # the session's pool was closed too
         session.read_into("t", 1, 0, [memoryview(bytearray(8))])
 
@@ -124,8 +129,18 @@ def test_dataplane_arguments_and_lifecycle():
 def test_closed_client_refuses_controller_calls_with_a_typed_error():
     c = Client("127.0.0.1:1", reconnect_timeout=30.0)
     c.close()
-    with pytest.raises(errors.ControllerUnavailable, match="closed"):   # at once, no retrying
+    with pytest.raises(errors.Closed, match="closed") as info:   # at once, no retrying
         c.list_regions()
+    assert not isinstance(info.value, errors.Unavailable)
+    assert "smb_client.connect" in str(info.value)
+    tries = []
+
+    def call():
+        tries.append(1)
+        return c.list_regions()
+    with pytest.raises(errors.Closed):   # the retry policy the docs suggest gives up at once
+        Retry(on=(errors.Unavailable, errors.Timeout), timeout=30.0)(call, what="list")
+    assert len(tries) == 1
 
 
 @pytest.mark.parametrize("name", ["x" * (70 << 20), "a/" + "b" * 300, "..", ".", "../x",

@@ -134,8 +134,11 @@ def test_drain_excludes_server_from_placement(state: StateStore) -> None:
     state.register_server("a", "host-a", "127.0.0.1:1", [], 64 * MiB, now=T0 + LEASE + 2)
     assert state.get_server("a").state == "draining"
     assert state.drain("a", undrain=True).state == "up"
-    with pytest.raises(errors.ServerNotFound):
+    # an unknown id says where an operator finds the ids, not which RPC lists them
+    with pytest.raises(errors.ServerNotFound, match="`smb status` lists the ids"):
         state.drain("nobody")
+    with pytest.raises(errors.ServerNotFound, match="`smb status` lists the ids"):
+        state.remove_server("nobody")
 
 
 def test_an_evacuation_survives_a_restart_and_a_removed_server_cannot_rejoin(state: StateStore) -> None:
