@@ -16,6 +16,7 @@ from .client import Client, RegionStatus, ServerStatus, connect
 from .collective import Collective
 from .coord import Barrier, Lock, PartiesMissing
 from .region import Region
+from .weights import Publisher, Shard, Subscriber
 
-__all__ = ["Barrier", "Client", "Collective", "Lock", "PartiesMissing", "Region", "RegionStatus", "ServerStatus",
-           "SMBError", "connect", "errors"]
+__all__ = ["Barrier", "Client", "Collective", "Lock", "PartiesMissing", "Publisher", "Region", "RegionStatus",
+           "ServerStatus", "Shard", "SMBError", "Subscriber", "connect", "errors"]

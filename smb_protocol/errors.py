@@ -54,6 +54,7 @@ class Status(enum.IntEnum):
     NOT_PRIMARY = 28
     ROUND_MISMATCH = 29
     CLOSED = 30
+    VERSION_GONE = 31
 
 
 class SMBError(Exception):
@@ -260,6 +261,15 @@ class Closed(SMBError):
     status: ClassVar[Status] = Status.CLOSED
 
 
+class VersionGone(SMBError):
+    """A published version that is no longer held: the publisher reused its buffer
+    (it keeps a fixed number of versions) before or while it was read. What was read is
+    not that version; read the newest (a subscriber's ``read`` does so by itself unless
+    a version was asked for), or keep more versions."""
+
+    status: ClassVar[Status] = Status.VERSION_GONE
+
+
 class ProtocolError(SMBError):
     """A peer spoke the wire protocol wrongly."""
 
@@ -345,6 +355,6 @@ __all__ = [
     "BarrierTimeout", "NotFound", "RegionNotFound", "ExtentNotFound", "ServerNotFound",
     "RegionExists", "RegionLost", "OutOfMemory", "PermissionDenied", "AuthenticationError", "InvalidTicket",
     "TicketExpired", "ReadOnly", "InvalidArgument", "OutOfRange", "Misaligned", "DtypeError",
-    "LockNotHeld", "RoundMismatch", "Closed", "ProtocolError", "ServerError", "Status", "error_class",
+    "LockNotHeld", "RoundMismatch", "Closed", "VersionGone", "ProtocolError", "ServerError", "Status", "error_class",
     "error_classes", "error_status", "status_error", "wire_class",
 ]
