@@ -42,8 +42,7 @@ sys.path.insert(0, ROOT)
 
 from smb_client import Client  # noqa: E402
 from smb_server.runtime import health  # noqa: E402
-from tests.etcd_server import EtcdServer  # noqa: E402
-from tests.integration.controller.controller_group import ControllerGroup  # noqa: E402
+from smb_server.testing import ControllerGroup, EtcdServer  # noqa: E402
 
 KiB = 1 << 10
 CLIENTS = 16

@@ -436,6 +436,13 @@ def summarize(run: dict[str, Any], s: Settings) -> dict[str, Any]:
                        "primary_bytes_after": _by_host(run, _per_server(m.get("heads_after") or {})),
                        "heads_before": {k: _by_host(run, v) for k, v in (m.get("heads_before") or {}).items()},
                        "heads_after": {k: _by_host(run, v) for k, v in (m.get("heads_after") or {}).items()},
+                       # slots headed (primaries), per region and per server
+                       "head_slots_before": {k: _by_host(run, v) for k, v in
+                                             (m.get("head_slots_before") or {}).items()},
+                       "head_slots_after": {k: _by_host(run, v) for k, v in
+                                            (m.get("head_slots_after") or {}).items()},
+                       "server_head_slots_before": _by_host(run, _per_server(m.get("head_slots_before") or {})),
+                       "server_head_slots_after": _by_host(run, _per_server(m.get("head_slots_after") or {})),
                        "removed": m.get("removed"), "finished_before_training": bool(
                            m.get("move_end") and spans and m["move_end"] < spans["whole"][1]),
                        "controller_log": run.get("controller_log")}
@@ -581,16 +588,26 @@ def table(results: dict[str, Any]) -> str:
             cells = [", ".join(f"{h} {n / 1e6:.1f}" for h, n in sorted((mv.get(k) or {}).items())) or "-"
                      for k in ("job_bytes_before", "job_bytes_after", "primary_bytes_before", "primary_bytes_after")]
             places.append(f"| {scheme} | {name} | " + " | ".join(cells) + " |")
-    heads = ["| scheme | move | region | its primaries before (MB) | after |", "| --- | --- | --- | --- | --- |"]
+    heads = ["| scheme | move | region | its primaries before (MB) | after | slots it heads before | after |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for scheme in results.get("schemes", []):
         for name in ("evacuate", "rebalance"):
             mv = (results[scheme].get(name, {}).get("summary") or {}).get("move") or {}
             for region in sorted(mv.get("heads_before") or {}):
                 cells = [", ".join(f"{h} {_size(n)}" for h, n in sorted((mv.get(k) or {}).get(region, {}).items()))
                          or "-" for k in ("heads_before", "heads_after")]
+                cells += [_slots((mv.get(k) or {}).get(region)) for k in ("head_slots_before", "head_slots_after")]
                 heads.append(f"| {scheme} | {name} | {region} | " + " | ".join(cells) + " |")
+            if mv.get("server_head_slots_before") is not None:
+                cells = [_slots(mv.get(k)) for k in ("server_head_slots_before", "server_head_slots_after")]
+                heads.append(f"| {scheme} | {name} | every region | | | " + " | ".join(cells) + " |")
     return "\n".join(rows) + "\n\n" + "\n".join(where) + "\n\n" + "\n".join(places) + "\n\n" + \
         "\n".join(heads) + "\n"
+
+
+def _slots(per_host: dict[str, int] | None) -> str:
+    """Slots headed per host (``srv1 2, srv2 1``), or ``-`` (a run recorded before they were)."""
+    return ", ".join(f"{h} {n}" for h, n in sorted(per_host.items())) if per_host else "-"
 
 
 def _size(n: int) -> str:

@@ -39,8 +39,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from smb_protocol import errors  # noqa: E402
-from tests.etcd_server import EtcdServer  # noqa: E402
-from tests.integration.controller.controller_group import ControllerGroup  # noqa: E402
+from smb_server.testing import ControllerGroup, EtcdServer  # noqa: E402
 
 KiB = 1 << 10
 MiB = 1 << 20

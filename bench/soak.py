@@ -4,8 +4,8 @@ invariants checked while it runs and at the end.
     .venv/bin/python -m bench.soak --minutes 30            # results in bench/results/soak.*
     .venv/bin/python -m bench.soak --minutes 1 --plot docs/img/soak.png
 
-The cluster: one etcd member (``tests/etcd_server.py``), two controllers on it (one
-leads, one stands by; ``tests/integration/controller/controller_group.py``) and three
+The cluster: one etcd member (``smb_server/testing/etcd.py``), two controllers on it (one
+leads, one stands by; ``smb_server/testing/controllers.py``) and three
 memory servers with the tcp and shm planes and a ``data_dir`` each, every one its own
 process on 127.0.0.1. Nothing leaves loopback.
 
@@ -92,8 +92,7 @@ from smb_client import Client, Collective  # noqa: E402
 from smb_client.region import Region  # noqa: E402
 from smb_protocol import errors  # noqa: E402
 from smb_server.commands.local_cluster import wait_for_json  # noqa: E402
-from tests.etcd_server import EtcdServer  # noqa: E402
-from tests.integration.controller.controller_group import ControllerGroup  # noqa: E402
+from smb_server.testing import ControllerGroup, EtcdServer  # noqa: E402
 
 log = logging.getLogger(__name__)
 

@@ -144,7 +144,7 @@ class Collective:
         # pipelined streams where every server's session has one (not over TLS, whose
         # collectives push and pull on pooled connections)
         self.streaming = pipelined and all(
-            region.route.dataplane.coordination(c.place).reductions() is not None
+            region.route.stream(c.slot)[0] is not None
             for c in {c.place.server_id: c for c in self.chunks}.values())
         self.exchanger = Exchanger(self, self.window, priority) if self.streaming else None
         #: held by one round at a time (an AllReduce holds it until it finishes)

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import secrets
 import threading
 import time
@@ -42,16 +41,16 @@ from concurrent.futures import Future
 from typing import Protocol
 
 from smb_protocol.errors import BarrierTimeout, InvalidArgument, LockNotHeld, Timeout
-from smb_protocol.waits import missing_ranks, ranks_text
+from smb_protocol.waits import ranks_text
 from smb_protocol.wire import WaitCond
 
 from .region import Region
-from .route import WAIT_SLICE, in_slices, until
+from .retrying import WAIT_SLICE, in_slices, until
 
 log = logging.getLogger(__name__)
 
 __all__ = ["Attendance", "Barrier", "Lock", "PartiesMissing", "REPORT_EVERY", "Roll", "WaitCond", "wait",
-           "WAIT_SLICE", "controller_barrier", "missing_ranks", "ranks_text", "report_waiting"]
+           "WAIT_SLICE", "controller_barrier", "ranks_text", "report_waiting"]
 
 DEFAULT_LEASE = 10.0    # seconds
 REPORT_EVERY = 5.0      # seconds a wait for other parties runs before it says so, and between reports
@@ -64,11 +63,8 @@ class PartiesMissing(BarrierTimeout):
 
     def __init__(self, message: str, *, what: str = "", arrived: int | None = None,
                  parties: int | None = None, missing: Sequence[int] | None = None) -> None:
-        super().__init__(message)
+        super().__init__(message, arrived=arrived, parties=parties, missing=missing)
         self.what = what
-        self.arrived = arrived
-        self.parties = parties
-        self.missing = None if missing is None else list(missing)
 
 
 class Roll(Protocol):
@@ -97,9 +93,6 @@ class BarrierSource(Protocol):
         """The controller's barrier ``name`` of ``parties``, this caller being ``rank``."""
 
 
-_ARRIVED = re.compile(r"(\d+) of (\d+) parties arrived")
-
-
 def controller_barrier(client: BarrierSource, name: str, parties: int, timeout: float | None = None, *,
                        rank: int | None = None, report_every: float | None = None) -> int:
     """The controller's barrier ``name`` (:meth:`Client.barrier
@@ -117,9 +110,7 @@ def controller_barrier(client: BarrierSource, name: str, parties: int, timeout: 
         try:
             return client.barrier(name, parties, timeout=max(0.001, min(left, every)), rank=rank)
         except BarrierTimeout as exc:
-            found = _ARRIVED.search(str(exc))
-            arrived = int(found.group(1)) if found else None
-            missing = missing_ranks(exc)
+            arrived, missing = exc.arrived, exc.missing
             waited = time.monotonic() - started
             if time.monotonic() >= deadline:
                 counted = f"{arrived} of {parties} parties arrived" if arrived is not None else \

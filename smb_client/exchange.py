@@ -19,15 +19,17 @@ caller's buffer. So:
 * no thread per chunk and no round trip per chunk: one sender per collective, one
   receiving thread per server stream.
 
-A chunk whose connection broke, or whose ticket expired, is sent again (up to
-:data:`RETRIES` times), with the same sequence number, on a new connection or after
-renewing the ticket: the server applies its push and counts
-its pull at most once and answers the repeat with the sum. A chunk whose extent is being
-moved to another server (NotPrimary), or was released by the move (ExtentNotFound), is
-sent again with the same number after opening the region again, with backoff, for up to
-:data:`~smb_client.route.FAILOVER_TIMEOUT` seconds: the move carries the extent's
-exactly-once entries to the new server. Any other failure is the chunk's error;
-:meth:`Exchanger.abandon` then stops what is still in flight.
+The chunks go on the streams the region's route hands out (:meth:`Route.stream
+<smb_client.route.Route.stream>`), and a failed chunk follows the route's retry decision
+(:class:`~smb_client.route.Retrying`): one whose connection broke, or whose ticket
+expired, is sent again with the same sequence number, on a new connection or after
+renewing the ticket (the server applies its push and counts its pull at most once and
+answers the repeat with the sum); one whose extent is being moved to another server
+(NotPrimary), or was released by the move (ExtentNotFound), is sent again with the same
+number after a pause and opening the region again (the move carries the extent's
+exactly-once entries to the new server); the pause is kept by the sending thread, not a
+timer. Any other failure is the chunk's error; :meth:`Exchanger.abandon` then stops what
+is still in flight.
 """
 from __future__ import annotations
 
@@ -41,20 +43,16 @@ from concurrent.futures import Future, InvalidStateError
 from typing import Protocol
 
 from smb_protocol.dtypes import DType
-from smb_protocol.errors import ExtentNotFound, NotPrimary, ServerUnavailable, SMBError, TicketExpired
+from smb_protocol.errors import ServerUnavailable, SMBError
 from smb_protocol.placement import ExtentPlace
 from smb_protocol.rounds import ChunkRound
 
 from .region import Region
-from .route import FAILOVER_TIMEOUT, name_server
-from .transports.errors import ConnectionBroken
+from .retrying import Next, Retrying
+from .route import name_server
 from .transports.stream import ReduceStream, Reduction
 
 log = logging.getLogger(__name__)
-
-RETRIES = 3        # extra sends of a chunk whose connection broke (each after a new connection) or whose ticket expired
-MOVE_BACKOFF = (0.02, 0.5)   # first and longest pause before a chunk goes again to an extent being moved
-
 
 class Chunk:
     """Where chunk ``index`` lives: its layout slot and server (``place``, as the region
@@ -84,7 +82,7 @@ class Owner(Protocol):
 
 class _Task:
     __slots__ = ("chunk", "slot", "round", "parts", "dt", "seq", "nbytes", "future", "in_flight",
-                 "attempts", "ticket", "stream", "moved_at", "pause")
+                 "retrying", "ticket", "stream")
 
     def __init__(self, chunk: Chunk, round_: int, parts: Sequence[memoryview], dt: DType,
                  seq: int) -> None:
@@ -97,11 +95,9 @@ class _Task:
         self.nbytes = sum(len(p) for p in self.parts)
         self.future: Future[None] = Future()
         self.in_flight = False
-        self.attempts = 0
+        self.retrying = Retrying()
         self.ticket = ""
         self.stream: ReduceStream | None = None
-        self.moved_at = 0.0            # when a move first refused it (monotonic; 0: never)
-        self.pause = 0.0               # before its next send after a move refused it
 
 
 class Exchanger:
@@ -114,6 +110,7 @@ class Exchanger:
         self.priority = priority
         self._cond = threading.Condition()
         self._queue: list[tuple[int, int, _Task]] = []
+        self._paused: list[tuple[float, int, _Task]] = []   # (monotonic time due, order, task)
         self._order = itertools.count()
         self._bytes = 0                      # bytes sent whose push has not taken effect
         self._sent: set[_Task] = set()       # sent, sum not in yet
@@ -131,15 +128,18 @@ class Exchanger:
         self._queue_task(task)
         return task.future
 
-    def _queue_task(self, task: _Task) -> None:
+    def _queue_task(self, task: _Task, pause: float = 0.0) -> None:
         with self._cond:
             if self._closed or self._abandoned:
                 _settle(task.future, ServerUnavailable(
                     f"collective {self.coll.region.name} is closed" if self._closed else
                     f"collective {self.coll.region.name}: the round failed elsewhere"))
                 return
-            key = task.chunk.index if self.priority else 0
-            heapq.heappush(self._queue, (key, next(self._order), task))
+            if pause > 0:
+                heapq.heappush(self._paused, (time.monotonic() + pause, next(self._order), task))
+            else:
+                key = task.chunk.index if self.priority else 0
+                heapq.heappush(self._queue, (key, next(self._order), task))
             self._cond.notify_all()
 
     def abandon(self) -> None:
@@ -149,6 +149,8 @@ class Exchanger:
         with self._cond:
             self._abandoned = True
             queued, self._queue = self._queue, []
+            queued += [(0, order, task) for _, order, task in self._paused]
+            self._paused = []
             streams = {id(t.stream): t.stream for t in self._sent if t.stream is not None}
         for _, _, task in queued:
             _settle(task.future, ServerUnavailable("the round failed elsewhere"))
@@ -167,10 +169,12 @@ class Exchanger:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._closed and not (
-                        self._queue and (self._bytes == 0
-                                         or self._bytes + self._queue[0][2].nbytes <= self.window)):
-                    self._cond.wait()
+                while True:
+                    due_in = self._unpause()
+                    if self._closed or (self._queue and (
+                            self._bytes == 0 or self._bytes + self._queue[0][2].nbytes <= self.window)):
+                        break
+                    self._cond.wait(due_in)
                 if self._closed:
                     return
                 _, _, task = heapq.heappop(self._queue)
@@ -194,12 +198,21 @@ class Exchanger:
                 assert task.stream is not None
                 task.stream.abandon()
 
+    def _unpause(self) -> float | None:
+        """Queue the paused chunks that are due (under the condition); seconds until the
+        next one is (None: none paused)."""
+        now = time.monotonic()
+        while self._paused and self._paused[0][0] <= now:
+            _, _, task = heapq.heappop(self._paused)
+            key = task.chunk.index if self.priority else 0
+            heapq.heappush(self._queue, (key, next(self._order), task))
+        return self._paused[0][0] - now if self._paused else None
+
     def _send(self, task: _Task) -> None:
         route = self.coll.region.route
-        if task.moved_at or (task.attempts and task.ticket == route.ticket):
+        if task.retrying.moved or (task.retrying.sends and task.ticket == route.ticket):
             route.refresh()   # a fresh ticket and where the extent is now (RegionNotFound once it is gone)
-        place = route.extents[task.chunk.slot]
-        stream = route.dataplane.coordination(place).reductions()
+        stream, place = route.stream(task.chunk.slot)
         if stream is None:
             raise ServerUnavailable(f"server {place.server_id} has no pipelined stream")
         task.stream = stream
@@ -221,22 +234,12 @@ class Exchanger:
         self._pushed(task)
         with self._cond:
             self._sent.discard(task)
-        if err is not None and isinstance(err, (ConnectionBroken, TicketExpired)) \
-                and task.attempts < RETRIES and not task.future.done():
-            task.attempts += 1
-            log.info("collective %s: chunk %d again: %s", self.coll.region.name, task.chunk.index, err)
-            self._queue_task(task)
-            return
-        if isinstance(err, (NotPrimary, ExtentNotFound)) and not task.future.done():
-            now = time.monotonic()
-            task.moved_at = task.moved_at or now
-            if now - task.moved_at < FAILOVER_TIMEOUT:
-                task.pause = min(MOVE_BACKOFF[1], max(MOVE_BACKOFF[0], task.pause * 2))
-                log.info("collective %s: chunk %d again in %.2f s (%s)", self.coll.region.name,
-                         task.chunk.index, task.pause, err)
-                timer = threading.Timer(task.pause, self._queue_task, (task,))
-                timer.daemon = True
-                timer.start()
+        if err is not None and not task.future.done():
+            step, pause = task.retrying.decide(err)
+            if step is not Next.FAIL:
+                log.info("collective %s: chunk %d again (%s, %.2f s): %s", self.coll.region.name,
+                         task.chunk.index, step.value, pause, err)
+                self._queue_task(task, pause)
                 return
         if isinstance(err, ServerUnavailable):
             name_server(err, self.coll.region.route.extents[task.chunk.slot].server_id)

@@ -33,10 +33,11 @@ from smb_protocol.placement import ExtentPlace, Layout, Run
 from smb_protocol.tickets import TicketMode
 from smb_protocol.wire import WaitCond
 
-from . import cuda
+from . import cuda, cuda_region
 from .buffers import as_view
 from .region_async import AsyncForms
-from .route import RegionSource, Route, in_slices, layout_of, until
+from .retrying import in_slices, until
+from .route import RegionSource, Route, layout_of
 from .transports import Session
 
 log = logging.getLogger(__name__)
@@ -163,7 +164,7 @@ class Region(AsyncForms):
     def write(self, offset: int, data: Any) -> None:
         """Write ``data`` (bytes, numpy array, torch tensor) at ``offset`` bytes."""
         if cuda.is_cuda(data):
-            return cuda.write(self, offset, data)
+            return cuda_region.write(self, offset, data)
         self.route.check_writable()
         view, _ = as_view(data)
         self.layout.check_range(offset, len(view))
@@ -173,7 +174,7 @@ class Region(AsyncForms):
     def read_into(self, offset: int, out: Any) -> Any:
         """Fill the writable buffer ``out`` from ``offset``; returns ``out``."""
         if cuda.is_cuda(out):
-            return cuda.read_into(self, offset, out)
+            return cuda_region.read_into(self, offset, out)
         view, _ = as_view(out, writable=True)
         self.layout.check_range(offset, len(view))
         tasks = self._tasks(offset, view, 1, _read, numbered=False)
@@ -215,7 +216,7 @@ class Region(AsyncForms):
     def accumulate(self, offset: int, data: Any, dtype: Any = None) -> None:
         """Server-side ``region[offset:] += data`` elementwise."""
         if cuda.is_cuda(data):
-            return cuda.accumulate(self, offset, data, dtype)
+            return cuda_region.accumulate(self, offset, data, dtype)
         self.route.check_writable()
         view, dt = self._typed(offset, data, dtype)
         tasks = self._tasks(offset, view, itemsize(dt), _accumulate(dt))
@@ -224,7 +225,7 @@ class Region(AsyncForms):
     def axpy(self, offset: int, x: Any, alpha: float, dtype: Any = None) -> None:
         """Server-side ``region[offset:] += alpha * x`` elementwise (a floating type)."""
         if cuda.is_cuda(x):
-            return cuda.accumulate(self, offset, x, dtype, alpha=alpha)
+            return cuda_region.accumulate(self, offset, x, dtype, alpha=alpha)
         self.route.check_writable()
         view, dt = self._typed(offset, x, dtype)
         if dt not in FLOATING_TYPES:
@@ -303,7 +304,7 @@ class Region(AsyncForms):
         """Write several ``(offset, data)`` pairs, all servers in parallel."""
         items = list(items)
         if any(cuda.is_cuda(data) for _, data in items):
-            return cuda.write_many(self, items)
+            return cuda_region.write_many(self, items)
         self.route.check_writable()
 
         def plan(offset: int, data: Any) -> list[Callable[[], Any]]:
@@ -317,7 +318,7 @@ class Region(AsyncForms):
         buffers, in order (as :meth:`read_into` returns its buffer)."""
         items = list(items)
         if any(cuda.is_cuda(out) for _, out in items):
-            return cuda.read_many(self, items)
+            return cuda_region.read_many(self, items)
         outs: list[Any] = []
 
         def plan(offset: int, out: Any) -> list[Callable[[], Any]]:
@@ -366,7 +367,7 @@ class Region(AsyncForms):
         """Accumulate several ``(offset, data)`` pairs, all servers in parallel."""
         items = list(items)
         if any(cuda.is_cuda(data) for _, data in items):
-            return cuda.write_many(self, items, accumulate_as=dtype)
+            return cuda_region.write_many(self, items, accumulate_as=dtype)
         self.route.check_writable()
 
         def plan(offset: int, data: Any) -> list[Callable[[], Any]]:

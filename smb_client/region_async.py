@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from .cuda import on_caller_stream
+from .cuda_region import on_caller_stream
 
 if TYPE_CHECKING:
     from .route import Route

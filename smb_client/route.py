@@ -5,11 +5,14 @@ layout slot to the copy a request goes to and the data-plane session that reache
 holds the region's ticket (renewed as needed), numbers mutating requests, and runs
 operations under retry and failover. :class:`~smb_client.region.Region` plans its
 operations into requests on slots and hands them to its route; waits, locks and barriers
-(:mod:`smb_client.coord`) and collectives (:mod:`smb_client.collective`) send theirs
-through the same route (:meth:`Route.coordinate`), so every rule below holds for all::
+(:mod:`smb_client.coord`) send theirs through the same route (:meth:`Route.coordinate`),
+and a collective's chunks go on the stream the route hands out for their slot
+(:meth:`Route.stream`) under the same retry decision (:class:`Retrying`), so every rule
+below holds for all::
 
-    Region / Lock / Barrier / Collective
-        -> Route.run (ticket renewal, failover, explain)   one per operation
+    Region / Lock / Barrier / Collective             Collective's exchanger
+        -> Route.run (ticket renewal, failover,        -> Route.stream(slot), Retrying
+           explain)   one per operation
         -> Route.request / Route.coordinate (slot -> place, session)
         -> DataPlane.session / DataPlane.coordination      (endpoint -> Session)
         -> Session (tcp, shm, rdma) -> connections -> socket / mapping / queue pair
@@ -50,7 +53,6 @@ is another region: the route then refuses every later operation with
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -58,14 +60,16 @@ from concurrent.futures import Future
 from typing import Any, Protocol, TypeVar
 
 from smb_protocol import errors
-from smb_protocol.errors import InvalidArgument, Misaligned, ReadOnly, RegionNotFound, TicketExpired, Timeout
+from smb_protocol.errors import InvalidArgument, Misaligned, ReadOnly, RegionNotFound, TicketExpired
 from smb_protocol.placement import ExtentPlace, Layout, Run, split_runs
 from smb_protocol.replicas import ReplicaRole
 from smb_protocol.retry import Backoff, Retry
 from smb_protocol.tickets import TicketMode
 
 from .dataplane import DataPlane
+from .retrying import FAILOVER_TIMEOUT, move_backoff
 from .transports import Session
+from .transports.stream import ReduceStream
 
 log = logging.getLogger(__name__)
 
@@ -74,11 +78,8 @@ T = TypeVar("T")
 REFRESH_MARGIN = 60.0      # seconds before expiry a ticket is renewed
 REFRESH_TIMEOUT = 2.0      # seconds an operation keeps renewing a ticket the server calls expired
 EXPLAIN_PATIENCE = 0.5     # seconds a failed operation waits for the controller to say why
-FAILOVER_TIMEOUT = 30.0    # seconds an operation on a replicated region waits for a live primary
 AVOID_SECONDS = 10.0       # seconds a replicated region reads from other copies than a failed server's
-WAIT_SLICE = 30.0          # seconds one waiting request waits at most; longer waits send several
-
-__all__ = ["Route", "RegionSource", "layout_of", "until", "in_slices"]
+__all__ = ["Route", "RegionSource", "layout_of"]
 
 
 class RegionSource(Protocol):
@@ -114,27 +115,6 @@ def name_server(exc: errors.ServerUnavailable, server_id: str) -> None:
     text = str(exc)
     if server_id and server_id not in text:
         exc.args = (f"memory server {server_id}: {text}; `smb status` shows its state",)
-
-
-def until(timeout: float | None) -> float:
-    """The monotonic deadline ``timeout`` seconds from now (None: infinity)."""
-    if timeout is None:
-        return math.inf
-    if not (isinstance(timeout, (int, float)) and timeout >= 0 and not math.isnan(timeout)):
-        raise InvalidArgument(f"timeout must be >= 0 seconds or None, not {timeout!r}")
-    return time.monotonic() + timeout
-
-
-def in_slices(deadline: float, fn: Callable[[float], T]) -> T:
-    """Call ``fn(seconds)`` with slices of at most :data:`WAIT_SLICE` seconds until it
-    returns or ``deadline`` (monotonic) passes; the last :class:`Timeout` propagates."""
-    while True:
-        left = max(0.0, min(deadline - time.monotonic(), WAIT_SLICE))
-        try:
-            return fn(left)
-        except Timeout:
-            if time.monotonic() >= deadline:
-                raise
 
 
 class Route:
@@ -255,6 +235,13 @@ class Route:
             name_server(exc, place.server_id)
             raise
 
+    def stream(self, slot: int) -> tuple[ReduceStream | None, ExtentPlace]:
+        """The pipelined collective stream of ``slot``'s server (its tcp session's, the
+        client's; borrowed) and the copy it reaches, as the region is described now; no
+        stream where the session has none (TLS: push and pull instead)."""
+        place = self.extents[slot]
+        return self.dataplane.coordination(place).reductions(), place
+
     def coordinate(self, slot: int, send: Callable[[Session, ExtentPlace], T]) -> T:
         """Run one coordination request (a wait, a lock, a barrier's arrival, a
         collective's push or pull) on ``slot`` through its primary server's tcp session,
@@ -361,7 +348,7 @@ class Route:
                 self.refresh()
             return fn()
         retry = Retry(on=(TicketExpired, errors.Unavailable, errors.ExtentNotFound),
-                      timeout=FAILOVER_TIMEOUT, backoff=Backoff(first=0.02, cap=0.5))
+                      timeout=FAILOVER_TIMEOUT, backoff=move_backoff())
         result: T = retry(attempt, what=f"region {self.name}")
         return result
 

@@ -387,13 +387,15 @@ def assign_weighted(segment_sizes: Sequence[int], weights: Sequence[float]) -> l
     weight`` (ties to the lower index; weight 0 takes nothing). A server of weight ``w``
     (of ``W`` in all, ``k`` servers weighing more than 0) ends with at most
     ``w / W × (bytes + k × largest segment)``."""
-    live = [j for j, w in enumerate(weights) if w > 0]
-    if not live:
+    if not any(w > 0 for w in weights):
         raise InvalidArgument("at least one weight must be positive")
+    top = max(weights)
+    scaled = [w / top for w in weights]   # tiny weights would make every finish time infinite
+    live = [j for j, w in enumerate(scaled) if w > 0]   # one too small to count takes nothing
     load = [0] * len(weights)
     out = [0] * len(segment_sizes)
     for i in sorted(range(len(segment_sizes)), key=lambda i: -segment_sizes[i]):
-        j = min(live, key=lambda j: ((load[j] + segment_sizes[i]) / weights[j], j))
+        j = min(live, key=lambda j: ((load[j] + segment_sizes[i]) / scaled[j], j))
         out[i] = j
         load[j] += segment_sizes[i]
     return out

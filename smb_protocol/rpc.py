@@ -1,7 +1,8 @@
 """gRPC plumbing shared by the client and the servers: channels, auth metadata, errors.
 
-Servers report a typed error by name in the trailing metadata key ``smb-error``;
-:func:`call` turns any :class:`grpc.RpcError` back into that class (or, lacking the
+Servers report a typed error by name in the trailing metadata key ``smb-error`` (and
+a barrier timeout's counts beside it, :mod:`smb_protocol.waits`); :func:`call` turns
+any :class:`grpc.RpcError` back into that class with those fields (or, lacking the
 name, into the closest class for the status code).
 """
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any
 
 import grpc
 
-from smb_protocol import errors
+from smb_protocol import errors, waits
 
 from .tls import TLSConfig, is_trust_failure, untrusted
 
@@ -68,21 +69,19 @@ def translate(exc: grpc.RpcError, unavailable: type[errors.SMBError] = errors.Un
     """The typed exception for a failed call."""
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
     detail = exc.details() if hasattr(exc, "details") else str(exc)
-    name = None
+    trailing: list[tuple[str, str]] = []
     try:
-        for item in exc.trailing_metadata() or ():
-            if item.key == ERROR_KEY:
-                name = str(item.value)
+        trailing = [(str(item.key), str(item.value)) for item in exc.trailing_metadata() or ()]
     except Exception:  # a channel-level failure has no trailing metadata
         pass
+    name = dict(trailing).get(ERROR_KEY)
     if name:
-        cls = errors.error_class(name)
-    elif code == grpc.StatusCode.UNAVAILABLE and is_trust_failure(detail or ""):
+        typed = errors.error_class(name)(detail or code.name)
+        waits.read_metadata(typed, trailing)
+        return typed
+    if code == grpc.StatusCode.UNAVAILABLE and is_trust_failure(detail or ""):
         return untrusted("gRPC call", detail or "")
-    elif code == grpc.StatusCode.UNAVAILABLE:
-        cls = unavailable
-    else:
-        cls = code_class(code)
+    cls = unavailable if code == grpc.StatusCode.UNAVAILABLE else code_class(code)
     return cls(detail or code.name)
 
 

@@ -132,6 +132,20 @@ def store_bytes(c: Client, prefix: str, *, primaries: bool = False) -> dict[str,
     return out
 
 
+def store_heads(c: Client, prefix: str) -> dict[str, dict[str, int]]:
+    """How many slots of each of the store's regions each memory server heads (holds
+    the primary of, or the only copy of an unreplicated slot)."""
+    out: dict[str, dict[str, int]] = {}
+    for r in c.list_regions(f"{prefix}/"):
+        info, _ = c.open_info(r.name, "ro")
+        per: dict[str, int] = {}
+        for e in info.extents:
+            p = ExtentPlace.from_message(e)
+            per[p.server_id] = per.get(p.server_id, 0) + 1
+        out[r.name.rpartition("/")[2]] = per
+    return out
+
+
 def _servers(admin: Client) -> dict[str, list[Any]]:
     """server id -> [state, bytes used, extents, bytes moved off it, its move rate (bytes/s)]."""
     return {s.server_id: [s.state, s.used, s.extents, s.moved_bytes, s.move_rate] for s in admin.list_servers()}
@@ -191,6 +205,7 @@ def mover(spec: dict[str, Any]) -> dict[str, Any]:
                 out["trigger"] = {"time": now, "total": total}
                 out["store_before"] = store_bytes(c, prefix)
                 out["heads_before"] = store_bytes(c, prefix, primaries=True)
+                out["head_slots_before"] = store_heads(c, prefix)
                 out["servers_before"] = _servers(admin)
                 held = {s: sum(per.get(s, 0) for per in out["store_before"].values())
                         for s in out["servers_before"]}
@@ -222,6 +237,7 @@ def mover(spec: dict[str, Any]) -> dict[str, Any]:
                     out["bytes_moved"] = moved
                     out["servers_after_move"] = servers
                     out["heads_after"] = store_bytes(c, prefix, primaries=True)
+                    out["head_slots_after"] = store_heads(c, prefix)
                     if action == "evacuate":
                         out["removed"] = admin.remove_server(source).server_id
                         _write_json(sig / "removed.json", {"time": time.time(), "server": source})

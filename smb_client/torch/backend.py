@@ -68,7 +68,7 @@ from smb_protocol.errors import Closed, DtypeError, InvalidArgument, SMBError, T
 
 from ..client import Client, connect
 from ..collective import Collective
-from ..cuda import on_caller_stream
+from ..cuda_region import on_caller_stream
 
 log = logging.getLogger(__name__)
 

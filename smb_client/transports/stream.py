@@ -20,7 +20,6 @@ once, and answers a repeated pull with the sum again.
 from __future__ import annotations
 
 import errno
-import itertools
 import logging
 import socket
 import threading
@@ -29,8 +28,11 @@ from typing import Protocol
 
 from smb_protocol import wire
 from smb_protocol.dtypes import DType
-from smb_protocol.errors import ProtocolError, ServerUnavailable, SMBError, status_error
+from smb_protocol.errors import ProtocolError, ServerUnavailable, SMBError
+from smb_protocol.framing import ClientFrames
+from smb_protocol.requests import Reduce
 from smb_protocol.rounds import ChunkRound
+from smb_protocol.wire import Op
 
 from .errors import ConnectionBroken
 
@@ -40,10 +42,13 @@ _HELLO = object()   # the pending entry of a HELLO frame
 
 
 class Connection(Protocol):
-    """What a stream needs of a connection (a :class:`~.tcp.TcpConnection`)."""
+    """What a stream needs of a connection (a :class:`~.tcp.TcpConnection`): its socket,
+    its client id, its frames (:class:`~smb_protocol.framing.ClientFrames`: the request
+    numbers and presented tickets of this connection) and its dead-peer time."""
 
     sock: socket.socket
     client_id: int
+    frames: ClientFrames
     dead_peer_timeout: float
 
     def close(self) -> None: ...
@@ -52,9 +57,9 @@ class Connection(Protocol):
 class Reduction:
     """One ``REDUCE`` in flight: push ``parts`` (``dtype`` elements) as the chunk at
     ``offset`` of extent ``extent_id`` into the round ``ref`` names, and receive the sum
-    into ``parts``. ``pushed()`` is called when the
-    push took effect, ``done(error)`` once with None (the sum is in ``parts``) or the
-    typed error; both run on the stream's receiving thread and must be quick."""
+    into ``parts``. ``pushed()`` is called when the push took effect, ``done(error)``
+    once with None (the sum is in ``parts``) or the typed error; both run on the
+    stream's receiving thread and must be quick."""
 
     __slots__ = ("extent_id", "offset", "parts", "nbytes", "dtype", "ref", "timeout", "seq", "pushed", "done")
 
@@ -72,6 +77,24 @@ class Reduction:
         self.pushed = pushed
         self.done = done
 
+    def request(self, client_id: int) -> Reduce:
+        """The typed ``REDUCE`` of this reduction, numbered for ``client_id``."""
+        return Reduce(Op.REDUCE, 0, self.extent_id, self.offset, self.nbytes, client_id if self.seq else 0,
+                      self.seq, dtype=self.dtype, ref=self.ref, timeout=self.timeout)
+
+
+class _Link:
+    """One connection of a stream and what is in flight on it (request id -> the
+    reduction, or :data:`_HELLO`): answers read from a connection are looked up in its
+    own table only, so nothing read from a broken connection can finish a request sent
+    on its successor."""
+
+    __slots__ = ("conn", "pending")
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self.pending: dict[int, Reduction | object] = {}
+
 
 class ReduceStream:
     """The pipelined ``REDUCE`` connection to one memory server; ``connect()`` opens a
@@ -81,11 +104,8 @@ class ReduceStream:
         self._connect = connect
         self.where = where
         self._sending = threading.Lock()     # one sender at a time
-        self._lock = threading.Lock()        # the connection and the table of what is in flight
-        self._conn: Connection | None = None
-        self._pending: dict[int, Reduction | object] = {}
-        self._presented: set[str] = set()
-        self._ids = itertools.count(1)
+        self._lock = threading.Lock()        # the link and what is in flight on it
+        self._link: _Link | None = None
         self._closed = False
 
     def send(self, ticket: str, r: Reduction) -> None:
@@ -95,117 +115,110 @@ class ReduceStream:
         on a full socket must not keep the answers from being read)."""
         with self._sending:
             try:
-                conn = self._conn if self._conn is not None else self._open()
+                link = self._link if self._link is not None else self._open()
             except SMBError as exc:   # could not connect: fail this one alone
                 r.done(exc)
                 return
+            conn = link.conn
             frames: list[memoryview | bytes] = []
             with self._lock:
-                broke = self._conn is not conn   # it broke meanwhile (its requests were failed)
-                if not broke and ticket not in self._presented:
-                    token = ticket.encode()
-                    hello_id = self._next_id()
-                    self._pending[hello_id] = _HELLO
-                    frames += [wire.pack_request(wire.Op.HELLO, hello_id, length=len(token)), token]
-                    self._presented.add(ticket)
-                req_id = self._next_id()
+                broke = self._link is not link   # it broke meanwhile (its requests were failed)
                 if not broke:
-                    self._pending[req_id] = r
+                    hello = conn.frames.hello(ticket)
+                    if hello is not None:
+                        link.pending[hello[0]] = _HELLO
+                        frames += hello[1]
+                    req_id, request = conn.frames.request(r.request(conn.client_id), r.parts)
+                    link.pending[req_id] = r
+                    frames += request
             if broke:
                 r.done(ConnectionBroken(f"{self.where}: the connection broke"))
                 return
-            arg0, arg1 = r.ref.args()
-            frames.append(wire.pack_request(
-                wire.Op.REDUCE, req_id, r.extent_id, r.offset, r.nbytes, r.dtype, arg0, arg1, r.timeout,
-                client=conn.client_id if r.seq else 0, seq=r.seq))
-            frames += r.parts
             try:
                 wire.sendmsg_all(conn.sock, frames)
                 return
             except OSError as exc:
                 failed = ConnectionBroken(f"{self.where}: {exc}")
-        self._fail(conn, failed)
+        self._fail(link, failed)
 
-    def _next_id(self) -> int:
-        return next(self._ids) & 0xFFFFFFFF or next(self._ids)
-
-    def _open(self) -> Connection:
+    def _open(self) -> _Link:
         """A new connection and its receiving thread (the caller sends)."""
         with self._lock:
             if self._closed:
                 raise ServerUnavailable(f"{self.where}: the stream is closed")
         conn = self._connect()
         conn.sock.settimeout(None)   # the kernel's dead-peer detection bounds every wait
+        link = _Link(conn)
         with self._lock:
-            self._conn = conn
-            self._presented = set()
-        threading.Thread(target=self._receive, args=(conn,), name=f"smb-reduce {self.where}",
+            self._link = link
+        threading.Thread(target=self._receive, args=(link,), name=f"smb-reduce {self.where}",
                          daemon=True).start()
-        return conn
+        return link
 
-    def _receive(self, conn: Connection) -> None:
+    def _receive(self, link: _Link) -> None:
         """Take answers until the connection ends; then fail what is still in flight."""
-        sock = conn.sock
+        conn = link.conn
+        sock, frames = conn.sock, conn.frames
         try:
             while True:
-                status, kind, req_id, n = wire.unpack_answer(wire.recv_exact(sock, wire.RESPONSE.size))
+                answer = frames.answer(wire.recv_exact(sock, wire.RESPONSE.size))
                 with self._lock:
-                    r = self._pending.get(req_id)
+                    r = link.pending.get(answer.req_id)
                 if r is None:
-                    if req_id == 0 and status:   # the server's parting answer, then it closes
-                        body = bytes(wire.recv_exact(sock, n)) if n else b""
-                        raise status_error(status, f"{self.where}: {body.decode(errors='replace')}")
-                    raise ProtocolError(f"{self.where}: an answer to request {req_id}, not in flight")
-                if r is _HELLO or kind == wire.PUSHED or status:
-                    body = bytes(wire.recv_exact(sock, n)) if n else b""
-                    if status:
-                        err = status_error(status, f"{self.where}: {body.decode(errors='replace')}")
+                    if answer.unsolicited:   # the server's parting answer, then it closes
+                        raise frames.error(answer, wire.recv_exact(sock, answer.length) if answer.length else b"")
+                    raise frames.stray(answer)
+                if r is _HELLO or answer.kind == wire.PUSHED or not answer.ok:
+                    body = bytes(wire.recv_exact(sock, answer.length)) if answer.length else b""
+                    if not answer.ok:
+                        err = frames.error(answer, body)
                         if r is _HELLO:   # a refused ticket: the server closes the connection
                             raise err
-                        self._finish(req_id, err)
+                        self._finish(link, answer.req_id, err)
                     elif r is _HELLO:
-                        self._finish(req_id, None)
+                        self._finish(link, answer.req_id, None)
                     else:
                         assert isinstance(r, Reduction)
                         r.pushed()
                     continue
                 assert isinstance(r, Reduction)
-                if n != r.nbytes:
-                    raise ProtocolError(f"{self.where}: a sum of {n} bytes for a chunk of {r.nbytes}")
+                if answer.length != r.nbytes:
+                    raise ProtocolError(f"{self.where}: a sum of {answer.length} bytes for a chunk of {r.nbytes}")
                 wire.recv_into_all(sock, r.parts)
-                self._finish(req_id, None)
+                self._finish(link, answer.req_id, None)
         except TimeoutError as exc:
             if exc.errno == errno.ETIMEDOUT:
-                self._fail(conn, ServerUnavailable(
+                self._fail(link, ServerUnavailable(
                     f"{self.where}: the server acknowledged nothing for {conn.dead_peer_timeout:g} s "
                     "(host or link down)"))
             else:
-                self._fail(conn, ConnectionBroken(f"{self.where}: {exc}"))
+                self._fail(link, ConnectionBroken(f"{self.where}: {exc}"))
         except OSError as exc:
-            self._fail(conn, ConnectionBroken(f"{self.where}: {exc}"))
+            self._fail(link, ConnectionBroken(f"{self.where}: {exc}"))
         except SMBError as exc:
             if isinstance(exc, ServerUnavailable) and not isinstance(exc, ConnectionBroken):
                 exc = ConnectionBroken(str(exc))   # closed by the server mid-answer: a break
-            self._fail(conn, exc)
+            self._fail(link, exc)
 
-    def _finish(self, req_id: int, err: SMBError | None) -> None:
+    def _finish(self, link: _Link, req_id: int, err: SMBError | None) -> None:
         with self._lock:
-            r = self._pending.pop(req_id, None)
+            r = link.pending.pop(req_id, None)
         if isinstance(r, Reduction):
             r.done(err)
 
-    def _fail(self, conn: Connection, err: SMBError) -> None:
-        """``conn`` is done for: close it and fail everything in flight on it."""
+    def _fail(self, link: _Link, err: SMBError) -> None:
+        """``link`` is done for: close it and fail everything in flight on it."""
         with self._lock:
-            if self._conn is not conn:
-                return
-            self._conn = None
-            pending, self._pending = self._pending, {}
+            if self._link is link:
+                self._link = None
+            elif not link.pending:
+                return          # failed before: closed, nothing left in flight
+            pending, link.pending = link.pending, {}
         try:
-            conn.sock.shutdown(socket.SHUT_RDWR)
+            link.conn.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
-        conn.close()
+        link.conn.close()
         if pending:
             log.info("%s: %d requests in flight failed: %s", self.where, len(pending), err)
         for r in pending.values():
@@ -215,15 +228,16 @@ class ReduceStream:
     def in_flight(self) -> int:
         """Requests sent and not finished."""
         with self._lock:
-            return sum(1 for r in self._pending.values() if r is not _HELLO)
+            link = self._link
+            return 0 if link is None else sum(1 for r in link.pending.values() if r is not _HELLO)
 
     def abandon(self) -> None:
         """Close the connection now, failing what is in flight (a failed round leaves
         requests the server would otherwise keep waiting on)."""
         with self._lock:
-            conn = self._conn
-        if conn is not None:
-            self._fail(conn, ConnectionBroken(f"{self.where}: abandoned"))
+            link = self._link
+        if link is not None:
+            self._fail(link, ConnectionBroken(f"{self.where}: abandoned"))
 
     def close(self) -> None:
         with self._lock:

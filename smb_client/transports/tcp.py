@@ -26,7 +26,6 @@ number, or a server that stopped acknowledging altogether, is not retried.
 from __future__ import annotations
 
 import errno
-import itertools
 import logging
 import socket
 import ssl
@@ -45,10 +44,24 @@ from smb_protocol.errors import (
     ServerUnavailable,
     SMBError,
     Timeout,
-    status_error,
+)
+from smb_protocol.framing import ClientFrames
+from smb_protocol.requests import (
+    Arith,
+    Arithmetic,
+    CompareSwap,
+    FetchAdd,
+    Lock,
+    Pull,
+    Push,
+    Read,
+    Request,
+    Wait,
+    Write,
 )
 from smb_protocol.rounds import ChunkRound
 from smb_protocol.tls import TLS_SCHEME, TLSConfig, is_trust_failure, untrusted
+from smb_protocol.wire import Op
 
 from . import Session, register
 from .errors import ConnectionBroken
@@ -65,7 +78,6 @@ KEEPALIVE_IDLE = 1      # seconds idle before the first keepalive probe
 KEEPALIVE_INTERVAL = 1  # seconds between probes
 SOCKET_BUFFER = 4 << 20  # bytes
 PARTING_TIMEOUT = 0.5   # seconds to read a closing server's parting answer after a failed send
-MAX_PRESENTED = 1024    # tickets a connection remembers having presented before forgetting them all
 _WORD = struct.Struct("<q")
 RETRIES = 1             # extra attempts of a request whose connection broke
 
@@ -103,8 +115,7 @@ class TcpConnection:
         self.dead_peer_timeout = dead_peer_timeout
         self.sock.settimeout(io_timeout)
         self.client_id = client_id
-        self._ids = itertools.count(1)
-        self._presented: set[str] = set()
+        self.frames = ClientFrames(self.where)
 
     def _handshake(self, tls: ssl.SSLContext, host: str) -> ssl.SSLSocket:
         """The TLS client side of the new socket (within the connect timeout); a server
@@ -131,49 +142,46 @@ class TcpConnection:
     def present(self, ticket: str) -> None:
         """Send ``HELLO`` with ``ticket`` unless this connection already did. A refused
         ticket raises its typed error and the server closes the connection."""
-        if ticket in self._presented:
+        hello = self.frames.hello(ticket)
+        if hello is None:
             return
-        if len(self._presented) >= MAX_PRESENTED:
-            self._presented.clear()   # presenting again is harmless
-        token = ticket.encode()
+        req_id, frames = hello
         try:
-            self.request(wire.Op.HELLO, payload=[memoryview(token)], length=len(token))
+            self._exchange(req_id, frames, ())
         except BaseException:
             self.close()
             raise
-        self._presented.add(ticket)
 
-    def request(self, op: int, extent_id: int = 0, offset: int = 0, length: int = 0,
-                dtype: int = 0, arg0: int = 0, arg1: int = 0, alpha: float = 0.0,
-                payload: Sequence[memoryview] = (), into: Sequence[memoryview] = (),
-                seq: int = 0) -> bytes:
-        """Send one request and wait for its answer; returns a small answer payload.
+    def request(self, req: Request, payload: Sequence[memoryview] = (),
+                into: Sequence[memoryview] = ()) -> bytes:
+        """Send the typed request ``req`` (its ``payload`` buffers after it) and wait for
+        its answer; returns a small answer payload.
 
-        ``into`` receives a READ's payload in place; ``seq`` numbers a mutating request
-        (0: not tracked). Socket failures raise :class:`ServerUnavailable`
-        (:class:`ConnectionBroken` when the connection failed, not the peer) and leave
-        the connection unusable.
+        ``into`` receives a READ's payload in place. Socket failures raise
+        :class:`ServerUnavailable` (:class:`ConnectionBroken` when the connection failed,
+        not the peer) and leave the connection unusable.
         """
-        req_id = next(self._ids) & 0xFFFFFFFF or 1   # 0 marks a refusal or a parting answer
-        header = wire.pack_request(op, req_id, extent_id, offset, length, dtype, arg0, arg1, alpha,
-                                   client=self.client_id if seq else 0, seq=seq)
+        req_id, frames = self.frames.request(req, payload)
+        return self._exchange(req_id, frames, into)
+
+    def _exchange(self, req_id: int, frames: Sequence[memoryview | bytes], into: Sequence[memoryview]) -> bytes:
         sent = False
         try:
-            wire.sendmsg_all(self.sock, [header, *payload])
+            wire.sendmsg_all(self.sock, frames)
             sent = True
-            status, got_id, n = wire.unpack_response(wire.recv_exact(self.sock, wire.RESPONSE.size))
-            if got_id == 0 and status != 0:     # the server refused the connection, then closed it
-                refusal = bytes(wire.recv_exact(self.sock, n)) if n else b""
+            answer = self.frames.answer(wire.recv_exact(self.sock, wire.RESPONSE.size))
+            if answer.unsolicited:     # the server refused the connection, then closed it
+                refusal = bytes(wire.recv_exact(self.sock, answer.length)) if answer.length else b""
                 self.close()
-                raise status_error(status, f"{self.where}: {refusal.decode(errors='replace')}")
-            if got_id != req_id:
-                raise ProtocolError(f"{self.where}: answer {got_id} to request {req_id}")
-            if status == 0 and into:
-                if n != sum(len(b) for b in into):
-                    raise ProtocolError(f"{self.where}: read answered {n} bytes")
+                raise self.frames.error(answer, refusal)
+            if answer.req_id != req_id:
+                raise self.frames.stray(answer, req_id)
+            if answer.ok and into:
+                if answer.length != sum(len(b) for b in into):
+                    raise ProtocolError(f"{self.where}: read answered {answer.length} bytes")
                 wire.recv_into_all(self.sock, into)
                 return b""
-            body = bytes(wire.recv_exact(self.sock, n)) if n else b""
+            body = bytes(wire.recv_exact(self.sock, answer.length)) if answer.length else b""
         except TimeoutError as exc:   # socket.timeout is TimeoutError, and so is ETIMEDOUT
             self.close()
             if exc.errno == errno.ETIMEDOUT:    # the kernel gave up: no acknowledgement at all
@@ -197,8 +205,8 @@ class TcpConnection:
         except ProtocolError:
             self.close()
             raise
-        if status != 0:
-            raise status_error(status, f"{self.where}: {body.decode(errors='replace')}")
+        if not answer.ok:
+            raise self.frames.error(answer, body)
         return body
 
     def _parting_answer(self) -> SMBError | None:
@@ -206,13 +214,13 @@ class TcpConnection:
         when one is there to read (a send failed because the server had closed)."""
         try:
             self.sock.settimeout(PARTING_TIMEOUT)
-            status, got_id, n = wire.unpack_response(wire.recv_exact(self.sock, wire.RESPONSE.size))
-            if got_id != 0 or status == 0 or n > wire.MAX_TICKET:
+            answer = self.frames.answer(wire.recv_exact(self.sock, wire.RESPONSE.size))
+            if not answer.unsolicited or answer.length > wire.MAX_TICKET:
                 return None
-            body = bytes(wire.recv_exact(self.sock, n))
+            body = bytes(wire.recv_exact(self.sock, answer.length))
         except (OSError, SMBError):
             return None
-        return status_error(status, f"{self.where}: {body.decode(errors='replace')}")
+        return self.frames.error(answer, body)
 
     def close(self) -> None:
         try:
@@ -266,22 +274,23 @@ class TcpSession(Session):
         return TcpConnection(self.endpoint.host, self.endpoint.port, self.io_timeout,
                              self.dead_peer_timeout, self.client_id, self.tls)
 
-    def _do(self, ticket: str, *args: Any, waits: float | None = None, **kwargs: Any) -> bytes:
-        """Run one request on a pooled connection; once more on another connection when
-        this one broke and the request may run again (a read or a numbered request).
+    def _do(self, ticket: str, req: Request, payload: Sequence[memoryview] = (),
+            into: Sequence[memoryview] = (), waits: float | None = None) -> bytes:
+        """Run one typed request on a pooled connection; once more on another connection
+        when this one broke and the request may run again (a read or a numbered request).
         ``waits``: the request may wait that many seconds at the server, so it goes on a
         connection of the wait pool (whose socket timeout it extends)."""
-        repeatable = kwargs.get("seq", 0) != 0 or args[0] == wire.Op.READ
+        repeatable = req.seq != 0 or req.op == wire.Op.READ
         attempt = 0
         while True:
             try:
                 with (self.pool if waits is None else self.waits).borrow() as conn:
                     conn.present(ticket)
                     if waits is None:
-                        return conn.request(*args, **kwargs)
+                        return conn.request(req, payload, into)
                     conn.sock.settimeout(waits + self.io_timeout)
                     try:
-                        return conn.request(*args, **kwargs)
+                        return conn.request(req, payload, into)
                     finally:
                         if not conn.closed:
                             conn.sock.settimeout(self.io_timeout)
@@ -291,62 +300,64 @@ class TcpSession(Session):
                 attempt += 1
                 log.info("%s: %s; sending the request again on another connection", self.endpoint, exc)
 
+    def _word(self, ticket: str, req: Request, waits: float | None = None) -> int:
+        """A request answered with an int64 word (atomics, waits, locks)."""
+        return int(_WORD.unpack(self._do(ticket, req, waits=waits))[0])
+
     def write(self, ticket: str, extent_id: int, offset: int, buffers: Sequence[memoryview],
               seq: int = 0) -> None:
-        self._do(ticket, wire.Op.WRITE, extent_id, offset, sum(len(b) for b in buffers), payload=buffers,
-                 seq=seq)
+        self._do(ticket, Write(Op.WRITE, 0, extent_id, offset, _size(buffers), self.client_id, seq), buffers)
 
     def read_into(self, ticket: str, extent_id: int, offset: int, buffers: Sequence[memoryview]) -> None:
-        self._do(ticket, wire.Op.READ, extent_id, offset, sum(len(b) for b in buffers), into=buffers)
+        self._do(ticket, Read(Op.READ, 0, extent_id, offset, _size(buffers)), into=buffers)
 
     def accumulate(self, ticket: str, extent_id: int, offset: int, buffers: Sequence[memoryview],
                    dtype: DType, alpha: float | None = None, seq: int = 0) -> None:
-        op = wire.Op.ACCUMULATE if alpha is None else wire.Op.AXPY
-        self._do(ticket, op, extent_id, offset, sum(len(b) for b in buffers), dtype=dtype,
-                 alpha=0.0 if alpha is None else alpha, payload=buffers, seq=seq)
+        if alpha is None:
+            req = Arithmetic(Op.ACCUMULATE, 0, extent_id, offset, _size(buffers), self.client_id, seq,
+                             arith=Arith.ACCUMULATE, dtype=dtype)
+        else:
+            req = Arithmetic(Op.AXPY, 0, extent_id, offset, _size(buffers), self.client_id, seq,
+                             arith=Arith.AXPY, dtype=dtype, alpha=alpha)
+        self._do(ticket, req, buffers)
 
     def scale(self, ticket: str, extent_id: int, offset: int, length: int, dtype: DType, alpha: float,
               seq: int = 0) -> None:
-        self._do(ticket, wire.Op.SCALE, extent_id, offset, length, dtype=dtype, alpha=alpha, seq=seq)
+        self._do(ticket, Arithmetic(Op.SCALE, 0, extent_id, offset, length, self.client_id, seq,
+                                    arith=Arith.SCALE, dtype=dtype, alpha=alpha))
 
     def fetch_add(self, ticket: str, extent_id: int, offset: int, value: int, seq: int = 0) -> int:
-        body = self._do(ticket, wire.Op.FETCH_ADD, extent_id, offset, 8, arg0=value, seq=seq)
-        return int(_WORD.unpack(body)[0])
+        return self._word(ticket, FetchAdd(Op.FETCH_ADD, 0, extent_id, offset, 8, self.client_id, seq,
+                                           value=value))
 
     def compare_swap(self, ticket: str, extent_id: int, offset: int, expected: int, desired: int,
                      seq: int = 0) -> int:
-        body = self._do(ticket, wire.Op.COMPARE_SWAP, extent_id, offset, 8, arg0=expected, arg1=desired,
-                        seq=seq)
-        return int(_WORD.unpack(body)[0])
+        return self._word(ticket, CompareSwap(Op.COMPARE_SWAP, 0, extent_id, offset, 8, self.client_id, seq,
+                                              expected=expected, desired=desired))
 
     def wait(self, ticket: str, extent_id: int, offset: int, cond: int, target: int,
              timeout: float) -> int:
-        body = self._do(ticket, wire.Op.WAIT, extent_id, offset, 8, dtype=cond, arg0=target, alpha=timeout,
-                        waits=timeout)
-        return int(_WORD.unpack(body)[0])
+        return self._word(ticket, Wait(Op.WAIT, 0, extent_id, offset, 8, cond=cond, value=target,
+                                       timeout=timeout), waits=timeout)
 
     def lock(self, ticket: str, extent_id: int, offset: int, holder: int, lease: float,
              timeout: float) -> int:
-        body = self._do(ticket, wire.Op.LOCK, extent_id, offset, 8, arg0=holder, arg1=round(lease * 1000),
-                        alpha=timeout, waits=timeout)
-        return int(_WORD.unpack(body)[0])
+        return self._word(ticket, Lock(Op.LOCK, 0, extent_id, offset, 8, holder=holder, lease=lease,
+                                       timeout=timeout), waits=timeout)
 
     def unlock(self, ticket: str, extent_id: int, offset: int, holder: int) -> int:
-        body = self._do(ticket, wire.Op.UNLOCK, extent_id, offset, 8, arg0=holder, waits=0.0)
-        return int(_WORD.unpack(body)[0])
+        return self._word(ticket, Lock(Op.UNLOCK, 0, extent_id, offset, 8, holder=holder), waits=0.0)
 
     def push(self, ticket: str, extent_id: int, offset: int, buffers: Sequence[memoryview], dtype: DType,
              ref: ChunkRound, timeout: float, seq: int = 0) -> int:
-        arg0, arg1 = ref.args()
-        body = self._do(ticket, wire.Op.PUSH, extent_id, offset, sum(len(b) for b in buffers), dtype=dtype,
-                        arg0=arg0, arg1=arg1, alpha=timeout, payload=buffers, seq=seq, waits=timeout)
-        return int(_WORD.unpack(body)[0])
+        return int(_WORD.unpack(self._do(
+            ticket, Push(Op.PUSH, 0, extent_id, offset, _size(buffers), self.client_id, seq, dtype=dtype,
+                         ref=ref, timeout=timeout), buffers, waits=timeout))[0])
 
     def pull(self, ticket: str, extent_id: int, offset: int, buffers: Sequence[memoryview],
              ref: ChunkRound, timeout: float, seq: int = 0) -> None:
-        arg0, arg1 = ref.args()
-        self._do(ticket, wire.Op.PULL, extent_id, offset, sum(len(b) for b in buffers), arg0=arg0,
-                 arg1=arg1, alpha=timeout, into=buffers, seq=seq, waits=timeout)
+        self._do(ticket, Pull(Op.PULL, 0, extent_id, offset, _size(buffers), self.client_id, seq, ref=ref,
+                              timeout=timeout), into=buffers, waits=timeout)
 
     def reductions(self) -> ReduceStream | None:
         """The pipelined ``REDUCE`` stream to this server (made on first use; one per
@@ -369,3 +380,7 @@ class TcpSession(Session):
 
 register("tcp", TcpSession)
 register(TLS_SCHEME, TcpSession)
+
+
+def _size(buffers: Sequence[memoryview]) -> int:
+    return sum(len(b) for b in buffers)

@@ -12,6 +12,8 @@ from smb_client import Client
 from smb_protocol import errors
 from smb_protocol.units import format_bytes, parse_size
 from smb_server.commands import doctor, pool, up
+from smb_server.commands.flags import add_setting_flags, setting_flags
+from smb_server.commands.server_admin import ADMIN_ACTIONS, ServerHelp, admin_options, run_admin, server_config
 from smb_server.commands.tokens import client_token, warn_token_flag
 from smb_server.runtime import logs
 from smb_server.runtime.config import (
@@ -20,19 +22,10 @@ from smb_server.runtime.config import (
     ConfigError,
     ControllerConfig,
     ServerConfig,
-    default_of,
     load,
     settings,
 )
 
-# set on the top-level parser; a daemon reads them from there (see _flags)
-GLOBAL_SETTINGS = ("log_level", "log_format")
-# `smb server drain|undrain|remove`: the memory-server settings they read (pool.admin_client)
-ADMIN_ACTIONS = ("drain", "undrain", "remove")
-ADMIN_SETTINGS = ("controller", "token", "secret_file", "tls_ca", "tls_cert", "tls_key", "server_id", "state_dir")
-ADMIN_CREDENTIAL = ("The operator's credential comes from SMB_ADMIN_TOKEN (or the file SMB_ADMIN_TOKEN_FILE "
-                    "names), else it is derived from the shared secret (--secret-file or SMB_SECRET), as on "
-                    "a memory-server host.")
 # the exit status when stdout's reader went away (`smb status | head`), as after SIGPIPE
 BROKEN_PIPE_EXIT = 141
 
@@ -45,80 +38,10 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="bearer token (default: env SMB_TOKEN, which is better: a flag shows in ps)")
 
 
-def add_setting_flags(p: argparse.ArgumentParser, cls: type, only: Sequence[str] | None = None) -> None:
-    """One flag per setting of ``cls`` (``--<name-with-dashes>`` and its aliases), with
-    the setting's documentation, default and variable as help (``only``: just these
-    settings). Values stay text (None when not given) and are converted and checked by
-    :func:`~smb_server.runtime.config.load`, so a bad flag is reported like a bad file key."""
-    for f in settings(cls):
-        if f.name in GLOBAL_SETTINGS or (only is not None and f.name not in only):
-            continue
-        meta = f.metadata
-        default = default_of(f)
-        if isinstance(default, list):
-            default = ",".join(default)
-        shown = f"default {default!r}" if default not in ("", None) else "default: none"
-        kind = meta.get("kind") or str(f.type)
-        metavar = {"int": "N", "float": "SECONDS" if f.name.endswith("_seconds") else "X",
-                   "size": "SIZE", "list[str]": "A,B"}.get(kind, f.name.upper())
-        extra: dict[str, Any] = {"nargs": "?", "const": "true"} if kind == "bool" else {}
-        p.add_argument("--" + f.name.replace("_", "-"), *meta.get("aliases", ()), dest=f.name,
-                       default=None, metavar=metavar, **extra,
-                       help=f"{meta['doc']} ({shown}; env SMB_{f.name.upper()}; key {f.name})")
-
-
-def _admin_options(p: argparse.ArgumentParser, drain: bool) -> None:
-    """The options of ``smb server drain`` (``drain``) or undrain/remove besides the settings."""
-    if drain:
-        p.add_argument("--evacuate", action="store_true",
-                       help="drain: also move every copy the server holds to other servers, and follow "
-                            "the moves until it holds nothing")
-        p.add_argument("--timeout", type=float, default=None,
-                       help="drain --evacuate: stop following after this many seconds (exit 1; the moves go on)")
-        p.add_argument("--quiet", action="store_true", help="drain --evacuate: no progress output")
-    p.add_argument("--config", default=None, help=f"TOML file (default {DEFAULT_SERVER_FILE} if present)")
-
-
-def admin_parser(action: str) -> argparse.ArgumentParser:
-    """What ``smb server ACTION --help`` shows for drain, undrain and remove: the options
-    that action reads, not the daemon's settings (parsing stays ``smb server``'s)."""
-    what = {"drain": "The memory server takes no new extents; the regions it holds keep working "
-                     "(--evacuate: every copy it holds moves to other servers)",
-            "undrain": "A drained memory server takes new extents again",
-            "remove": "Forget a drained memory server that holds nothing"}[action]
-    p = argparse.ArgumentParser(prog=f"smb server {action}",
-                                description=f"{what}. The server is the one --server-id names, else "
-                                            "this host's configuration (server_id, or the id kept in "
-                                            f"state_dir). {ADMIN_CREDENTIAL}")
-    _admin_options(p, action == "drain")
-    add_setting_flags(p, ServerConfig, only=ADMIN_SETTINGS)
-    return p
-
-
-class _ServerHelp(argparse.Action):
-    """``smb server --help`` lists the daemon's settings; ``smb server drain --help``
-    (undrain, remove) only what that action reads (:func:`admin_parser`)."""
-
-    def __init__(self, option_strings: Sequence[str], dest: str, help: str | None = None) -> None:
-        super().__init__(option_strings, dest=dest, default=argparse.SUPPRESS, nargs=0, help=help)
-
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
-                 option_string: str | None = None) -> None:
-        action = getattr(namespace, "action", None)
-        (admin_parser(action) if action in ADMIN_ACTIONS else parser).print_help()
-        parser.exit()
-
-
-def _flags(args: argparse.Namespace, cls: type) -> dict[str, Any]:
-    """The options given on the command line that name a setting of ``cls``."""
-    names = {f.name for f in settings(cls)}
-    return {k: v for k, v in vars(args).items() if k in names and v is not None}
-
-
 def cmd_controller(args: argparse.Namespace) -> int:
     from smb_server.controller.main import serve
     cfg = load(ControllerConfig, args.config, default_path=DEFAULT_CONTROLLER_FILE,
-               flags=_flags(args, ControllerConfig))
+               flags=setting_flags(args, ControllerConfig))
     logs.setup(cfg.log_level, cfg.log_format)
     logs.set_context(daemon="controller")
     warn_token_flag(args, "controller")
@@ -135,10 +58,10 @@ def cmd_controller(args: argparse.Namespace) -> int:
 
 def cmd_server(args: argparse.Namespace) -> int:
     if args.action in ADMIN_ACTIONS:
-        return _server_admin(args)
+        return run_admin(args)
     from smb_server.memserver.main import serve
     cfg = load(ServerConfig, args.config, default_path=DEFAULT_SERVER_FILE,
-               flags=_flags(args, ServerConfig))
+               flags=setting_flags(args, ServerConfig))
     logs.setup(cfg.log_level, cfg.log_format)
     logs.set_context(daemon="memory-server")
     warn_token_flag(args, "server")
@@ -147,36 +70,6 @@ def cmd_server(args: argparse.Namespace) -> int:
               "or set SMB_SECRET", file=sys.stderr)
         return 2
     serve(cfg)
-    return 0
-
-
-def _server_config(args: argparse.Namespace) -> ServerConfig:
-    """This host's memory-server configuration (flags, SMB_* variables, file), no secret."""
-    return load(ServerConfig, args.config, default_path=DEFAULT_SERVER_FILE,
-                flags=_flags(args, ServerConfig), with_secret=False)
-
-
-def _server_admin(args: argparse.Namespace) -> int:
-    """``smb server drain``: the server named by ``--server-id``, or else by this host's
-    configuration, takes no new extents; the regions it holds keep working; with
-    ``--evacuate`` every copy it holds moves to other servers while they do, and the
-    command follows it until the server holds nothing. ``smb server undrain`` reverses
-    a drain; ``smb server remove`` forgets a drained server that holds nothing."""
-    client, server_id = pool.admin_client(_server_config(args))
-    with client as c:
-        if args.action == "remove":
-            s = c.remove_server(server_id)
-            print(f"server {s.server_id} at {s.grpc_address} removed from the pool")
-            return 0
-        if args.action == "drain" and args.evacuate:
-            return pool.evacuate(c, server_id, quiet=args.quiet, timeout=args.timeout)
-        undrain = args.action == "undrain"
-        s = c.drain_server(server_id, undrain=undrain)
-    if undrain:
-        print(f"server {s.server_id} at {s.grpc_address}: {s.state}; new extents may be placed on it")
-    else:
-        print(f"server {s.server_id} at {s.grpc_address}: {s.state}; no new extents go there, "
-              f"its {s.extents} extent(s) ({format_bytes(s.used)}) keep serving")
     return 0
 
 
@@ -333,11 +226,11 @@ def build_parser() -> argparse.ArgumentParser:
                                    "`smb server drain --help` (undrain, remove) lists only what "
                                    "that action takes. "
                                    "Settings: flag > SMB_* variable > --config file > default.")
-    p.add_argument("-h", "--help", action=_ServerHelp, help="show this help message and exit")
+    p.add_argument("-h", "--help", action=ServerHelp, help="show this help message and exit")
     p.add_argument("action", nargs="?", default="run", choices=["run", *ADMIN_ACTIONS],
                    help="run the daemon (default), drain/undrain the server, or remove a drained, "
                         "empty one from the pool")
-    _admin_options(p, drain=True)
+    admin_options(p, drain=True)
     add_setting_flags(p, ServerConfig)
     p.set_defaults(fn=cmd_server)
 
@@ -352,7 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     up.add_parsers(sub)
 
-    pool.add_parser(sub, DEFAULT_SERVER_FILE, lambda args: pool.cmd_rebalance(args, _server_config(args)))
+    pool.add_parser(sub, DEFAULT_SERVER_FILE, lambda args: pool.cmd_rebalance(args, server_config(args)))
 
     p = sub.add_parser("certs", help="make a CA and TLS certificates for a small cluster",
                        description="Writes ca.pem/ca.key, server.pem/server.key (for every daemon: "

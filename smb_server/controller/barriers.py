@@ -169,9 +169,11 @@ class Barriers:
             if self._closed:
                 problem = errors.ControllerUnavailable("the controller is shutting down")
             elif remaining is not None and remaining <= 0:
+                missing = _missing(barrier.waiters, parties)
                 problem = errors.BarrierTimeout(
                     f"barrier {name!r}: {len(barrier.waiters)} of {parties} parties arrived "
-                    f"within {timeout:g} s{_missing_text(barrier.waiters, parties)}")
+                    f"within {timeout:g} s{ranks_text(missing)}",
+                    arrived=len(barrier.waiters), parties=parties, missing=missing)
             elif not is_active():
                 problem = errors.ControllerUnavailable("the caller went away")
             if problem is not None:
@@ -223,10 +225,10 @@ class Barriers:
             self._cond.notify_all()
 
 
-def _missing_text(waiters: Sequence[_Waiter], parties: int) -> str:
-    """``"; missing: rank 1, 3"``: the ranks none of ``waiters`` holds, when every one of
-    them gave its rank (empty otherwise: who is missing is then unknown)."""
+def _missing(waiters: Sequence[_Waiter], parties: int) -> list[int] | None:
+    """The ranks none of ``waiters`` holds, when every one of them gave its rank (None
+    otherwise: who is missing is then unknown)."""
     ranks = {w.rank for w in waiters}
     if None in ranks:
-        return ""
-    return ranks_text([r for r in range(parties) if r not in ranks])
+        return None
+    return [r for r in range(parties) if r not in ranks]

@@ -7,9 +7,12 @@ A move is made of replica-set changes the repair pass already makes for a dead c
    clients keep writing (a sync: forwarded mutations plus a chunked copy, ending with
    the primary's exactly-once entries, ``SEED``);
 2. once it is in step, the copy that leaves goes: a backup is dropped; a primary is
-   replaced by promoting an in-step copy that stays (the backups are configured at the
-   new view first, which fences the old primary: a mutation it had not forwarded yet is
-   refused and retried by its client at the new primary, with the same number);
+   replaced by promoting an in-step copy that stays, gracefully where it can: the old
+   primary is configured a backup first, which drains its forwarding, so the other
+   copies that stay are not copied again (:meth:`.repair.RepairManager._drain`); else
+   the backups are configured at the new view first, which fences the old primary (a
+   mutation it had not forwarded yet is refused and retried by its client at the new
+   primary, with the same number), and they are copied again;
 3. the dropped copy is released on its server.
 
 An unreplicated slot is a replica set of one: for its move its extent becomes the
@@ -25,7 +28,6 @@ on the fullest servers. So a new leader finishes a move it did not start.
 """
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -283,73 +285,3 @@ def plan_rebalance(servers: Sequence[ServerRecord], regions: Sequence[RegionReco
         used[target] += c.length
         free[target] -= c.length
     return moves
-
-
-class Rebalancer:
-    """The rebalance an admin asked for (``Rebalance``): one move at a time, the next
-    one started once the bytes moved since the start average at most
-    ``bytes_per_second`` (0: at once). Kept in the
-    leader's memory: a move in flight when the leader dies is finished by the next
-    one (over-replication, above); the admin's next ``Rebalance`` call, which the
-    command repeats until done, resumes planning. Thread-safe."""
-
-    def __init__(self) -> None:
-        self.active = False
-        self.rate = 0.0
-        self.bytes_left = 0        # what a rebalance still has to move (last pass)
-        self.leaving_bytes = 0     # what every move, evacuations included, still has to copy
-        self.moved = 0             # bytes this rebalance moved
-        self._moving: dict[int, Move] = {}
-        self._started = 0.0
-        self._lock = threading.Lock()
-
-    def start(self, bytes_per_second: float, now: float) -> None:
-        """Start (or go on with, at a new rate) a rebalance."""
-        with self._lock:
-            if not self.active:
-                self.moved, self._started = 0, now
-            self.active, self.rate = True, max(0.0, float(bytes_per_second))
-
-    def stop(self) -> None:
-        """Start no more moves (the one copying finishes)."""
-        with self._lock:
-            self.active = False
-
-    def forget(self) -> None:
-        """Leadership changed: no rebalance, no moves picked (a move whose copy is in
-        step already is finished by over-replication)."""
-        with self._lock:
-            self.active = False
-            self._moving.clear()
-
-    def running(self) -> bool:
-        """Moves are planned or copying."""
-        with self._lock:
-            return self.active or bool(self._moving)
-
-    def picked(self) -> dict[int, str]:
-        """The moves in flight: extent id -> target server."""
-        with self._lock:
-            return {eid: m.target for eid, m in self._moving.items()}
-
-    def update(self, regions: Sequence[RegionRecord], servers: Sequence[ServerRecord],
-               now: float) -> dict[int, str]:
-        """A pass's view: finished moves forgotten, the next one picked when it is due;
-        returns :meth:`picked`."""
-        present = {e.extent_id for r in regions for e in r.extents}
-        by_id = {s.server_id: s for s in servers}
-        with self._lock:
-            for eid, m in list(self._moving.items()):
-                if eid not in present:
-                    del self._moving[eid]
-                    self.moved += m.length
-            due = self.rate <= 0 or now >= self._started + self.moved / self.rate
-            plan = plan_rebalance(servers, regions) if self.active else []
-            if self.active and not plan and not self._moving and not syncing(regions, by_id):
-                self.active = False   # done: nothing to move once every copy is in step
-            if self.active and plan and not self._moving and due:
-                self._moving[plan[0].extent_id] = plan[0]
-            self.bytes_left = sum(m.length for m in plan)
-            moving = {eid: m.target for eid, m in self._moving.items()}
-        self.leaving_bytes = bytes_leaving(regions, by_id, moving)
-        return moving

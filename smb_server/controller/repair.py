@@ -46,6 +46,14 @@ replicated region:
    unreachable server's becomes an orphan it frees when it returns) and the slot is
    configured at that view.
 
+A **handover** (a moving primary replaced) and a rebalance's **role swap** (a backup made
+the primary, the primary kept as a backup) are fencing changes too, made gracefully when
+this controller configured the slot's current view itself: after the change is stored
+(the staying copies ``syncing``), the old primary is configured a backup at the new view,
+which drains its forwarding; then the copies that were in step are recorded backups again
+(view + 1) and configured, the new primary last, so that nothing is copied. When the old
+primary cannot be drained, the staying copies are synced from the new primary (step 2).
+
 A failure anywhere leaves a state the next pass drives on from: views only grow, each
 step is decided again from a fresh read, and a change decided on a view the slot has
 left is refused by the store. A slot that failed waits ``RETRY_SECONDS``; a server that
@@ -67,13 +75,13 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent import futures
-from typing import TYPE_CHECKING
 
 from smb_protocol import errors
 from smb_protocol.replicas import ReplicaRole
 
 from .memservers import Backup, MemoryServers
-from .moves import Rebalancer, head_bytes, head_of, holds_all, leaving
+from .moves import head_bytes, head_of, holds_all, leaving
+from .rebalancer import Rebalancer
 from .records import (
     ExtentRecord,
     FailedReplica,
@@ -82,11 +90,9 @@ from .records import (
     ServerRecord,
     SlotChange,
 )
-from .repair_plans import SyncPlan, free_copy_number, plan_fence, plan_report, plan_sync
+from .repair_metrics import RepairMetrics as RepairMetrics  # the manager's, kept importable from here
+from .repair_plans import SyncPlan, free_copy_number, plan_drained, plan_fence, plan_report, plan_sync
 from .store import StateStore
-
-if TYPE_CHECKING:
-    from smb_server.runtime.metrics import Registry
 
 log = logging.getLogger(__name__)
 
@@ -96,60 +102,6 @@ RETRY_SECONDS = 5.0     # a slot whose repair failed waits this long
 AVOID_SECONDS = 30.0    # a server that could not take a copy is not picked for this long
 
 Key = tuple[str, int]   # (region uid, slot)
-
-
-# -- metrics ---------------------------------------------------------------------------
-class RepairMetrics:
-    """What the repairs did: counts by kind, bytes copied, syncs running; exported to
-    Prometheus when a ``registry`` (the controller's) is given. Thread-safe."""
-
-    def __init__(self, registry: Registry | None = None) -> None:
-        self.by_kind: dict[str, int] = {}
-        self.synced_bytes = 0
-        self.running = 0
-        self.moved_bytes = 0       # bytes of copies that left their server (moves)
-        self.move_bytes_left = 0   # bytes of copies still to leave theirs (last pass)
-        self._lock = threading.Lock()
-        self._prom = None
-        self._moved = None
-        if registry is not None:
-            self._moved = registry.counter("smb_controller_moved_bytes_total",
-                                           "Bytes of copies moved off their server (evacuations, rebalances)")
-            registry.gauge("smb_controller_move_bytes_left", "Bytes of copies still to move (evacuations, "
-                           "rebalances), as of the last repair pass", fn=lambda: [((), self.move_bytes_left)])
-            self._prom = (
-                registry.counter("smb_controller_repairs_total", "Replica-set changes the controller "
-                                 "made, by kind (promote, drop, unreachable, redrive, resync, spare)",
-                                 ["kind"]),
-                registry.counter("smb_controller_repair_bytes_total",
-                                 "Bytes memory servers copied to bring copies in step"),
-                registry.histogram("smb_controller_repair_seconds",
-                                   "Time to bring one copy in step, seconds",
-                                   buckets=(0.1, 0.5, 1, 5, 10, 30, 60, 300, 600)))
-            registry.gauge("smb_controller_repairs_running", "Copies being synced now",
-                           fn=lambda: [((), self.running)])
-
-    def started(self, delta: int) -> None:
-        with self._lock:
-            self.running += delta
-
-    def moved(self, nbytes: int) -> None:
-        with self._lock:
-            self.moved_bytes += nbytes
-        if self._moved is not None and nbytes:
-            self._moved.inc(nbytes)
-
-    def done(self, kind: str, synced_bytes: int = 0, seconds: float = -1.0) -> None:
-        with self._lock:
-            self.by_kind[kind] = self.by_kind.get(kind, 0) + 1
-            self.synced_bytes += synced_bytes
-        if self._prom is not None:
-            repairs, copied, timing = self._prom
-            repairs.inc(kind=kind)
-            if synced_bytes:
-                copied.inc(synced_bytes)
-            if seconds >= 0:
-                timing.observe(seconds)
 
 
 # -- the manager -------------------------------------------------------------------------
@@ -241,13 +193,16 @@ class RepairManager:
         self.evacuations = {s.server_id: self.evacuations.get(s.server_id, (time.time(), s.used))
                             for s in servers if s.evacuating}
         moving = self.moves.picked()
+        swaps = self.moves.swapping()
         listed = self.state.list_regions()
         heads = head_bytes(listed)   # kept up to date by the handovers of this pass
         regions = [r for r in listed if self._tended(r, by_id, moving)]
         for region in regions:
             for index in sorted({e.index for e in region.extents}):
+                head = next((c.copy for c in region.copies_of(index) if c.extent_id in swaps), -1)
                 try:
-                    region = self._fence(region, index, suspect, leaving(region, index, by_id, moving), heads)
+                    region = self._fence(region, index, suspect, leaving(region, index, by_id, moving), heads,
+                                         head)
                 except errors.RegionNotFound:
                     break   # deleted meanwhile
                 except errors.ControllerUnavailable:
@@ -337,23 +292,36 @@ class RepairManager:
         return suspect
 
     def _fence(self, region: RegionRecord, index: int, suspect: set[str],
-               leave: frozenset[int] = frozenset(), heads: dict[str, int] | None = None) -> RegionRecord:
+               leave: frozenset[int] = frozenset(), heads: dict[str, int] | None = None,
+               head: int = -1) -> RegionRecord:
         key = (region.uid, index)
         heads = {} if heads is None else heads
         before = head_of(region.copies_of(index))
-        fence = plan_fence(region, index, suspect, leave, heads)
+        fence = plan_fence(region, index, suspect, leave, heads, head)
         if fence is not None:
             planned_on = region
+            # a handover drains the old primary when its forwarding set is the store's
+            # (this controller pushed the slot's view): then the staying copies need no copy
+            graceful = fence.kind in ("handover", "swap") and region.replicas > 1 \
+                and self._pushed(key, region.view_of(index))
             result = self.state.change_slot(region.name, region.uid, fence.change)
             if result is None:
                 return region      # changed meanwhile: the next pass decides again
             region, removed = result
+            if graceful:
+                drained = self._drain(planned_on, region, index)
+                if drained is not None:
+                    region, more = drained
+                    removed = [*removed, *more]
             after = head_of(region.copies_of(index))
             if before is not None and after is not None and after.server_id != before.server_id:
                 heads[before.server_id] = heads.get(before.server_id, 0) - before.length
                 heads[after.server_id] = heads.get(after.server_id, 0) + after.length
             self.metrics.done(fence.kind)
-            if fence.kind in ("leave", "handover"):   # the leaving copies stop serving now
+            if fence.kind == "swap":
+                log.info("region %s slot %d: role swap, %s (view %d)", region.name, index,
+                         fence.change.describe(), region.view_of(index))
+            elif fence.kind in ("leave", "handover"):   # the leaving copies stop serving now
                 self.metrics.moved(sum(c.length for c in planned_on.copies_of(index) if c.copy in leave
                                        and fence.change.roles.get(c.copy) == ReplicaRole.STALE))
                 log.info("region %s slot %d: %s (view %d)", region.name, index, fence.change.describe(),
@@ -366,7 +334,7 @@ class RepairManager:
                 log.warning("region %s slot %d: dead copies dropped from the replica set: %s (view %d)",
                             region.name, index, fence.change.describe(), region.view_of(index))
             self._release(region.uid, removed)
-            self._push(region, index, promotion=fence.kind in ("promote", "handover"))
+            self._push(region, index, promotion=fence.kind in ("promote", "handover", "swap"))
             return region
         view = region.view_of(index)
         with self._lock:   # view 1: configured by the create, before its commit
@@ -377,6 +345,49 @@ class RepairManager:
         if not pushed and not busy and not syncing:
             self._push(region, index, promotion=key in self._promoting)
         return region
+
+    def _pushed(self, key: Key, view: int) -> bool:
+        """Whether slot ``key``'s copies were configured at ``view`` (by this controller,
+        or by the create for view 1) and no sync of it runs: its primary forwards to
+        exactly the store's backups, each of them live when configured."""
+        with self._lock:
+            busy = key in self._in_flight and not self._in_flight[key].done()
+            return not busy and (view <= 1 or self._applied.get(key) == view)
+
+    def _drain(self, before: RegionRecord, after: RegionRecord,
+               index: int) -> tuple[RegionRecord, list[ExtentRecord]] | None:
+        """A graceful handover's second half (the change that made another copy the
+        primary, with the staying copies ``syncing``, is stored): the old primary is
+        configured a backup at the new view first, which drains its forwarding (the
+        call waits for the piece it forwards under the extent's lock, and it applies
+        nothing after), then the staying copies that were in step are recorded backups
+        again (:func:`.repair_plans.plan_drained`), so none is copied. None when the old
+        primary could not be drained (unreachable, or it had marked a backup failed:
+        that one missed mutations): the staying copies are synced from the new primary
+        as after any promotion. Returns the region and the copies dropped."""
+        old = next(c for c in before.copies_of(index) if c.role == ReplicaRole.PRIMARY)
+        demoted = next((c for c in after.copies_of(index) if c.copy == old.copy), None)
+        if demoted is None or old.dead:
+            return None
+        view = after.view_of(index)
+        try:
+            self.servers.configure_replicas(old.grpc_address, after.uid, demoted, view, ReplicaRole.BACKUP, [])
+        except errors.SMBError as exc:
+            log.info("region %s slot %d: the old primary on %s was not drained (%s); the copies that "
+                     "stay are synced again from the new primary", after.name, index, old.server_id, exc)
+            return None
+        in_step = frozenset(c.copy for c in before.copies_of(index)
+                            if c.role == ReplicaRole.BACKUP and not c.dead) | {old.copy}
+        change = plan_drained(after, index, in_step)
+        if change is None:
+            return after, []
+        result = self.state.change_slot(after.name, after.uid, change)
+        if result is None:
+            return None
+        self.metrics.done("drained")
+        log.info("region %s slot %d: old primary on %s drained, %s (view %d)", after.name, index,
+                 old.server_id, change.describe(), result[0].view_of(index))
+        return result
 
     def _push(self, region: RegionRecord, index: int, promotion: bool = False) -> bool:
         """Configure slot ``index``'s live copies at its view: after a promotion backups
@@ -550,9 +561,9 @@ class RepairManager:
         region, removed = result
         self._release(region.uid, removed)
         self.metrics.done(plan.kind, synced, seconds)
-        self.wake()
         log.info("region %s slot %d: copy %d on server %s in step (%d bytes copied in %.3f s, "
                  "%.0f MB/s); %d of %d copies", region.name, index, copy, target.server_id, synced,
                  seconds, synced / max(seconds, 1e-9) / 1e6, in_sync, region.replicas)
         self._push(region, index)
+        self.wake()   # after the push: a handover that follows finds the slot pushed, and drains
         return True

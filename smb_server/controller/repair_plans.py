@@ -21,19 +21,61 @@ class Fence:
     """A fencing change of one slot and whether it replaces the primary."""
 
     change: SlotChange
-    kind: str   # promote | drop | handover (a leaving primary replaced) | leave (leaving backups dropped)
+    #: promote | drop | handover (a leaving primary replaced) | leave (leaving backups
+    #: dropped) | swap (a backup made the primary, the primary kept as a backup)
+    kind: str
 
 
 def plan_fence(region: RegionRecord, index: int, suspect: Iterable[str] = (),
-               leave: frozenset[int] = frozenset(), heads: Mapping[str, int] = {}) -> Fence | None:
+               leave: frozenset[int] = frozenset(), heads: Mapping[str, int] = {},
+               head: int = -1) -> Fence | None:
     """The change that takes dead copies out of slot ``index``'s replica set (:mod:`.repair`,
     step 1), or else the copies in ``leave`` (:func:`.moves.leaving`) once enough others
-    are in step (:func:`plan_leave`, ``heads`` as there), or None. ``suspect``: servers
-    whose copies count as dead while the slot has an in-sync copy on another server."""
+    are in step (:func:`plan_leave`, ``heads`` as there), or else makes copy ``head``
+    the primary (:func:`plan_swap`; -1: none), or None. ``suspect``: servers whose
+    copies count as dead while the slot has an in-sync copy on another server."""
     fence = _plan_dead(region, index, suspect)
     if fence is None and leave:
         return plan_leave(region, index, leave, heads)
+    if fence is None and head >= 0:
+        return plan_swap(region, index, head)
     return fence
+
+
+def plan_swap(region: RegionRecord, index: int, head: int) -> Fence | None:
+    """Make backup ``head`` of slot ``index`` its primary and keep the primary as a
+    backup (a rebalance's role swap, :func:`.heads.plan_heads`); None unless every copy
+    of the slot is in step and ``head`` is a live backup. Recorded as any handover is
+    (the old primary and the other backups ``syncing``: one may have applied a mutation
+    the new primary never saw), until the old primary's forwarding is drained
+    (:func:`plan_drained`)."""
+    copies = region.copies_of(index)
+    primary = next((c for c in copies if c.role == ReplicaRole.PRIMARY), None)
+    new = next((c for c in copies if c.copy == head), None)
+    if (primary is None or new is None or new.role != ReplicaRole.BACKUP or new.dead
+            or new.server_state != "up" or not all(holds_all(c) for c in copies)):
+        return None
+    roles = {c.copy: ReplicaRole.SYNCING for c in copies if c.role == ReplicaRole.BACKUP}
+    roles[primary.copy], roles[new.copy] = ReplicaRole.SYNCING, ReplicaRole.PRIMARY
+    return Fence(SlotChange(index, region.view_of(index), roles), "swap")
+
+
+def plan_drained(region: RegionRecord, index: int, in_step: frozenset[int]) -> SlotChange | None:
+    """After a handover or swap (recorded with the staying copies ``syncing``) drained
+    the old primary's forwarding: the copies in ``in_step`` (the backups before it, and
+    the old primary when it stays) that are ``syncing`` are backups again -- every
+    mutation the old primary applied reached them, and none applies until the new
+    primary is configured -- and the ``stale`` copies (a leaving old primary) are
+    dropped once ``replicas`` copies are in step. None when nothing changes."""
+    copies = region.copies_of(index)
+    roles = {c.copy: ReplicaRole.BACKUP for c in copies
+             if c.copy in in_step and c.role == ReplicaRole.SYNCING and not c.dead}
+    after = {c.copy: roles.get(c.copy, c.role) for c in copies}
+    in_sync = sum(1 for c in copies if after[c.copy] in IN_SYNC and not c.dead)
+    remove = frozenset(c.copy for c in copies if after[c.copy] == ReplicaRole.STALE and in_sync >= region.replicas)
+    if not roles and not remove:
+        return None
+    return SlotChange(index, region.view_of(index), roles, remove)
 
 
 def plan_leave(region: RegionRecord, index: int, leave: frozenset[int],
@@ -44,7 +86,8 @@ def plan_leave(region: RegionRecord, index: int, leave: frozenset[int],
     one on the server heading the fewest of the region's other slots, then the fewest
     bytes (``heads``, :func:`.moves.new_head`);
     the other staying copies become ``syncing`` as after any promotion (one may have
-    applied a mutation the new primary refused)."""
+    applied a mutation the new primary refused), until a graceful handover drained the
+    old primary (:func:`plan_drained`)."""
     copies = region.copies_of(index)
     stay = [c for c in copies if c.in_sync and c.copy not in leave]
     primary = next((c for c in copies if c.role == ReplicaRole.PRIMARY), None)

@@ -21,6 +21,7 @@ from smb_server.runtime.grpc_util import current_principal, typed_errors
 
 from .barriers import MAX_WAITERS, Barriers
 from .creation import RegionCreator, RegionSpec
+from .heads import plan_heads
 from .memservers import RELEASE_TIMEOUT, RESERVE_TIMEOUT, GrpcMemoryServers
 from .moves import plan_rebalance
 from .records import ExtentRecord, FailedReplica, HeldExtent, RegionRecord, ServerRecord
@@ -183,10 +184,11 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         if request.bytes_per_second < 0:
             raise errors.InvalidArgument(f"bytes_per_second must be >= 0, not {request.bytes_per_second}")
         moves = self.repairs.moves
-        left = sum(m.length for m in plan_rebalance(self.state.list_servers(), self.state.list_regions()))
+        servers, regions = self.state.list_servers(), self.state.list_regions()
+        left = sum(m.length for m in plan_rebalance(servers, regions))
         if request.stop:
             moves.stop()
-        elif moves.running() or left:
+        elif moves.running() or left or plan_heads(servers, regions, limit=1):   # bytes, or heads only
             moves.start(request.bytes_per_second, self.repairs.clock())   # a new one, or a new rate
             self.wake_repairs()
         return controller_pb2.RebalanceResponse(running=moves.running(), bytes_left=left,

@@ -11,7 +11,7 @@ import threading
 import time
 
 from smb_protocol.errors import ExtentNotFound, InvalidTicket, ReadOnly, TicketExpired
-from smb_protocol.tickets import Ticket
+from smb_protocol.tickets import Ticket, TicketMode
 
 from .arena import Arena, Extent
 
@@ -34,14 +34,17 @@ def check_access(ticket: Ticket, arena: Arena, extent_id: int, write: bool) -> E
 
 
 class TicketBook:
-    """The verified tickets of one connection, by the extent ids they name.
+    """The verified tickets of one connection, by the extent ids they name and their mode.
 
-    A later ticket naming an extent replaces the earlier one for that extent (a renewed
-    ticket, or the region opened again in another mode). Thread-safe.
+    A later ticket of the same mode naming an extent replaces the earlier one for that
+    extent (a renewed ticket); tickets of other modes stay beside it, so a client that
+    holds a region both read-write and read-only on one connection keeps writing through
+    the first after using the second. A request is checked against a ticket naming its
+    extent that allows it (the one that expires last, where several do). Thread-safe.
     """
 
     def __init__(self) -> None:
-        self._by_extent: dict[int, Ticket] = {}
+        self._by_extent: dict[int, dict[TicketMode, Ticket]] = {}
         self._lock = threading.Lock()
 
     def __bool__(self) -> bool:
@@ -51,18 +54,24 @@ class TicketBook:
     def add(self, ticket: Ticket) -> None:
         with self._lock:
             for extent_id in ticket.extent_ids:
-                self._by_extent[extent_id] = ticket
+                self._by_extent.setdefault(extent_id, {})[ticket.mode] = ticket
 
-    def get(self, extent_id: int) -> Ticket | None:
-        """The ticket presented for ``extent_id``, if any."""
+    def get(self, extent_id: int, mode: TicketMode | None = None) -> Ticket | None:
+        """The ticket of ``mode`` presented for ``extent_id`` (None: the last presented
+        of any mode), if any."""
         with self._lock:
-            return self._by_extent.get(extent_id)
+            held = self._by_extent.get(extent_id, {})
+            if mode is not None:
+                return held.get(mode)
+            return next(reversed(held.values()), None)
 
     def check(self, arena: Arena, extent_id: int, write: bool) -> Extent:
-        """The extent, if the ticket presented for it allows the access (see
+        """The extent, if a ticket presented for it allows the access (see
         :func:`check_access`); InvalidTicket when no ticket names it."""
         with self._lock:
-            ticket = self._by_extent.get(extent_id)
-        if ticket is None:
+            held = list(self._by_extent.get(extent_id, {}).values())
+        if not held:
             raise InvalidTicket(f"no ticket presented on this connection names extent {extent_id}")
+        fitting = [t for t in held if t.allows(extent_id, write=write)]
+        ticket = max(fitting, key=lambda t: t.expires_at) if fitting else held[-1]
         return check_access(ticket, arena, extent_id, write)

@@ -27,16 +27,15 @@ import time
 
 from smb_protocol import rounds, wire
 from smb_protocol.errors import ExtentNotFound, InvalidArgument, Misaligned, Timeout
+from smb_protocol.requests import Arith, Pull, Push
 from smb_protocol.rounds import Step
 from smb_protocol.wire import WaitCond
 
 from . import kernels, ops
 from .arena import Extent
 from .dedup import Entry
-from .kernels import Arith
 from .node import Node
 from .peer import Peer
-from .requests import Pull, Push
 
 log = logging.getLogger(__name__)
 

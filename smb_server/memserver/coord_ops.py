@@ -14,10 +14,10 @@ import socket
 import struct
 
 from smb_protocol.errors import InvalidArgument, Misaligned
+from smb_protocol.requests import Lock, Wait
 from smb_protocol.wire import Op, WaitCond
 
 from .arena import Extent
-from .requests import Lock, Wait
 from .waiters import Applied, Cancelled, Waiters
 
 log = logging.getLogger(__name__)

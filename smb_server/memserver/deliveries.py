@@ -21,8 +21,7 @@ from collections import deque
 from collections.abc import Callable
 
 from smb_protocol.errors import SMBError
-
-from .requests import Pull
+from smb_protocol.requests import Pull
 
 log = logging.getLogger(__name__)
 

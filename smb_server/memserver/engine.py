@@ -18,6 +18,20 @@ from __future__ import annotations
 import logging
 
 from smb_protocol.errors import InvalidArgument, NotPrimary, Status
+from smb_protocol.requests import (
+    Arithmetic,
+    CompareSwap,
+    FetchAdd,
+    Lock,
+    Ping,
+    Pull,
+    Push,
+    Read,
+    Request,
+    Seed,
+    Wait,
+    Write,
+)
 from smb_protocol.wire import WRITE_OPS
 
 from . import collective_ops, coord_ops, ops, replica_ops
@@ -25,7 +39,6 @@ from .arena import Extent
 from .dedup import Entry
 from .node import Node
 from .peer import Peer, Repeat
-from .requests import Arithmetic, CompareSwap, FetchAdd, Lock, Ping, Pull, Push, Read, Request, Seed, Wait, Write
 
 log = logging.getLogger(__name__)
 
@@ -73,10 +86,10 @@ class Engine:
         before anything took effect (for example a ticket that expired) is not
         remembered, so the retry runs the request.
         """
-        extent = peer.tickets.check(self.node.arena, req.extent_id, write=True)
-        extent.check_range(req.offset, req.length)
+        extent = self._checked(peer, req, write=True)
         fresh, entry, body = self.node.dedup.once(
-            req.client, req.seq, req.what(), peer.dedup_wait, lambda entry: self.dispatch(peer, req, entry))
+            req.client, req.seq, req.what(), peer.dedup_wait,
+            lambda entry: self.dispatch(peer, req, entry, extent))
         if not fresh:
             peer.stats.add(repeats=1)
             if entry.status != Status.OK:
@@ -84,13 +97,20 @@ class Engine:
             return entry.body
         return body
 
-    def dispatch(self, peer: Peer, req: Request, entry: Entry | None = None) -> bytes | None:
-        """Serve a request: its access check, then the operation. ``entry`` (a numbered
-        request) counts the payload bytes that took effect and, on a resumed attempt,
-        says how many to skip."""
-        write = req.op in WRITE_OPS
+    def _checked(self, peer: Peer, req: Request, write: bool) -> Extent:
+        """The request's extent, once its ticket allows the access and its range lies inside."""
         extent = peer.tickets.check(self.node.arena, req.extent_id, write=write)
         extent.check_range(req.offset, req.length)
+        return extent
+
+    def dispatch(self, peer: Peer, req: Request, entry: Entry | None = None,
+                 extent: Extent | None = None) -> bytes | None:
+        """Serve a request: its access check (unless the caller passes the ``extent`` it
+        checked), then the operation. ``entry`` (a numbered request) counts the payload
+        bytes that took effect and, on a resumed attempt, says how many to skip."""
+        write = req.op in WRITE_OPS
+        if extent is None:
+            extent = self._checked(peer, req, write)
         replication = self.node.replication
         if write and replication.role(req.extent_id):
             if not peer.takes_replicated:

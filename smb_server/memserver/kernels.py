@@ -12,7 +12,6 @@ processed in chunks of :data:`CHUNK_BYTES` so temporaries stay small.
 """
 from __future__ import annotations
 
-import enum
 import logging
 import threading
 from collections.abc import Callable
@@ -21,6 +20,7 @@ import numpy as np
 
 from smb_protocol.dtypes import FLOATING, STORAGE, DType
 from smb_protocol.errors import DtypeError, InvalidArgument, Misaligned
+from smb_protocol.requests import Arith
 
 log = logging.getLogger(__name__)
 
@@ -55,14 +55,6 @@ def check_length(nbytes: int, dt: DType) -> None:
     if nbytes % size:
         raise Misaligned(f"{nbytes} bytes is not a multiple of the {dt.name.lower()} element size "
                          f"({size} bytes)")
-
-
-class Arith(enum.Enum):
-    """The server-side vector operations every data plane offers."""
-
-    ACCUMULATE = "accumulate"   # dst += src
-    AXPY = "axpy"               # dst += alpha * src
-    SCALE = "scale"             # dst *= alpha
 
 
 def check_arith(op: Arith, dtype: int, offset: int, length: int) -> DType:

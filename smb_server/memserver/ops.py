@@ -9,13 +9,12 @@ from typing import TypeVar
 
 from smb_protocol.dtypes import DType
 from smb_protocol.errors import ExtentNotFound, InvalidArgument, Misaligned
+from smb_protocol.requests import Arith, Arithmetic, CompareSwap, FetchAdd, Request, Write
 
 from . import kernels
 from .arena import Extent
 from .dedup import Entry
-from .kernels import Arith
 from .peer import Peer
-from .requests import Arithmetic, CompareSwap, FetchAdd, Request, Write
 
 STEP = 4 << 20   # bytes applied per hold of an extent's lock when there is no payload (SCALE)
 _OLD = struct.Struct("<q")

@@ -9,14 +9,13 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from smb_protocol import rdma_wire
+from smb_protocol import rdma_wire, requests
 from smb_protocol.errors import InvalidArgument, OutOfRange, ReadOnly, SMBError, Status, error_status
 from smb_protocol.rdma import verbs
 from smb_protocol.rdma.endpoint import RcEndpoint, RegisteredBuffer
 from smb_protocol.rdma_wire import MSG_BYTES, MsgOp
 from smb_protocol.tickets import Ticket
 
-from . import requests
 from .access import TicketBook
 from .engine import Engine
 from .node import Node

@@ -25,6 +25,7 @@ import logging
 
 from smb_protocol.errors import ExtentNotFound, InvalidArgument, NotPrimary, Status, Timeout
 from smb_protocol.replicas import ReplicaRole
+from smb_protocol.requests import Arithmetic, CompareSwap, FetchAdd, Lock, LockPiece, Request, Seed, Write
 from smb_protocol.wire import Op
 
 from . import coord_ops, kernels, ops
@@ -33,18 +34,28 @@ from .dedup import Entry, unpack_records
 from .node import Node
 from .peer import Peer
 from .replication import RANGED_OPS, REPLICATED_OPS, ReplicaConfig
-from .requests import Arithmetic, CompareSwap, FetchAdd, Lock, LockPiece, Request, Seed, Write
 
 log = logging.getLogger(__name__)
 
 
+class Deposed(NotPrimary):
+    """NotPrimary from a copy that is no longer its slot's primary. ``resumable``: a
+    request it applied part of stays interrupted in its exactly-once table (not finished
+    with this error), so that when the copy stays as a backup (a role swap) the rest of
+    the request, forwarded by the new primary where the client's retry resumes it,
+    is applied here too instead of being answered as a repeat."""
+
+    resumable = True
+
+
 def primary(node: Node, extent: Extent) -> ReplicaConfig:
-    """The extent's configuration, read under its lock; NotPrimary unless it is a primary."""
+    """The extent's configuration, read under its lock; NotPrimary (:class:`Deposed`)
+    unless it is a primary."""
     cfg = node.replication.config(extent.extent_id)
     if cfg is None or cfg.role is not ReplicaRole.PRIMARY:
         role = cfg.role if cfg is not None and cfg.role else "not replicated"
-        raise NotPrimary(f"extent {extent.extent_id} is {role} here, not a primary: open the "
-                         "region again and send mutations to its primary")
+        raise Deposed(f"extent {extent.extent_id} is {role} here, not a primary: open the "
+                      "region again and send mutations to its primary")
     return cfg
 
 

@@ -74,9 +74,10 @@ from smb_protocol.wire import Op
 __all__ = ["DEAD_PEER_TIMEOUT", "Backup", "FailedBackup", "Forwarder", "REPLICA_TIMEOUT", "REPLICATED_OPS",
            "RANGED_OPS", "ReplicaConfig", "ReplicaTimeout", "Replication"]
 
+from smb_protocol.requests import Request, Seed, Write
+
 from .arena import Extent
 from .dedup import DedupTable, pack_records
-from .requests import Request, Seed, Write
 
 log = logging.getLogger(__name__)
 
@@ -144,12 +145,10 @@ class Forwarder:
 
     def send(self, ticket: str, extent_id: int, piece: Request, payload: Sequence[memoryview] = ()) -> bytes:
         """Send ``piece`` to the backup's extent ``extent_id`` under ``ticket``; its answer body."""
-        arg0, arg1, alpha = piece.fields()
         with self.pool.borrow() as conn:
             conn.present(ticket)
-            conn.client_id = piece.client   # the original client's number travels with the piece
-            return conn.request(piece.op, extent_id, piece.offset, piece.length, piece.dtype_code(), arg0, arg1,
-                                alpha, payload=payload, seq=piece.seq)
+            # the typed piece as it is, with the original client's number
+            return conn.request(piece.aimed(extent_id), payload)
 
     def close(self) -> None:
         self.pool.close()
@@ -247,7 +246,15 @@ class Replication:
         tcp endpoint, sync) of each backup (primary only). Returns (view in force, bytes
         copied to syncing backups). An older view is refused (InvalidArgument); the same
         view changes nothing but copies again backups that are not live. A sync that
-        fails marks the backup failed and raises ServerUnavailable."""
+        fails marks the backup failed and raises ServerUnavailable.
+
+        A primary configured a backup at a newer view (a graceful handover) is drained
+        when this returns: the change waits for the piece being forwarded under the
+        extent's lock, and the mutations after it are refused (NotPrimary), so every
+        backup it had live holds what it applied. When one of its backups was not live
+        (failed: it missed a piece), the change holds and the call raises
+        ServerUnavailable naming it, so that the controller copies the staying copies
+        again instead of trusting them (a repeat of the call succeeds)."""
         if role not in CONFIGURABLE:
             raise InvalidArgument(f"unknown replica role {role!r}: expected primary, backup or ''")
         role = ReplicaRole(role)
@@ -267,6 +274,10 @@ class Replication:
                 if view < old.view:
                     raise InvalidArgument(f"extent {extent.extent_id}: view {view} is older than "
                                           f"its view {old.view}")
+                # a primary made a backup (a graceful handover): drained here, under the
+                # extent's lock; a backup it had not in step missed mutations
+                behind = [b for b in old.backups if b.state != "live"] \
+                    if old.role is ReplicaRole.PRIMARY and role is ReplicaRole.BACKUP and view > old.view else []
                 if view == old.view and role == old.role and old.view:
                     backups = old.backups
                     cfg = old
@@ -289,6 +300,12 @@ class Replication:
             if role:
                 self._drain_unreplicated(extent.extent_id, self.timeout)
             synced = sum(self._sync(extent, cfg, b) for b in backups if b.state == "syncing")
+        if behind:
+            raise ServerUnavailable(
+                f"extent {extent.extent_id} is a backup at view {view} now, but as the primary it had "
+                + ", ".join(f"backup {b.extent_id} on {b.server_id} {b.state}" + (f" ({b.reason})" if b.reason else "")
+                            for b in behind)
+                + ": that copy missed mutations; copy it again from the new primary")
         return view, synced
 
     def _backup(self, old: ReplicaConfig, extent_id: int, server_id: str, endpoint: str,

@@ -50,7 +50,7 @@ import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 
-from smb_protocol import wire
+from smb_protocol import requests, wire
 from smb_protocol.errors import (
     InvalidArgument,
     InvalidTicket,
@@ -63,7 +63,7 @@ from smb_protocol.errors import (
 from smb_protocol.tickets import TicketMode, verify
 from smb_protocol.wire import Op
 
-from . import coord_ops, requests
+from . import coord_ops
 from .access import TicketBook
 from .deliveries import Deliveries
 from .engine import Engine
@@ -361,8 +361,7 @@ class _Connection:
     def _forwarded(self, extent_id: int) -> bool:
         """Whether this connection presented a replica ticket for the extent: its
         mutations are pieces forwarded by a primary."""
-        ticket = self.tickets.get(extent_id)
-        return ticket is not None and ticket.mode is TicketMode.REPLICA
+        return self.tickets.get(extent_id, TicketMode.REPLICA) is not None
 
     # -- the engine's view of this connection (.peer.Peer) ---------------------------------
     @property

@@ -8,29 +8,17 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
 from smb_server.runtime.metrics import parse
-
-WAIT = 30.0   # seconds any daemon gets to come up or go away
+from smb_server.testing import WAIT, wait_until  # WAIT: seconds a daemon gets to come up or go away
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def wait_until(cond, what: str, timeout: float = WAIT):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"{what}: not within {timeout} s"
-        time.sleep(0.05)
 
 
 def smb(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -82,10 +70,9 @@ def scrape(port: int) -> dict:
 
 def wait_state(c, name: str, state: str, timeout: float = 20.0) -> None:
     """Wait until client ``c`` lists region ``name`` in ``state`` (``timeout`` seconds)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        states = {r.name: r.state for r in c.list_regions()}
-        if states.get(name) == state:
-            return
-        assert time.monotonic() < deadline, states
-        time.sleep(0.1)
+    seen: dict[str, str] = {}
+
+    def reached() -> bool:
+        seen.update((r.name, r.state) for r in c.list_regions())
+        return seen.get(name) == state
+    wait_until(reached, f"region {name} {state} (last seen {seen.get(name)})", timeout, pause=0.1)

@@ -92,6 +92,35 @@ def test_smb_client_never_imports_smb_server():
             assert not bad, f"{name} imports {bad}"
 
 
+def all_imports(path: Path) -> set[str]:
+    """Every absolute module name ``path`` imports, at module level or inside functions."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module)
+    return found
+
+
+def test_benchmarks_import_nothing_from_the_tests():
+    bad = {}
+    for path in sorted((ROOT / "bench").rglob("*.py")):
+        named = {m for m in all_imports(path) if m == "tests" or m.startswith("tests.")}
+        if named:
+            bad[str(path.relative_to(ROOT))] = named
+    assert not bad, f"bench/ stands on tests/ (move what it needs into smb_server.testing): {bad}"
+
+
+def test_only_tests_and_benchmarks_use_the_testing_harness():
+    mods = modules()
+    for name, path in mods.items():
+        if not name.startswith("smb_server.testing"):
+            bad = {m for m in runtime_imports(name, path, set(mods), type_checking=True)
+                   if m.startswith("smb_server.testing")}
+            assert not bad, f"{name} imports {bad}"
+
+
 def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     """Every group of modules that import each other, directly or around a circle
     (the strongly connected components of more than one module), each sorted."""

@@ -12,6 +12,7 @@ import pytest
 from smb_protocol import errors, rpc, tickets
 from smb_protocol._proto.smb.v1 import memory_server_pb2, memory_server_pb2_grpc
 from smb_server.commands.local_cluster import LocalCluster
+from smb_server.testing import wait_until
 
 MiB = 1 << 20
 SERVERS = 4
@@ -108,6 +109,23 @@ def test_shared_connection_keeps_each_regions_rights(four):
         creator.delete_region("share/a")
 
 
+def test_a_read_only_handle_takes_nothing_from_a_read_write_one_on_the_same_connection(four):
+    """One client, one socket per server, the same region open read-write and read-only:
+    presenting the read-only ticket once does not make the server refuse the read-write
+    handle's writes (the server keeps a ticket per mode, not one per extent)."""
+    with four.client(transport="tcp", connections=1) as c:
+        rw = c.create_region("share/both", MiB, stripe_unit=64 << 10)
+        rw.write(0, b"first")
+        ro = c.open_region("share/both", mode="ro")
+        assert bytes(ro.read(0, 5)) == b"first"                 # the ro ticket goes on the connection
+        rw.write(0, b"later")                                   # and the rw one still writes
+        assert rw.compare_swap(64, 0, 7) == 0
+        assert bytes(ro.read(0, 5)) == b"later"
+        with pytest.raises(errors.ReadOnly):
+            ro.write(0, b"never")
+        c.delete_region("share/both")
+
+
 def test_shm_mapping_shared_by_read_only_and_read_write_handles(cluster, name):
     """One client, one region opened ro then rw: the extent's mapping is shared and made
     writable for the rw handle, and the ro handle still cannot write through it."""
@@ -160,10 +178,11 @@ def test_expired_ticket_is_renewed_and_the_operation_runs_again(cluster, name, t
         r.write(0, b"payload!")
         ids = [e.extent_id for e in r.extents]
         r.route.expires_at = time.time() + 3600                   # skip the early renewal
-        r.route.ticket = tickets.sign(secret, r.uid, ids, "rw", ttl=0.5)[0]
+        short, expires = tickets.sign(secret, r.uid, ids, "rw", ttl=2.0)
+        r.route.ticket = short
         assert bytes(r.read(0, 8)) == b"payload!"            # presented while still valid
-        time.sleep(0.6)
-        short = r.route.ticket
+        assert r.route.ticket == short, "the short ticket expired before the first read; a slow host?"
+        wait_until(lambda: time.time() > expires + 0.05, "the short ticket to expire", 10)
         r.accumulate(8, np.ones(4, np.float32))              # expired: renewed, run again
         assert r.route.ticket != short
         assert list(r.read(8, 16, dtype="float32")) == [1.0] * 4

@@ -13,6 +13,7 @@ import pytest
 
 from smb_client.transports.tcp import TcpConnection
 from smb_protocol import errors, wire
+from tests.integration.memserver.planes import typed
 
 MiB = 1 << 20
 WORD = 4096          # byte offset of the watched word
@@ -183,13 +184,13 @@ def test_wire_wait_with_an_unknown_condition_is_refused_and_the_connection_stays
     conn, extent_id = _raw(region)
     try:
         with pytest.raises(errors.InvalidArgument, match="wait condition"):
-            conn.request(wire.Op.WAIT, extent_id, WORD, 8, dtype=9, alpha=1.0)
+            conn.request(typed(wire.Op.WAIT, extent_id, WORD, 8, dtype=9, alpha=1.0))
         with pytest.raises(errors.InvalidArgument):
-            conn.request(wire.Op.WAIT, extent_id, WORD, 16, dtype=int(wire.WaitCond.EQUAL), alpha=1.0)
+            conn.request(typed(wire.Op.WAIT, extent_id, WORD, 16, dtype=int(wire.WaitCond.EQUAL), alpha=1.0))
         with pytest.raises(errors.InvalidArgument, match="timeout"):
-            conn.request(wire.Op.WAIT, extent_id, WORD, 8, dtype=1, alpha=float("nan"))
-        body = conn.request(wire.Op.WAIT, extent_id, WORD, 8, dtype=int(wire.WaitCond.EQUAL), arg0=0,
-                            alpha=1.0)
+            conn.request(typed(wire.Op.WAIT, extent_id, WORD, 8, dtype=1, alpha=float("nan")))
+        body = conn.request(typed(wire.Op.WAIT, extent_id, WORD, 8, dtype=int(wire.WaitCond.EQUAL), arg0=0,
+                                  alpha=1.0))
         assert struct.unpack("<q", body)[0] == 0
     finally:
         conn.close()

@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import pytest
 
-from smb_client import cuda, cuda_round
+from smb_client import cuda, cuda_region, cuda_round
 from smb_client.collective import Collective
 
 torch = pytest.importorskip("torch")
@@ -30,18 +30,18 @@ def test_region_ops_match_the_plain_path(client, name, dtype):
     staged, plain = client.create_region(name, 2 * nbytes + 64), client.create_region(name + "-plain", 2 * nbytes + 64)
     try:
         st = _stager()
-        cuda.write(staged, 64, data, stager=st)
+        cuda_region.write(staged, 64, data, stager=st)
         plain.write(64, data if dtype != torch.uint8 else data.numpy())
         assert bytes(staged.read(0, staged.size)) == bytes(plain.read(0, plain.size))
         if dtype != torch.uint8:
-            cuda.accumulate(staged, 64, data, stager=st)
+            cuda_region.accumulate(staged, 64, data, stager=st)
             plain.accumulate(64, data)
             if dtype.is_floating_point:
-                cuda.accumulate(staged, 64, data, alpha=0.5, stager=st)
+                cuda_region.accumulate(staged, 64, data, alpha=0.5, stager=st)
                 plain.axpy(64, data, 0.5)
             assert bytes(staged.read(0, staged.size)) == bytes(plain.read(0, plain.size))
         out = torch.zeros_like(data)
-        assert cuda.read_into(staged, 64, out, stager=st) is out
+        assert cuda_region.read_into(staged, 64, out, stager=st) is out
         want = torch.zeros_like(data)
         plain.read_into(64, want if dtype != torch.uint8 else want.numpy())
         assert torch.equal(out, want)
@@ -57,9 +57,9 @@ def test_many_forms(client, name):
     region = client.create_region(name, 1 << 16)
     try:
         st = _stager()
-        cuda.write_many(region, [(0, a), (8192, b), (16384, b.numpy())], stager=st)
-        cuda.write_many(region, [(0, a)], accumulate_as=None, stager=st)
-        outs = cuda.read_many(region, [(0, torch.zeros_like(a)), (8192, torch.zeros_like(b)),
+        cuda_region.write_many(region, [(0, a), (8192, b), (16384, b.numpy())], stager=st)
+        cuda_region.write_many(region, [(0, a)], accumulate_as=None, stager=st)
+        outs = cuda_region.read_many(region, [(0, torch.zeros_like(a)), (8192, torch.zeros_like(b)),
                                        (16384, np.zeros(500, dtype=np.int64))], stager=st)
         assert torch.equal(outs[0], 2 * a) and torch.equal(outs[1], b)
         assert np.array_equal(outs[2], b.numpy())
@@ -160,5 +160,5 @@ def test_broadcast(cluster, name):
 def test_on_caller_stream_leaves_cpu_calls_alone():
     def fn():
         return 1
-    assert cuda.on_caller_stream(fn, [torch.zeros(1), [(0, b"x")]]) is fn
+    assert cuda_region.on_caller_stream(fn, [torch.zeros(1), [(0, b"x")]]) is fn
     assert not cuda.is_cuda(torch.zeros(1)) and not cuda.is_cuda(np.zeros(1)) and not cuda.is_cuda(b"")

@@ -15,7 +15,8 @@ import pytest
 from smb_protocol import errors
 from smb_server.commands.local_cluster import LocalCluster
 from smb_server.runtime import health
-from tests.integration.daemons import WAIT, free_port, scrape, smb, start_server, wait_until
+from smb_server.testing import WAIT, wait_until
+from tests.integration.daemons import free_port, scrape, smb, start_server
 
 MiB = 1 << 20
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 
 from smb_client import Client
-from tests.integration.daemons import Daemon, free_port, smb, wait_until
+from smb_server.testing import wait_until
+from tests.integration.daemons import Daemon, free_port, smb
 
 ROOT = Path(__file__).resolve().parents[3]
 UP_WAIT = 60.0   # seconds `smb up` gets to start its daemons (a loaded host)

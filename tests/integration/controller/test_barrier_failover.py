@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 
 from smb_protocol._proto.smb.v1 import controller_pb2 as pb
-from tests.etcd_server import EtcdServer
-from tests.integration.controller.controller_group import ControllerGroup
+from smb_server.testing import ControllerGroup, EtcdServer
 
 PARTIES = 8
 EARLY = 4          # parties that arrive before the kill

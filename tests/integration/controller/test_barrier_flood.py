@@ -12,6 +12,7 @@ from smb_protocol import errors, rpc
 from smb_protocol._proto.smb.v1 import controller_pb2 as pb
 from smb_protocol._proto.smb.v1 import controller_pb2_grpc as pb_grpc
 from smb_server.controller.barriers import MAX_WAITERS, MAX_WAITERS_PER_CALLER
+from smb_server.testing import wait_until
 
 FLOOD = 70            # more than the controller's barrier waits and handler threads of old
 WAIT_SECONDS = 8.0    # each flooding call waits this long (more than two leases)
@@ -26,9 +27,10 @@ def _connection(address: str) -> grpc.Channel:
 
 
 def _flood(stubs: list, token: str, count: int, parties: int, seconds: float,
-           name: str = "flood/never") -> list[str]:
-    """``count`` Barrier calls to ``name`` at once, spread over ``stubs``; how each ended."""
-    outcomes: list[str] = []
+           name: str = "flood/never", outcomes: list[str] | None = None) -> list[str]:
+    """``count`` Barrier calls to ``name`` at once, spread over ``stubs``; how each ended,
+    appended to ``outcomes`` (when given) as each one ends."""
+    outcomes = [] if outcomes is None else outcomes
     lock = threading.Lock()
 
     def one(i: int) -> None:
@@ -57,11 +59,12 @@ def test_one_caller_gets_a_share_of_the_barrier_waits(cluster):
     one, other = _connection(cluster.address), _connection(cluster.address)
     try:
         outcomes: list[str] = []
-        flood = threading.Thread(target=lambda: outcomes.extend(_flood(
+        flood = threading.Thread(target=_flood, args=(
             [pb_grpc.ControllerStub(one)], cluster.token, MAX_WAITERS_PER_CALLER + 4, 1000, 3.0,
-            name="flood/one-caller")))
+            "flood/one-caller", outcomes))
         flood.start()
-        time.sleep(1.0)
+        # refused only while the caller's share already waits: then every wait is in
+        wait_until(lambda: outcomes.count("busy") == 4, "the caller's share to wait", 3.0, pause=0.01)
         # another connection still gets its barriers through while the first one is capped
         pair = _flood([pb_grpc.ControllerStub(other)], cluster.token, 2, 2, 2.0, name="flood/pair")
         flood.join()
@@ -77,12 +80,16 @@ def test_barrier_flood_does_not_starve_heartbeats(fresh_cluster):
     assert cluster.lease_seconds * 2 < WAIT_SECONDS
     channels = [_connection(cluster.address) for _ in range(CHANNELS)]
     outcomes: list[str] = []
-    flood = threading.Thread(target=lambda: outcomes.extend(_flood(
-        [pb_grpc.ControllerStub(ch) for ch in channels], cluster.token, FLOOD, 1000, WAIT_SECONDS)))
+    flood = threading.Thread(target=_flood, args=(
+        [pb_grpc.ControllerStub(ch) for ch in channels], cluster.token, FLOOD, 1000, WAIT_SECONDS,
+        "flood/never", outcomes))
     try:
+        flooded = time.monotonic()
         flood.start()
-        time.sleep(0.5)
-        deadline = time.monotonic() + WAIT_SECONDS - 1.0
+        # the calls beyond the limit are refused only once the limit's worth waits
+        wait_until(lambda: outcomes.count("busy") == FLOOD - MAX_WAITERS, "the flood to fill the barrier waits",
+                   WAIT_SECONDS / 2, pause=0.01)
+        deadline = flooded + WAIT_SECONDS - 0.5
         with cluster.client(timeout=2.0, reconnect_timeout=0.0) as c:
             while time.monotonic() < deadline:
                 started = time.monotonic()

@@ -18,8 +18,7 @@ import pytest
 from smb_client import Client
 from smb_protocol import errors, rpc, tickets
 from smb_protocol._proto.smb.v1 import memory_server_pb2, memory_server_pb2_grpc
-from tests.etcd_server import EtcdServer
-from tests.integration.controller.controller_group import ControllerGroup
+from smb_server.testing import ControllerGroup, EtcdServer
 
 LEADER_LEASE = 2      # seconds
 TAKEOVER_LIMIT = 10.0  # seconds: the target for a standby to lead after the leader died

@@ -12,8 +12,7 @@ import pytest
 
 from smb_client import Client
 from smb_server.runtime.credentials import admin_credential
-from tests.etcd_server import EtcdServer
-from tests.integration.controller.controller_group import ControllerGroup
+from smb_server.testing import ControllerGroup, EtcdServer
 
 MiB = 1 << 20
 SETTLE = 120.0

@@ -7,7 +7,7 @@ import socket
 import pytest
 
 from smb_client.transports.tcp import TcpSession
-from smb_protocol import tickets, wire
+from smb_protocol import requests, tickets, wire
 from smb_protocol.addressing import parse_endpoint
 from smb_protocol.errors import Status
 from smb_protocol.wire import Op
@@ -68,3 +68,10 @@ def _hello(sock: socket.socket, token: str) -> None:
 
 def _session(port: int) -> TcpSession:
     return TcpSession(parse_endpoint(f"tcp://127.0.0.1:{port}"), {"client_id": CLIENT, "connections": 1})
+
+
+def typed(op: Op, extent_id: int = 0, offset: int = 0, length: int = 0, dtype: int = 0, arg0: int = 0,
+          arg1: int = 0, alpha: float = 0.0, seq: int = 0, client: int = 0) -> requests.Request:
+    """The typed request a frame of these raw fields decodes to (for tests that send
+    what a client library would not: unknown conditions, odd lengths, NaN timeouts)."""
+    return requests.from_frame(op, dtype, 0, extent_id, offset, length, arg0, arg1, alpha, client, seq)

@@ -35,6 +35,7 @@ from smb_server.memserver.node import Node
 from smb_server.memserver.scratch import SCRATCH_BYTES
 from smb_server.memserver.stats import PlaneStats
 from smb_server.memserver.tcp_plane import TcpPlane
+from tests.integration.memserver.planes import typed
 
 SECRET = b"k" * 32
 UID = "limits-region"
@@ -152,7 +153,7 @@ def test_frame_must_arrive_whole_within_its_deadline(arena):
         other = TcpConnection("127.0.0.1", plane.port)
         other.present(ticket([1]))
         time.sleep(1.5)
-        assert other.request(Op.PING) == b""
+        assert other.request(typed(Op.PING)) == b""
         other.close()
         sock.close()
 
@@ -199,14 +200,14 @@ def test_full_server_refuses_with_a_typed_error(arena):
         big = TcpConnection("127.0.0.1", plane.port)
         payload = memoryview(bytearray(32 * MiB))
         with pytest.raises(ServerBusy, match="tcp_connections_max"):
-            big.request(Op.WRITE, 1, 0, len(payload), payload=[payload])
+            big.request(typed(Op.WRITE, 1, 0, len(payload)), [payload])
         held[0].close()
         deadline = time.monotonic() + 5
         while plane.connections >= 3 and time.monotonic() < deadline:
             time.sleep(0.02)
         again = TcpConnection("127.0.0.1", plane.port)
         again.present(ticket([1]))
-        assert again.request(Op.PING) == b""
+        assert again.request(typed(Op.PING)) == b""
         for conn in [*held[1:], again]:
             conn.close()
 
@@ -222,8 +223,7 @@ def test_scratch_buffers_are_shared_and_bounded(arena):
         def add(conn: TcpConnection) -> None:
             try:
                 conn.present(ticket([1]))
-                conn.request(Op.ACCUMULATE, 1, 0, n * 4, dtype=DType.FLOAT32,
-                             payload=[memoryview(ones).cast("B")])
+                conn.request(typed(Op.ACCUMULATE, 1, 0, n * 4, dtype=DType.FLOAT32), [memoryview(ones).cast("B")])
             except BaseException as exc:  # noqa: BLE001 - reported below
                 errors.append(exc)
 

@@ -23,6 +23,7 @@ from smb_protocol.errors import InvalidArgument, Status
 from smb_protocol.rounds import ChunkRound
 from smb_protocol.wire import Op
 from smb_server.memserver.scratch import SCRATCH_BYTES
+from smb_server.testing import wait_until
 from tests.integration.memserver.planes import _hello, _request, _session, _ticket
 
 MiB = 1 << 20
@@ -160,8 +161,8 @@ def test_an_unnumbered_request_whose_connection_broke_is_not_sent_again(plane):
     finally:
         session.close()
         proxy.close()
-    time.sleep(0.1)
-    assert struct.unpack("<q", bytes(arena.get(1).data[64:72]))[0] == 5   # applied once, not retried
+    applied = wait_until(lambda: struct.unpack("<q", bytes(arena.get(1).data[64:72]))[0], "the fetch_add to apply")
+    assert applied == 5                                   # applied once, not retried
 
 
 @pytest.mark.parametrize("transport", ["tcp", "shm"])

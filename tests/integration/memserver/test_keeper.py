@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -16,16 +15,11 @@ import pytest
 from smb_server.memserver.arena import HEADER, HEADER_BYTES, HEADER_MAGIC
 from smb_server.memserver.keeper import KeeperError
 from smb_server.memserver.keeper_link import KeeperLink, close_arena, open_arena
+from smb_server.testing import wait_until
 
 WAIT = 10.0   # seconds any one condition below may take
 LENGTH = 3 * 4096 + 100
 
-
-def wait_for(cond, what: str) -> None:
-    deadline = time.monotonic() + WAIT
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
 
 
 def extent(data_dir, extent_id: int, data: bytes) -> tuple[int, str]:
@@ -73,7 +67,7 @@ def test_memfds_outlive_their_server_and_are_written_back(data_dir):
         os.close(fd)                    # the server's own descriptor goes (kill -9)
         link.close()
         expected = bytes(4000) + b"after" + bytes(LENGTH - 4005)
-        wait_for(lambda: contents(path) == expected, "the keeper to write the extent back")
+        wait_until(lambda: contents(path) == expected, "the keeper to write the extent back", WAIT)
         with open(path, "rb") as f:
             magic, live, extent_id, length, uid = HEADER.unpack(f.read(HEADER.size))
         assert (magic, live, extent_id, length) == (HEADER_MAGIC, 1, 7, LENGTH)
@@ -92,7 +86,7 @@ def test_memfds_outlive_their_server_and_are_written_back(data_dir):
         again.quit()
     finally:
         link.quit()
-    wait_for(lambda: not os.path.exists(f"/proc/{pid}") or _zombie(pid), "the keeper to exit")
+    wait_until(lambda: not os.path.exists(f"/proc/{pid}") or _zombie(pid), "the keeper to exit", WAIT)
     assert not (data_dir / "keeper.sock").exists()
 
 

@@ -9,7 +9,6 @@ import stat
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -21,6 +20,7 @@ from smb_server.memserver.listener import Listener
 from smb_server.memserver.node import Node
 from smb_server.memserver.shm_plane import ANSWER_HEAD, EXTENT_ID, REQUEST_HEAD, ShmPlane
 from smb_server.memserver.stats import PlaneStats
+from smb_server.testing import wait_until
 
 ROOT = Path(__file__).resolve().parents[3]
 WAIT = 5.0  # seconds any one condition below may take
@@ -65,12 +65,6 @@ def read_all(sock: socket.socket) -> bytes:
     return out
 
 
-def wait_for(cond, what: str) -> None:
-    deadline = time.monotonic() + WAIT
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
-
 
 @pytest.fixture(params=["tcp", "unix"])
 def address(request, tmp_path) -> tuple[str, int] | str:
@@ -84,7 +78,7 @@ def test_serves_each_connection_on_its_own_thread_and_closes_them_all(address):
     socks = [connect(target) for _ in range(3)]
     for i, sock in enumerate(socks):
         assert round_trip(sock, b"hello %d" % i) == b"hello %d" % i
-    wait_for(lambda: listener.connections == 3, "three connections")
+    wait_until(lambda: listener.connections == 3, "three connections", WAIT)
     assert stats.snapshot()["sessions"] == 3
     listener.close(timeout=WAIT)
     assert listener.closing and listener.connections == 0
@@ -132,7 +126,7 @@ def test_full_listener_refuses_with_the_planes_answer_then_admits_again(address)
         assert stats.limits()["refused"] == 1
         assert round_trip(held[0]) == b"ping"           # the others keep working
         held.pop().close()
-        wait_for(lambda: listener.connections == 1, "the closed connection to go")
+        wait_until(lambda: listener.connections == 1, "the closed connection to go", WAIT)
         with connect(listener.address) as again:
             assert round_trip(again) == b"ping"
         for sock in held:
@@ -151,7 +145,7 @@ def test_per_peer_limit_counts_connections_from_one_address():
         assert "127.0.0.1" in answer and "test_connections_per_peer" in answer
         assert stats.limits()["refused"] == 1
         held.pop().close()
-        wait_for(lambda: listener.connections == 1, "the closed connection to go")
+        wait_until(lambda: listener.connections == 1, "the closed connection to go", WAIT)
         with connect(listener.address) as again:
             assert round_trip(again) == b"ping"
         for sock in held:
@@ -187,7 +181,7 @@ def test_a_failing_connection_is_closed_and_the_listener_keeps_serving(address):
             assert read_all(bad) == b""
         with connect(listener.address) as good:
             assert round_trip(good, b"okay") == b"fine"
-        wait_for(lambda: listener.connections == 0, "both connections to end")
+        wait_until(lambda: listener.connections == 0, "both connections to end", WAIT)
     assert stats.snapshot()["errors"] == 1 and stats.snapshot()["sessions"] == 0
 
 
@@ -348,14 +342,14 @@ def test_unauthenticated_connections_have_a_budget_of_their_own_and_the_oldest_i
         authed = [connect(listener.address) for _ in range(2)]
         for sock in authed:
             assert authenticate(sock) == b"ok"
-        wait_for(lambda: listener.unauthenticated == 0, "both to authenticate")
+        wait_until(lambda: listener.unauthenticated == 0, "both to authenticate", WAIT)
         idle = []
         for i in range(3):                      # fill the budget; nothing is evicted yet
             idle.append(connect(listener.address))
-            wait_for(lambda n=i + 1: listener.unauthenticated == n, f"idle connection {i}")
+            wait_until(lambda n=i + 1: listener.unauthenticated == n, f"idle connection {i}", WAIT)
         for i in range(20):                     # each newer one evicts the oldest idle one
             idle.append(connect(listener.address))
-            wait_for(lambda n=i + 1: stats.limits()["evicted"] == n, f"eviction {i}")
+            wait_until(lambda n=i + 1: stats.limits()["evicted"] == n, f"eviction {i}", WAIT)
             answer = read_all(idle[i]).decode()
             assert answer.startswith("BUSY ") and "test_unauthenticated" in answer
             assert "before it authenticated" in answer
@@ -380,7 +374,7 @@ def test_authenticated_connections_keep_the_per_peer_limit(address):
         first = connect(listener.address)
         assert authenticate(first) == b"ok"
         waiting = [connect(listener.address) for _ in range(2)]   # admitted: one slot left
-        wait_for(lambda: listener.unauthenticated == 2, "two waiting connections")
+        wait_until(lambda: listener.unauthenticated == 2, "two waiting connections", WAIT)
         assert authenticate(waiting[0]) == b"ok"
         answer = round_trip(waiting[1], b"auth") + read_all(waiting[1])
         assert answer.startswith(b"BUSY ") and b"test_connections_per_peer" in answer
@@ -389,7 +383,7 @@ def test_authenticated_connections_keep_the_per_peer_limit(address):
         assert answer.startswith(b"BUSY ") and b"test_connections_per_peer" in answer
         assert stats.limits()["refused"] == 2
         first.close()                               # waiting[0] is left
-        wait_for(lambda: listener.connections == 1, "the closed connections to go")
+        wait_until(lambda: listener.connections == 1, "the closed connections to go", WAIT)
         with connect(listener.address) as again:
             assert authenticate(again) == b"ok"
         for sock in [first, *waiting]:
@@ -403,12 +397,12 @@ def test_the_peer_holding_the_most_unauthenticated_connections_is_evicted_first(
                   max_unauthenticated=3, refusal=refusal) as listener:
         ref.append(listener)
         mine = connect_from(listener, "127.0.0.1")
-        wait_for(lambda: listener.unauthenticated == 1, "the first connection")
+        wait_until(lambda: listener.unauthenticated == 1, "the first connection", WAIT)
         flood = []
         for i in range(10):       # another address opens many more; only its own are evicted
             flood.append(connect_from(listener, "127.0.0.2"))
             evicted = max(0, i - 1)
-            wait_for(lambda n=evicted: stats.limits()["evicted"] == n, f"connection {i}")
+            wait_until(lambda n=evicted: stats.limits()["evicted"] == n, f"connection {i}", WAIT)
         assert listener.unauthenticated == 3
         for sock in flood[:8]:
             assert read_all(sock).startswith(b"BUSY ")

@@ -12,6 +12,7 @@ import socket
 import struct
 import threading
 import time
+from types import SimpleNamespace
 
 import grpc
 import numpy as np
@@ -30,6 +31,7 @@ from smb_protocol.errors import (
     Status,
 )
 from smb_protocol.wire import Op
+from smb_server.memserver import access
 from smb_server.memserver.arena import HEADER_BYTES, LIVE_OFFSET, Arena
 from smb_server.memserver.main import MemoryServer
 from smb_server.memserver.node import Node
@@ -149,13 +151,15 @@ def test_forged_and_foreign_tickets(planes):
     c2.close()
 
 
-def test_ticket_expiring_on_an_open_connection(planes):
+def test_ticket_expiring_on_an_open_connection(planes, monkeypatch):
     _arena, tcp, _shm, _stats = planes
-    c = Raw(tcp.port, ticket([1], ttl=0.3))
+    c = Raw(tcp.port, ticket([1], ttl=60))
     assert c.request(Op.READ, 1, 0, 8)[0] == Status.OK
-    time.sleep(0.4)
+    later = time.time() + 120                                 # the server's clock passes the expiry
+    monkeypatch.setattr(access, "time", SimpleNamespace(time=lambda: later))
     assert c.request(Op.WRITE, 1, 0, 8, payload=bytes(8))[0] == Status.TICKET_EXPIRED
-    assert c.hello(ticket([1]))[0] == Status.OK              # a fresh ticket rebinds
+    fresh = tickets.sign(SECRET, UID, [1], "rw", ttl=60, now=later)[0]
+    assert c.hello(fresh)[0] == Status.OK                     # a fresh ticket rebinds
     assert c.request(Op.READ, 1, 0, 8)[0] == Status.OK
     c.close()
 

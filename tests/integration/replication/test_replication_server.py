@@ -25,6 +25,7 @@ from smb_protocol.errors import InvalidArgument, NotPrimary, ReadOnly, ServerUna
 from smb_protocol.wire import Op
 from smb_server.memserver import dedup, replication
 from smb_server.memserver.arena import HEADER_BYTES
+from tests.integration.memserver.planes import typed
 
 from .nodes import SECRET, SIZE, UID, Client, MiB, Node
 
@@ -140,8 +141,8 @@ def test_request_cut_mid_way_resumes_at_promoted_backup(nodes):
     token = tickets.sign(SECRET, UID, [backup.eid], "replica", ttl=600, view=1)[0]
     conn = TcpConnection("127.0.0.1", backup.tcp.port, client_id=client_id)
     conn.present(token)
-    conn.request(Op.ACCUMULATE, backup.eid, 0, piece, DType.INT64, arg0=0, arg1=SIZE,
-                 payload=[raw[:piece]], seq=seq)
+    conn.request(typed(Op.ACCUMULATE, backup.eid, 0, piece, DType.INT64, arg0=0, arg1=SIZE, seq=seq,
+                       client=client_id), [raw[:piece]])
     conn.close()
     backup.configure(2, "primary")
     c = Client(backup, client_id)
@@ -217,8 +218,8 @@ def test_exactly_once_entries_are_taken_from_a_primary_only(nodes):
     conn = TcpConnection("127.0.0.1", primary.tcp.port, client_id=c.id)
     conn.present(c.ticket)
     with pytest.raises(InvalidArgument, match="from a primary only"):
-        conn.request(Op.SEED, primary.eid, 0, len(forged), payload=[memoryview(forged)])
-    assert conn.request(Op.PING) == b""                      # same connection, still served
+        conn.request(typed(Op.SEED, primary.eid, 0, len(forged)), [memoryview(forged)])
+    assert conn.request(typed(Op.PING)) == b""                      # same connection, still served
     conn.close()
     c.accumulate(0, np.ones(1, np.int64), seq=1)              # the forged answer was not taken
     assert primary.array(np.int64)[0] == 1 and backup.array(np.int64)[0] == 1
@@ -333,7 +334,7 @@ def test_backups_refuse_clients_and_deposed_primaries(nodes):
     conn = TcpConnection("127.0.0.1", backup.tcp.port)
     conn.present(old)
     with pytest.raises(NotPrimary):
-        conn.request(Op.WRITE, backup.eid, 0, 5, payload=[memoryview(b"stale")], arg0=0, arg1=5)
+        conn.request(typed(Op.WRITE, backup.eid, 0, 5, arg0=0, arg1=5), [memoryview(b"stale")])
     conn.close()
     c.close()
 
@@ -355,14 +356,16 @@ def test_atomics_and_locks_are_forwarded(nodes):
     assert c.session.compare_swap(c.ticket, primary.eid, 64, 7, 9, seq=next(c.seqs)) == 7
     conn = TcpConnection("127.0.0.1", primary.tcp.port, client_id=c.id)
     conn.present(c.ticket)
-    assert conn.request(Op.LOCK, primary.eid, 128, 8, arg0=42, arg1=5000, alpha=1.0, seq=1001) == bytes(8)
+    assert conn.request(typed(Op.LOCK, primary.eid, 128, 8, arg0=42, arg1=5000, alpha=1.0, seq=1001,
+                              client=c.id)) == bytes(8)
     assert primary.data()[64:136] == backup.data()[64:136]
     assert struct.unpack_from("<q", backup.data(), 128)[0] == 42
-    assert conn.request(Op.UNLOCK, primary.eid, 128, 8, arg0=42, seq=1002) == struct.pack("<q", 42)
+    assert conn.request(typed(Op.UNLOCK, primary.eid, 128, 8, arg0=42, seq=1002, client=c.id)) == \
+        struct.pack("<q", 42)
     assert struct.unpack_from("<q", backup.data(), 128)[0] == 0
     with pytest.raises(NotPrimary):   # collectives use unreplicated regions (and wait out a move)
-        conn.request(Op.PUSH, primary.eid, 0, 8, DType.INT64, arg0=1024, arg1=0, alpha=1.0,
-                     payload=[memoryview(bytes(8))], seq=1003)
+        conn.request(typed(Op.PUSH, primary.eid, 0, 8, DType.INT64, arg0=1024 | 1 << 48, arg1=0, alpha=1.0,
+                           seq=1003, client=c.id), [memoryview(bytes(8))])
     conn.close()
     c.close()
 

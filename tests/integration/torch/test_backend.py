@@ -21,7 +21,7 @@ BATCH = 6       # per rank and step
 LR = 0.1
 
 
-def run_ranks(cluster, target, world, *args, timeout=120, pg_timeout=60):
+def run_processes(cluster, target, world, *args, timeout=120, pg_timeout=60):
     """Run ``target(rank, world, *args)`` in ``world`` processes joined by
     ``init_process_group("smb")``; its results by rank (a worker's failure fails)."""
     ctx = mp.get_context("spawn")
@@ -120,7 +120,7 @@ def collectives(rank, world):
 
 def test_collectives(cluster):
     world = 3
-    results = run_ranks(cluster, collectives, world)
+    results = run_processes(cluster, collectives, world)
     with cluster.client() as client:     # destroy_process_group deleted the collectives
         assert client.list_regions(results[0]["prefix"] + "/") == []
     want = sum(np.arange(100_000, dtype=np.int64) * (r + 1) + (1 << 40) for r in range(world))
@@ -178,7 +178,7 @@ def ddp_both(rank, world):
 
 def test_ddp_on_smb_equals_ddp_on_gloo(cluster):
     """Two ranks: a sum of two numbers has one order, so the weights agree bit for bit."""
-    results = run_ranks(cluster, ddp_both, 2)
+    results = run_processes(cluster, ddp_both, 2)
     start = make_model(100).state_dict()
     for smb, gloo in results:
         assert smb.keys() == gloo.keys()
@@ -195,10 +195,12 @@ def until_failure(rank, world, ready):
     t = torch.ones(256 << 10)                       # 1 MiB: chunks on both servers
     for _ in range(3):
         dist.all_reduce(t)
-    ready.put(rank)
     start = time.monotonic()
     while time.monotonic() - start < 60:
         work = dist.all_reduce(t, async_op=True)
+        if ready is not None:
+            ready.put(rank)                         # an operation is on its way: kill now
+            ready = None
         try:
             work.wait()
         except Exception as exc:
@@ -222,12 +224,11 @@ def test_a_dead_server_fails_wait_not_hangs(fresh_cluster):
     def kill_when_ready():
         for _ in range(2):
             ready.get(timeout=60)
-        time.sleep(0.2)
         fresh_cluster.kill_server(0)
     killer = threading.Thread(target=kill_when_ready)
     killer.start()
     try:
-        out["results"] = run_ranks(fresh_cluster, until_failure, 2, ready, pg_timeout=30)
+        out["results"] = run_processes(fresh_cluster, until_failure, 2, ready, pg_timeout=30)
     finally:
         killer.join(70)
     for result in out["results"]:

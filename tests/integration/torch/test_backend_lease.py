@@ -7,10 +7,10 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 
+from smb_server.testing import wait_until
 from tests.integration.daemons import free_port
 
 pytest.importorskip("torch")
@@ -39,7 +39,4 @@ def test_regions_of_a_group_never_destroyed_go_with_the_process(cluster, client)
     assert proc.returncode == 0, proc.stderr
     made, prefix = proc.stdout.strip().splitlines()[-1].split()
     assert int(made) == 1 and prefix.startswith("torch/")      # the all-reduce's collective
-    deadline = time.monotonic() + 30
-    while client.list_regions(prefix + "/") and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert client.list_regions(prefix + "/") == []
+    wait_until(lambda: client.list_regions(prefix + "/") == [], "the lease to remove the regions", 30, pause=0.2)

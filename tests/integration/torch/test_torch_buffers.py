@@ -11,6 +11,7 @@ torch = pytest.importorskip("torch")
 
 from smb_client.torch import ParameterStore, SyncDataParallel  # noqa: E402
 from smb_protocol.errors import InvalidArgument  # noqa: E402
+from smb_server.testing import run_ranks  # noqa: E402
 
 WORLD = 2
 STEPS = 3
@@ -36,11 +37,9 @@ def buffers_of(model) -> dict[str, torch.Tensor]:
 
 def train(cluster, name, mode):
     """Each worker's buffers just before the last synchronization and at the end."""
-    results: dict[int, tuple[dict, dict, torch.Tensor]] = {}
-    errors: list[BaseException] = []
     ready = threading.Event()
 
-    def worker(rank: int) -> None:
+    def worker(rank: int) -> tuple[dict, dict, torch.Tensor]:
         try:
             with cluster.client() as c:
                 model = cnn()
@@ -65,25 +64,17 @@ def train(cluster, name, mode):
                     opt.step()
                 dp.close()
                 c.barrier(f"{name}/end", WORLD, timeout=60)
-                results[rank] = (before, buffers_of(model), store.flat.flat_params.clone())
+                result = (before, buffers_of(model), store.flat.flat_params.clone())
                 c.barrier(f"{name}/read", WORLD, timeout=60)
                 if rank == 0:
                     store.destroy()
                 else:
                     store.close()
-        except BaseException as exc:   # noqa: BLE001 - reported below
-            errors.append(exc)
-            ready.set()
+                return result
+        finally:
+            ready.set()              # a rank 0 that failed keeps nobody waiting
 
-    threads = [threading.Thread(target=worker, args=(r,)) for r in range(WORLD)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    if errors:
-        raise errors[0]
-    assert len(results) == WORLD
-    return results
+    return run_ranks(WORLD, worker)
 
 
 @pytest.mark.parametrize("mode", [None, "broadcast"])

@@ -10,6 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from smb_client.torch import ParameterStore, SyncDataParallel  # noqa: E402
+from smb_server.testing import run_ranks  # noqa: E402
 
 WORLD = 2
 BATCH = 8       # per worker and step
@@ -41,12 +42,10 @@ def reference() -> torch.nn.Module:
 
 
 def train(cluster, name, loop, exchange):
-    results: dict[int, torch.Tensor] = {}
-    errors: list[BaseException] = []
     ready = threading.Event()
     models = [make_model() for _ in range(WORLD)]   # here: the global RNG is not the threads' to share
 
-    def worker(rank: int) -> None:
+    def worker(rank: int) -> torch.Tensor:
         try:
             with cluster.client() as c:
                 model = models[rank]
@@ -71,24 +70,16 @@ def train(cluster, name, loop, exchange):
                 assert dp.step == STEPS
                 dp.close()
                 c.barrier(f"{name}/end", WORLD, timeout=60)
-                results[rank] = store.flat.flat_params.clone()
+                result = store.flat.flat_params.clone()
                 if rank == 0:
                     store.destroy()
                 else:
                     store.close()
-        except BaseException as exc:   # noqa: BLE001 - reported below
-            errors.append(exc)
-            ready.set()
+                return result
+        finally:
+            ready.set()              # a rank 0 that failed keeps nobody waiting
 
-    threads = [threading.Thread(target=worker, args=(r,)) for r in range(WORLD)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(90)
-    if errors:
-        raise errors[0]
-    assert len(results) == WORLD
-    return results
+    return run_ranks(WORLD, worker, timeout=90)
 
 
 @pytest.mark.parametrize("loop,exchange", [("ddp", "auto"), ("explicit", "auto"), ("ddp", "slots")])

@@ -9,11 +9,12 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 
 torch = pytest.importorskip("torch")
+
+from smb_server.testing import wait_until  # noqa: E402
 
 SCRIPT = textwrap.dedent("""
     import sys
@@ -74,10 +75,7 @@ def test_a_crashed_program_leaves_its_regions_to_the_lease(cluster, client, tmp_
     proc = torchrun(cluster, tmp_path, "crash")
     assert proc.returncode != 0 and "a crash after training" in proc.stderr
     name = (tmp_path / "name").read_text()
-    deadline = time.monotonic() + 30
-    while client.list_regions(name + "/") and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert client.list_regions(name + "/") == []
+    wait_until(lambda: client.list_regions(name + "/") == [], "the lease to remove the regions", 30, pause=0.2)
 
 
 def test_a_failed_creation_leaves_nothing_once_its_lease_ran_out(cluster, client, name, monkeypatch):
@@ -93,10 +91,7 @@ def test_a_failed_creation_leaves_nothing_once_its_lease_ran_out(cluster, client
         DistributedDataParallel(torch.nn.Linear(1024, 1024), name=name, lease=1.0,
                                 job_options={"grad_slots": 400})
     assert f"{name}/failed" in [r.name for r in client.list_regions(name + "/")]
-    deadline = time.monotonic() + 30
-    while client.list_regions(name + "/") and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert client.list_regions(name + "/") == []
+    wait_until(lambda: client.list_regions(name + "/") == [], "the lease to remove the regions", 30, pause=0.2)
 
 
 def test_ddps_arguments_are_taken(cluster, client, name, monkeypatch):

@@ -12,6 +12,7 @@ torch = pytest.importorskip("torch")
 
 from smb_client.torch import SEASGD, ParameterStore, SyncDataParallel  # noqa: E402
 from smb_protocol.errors import DtypeError  # noqa: E402
+from smb_server.testing import run_ranks  # noqa: E402
 
 WORLD = 2
 STEPS = 3
@@ -55,11 +56,9 @@ def loss(model, x, c):
 @pytest.mark.parametrize("overlap", [True, False])
 def test_sync_is_exact_in_every_type(cluster, name, kind, overlap):
     x, c = data()
-    results: dict[int, dict] = {}
-    errors: list[BaseException] = []
     ready = threading.Event()
 
-    def worker(rank: int) -> None:
+    def worker(rank: int) -> dict:
         try:
             with cluster.client() as cl:
                 model = Heads(KINDS[kind])
@@ -80,26 +79,20 @@ def test_sync_is_exact_in_every_type(cluster, name, kind, overlap):
                     opt.step()
                 dp.close()
                 cl.barrier(f"{name}/end", WORLD, timeout=60)
-                results[rank] = {k: v.clone() for k, v in model.state_dict().items()}
+                weights = {k: v.clone() for k, v in model.state_dict().items()}
                 stored = store.state_dict()
                 for k, v in stored.items():
-                    assert torch.equal(v, results[rank][k]), k        # the published weights
+                    assert torch.equal(v, weights[k]), k        # the published weights
                 cl.barrier(f"{name}/read", WORLD, timeout=60)
                 if rank == 0:
                     store.destroy()
                 else:
                     store.close()
-        except BaseException as exc:   # noqa: BLE001 - reported below
-            errors.append(exc)
-            ready.set()
+                return weights
+        finally:
+            ready.set()              # a rank 0 that failed keeps nobody waiting
 
-    threads = [threading.Thread(target=worker, args=(r,)) for r in range(WORLD)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    if errors:
-        raise errors[0]
+    results = run_ranks(WORLD, worker)
     ref = Heads(KINDS[kind])
     start = {k: v.clone() for k, v in ref.state_dict().items()}
     opt = torch.optim.SGD(ref.parameters(), lr=LR)

@@ -12,6 +12,7 @@ torch = pytest.importorskip("torch")
 from smb_client.coord import PartiesMissing  # noqa: E402
 from smb_client.torch import ParameterStore, WorkerEnv, open_store  # noqa: E402
 from smb_protocol.errors import OutOfMemory  # noqa: E402
+from smb_server.testing import run_ranks  # noqa: E402
 
 WORLD = 2
 
@@ -20,30 +21,38 @@ def big() -> torch.nn.Module:
     return torch.nn.Linear(1024, 1024)   # 4 MiB per slot
 
 
-def test_others_get_the_masters_creation_error_within_seconds(cluster, name):
-    outcome: dict[int, tuple[BaseException | None, float]] = {}
+def _waiting_worker(client, waiting: threading.Event):
+    """``client``, whose barrier calls set ``waiting`` first: a worker that is there to
+    wait for the master (the master's barrier opens them)."""
+    barrier = client.barrier
 
-    def worker(rank: int, delay: float) -> None:
-        time.sleep(delay)
+    def announced(*args, **kwargs):
+        waiting.set()
+        return barrier(*args, **kwargs)
+    client.barrier = announced
+    return client
+
+
+def test_others_get_the_masters_creation_error_within_seconds(cluster, name):
+    waiting = threading.Event()
+
+    def worker(rank: int) -> tuple[BaseException | None, float]:
+        if rank == 0:
+            assert waiting.wait(30)           # rank 1 is already waiting when the master fails
         t0 = time.monotonic()
         try:
             with cluster.client() as c:
                 # 400 gradient slots of 4 MiB: more than the cluster's two 512 MiB servers
-                store = open_store(c, WorkerEnv(rank=rank, world_size=WORLD), name, big(),
-                                   grad_slots=400, workers=WORLD)
+                store = open_store(_waiting_worker(c, waiting) if rank else c, WorkerEnv(rank=rank, world_size=WORLD),
+                                   name, big(), grad_slots=400, workers=WORLD)
                 store.close()
-            outcome[rank] = (None, time.monotonic() - t0)
+            return None, time.monotonic() - t0
         except BaseException as exc:   # noqa: BLE001 - checked below
-            outcome[rank] = (exc, time.monotonic() - t0)
+            return exc, time.monotonic() - t0
+        finally:
+            waiting.set()
 
-    # rank 1 is already waiting when the master fails
-    threads = [threading.Thread(target=worker, args=(1, 0.0)), threading.Thread(target=worker, args=(0, 1.0))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    master_error, _ = outcome[0]
-    error, waited = outcome[1]
+    (master_error, _), (error, waited) = run_ranks(WORLD, worker, timeout=60)
     assert isinstance(master_error, OutOfMemory), master_error
     assert isinstance(error, OutOfMemory), error
     assert "master failed to create parameter store" in str(error) and "OutOfMemory" in str(error)
@@ -70,29 +79,25 @@ def test_an_old_failure_record_does_not_fail_a_new_run(cluster, name, monkeypatc
     with cluster.client() as c:
         ParameterStore.publish_failure(c, name, OutOfMemory("long ago"))
         monkeypatch.setattr(failure, "SKEW", -5.0)   # the record counts as a previous run's
-        results: dict[int, object] = {}
+        waiting = threading.Event()
 
-        def worker(rank: int) -> None:
+        def worker(rank: int) -> bool:
             try:
                 with cluster.client() as wc:
                     if rank == 0:
-                        time.sleep(1.5)
-                    s = open_store(wc, WorkerEnv(rank=rank, world_size=WORLD), name, big(), workers=WORLD)
-                    results[rank] = True
+                        assert waiting.wait(30)   # rank 1 saw the old record and waits on
+                    s = open_store(_waiting_worker(wc, waiting) if rank else wc,
+                                   WorkerEnv(rank=rank, world_size=WORLD), name, big(), workers=WORLD)
                     wc.barrier(f"{name}/done", WORLD, timeout=30)
                     if rank == 0:
                         s.destroy()
                     else:
                         s.close()
-            except BaseException as exc:   # noqa: BLE001 - checked below
-                results[rank] = exc
+                    return True
+            finally:
+                waiting.set()
 
-        threads = [threading.Thread(target=worker, args=(r,)) for r in range(WORLD)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        assert results == {0: True, 1: True}, results
+        assert run_ranks(WORLD, worker, timeout=60) == [True, True]
 
 
 def test_a_worker_that_never_comes_is_named(cluster, name):

@@ -3,13 +3,12 @@
 (worker threads with their own clients on a real local cluster)."""
 from __future__ import annotations
 
-import threading
-
 import pytest
 
 torch = pytest.importorskip("torch")
 
 from smb_client.torch import FlatModel, ParameterStore, SyncDataParallel  # noqa: E402
+from smb_server.testing import run_ranks  # noqa: E402
 
 WORLD = 2
 BATCH = 8
@@ -36,29 +35,6 @@ def optimizer(model):
     return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
 
 
-def run_workers(cluster, name, fn):
-    """fn(rank, client) in WORLD threads; re-raises the first failure."""
-    errors: list[BaseException] = []
-    results: dict[int, object] = {}
-
-    def main(rank):
-        try:
-            with cluster.client() as c:
-                results[rank] = fn(rank, c)
-        except BaseException as exc:   # noqa: BLE001 - reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=main, args=(r,)) for r in range(WORLD)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    if errors:
-        raise errors[0]
-    assert not any(t.is_alive() for t in threads)
-    return results
-
-
 @pytest.mark.parametrize("exchange", ["collective", "slots"])
 @pytest.mark.parametrize("overlap", [True, False])
 def test_frozen_parameters_stay_untouched_and_cost_no_traffic(cluster, name, overlap, exchange):
@@ -69,7 +45,11 @@ def test_frozen_parameters_stay_untouched_and_cost_no_traffic(cluster, name, ove
     master_client = cluster.client()
     store0 = ParameterStore.create(master_client, name, models[0], grad_slots=3, workers=WORLD)
     try:
-        def worker(rank, client):
+        def worker(rank):
+            with cluster.client() as client:
+                return train(rank, client)
+
+        def train(rank, client):
             model = models[rank]
             store = store0 if rank == 0 else ParameterStore.attach(client, name, model)
             dp = SyncDataParallel(store, rank, WORLD, overlap=overlap, bucket_bytes=256, publish_every=0,
@@ -90,7 +70,7 @@ def test_frozen_parameters_stay_untouched_and_cost_no_traffic(cluster, name, ove
                 store.close()
             return {k: after[k] - before[k] for k in after}, store.flat.flat_params.clone()
 
-        results = run_workers(cluster, name, worker)
+        results = run_ranks(WORLD, worker)
         runs = FlatModel(make_model()).runs()
         trainable_bytes = sum(n for _, n in runs)
         slot = store0.layout.slot_bytes
@@ -98,8 +78,8 @@ def test_frozen_parameters_stay_untouched_and_cost_no_traffic(cluster, name, ove
         # per step: every worker pushes and pulls the trainable bytes once; with slots, the
         # zeroing of the next slot, split over the workers, covers them once more
         zeroing = 1 if exchange == "slots" else 0
-        assert sum(r[0]["sent"] for r in results.values()) == STEPS * (WORLD + zeroing) * trainable_bytes
-        assert all(r[0]["received"] == STEPS * trainable_bytes for r in results.values())
+        assert sum(r[0]["sent"] for r in results) == STEPS * (WORLD + zeroing) * trainable_bytes
+        assert all(r[0]["received"] == STEPS * trainable_bytes for r in results)
 
         ref = make_model()
         opt = optimizer(ref)

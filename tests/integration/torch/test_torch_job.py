@@ -10,8 +10,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import threading
-import time
 
 import pytest
 
@@ -19,6 +17,7 @@ torch = pytest.importorskip("torch")
 
 from smb_client.torch import Job, ParameterStore, WorkerEnv, job  # noqa: E402
 from smb_protocol.errors import InvalidArgument  # noqa: E402
+from smb_server.testing import run_ranks, wait_until  # noqa: E402
 
 WORLD = 2
 BATCH = 8
@@ -37,42 +36,31 @@ def data(steps: int):
     return torch.randn(n, 10, generator=g), torch.randint(0, 4, (n,), generator=g)
 
 
-def run_workers(cluster, name, steps, checkpoint=None, save=False, fail_at=None):
+def run_workers(cluster, name, steps, checkpoint=None, save=False):
     """Train ``steps`` steps (from the job's step on) in WORLD threads; per rank: the
     job's resumed and step, the final weights and the optimizer's momentum."""
     x, y = data(8)
     models = [make_model() for _ in range(WORLD)]
-    out: dict[int, object] = {}
 
-    def worker(rank: int) -> None:
-        try:
-            with cluster.client() as c:
-                model = models[rank]
-                opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-                with job(name, model, checkpoint=checkpoint, optimizer=opt, client=c,
-                         env=WorkerEnv(rank, WORLD)) as j:
-                    j.sync()
-                    started = (j.resumed, j.step)
-                    for step in range(j.step, steps):
-                        if step == fail_at:
-                            raise RuntimeError("a worker failed")
-                        lo = (step * WORLD + rank) * BATCH
-                        opt.zero_grad()
-                        torch.nn.functional.cross_entropy(model(x[lo:lo + BATCH]), y[lo:lo + BATCH]).backward()
-                        opt.step()
-                    if save:
-                        j.save(step=steps)
-                momentum = [opt.state[p]["momentum_buffer"].clone() for p in model.parameters()]
-                out[rank] = (started, {k: v.clone() for k, v in model.state_dict().items()}, momentum)
-        except BaseException as exc:
-            out[rank] = exc
+    def worker(rank: int) -> tuple:
+        with cluster.client() as c:
+            model = models[rank]
+            opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+            with job(name, model, checkpoint=checkpoint, optimizer=opt, client=c,
+                     env=WorkerEnv(rank, WORLD)) as j:
+                j.sync()
+                started = (j.resumed, j.step)
+                for step in range(j.step, steps):
+                    lo = (step * WORLD + rank) * BATCH
+                    opt.zero_grad()
+                    torch.nn.functional.cross_entropy(model(x[lo:lo + BATCH]), y[lo:lo + BATCH]).backward()
+                    opt.step()
+                if save:
+                    j.save(step=steps)
+            momentum = [opt.state[p]["momentum_buffer"].clone() for p in model.parameters()]
+            return started, {k: v.clone() for k, v in model.state_dict().items()}, momentum
 
-    threads = [threading.Thread(target=worker, args=(r,), daemon=True) for r in range(WORLD)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    return [out[r] for r in range(WORLD)]
+    return run_ranks(WORLD, worker)
 
 
 def same(a: dict, b: dict) -> bool:
@@ -99,44 +87,39 @@ def test_every_worker_resumes_from_a_checkpoint_as_if_never_stopped(cluster, cli
 def test_seasgd_workers_save_and_resume_the_global_weights(cluster, client, name, tmp_path):
     path = tmp_path / "seasgd.pt"
     x, y = data(4)
-    starts: dict[tuple[int, int], dict] = {}
-    errs: list[BaseException] = []
+    models: list[torch.nn.Module] = []
 
-    def worker(run: int, rank: int, model: torch.nn.Module) -> None:
-        try:
-            with cluster.client() as c:
-                opt = torch.optim.SGD(model.parameters(), lr=LR)
-                with job(name, model, checkpoint=path, optimizer=opt, client=c, env=WorkerEnv(rank, WORLD),
-                         scheme="seasgd") as j:
-                    starts[(run, rank)] = {"resumed": j.resumed, "step": j.step,
-                                           "state": {k: v.clone() for k, v in model.state_dict().items()}}
-                    c.barrier(f"{name}/started", WORLD)   # nobody pushes before everybody attached
-                    w = j.seasgd(update_interval=1)
-                    for step in range(4):
-                        lo = (step * WORLD + rank) * BATCH
-                        opt.zero_grad()
-                        torch.nn.functional.cross_entropy(model(x[lo:lo + BATCH]), y[lo:lo + BATCH]).backward()
-                        opt.step()
-                        w.after_step()
-                    w.finish()                            # every delta in the global weights
-                    c.barrier(f"{name}/trained", WORLD)   # both finished: the store is final
-                    j.save(step=4)
-        except BaseException as exc:
-            errs.append(exc)
+    def worker(rank: int) -> dict:
+        model = models[rank]
+        with cluster.client() as c:
+            opt = torch.optim.SGD(model.parameters(), lr=LR)
+            with job(name, model, checkpoint=path, optimizer=opt, client=c, env=WorkerEnv(rank, WORLD),
+                     scheme="seasgd") as j:
+                start = {"resumed": j.resumed, "step": j.step,
+                         "state": {k: v.clone() for k, v in model.state_dict().items()}}
+                c.barrier(f"{name}/started", WORLD)   # nobody pushes before everybody attached
+                w = j.seasgd(update_interval=1)
+                for step in range(4):
+                    lo = (step * WORLD + rank) * BATCH
+                    opt.zero_grad()
+                    torch.nn.functional.cross_entropy(model(x[lo:lo + BATCH]), y[lo:lo + BATCH]).backward()
+                    opt.step()
+                    w.after_step()
+                w.finish()                            # every delta in the global weights
+                c.barrier(f"{name}/trained", WORLD)   # both finished: the store is final
+                j.save(step=4)
+        return start
 
+    starts = []
     for run in range(2):
-        threads = [threading.Thread(target=worker, args=(run, r, make_model()), daemon=True) for r in range(WORLD)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-        assert not errs, errs
+        models[:] = [make_model() for _ in range(WORLD)]   # here: the global RNG is not the threads' to share
+        starts.append(run_ranks(WORLD, worker))
         assert client.list_regions(f"{name}/") == []
         if run == 0:
             saved = torch.load(path, weights_only=True)
-    assert [starts[(0, r)]["resumed"] for r in range(WORLD)] == [None, None]
+    assert [starts[0][r]["resumed"] for r in range(WORLD)] == [None, None]
     for rank in range(WORLD):
-        again = starts[(1, rank)]
+        again = starts[1][rank]
         assert again["resumed"] == "checkpoint" and again["step"] == 4
         params = {k: v for k, v in saved["model"].items() if "running" not in k and "batches" not in k}
         assert all(torch.equal(again["state"][k], v) for k, v in params.items()), rank   # the global weights
@@ -154,10 +137,7 @@ def test_a_failed_job_leaves_its_regions_to_the_lease(cluster, name):
         assert str(out[0]) == "training failed"
         assert c.list_regions(f"{name}/")                     # still there: a restart would attach
     with cluster.client() as c:                               # its lease is no longer renewed
-        deadline = time.monotonic() + 30
-        while c.list_regions(f"{name}/") and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert c.list_regions(f"{name}/") == []
+        wait_until(lambda: c.list_regions(f"{name}/") == [], "the lease to remove the regions", 30, pause=0.2)
 
 
 @pytest.mark.parametrize("scheme", [None, "seasgd"])
@@ -165,38 +145,28 @@ def test_seasgd_trains_with_the_job_defaults_and_keeps_deltas_with_its_scheme(cl
     """``job()`` then ``j.seasgd()`` works as written; ``scheme="seasgd"`` reserves every
     worker's delta slot, which the worker then fills."""
     x, y = data(4)
-    seen: dict[int, tuple[int, bool, float]] = {}
-    errs: list[BaseException] = []
 
-    def worker(rank: int) -> None:
-        try:
-            with cluster.client() as c:
-                model = make_model()
-                opt = torch.optim.SGD(model.parameters(), lr=LR)
-                with job(name, model, client=c, env=WorkerEnv(rank, WORLD), scheme=scheme) as j:
-                    w = j.seasgd(update_interval=1)
-                    for step in range(2):
-                        lo = (step * WORLD + rank) * BATCH
-                        opt.zero_grad()
-                        torch.nn.functional.cross_entropy(model(x[lo:lo + BATCH]), y[lo:lo + BATCH]).backward()
-                        opt.step()
-                        w.after_step()
-                    w.finish()
-                    kept = 0.0
-                    if j.store.delta_slots:
-                        delta = j.store.flat.new_flat()
-                        j.store.read_into("deltas", j.store.slot_offset("deltas", rank), delta)
-                        kept = float(delta.abs().sum())
-                    seen[rank] = (j.store.delta_slots, w.keep_deltas, kept)
-        except BaseException as exc:
-            errs.append(exc)
+    def worker(rank: int) -> tuple[int, bool, float]:
+        with cluster.client() as c:
+            model = make_model()
+            opt = torch.optim.SGD(model.parameters(), lr=LR)
+            with job(name, model, client=c, env=WorkerEnv(rank, WORLD), scheme=scheme) as j:
+                w = j.seasgd(update_interval=1)
+                for step in range(2):
+                    lo = (step * WORLD + rank) * BATCH
+                    opt.zero_grad()
+                    torch.nn.functional.cross_entropy(model(x[lo:lo + BATCH]), y[lo:lo + BATCH]).backward()
+                    opt.step()
+                    w.after_step()
+                w.finish()
+                kept = 0.0
+                if j.store.delta_slots:
+                    delta = j.store.flat.new_flat()
+                    j.store.read_into("deltas", j.store.slot_offset("deltas", rank), delta)
+                    kept = float(delta.abs().sum())
+                return j.store.delta_slots, w.keep_deltas, kept
 
-    threads = [threading.Thread(target=worker, args=(r,), daemon=True) for r in range(WORLD)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not errs, errs
+    seen = run_ranks(WORLD, worker)
     for rank in range(WORLD):
         slots, keeps, kept = seen[rank]
         assert (slots, keeps) == ((WORLD, True) if scheme else (0, False))
@@ -292,7 +262,4 @@ def test_the_lease_survives_a_torchrun_restart_and_the_job_cleans_up(cluster, cl
 def test_a_job_that_crashed_for_good_leaves_nothing(cluster, client, name, tmp_path):
     proc, _ = torchrun(cluster, tmp_path, name, restarts=0, lease=2.0)
     assert proc.returncode != 0
-    deadline = time.monotonic() + 60
-    while client.list_regions(f"{name}/") and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert client.list_regions(f"{name}/") == []
+    wait_until(lambda: client.list_regions(f"{name}/") == [], "the lease to remove the regions", 60, pause=0.2)

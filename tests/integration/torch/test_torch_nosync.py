@@ -3,14 +3,13 @@ backward passes inside, the last outside, equal one process on the union of ever
 worker's micro-batches (worker threads on a real local cluster)."""
 from __future__ import annotations
 
-import threading
-
 import pytest
 
 torch = pytest.importorskip("torch")
 
 from smb_client.torch import ParameterStore, SyncDataParallel  # noqa: E402
 from smb_protocol.errors import InvalidArgument  # noqa: E402
+from smb_server.testing import run_ranks  # noqa: E402
 
 WORLD = 2
 MICRO = 3       # micro-batches per step
@@ -38,40 +37,31 @@ def loss_fn(out, y):
 def test_accumulation_under_no_sync_equals_union_of_micro_batches(cluster, name, overlap):
     x, y = data()
     models = [make_model() for _ in range(WORLD)]
-    errors: list[BaseException] = []
     with cluster.client() as master:
         store0 = ParameterStore.create(master, name, models[0], grad_slots=3, workers=WORLD)
         try:
             def worker(rank):
-                try:
-                    with cluster.client() as c:
-                        model = models[rank]
-                        store = store0 if rank == 0 else ParameterStore.attach(c, name, model)
-                        dp = SyncDataParallel(store, rank, WORLD, overlap=overlap, bucket_bytes=512)
-                        opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.5)
-                        for step in range(STEPS):
-                            def micro(j, step=step):
-                                lo = ((step * WORLD + rank) * MICRO + j) * BATCH
-                                loss_fn(model(x[lo:lo + BATCH]), y[lo:lo + BATCH]).backward()
-                            opt.zero_grad()        # set_to_none: the hooks bring .grad back
-                            with dp.no_sync():
-                                for j in range(MICRO - 1):
-                                    micro(j)
-                            micro(MICRO - 1)
-                            dp.synchronize()
-                            opt.step()
-                        dp.close()
-                        if rank:
-                            store.close()
-                except BaseException as exc:  # noqa: BLE001 - reported below
-                    errors.append(exc)
+                with cluster.client() as c:
+                    model = models[rank]
+                    store = store0 if rank == 0 else ParameterStore.attach(c, name, model)
+                    dp = SyncDataParallel(store, rank, WORLD, overlap=overlap, bucket_bytes=512)
+                    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.5)
+                    for step in range(STEPS):
+                        def micro(j, step=step):
+                            lo = ((step * WORLD + rank) * MICRO + j) * BATCH
+                            loss_fn(model(x[lo:lo + BATCH]), y[lo:lo + BATCH]).backward()
+                        opt.zero_grad()        # set_to_none: the hooks bring .grad back
+                        with dp.no_sync():
+                            for j in range(MICRO - 1):
+                                micro(j)
+                        micro(MICRO - 1)
+                        dp.synchronize()
+                        opt.step()
+                    dp.close()
+                    if rank:
+                        store.close()
 
-            threads = [threading.Thread(target=worker, args=(r,)) for r in range(WORLD)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(120)
-            assert not errors, errors[0]
+            run_ranks(WORLD, worker)
         finally:
             store0.destroy()
     ref = make_model()

@@ -3,13 +3,12 @@ steps and at close, so an evaluator or a late joiner reads the trained weights
 (worker threads and an evaluator thread on a real local cluster)."""
 from __future__ import annotations
 
-import threading
-
 import pytest
 
 torch = pytest.importorskip("torch")
 
 from smb_client.torch import ParameterStore, SyncDataParallel  # noqa: E402
+from smb_server.testing import run_ranks  # noqa: E402
 
 WORLD = 2
 BATCH = 8
@@ -34,17 +33,7 @@ def test_evaluator_reads_the_trained_weights(cluster, name, placement):
     initial = flat_of(models[0]).clone()
     snapshots: dict[int, list[torch.Tensor]] = {}
     seen: dict[str, torch.Tensor] = {}
-    errors: list[BaseException] = []
 
-    def guard(fn):
-        def run(*args):
-            try:
-                fn(*args)
-            except BaseException as exc:  # noqa: BLE001 - reported below
-                errors.append(exc)
-        return run
-
-    @guard
     def worker(rank):
         with cluster.client() as c:
             model = models[rank]
@@ -73,7 +62,6 @@ def test_evaluator_reads_the_trained_weights(cluster, name, placement):
             else:
                 store.close()
 
-    @guard
     def evaluator():
         with cluster.client() as c:
             c.barrier(f"{name}/ready", WORLD + 1, timeout=60)
@@ -89,13 +77,7 @@ def test_evaluator_reads_the_trained_weights(cluster, name, placement):
             store.close()
             c.barrier(f"{name}/done", WORLD + 1, timeout=60)
 
-    threads = [threading.Thread(target=worker, args=(r,)) for r in range(WORLD)]
-    threads.append(threading.Thread(target=evaluator))
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not errors, errors[0]
+    run_ranks(WORLD + 1, lambda rank: worker(rank) if rank < WORLD else evaluator())   # the last: the evaluator
     assert torch.equal(snapshots[0][-1], snapshots[1][-1])
     # published at the synchronize of step 4: the weights after 4 optimizer steps
     assert torch.equal(seen["trained"], snapshots[0][4])

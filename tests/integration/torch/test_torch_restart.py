@@ -8,13 +8,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from smb_protocol.errors import RegionNotFound
+from smb_server.testing import wait_until
 
 pytest.importorskip("torch")
 pytest.importorskip("sklearn")
@@ -41,19 +41,17 @@ def _workers(agent: int) -> dict[tuple[int, int], int]:
 
 
 def _wait_for_steps(client, name: str, rank: int, steps: int, proc: subprocess.Popen, timeout: float) -> int:
-    deadline = time.monotonic() + timeout
-    region = None
-    while time.monotonic() < deadline:
+    regions = []
+
+    def count() -> int | None:
         assert proc.poll() is None, "the job ended before the kill"
         try:
-            region = region or client.open_region(name, mode="ro")
-            count = int(np.asarray(region.read((COUNTER_WORDS + rank) * 8, 8, dtype="int64"))[0])
-            if count >= steps:
-                return count
+            regions[:] = regions or [client.open_region(name, mode="ro")]
+            done = int(np.asarray(regions[0].read((COUNTER_WORDS + rank) * 8, 8, dtype="int64"))[0])
         except RegionNotFound:
-            pass
-        time.sleep(0.2)
-    raise AssertionError(f"rank {rank} did not reach {steps} steps in {timeout} s")
+            return None
+        return done if done >= steps else None
+    return wait_until(count, f"rank {rank} to reach {steps} steps", timeout, pause=0.2)
 
 
 @pytest.mark.timeout(400)

@@ -13,7 +13,8 @@ torch = pytest.importorskip("torch")
 
 from smb_client.coord import PartiesMissing  # noqa: E402
 from smb_client.torch import ParameterStore, SyncDataParallel  # noqa: E402
-from tests.integration.torch.test_backend import run_ranks  # noqa: E402
+from smb_server.testing import run_ranks  # noqa: E402
+from tests.integration.torch.test_backend import run_processes  # noqa: E402
 
 WORLD = 2
 REPORT = 0.2         # seconds between reports in these tests
@@ -35,9 +36,8 @@ def test_a_worker_that_stops_coming_is_named(cluster, name, exchange, quick_repo
     """Rank 1 trains two steps, then stays away; rank 0's third step fails naming it."""
     models = [make_model() for _ in range(WORLD)]
     ready, gone, failed = threading.Event(), threading.Event(), threading.Event()
-    errs: dict[int, BaseException] = {}
 
-    def worker(rank: int) -> None:
+    def worker(rank: int) -> PartiesMissing | None:
         try:
             with cluster.client() as c:
                 model = models[rank]
@@ -52,32 +52,33 @@ def test_a_worker_that_stops_coming_is_named(cluster, name, exchange, quick_repo
                 assert dp.roll is not None
                 opt = torch.optim.SGD(model.parameters(), lr=0.1)
                 x, y = torch.randn(8, 10), torch.randint(0, 4, (8,))
-                for step in range(3 if rank == 0 else 2):
-                    if step == 2:                         # rank 0 alone: this wait is to time out
-                        dp.barrier_timeout = 2.0
-                        if dp.collective is not None:
-                            dp.collective.timeout = 2.0
-                    opt.zero_grad()
-                    torch.nn.functional.cross_entropy(model(x), y).backward()
-                    opt.step()
+                try:
+                    for step in range(3 if rank == 0 else 2):
+                        if step == 2:                         # rank 0 alone: this wait is to time out
+                            dp.barrier_timeout = 2.0
+                            if dp.collective is not None:
+                                dp.collective.timeout = 2.0
+                        opt.zero_grad()
+                        torch.nn.functional.cross_entropy(model(x), y).backward()
+                        opt.step()
+                except PartiesMissing as exc:
+                    return exc                        # rank 0's third step: what the test checks
                 if rank == 1:
                     gone.set()
                     assert failed.wait(60)        # alive, but never at step 3
                 dp.close(publish=False)
                 store.close()
-        except BaseException as exc:
-            errs[rank] = exc
-            failed.set()
+                return None
+        finally:
+            ready.set()
+            if rank == 0:
+                failed.set()
 
-    threads = [threading.Thread(target=worker, args=(r,), daemon=True) for r in range(WORLD)]
     with caplog.at_level(logging.WARNING, logger="smb_client.coord"):
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(90)
+        outcome = run_ranks(WORLD, worker, timeout=90)
     try:
-        assert 1 not in errs and gone.is_set()
-        exc = errs[0]
+        assert outcome[1] is None and gone.is_set()
+        exc = outcome[0]
         assert isinstance(exc, PartiesMissing), repr(exc)
         assert exc.missing == [1] and exc.arrived == 1 and exc.parties == WORLD
         assert "missing: rank 1" in str(exc)
@@ -117,7 +118,7 @@ def _one_rank_stays_away(rank, world):
 
 
 def test_a_backend_rank_that_stays_away_is_named(cluster):
-    results = run_ranks(cluster, _one_rank_stays_away, WORLD)
+    results = run_processes(cluster, _one_rank_stays_away, WORLD)
     kind, text = results[0]["early"]
     assert kind == "Timeout" and "all_reduce not finished within 0.3 s" in text
     missing, arrived, text = results[0]["error"]
@@ -145,6 +146,6 @@ def _wait_with_timeout(rank, world):
 
 
 def test_work_wait_honours_its_timeout(cluster):
-    results = run_ranks(cluster, _wait_with_timeout, WORLD)
+    results = run_processes(cluster, _wait_with_timeout, WORLD)
     assert results[0]["early"] == "Timeout" and results[0]["finished"] is True
     assert results[0]["sum"] == results[1]["sum"] == [3.0, 3.0, 3.0]

@@ -2,7 +2,6 @@
 cluster (controller and two memory servers as processes, real sockets)."""
 from __future__ import annotations
 
-import threading
 import time
 
 import numpy as np
@@ -12,6 +11,7 @@ torch = pytest.importorskip("torch")
 
 from smb_client.torch import SEASGD, ParameterStore, SharedCounters, SyncDataParallel, WorkerEnv, open_store  # noqa: E402
 from smb_protocol.errors import DtypeError, InvalidArgument, RegionNotFound  # noqa: E402
+from smb_server.testing import run_ranks  # noqa: E402
 
 
 def mlp(seed: int = 0, hidden: int = 24) -> torch.nn.Module:
@@ -154,8 +154,6 @@ def test_seasgd_workers_pull_global_weights_toward_them(cluster, name):
     xs = torch.randn(300, 4)
     ys = xs @ true_w
     world, steps = 3, 60
-    finals: dict[int, torch.Tensor] = {}
-    errors: list[BaseException] = []
 
     def make() -> torch.nn.Module:
         m = torch.nn.Linear(4, 1, bias=False)
@@ -166,35 +164,27 @@ def test_seasgd_workers_pull_global_weights_toward_them(cluster, name):
     with cluster.client() as master_client:
         master = ParameterStore.create(master_client, name, make(), delta_slots=world, workers=world)
 
-        def worker(rank: int) -> None:
-            try:
-                with cluster.client() as c:
-                    model = make()
-                    store = ParameterStore.attach(c, name, model)
-                    ea = SEASGD(store, rank, world, update_interval=3)   # moving rate 0.3
-                    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-                    for step in range(steps):
-                        idx = torch.arange(rank, 300, world)[(step * 10) % 100:(step * 10) % 100 + 10]
-                        opt.zero_grad()
-                        torch.nn.functional.mse_loss(model(xs[idx]), ys[idx]).backward()
-                        opt.step()
-                        ea.after_step()
-                    ea.close()
-                    finals[rank] = model.weight.detach().clone().view(-1)
-                    assert ea.updates == steps // 3
-                    store.close()
-            except BaseException as exc:  # reported below
-                errors.append(exc)
+        def worker(rank: int) -> torch.Tensor:
+            with cluster.client() as c:
+                model = make()
+                store = ParameterStore.attach(c, name, model)
+                ea = SEASGD(store, rank, world, update_interval=3)   # moving rate 0.3
+                opt = torch.optim.SGD(model.parameters(), lr=0.05)
+                for step in range(steps):
+                    idx = torch.arange(rank, 300, world)[(step * 10) % 100:(step * 10) % 100 + 10]
+                    opt.zero_grad()
+                    torch.nn.functional.mse_loss(model(xs[idx]), ys[idx]).backward()
+                    opt.step()
+                    ea.after_step()
+                ea.close()
+                assert ea.updates == steps // 3
+                store.close()
+                return model.weight.detach().clone().view(-1)
 
-        threads = [threading.Thread(target=worker, args=(r,)) for r in range(world)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-        assert not errors, errors
+        finals = run_ranks(world, worker)
         glob = torch.from_numpy(master.regions["params"].read(0, 16, dtype="float32").copy())
         master.destroy()
-    mean_local = torch.stack([finals[r] for r in range(world)]).mean(0)
+    mean_local = torch.stack(finals).mean(0)
     start_gap = float(mean_local.norm())                     # the global weights started at 0
     assert float((glob - mean_local).norm()) < 0.5 * start_gap
     loss0 = float((ys ** 2).mean())
@@ -204,37 +194,29 @@ def test_seasgd_workers_pull_global_weights_toward_them(cluster, name):
 
 def _run_counter_workers(cluster, name, rule, target, delays, lockstep=False):
     world = len(delays)
-    out: dict[int, int] = {}
-    errors: list[BaseException] = []
     with cluster.client() as c:
         region = c.create_region(name, 4096, placement="single")
         region.write(0, np.zeros(512, np.int64))
 
-        def worker(rank: int) -> None:
-            try:
-                with cluster.client() as wc:
-                    r = wc.open_region(name)
-                    counters = SharedCounters(r, rank, world, rule, target, lockstep=lockstep)
-                    while not counters.tick():
-                        time.sleep(delays[rank])
-                        if counters.count > 20 * target:
-                            raise AssertionError("never stopped")
-                    out[rank] = counters.count
-                    counters.finish()
-                    r.close()
-            except BaseException as exc:
-                errors.append(exc)
+        def worker(rank: int) -> int:
+            with cluster.client() as wc:
+                r = wc.open_region(name)
+                counters = SharedCounters(r, rank, world, rule, target, lockstep=lockstep)
+                while not counters.tick():
+                    time.sleep(delays[rank])      # the scenario: workers of different speeds
+                    if counters.count > 20 * target:
+                        raise AssertionError("never stopped")
+                counters.finish()
+                r.close()
+                return counters.count
 
-        threads = [threading.Thread(target=worker, args=(i,)) for i in range(world)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        snap = SharedCounters(region, 0, world).snapshot()
-        region.close()
-        c.delete_region(name)
-    assert not errors, errors
-    assert snap["counts"] == [out[i] for i in range(world)]
+        try:
+            out = run_ranks(world, worker, timeout=60)
+            snap = SharedCounters(region, 0, world).snapshot()
+        finally:
+            region.close()
+            c.delete_region(name)
+    assert snap["counts"] == out
     assert snap["finished"] == world
     return snap
 
@@ -260,30 +242,21 @@ def test_stop_when_average_reaches_target(cluster, name):
 
 def test_open_store_master_creates_others_attach(cluster, name):
     world = 3
-    models = {}
-    errors: list[BaseException] = []
 
-    def worker(rank: int) -> None:
-        try:
-            with cluster.client() as c:
-                model = mlp(seed=10 + rank)
-                store = open_store(c, WorkerEnv(rank=rank, world_size=world, local_world_size=world),
-                                   name, model, grad_slots=3, workers=world)
-                models[rank] = store.flat.flat_params.clone()
-                c.barrier(f"{name}/done", world, timeout=30)
-                if rank == 0:
-                    store.destroy()
-                else:
-                    store.close()
-        except BaseException as exc:
-            errors.append(exc)
+    def worker(rank: int) -> torch.Tensor:
+        with cluster.client() as c:
+            model = mlp(seed=10 + rank)
+            store = open_store(c, WorkerEnv(rank=rank, world_size=world, local_world_size=world),
+                               name, model, grad_slots=3, workers=world)
+            params = store.flat.flat_params.clone()
+            c.barrier(f"{name}/done", world, timeout=30)
+            if rank == 0:
+                store.destroy()
+            else:
+                store.close()
+            return params
 
-    threads = [threading.Thread(target=worker, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors, errors
+    models = run_ranks(world, worker, timeout=60)
     assert torch.equal(models[1], models[0]) and torch.equal(models[2], models[0])
 
 

@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 
 from smb_protocol.rdma import verbs
-from smb_server.commands.cli import GLOBAL_SETTINGS, _flags, build_parser
+from smb_server.commands.cli import build_parser
+from smb_server.commands.flags import GLOBAL_SETTINGS
+from smb_server.commands.flags import setting_flags as _flags
 from smb_server.runtime.config import ConfigError, ControllerConfig, ServerConfig, load, settings
 
 

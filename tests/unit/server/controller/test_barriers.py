@@ -21,9 +21,7 @@ def _waiting(b: Barriers, count: int, name: str, parties: int, caller: str = "",
                                 daemon=True) for i in range(count)]
     for t in threads:
         t.start()
-    deadline = time.monotonic() + 5
-    while b._waiting < target and time.monotonic() < deadline:  # noqa: SLF001
-        time.sleep(0.01)
+    _until_waiting(b, target)
     return threads
 
 
@@ -218,8 +216,9 @@ def test_a_caller_that_gives_up_takes_only_itself_out() -> None:
 def test_a_timeout_names_the_ranks_that_did_not_come() -> None:
     b = Barriers()
     waiting = _waiting(b, 2, "job/ranked", 4, ranks=(0, 2))
-    with pytest.raises(errors.BarrierTimeout, match=r"3 of 4 parties arrived within 0.2 s; missing: rank 3$"):
+    with pytest.raises(errors.BarrierTimeout, match=r"3 of 4 parties arrived within 0.2 s; missing: rank 3$") as info:
         b.wait("job/ranked", 4, timeout=0.2, rank=1)
+    assert (info.value.arrived, info.value.parties, info.value.missing) == (3, 4, [3])   # as fields too
     b.close()
     for t in waiting:
         t.join(10)
@@ -231,6 +230,7 @@ def test_ranks_are_not_named_when_a_caller_gave_none() -> None:
     with pytest.raises(errors.BarrierTimeout) as info:
         b.wait("job/some", 3, timeout=0.2, rank=0)
     assert str(info.value).endswith("2 of 3 parties arrived within 0.2 s")
+    assert (info.value.arrived, info.value.parties, info.value.missing) == (2, 3, None)
     b.close()
     for t in waiting:
         t.join(10)

@@ -10,7 +10,7 @@ import pytest
 from smb_protocol import errors
 from smb_server.controller import etcd_kv as kv
 from smb_server.controller.etcd_state import MAX_TXN_OPS
-from tests.etcd_server import EtcdServer
+from smb_server.testing import EtcdServer
 
 
 def _closed_port() -> int:

@@ -9,7 +9,8 @@ import pytest
 
 from smb_protocol import errors
 from smb_server.controller.creation import RegionCreator, RegionSpec
-from smb_server.controller.moves import Rebalancer, head_bytes, head_of, leaving, plan_rebalance
+from smb_server.controller.moves import head_bytes, head_of, leaving, plan_rebalance
+from smb_server.controller.rebalancer import Rebalancer
 from smb_server.controller.records import NewCopy, SlotChange
 from smb_server.controller.repair import RETRY_SECONDS, RepairManager, RepairMetrics
 from smb_server.controller.state import ControllerState

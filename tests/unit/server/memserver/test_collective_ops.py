@@ -11,6 +11,7 @@ from contextlib import AbstractContextManager
 
 from smb_protocol import tickets
 from smb_protocol.errors import SMBError
+from smb_protocol.requests import Pull
 from smb_protocol.rounds import ChunkRound, count_word
 from smb_protocol.wire import Op
 from smb_server.memserver import collective_ops
@@ -19,7 +20,6 @@ from smb_server.memserver.arena import Arena
 from smb_server.memserver.deliveries import Deliveries
 from smb_server.memserver.node import Node
 from smb_server.memserver.peer import Payload
-from smb_server.memserver.requests import Pull
 from smb_server.memserver.stats import PlaneStats
 
 SECRET = b"s" * 32

@@ -7,13 +7,14 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from smb_server.commands.cli import _flags, build_parser
+from smb_server.commands.cli import build_parser
+from smb_server.commands.flags import setting_flags as _flags
 from smb_server.runtime.config import ConfigError, ControllerConfig, ServerConfig, load, render_example, settings
+from smb_server.testing import wait_until
 
 ROOT = Path(__file__).resolve().parents[4]
 
@@ -168,11 +169,10 @@ def test_daemon_applies_file_then_environment_then_flags(tmp_path):
 
 
 def _wait_for(path, proc, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
+    def there() -> bool:
         assert proc.poll() is None, f"the daemon exited with {proc.returncode}"
-        assert time.monotonic() < deadline, f"{path} did not appear"
-        time.sleep(0.05)
+        return path.exists()
+    wait_until(there, f"{path} to appear", timeout)
 
 
 def test_cli_flags_are_only_those_given():

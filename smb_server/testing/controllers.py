@@ -1,19 +1,24 @@
 """Several real controller processes on one etcd store, and memory servers beside them,
-for the failover and fencing tests. Everything listens on 127.0.0.1."""
+for the failover and fencing tests and the benchmarks that fail a leader over.
+Everything listens on 127.0.0.1."""
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from smb_client import Client
 from smb_protocol import errors
-from smb_server.commands.local_cluster import wait_for_json
-from smb_server.controller.etcd_kv import EtcdKV, is_etcd_url, parse_url
-from smb_server.runtime.config import new_secret, new_token
+
+from ..commands.local_cluster import wait_for_json
+from ..controller.etcd_kv import EtcdKV, is_etcd_url, parse_url
+from ..runtime.config import new_secret, new_token
+from .harness import wait_until
+
+log = logging.getLogger(__name__)
 
 START_TIMEOUT = 30.0  # seconds
 
@@ -94,18 +99,18 @@ class ControllerGroup:
             return False
 
     def wait_leader(self, timeout: float = START_TIMEOUT, among: tuple[int, ...] | None = None) -> int:
-        """The index of the controller that leads (polls until one does)."""
-        deadline = time.monotonic() + timeout
+        """The index of the controller that leads (polls until one does; TimeoutError
+        after ``timeout`` seconds)."""
         candidates = among if among is not None else tuple(range(len(self.procs)))
-        while True:
+
+        def leader() -> tuple[int] | None:   # a 1-tuple: index 0 is an answer too
             record = self.leader_record()
             if record is not None:
                 for i in candidates:
                     if self.addresses[i] == record["address"] and self.answers(i):
-                        return i
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no leader among controllers {candidates} within {timeout} s")
-            time.sleep(0.05)
+                        return (i,)
+            return None
+        return wait_until(leader, f"a leader among controllers {candidates}", timeout)[0]
 
     def kill(self, i: int, sig: int = signal.SIGKILL) -> None:
         proc = self.procs[i]
