@@ -11,6 +11,7 @@ import time
 import numpy as np
 
 from smb_client.collective import Collective
+from smb_server.testing import run_ranks
 
 KiB = 1 << 10
 PARTIES = 3
@@ -33,41 +34,27 @@ def _run(cluster, name: str, nbytes: int, chunk: int, window: int, priority: boo
          lengths: list[int], seed: int) -> None:
     clients = [cluster.client() for _ in range(PARTIES)]
     created = threading.Event()
-    failures: list[BaseException] = []
-    done = threading.Barrier(PARTIES)
 
     def party(rank: int) -> None:
         delays = random.Random(seed * 100 + rank)
-        try:
-            if rank == 0:
-                coll = Collective.create(clients[0], name, nbytes, PARTIES, chunk_bytes=chunk, timeout=60,
-                                         window=window, priority=priority)
-                created.set()
-            else:
-                assert created.wait(30)
-                coll = Collective.open(clients[rank], name, PARTIES, timeout=60, window=window,
-                                       priority=priority)
+        if rank == 0:
+            coll = Collective.create(clients[0], name, nbytes, PARTIES, chunk_bytes=chunk, timeout=60,
+                                     window=window, priority=priority)
+            created.set()
+        else:
+            assert created.wait(30)
+            coll = Collective.open(clients[rank], name, PARTIES, timeout=60, window=window, priority=priority)
+        with coll:
             for k, n in enumerate(lengths):
                 if delays.random() < 0.1:
-                    time.sleep(delays.random() * 0.002)
+                    time.sleep(delays.random() * 0.002)      # the scenario: a party a little late
                 x = np.arange(n, dtype=np.int64) * (rank + 1) + k
                 coll.all_reduce(x)
                 want = np.arange(n, dtype=np.int64) * (PARTIES * (PARTIES + 1) // 2) + k * PARTIES
                 if not np.array_equal(x, want):
                     raise AssertionError(f"rank {rank}, round {k}: wrong sum")
-            coll.close()
-        except BaseException as exc:
-            failures.append(exc)
-        finally:
-            done.wait(120)
-    threads = [threading.Thread(target=party, args=(r,)) for r in range(PARTIES)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
     try:
-        assert not failures, failures
-        assert not any(t.is_alive() for t in threads)
+        run_ranks(PARTIES, party, timeout=300)       # every party has its last sum before the delete
     finally:
         clients[0].delete_region(name)
         for c in clients:

@@ -16,6 +16,7 @@ import pytest
 from smb_client.collective import Collective
 from smb_protocol import errors
 from smb_protocol.rounds import arrivals
+from smb_server.testing import run_ranks, wait_until
 
 KiB = 1 << 10
 N = 3 * 1024          # int64 elements: several chunks of 4 KiB
@@ -34,13 +35,6 @@ def _pushed(coll: Collective) -> int:
     """Arrivals in the first chunk's slot 0 (server-side, read through the region)."""
     raw = bytes(coll.region.read(coll.chunks[0].region_words, 8))
     return arrivals(int.from_bytes(raw, "little", signed=True))
-
-
-def _wait_for(cond, what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
 
 
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
@@ -68,7 +62,7 @@ def late_opener_sums_exactly(cluster, name: str, transport: str, fresh: bool | N
         t = threading.Thread(target=rank0)
         t.start()
         try:
-            _wait_for(lambda: _pushed(first) >= 1, "rank 0's first push")
+            wait_until(lambda: _pushed(first) >= 1, "rank 0's first push", pause=0.01)
             opts = {} if fresh is None else {"fresh": fresh}
             second = Collective.open(b, name, 2, timeout=60, **opts)
             for k in range(rounds):
@@ -99,7 +93,7 @@ def test_a_party_that_comes_back_mid_job_is_refused_and_mixes_nothing_in(cluster
         failed: list[BaseException] = []
         waiting = threading.Thread(target=lambda: _catch(failed, first.all_reduce, _inputs(0, 3)))
         waiting.start()
-        _wait_for(lambda: _pushed(first) >= 1 or failed, "rank 0's push of round 3")
+        wait_until(lambda: _pushed(first) >= 1 or failed, "rank 0's push of round 3", pause=0.01)
         back = Collective.open(again, name, 2, timeout=3)
         with pytest.raises(errors.RoundMismatch, match="already has its 2 parties"):
             back.all_reduce(_inputs(1, 0))
@@ -129,17 +123,16 @@ def test_every_round_is_exact_whatever_the_start_delays(cluster, name, delays):
     parties, rounds = 3, 5
     clients = [cluster.client() for _ in range(parties)]
     created = threading.Event()
-    failures: list[BaseException] = []
 
     def party(rank: int) -> None:
-        try:
-            time.sleep(delays[rank])
-            if rank == 0:
-                coll = Collective.create(clients[0], name, N * 8, parties, chunk_bytes=4 * KiB, timeout=60)
-                created.set()
-            else:
-                assert created.wait(30)
-                coll = Collective.open(clients[rank], name, parties, timeout=60)
+        time.sleep(delays[rank])
+        if rank == 0:
+            coll = Collective.create(clients[0], name, N * 8, parties, chunk_bytes=4 * KiB, timeout=60)
+            created.set()
+        else:
+            assert created.wait(30)
+            coll = Collective.open(clients[rank], name, parties, timeout=60)
+        with coll:
             for k in range(rounds):
                 if k % 2:
                     got = coll.broadcast(_inputs(rank, k) if rank == k % parties else np.zeros(N, np.int64),
@@ -147,16 +140,8 @@ def test_every_round_is_exact_whatever_the_start_delays(cluster, name, delays):
                     np.testing.assert_array_equal(got, _inputs(k % parties, k))
                 else:
                     np.testing.assert_array_equal(coll.all_reduce(_inputs(rank, k)), _want(parties, k))
-            coll.close()
-        except BaseException as exc:
-            failures.append(exc)
-    threads = [threading.Thread(target=party, args=(r,)) for r in range(parties)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(90)
     try:
-        assert not failures, failures
+        run_ranks(parties, party, timeout=90)
     finally:
         clients[0].delete_region(name)
         for c in clients:

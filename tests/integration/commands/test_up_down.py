@@ -103,21 +103,32 @@ def test_up_env_file_keeps_the_token_across_restarts_and_down_finds_the_workdir(
 
 def test_up_is_ready_only_once_the_env_file_is_written(tmp_path):
     """The pid file is `smb up`'s ready signal: whoever sees it must find the env file
-    written. The env file is a FIFO here, so `smb up` blocks in writing it until this
-    test reads it: the pid file must not exist before then, whatever the timing."""
+    written. The pid file is a FIFO here, so `smb up` blocks in opening it until this
+    test opens it to read: at that moment the env file must be complete, whatever the
+    timing (written before, not after)."""
     env_file = tmp_path / "smb.env"
-    os.mkfifo(env_file)
+    pid_fifo = tmp_path / "up.pid"
+    os.mkfifo(pid_fifo)
     up = Up(tmp_path, _env(SMB_TOKEN="fifo-token"), "--env-file", str(env_file),
             "--workdir", str(tmp_path / "w"))
     try:
-        with open(env_file) as fifo:       # returns once `smb up` opened it to write
-            assert not up.pid_file.exists(), "smb up reported ready before writing its env file"
-            text = fifo.read()
+        with open(pid_fifo) as fifo:            # returns once `smb up` opened it to write
+            assert env_file.exists(), "smb up reported ready before writing its env file"
+            text = env_file.read_text()
+            state = json.loads(fifo.read())
+        pid_fifo.unlink()                       # `smb up` removes its pid file at exit: none to open
         assert "export SMB_TOKEN=fifo-token" in text
-        state = up.wait_ready()
         assert f"export SMB_CONTROLLER={state['address']}" in text
+        up.proc.terminate()                     # as Ctrl-C: `smb up` stops its daemons
+        assert up.proc.wait(UP_WAIT) == 0
     finally:
-        up.kill()
+        pid_fifo.unlink(missing_ok=True)
+        if up.proc.poll() is None:              # stop it as Ctrl-C does, so its daemons stop too
+            up.proc.terminate()
+            try:
+                up.proc.wait(UP_WAIT)
+            except subprocess.TimeoutExpired:
+                up.kill()
 
 
 def test_down_without_a_cluster_names_the_file_and_the_fix(tmp_path):

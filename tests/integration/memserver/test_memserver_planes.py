@@ -174,12 +174,16 @@ def test_one_connection_carries_several_tickets_each_for_its_own_extents(planes)
     assert status == Status.READ_ONLY, msg
     assert c.request(Op.READ, 2, 0, 8)[0] == Status.INVALID_TICKET   # named by neither
     assert c.request(Op.READ, 1, 0, 4) == (Status.OK, bytes(4))
-    assert c.hello(ticket([1]))[0] == Status.OK                      # rw for extent 1 replaces ro
+    assert c.hello(ticket([1]))[0] == Status.OK                      # rw for extent 1 beside the ro one
     assert c.request(Op.WRITE, 1, 0, 4, payload=b"aaaa") == (Status.OK, b"")
-    assert c.hello(ticket([1], mode="ro"))[0] == Status.OK           # and back
-    assert c.request(Op.WRITE, 1, 0, 4, payload=b"cccc")[0] == Status.READ_ONLY
-    assert bytes(arena.get(1).data[:4]) == b"aaaa" and bytes(arena.get(4).data[:4]) == b"bbbb"
+    assert c.hello(ticket([1], mode="ro"))[0] == Status.OK           # a renewed ro ticket takes
+    assert c.request(Op.WRITE, 1, 0, 4, payload=b"cccc") == (Status.OK, b"")   # nothing from rw
+    assert bytes(arena.get(1).data[:4]) == b"cccc" and bytes(arena.get(4).data[:4]) == b"bbbb"
     c.close()
+    only_ro = Raw(tcp.port, ticket([1], mode="ro"))                 # a connection with ro alone
+    assert only_ro.request(Op.WRITE, 1, 0, 4, payload=b"dddd")[0] == Status.READ_ONLY
+    assert bytes(arena.get(1).data[:4]) == b"cccc"
+    only_ro.close()
 
 
 def test_released_extent_is_not_found(planes):

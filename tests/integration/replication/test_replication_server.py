@@ -413,8 +413,12 @@ def test_a_read_write_ticket_writes_directly_again_once_its_extent_stops_being_r
         assert shm._maps[node.eid].writable, "the ticket was not granted writing again"
         assert node.data()[:128] == b"a" * 64 + b"b" * 64
         ro = tickets.sign(SECRET, UID, [node.eid], "ro", ttl=600)[0]
-        with pytest.raises(ReadOnly):     # the server still refuses a read-only ticket
-            shm.write(ro, node.eid, 0, [memoryview(b"c" * 8)], seq=3)
+        reader = TcpSession(parse_endpoint(node.endpoint), {"client_id": 8, "connections": 1})
+        try:
+            with pytest.raises(ReadOnly):     # the server still refuses a read-only ticket
+                reader.write(ro, node.eid, 0, [memoryview(b"c" * 8)], seq=3)
+        finally:
+            reader.close()
         assert node.data()[:8] == b"a" * 8
     finally:
         shm.close()
