@@ -276,3 +276,43 @@ def test_ddp_on_the_smb_backend_equals_gloo(cluster):
     for rank in range(WORLD):
         assert np.array_equal(smb[rank][0], gloo[rank][0])
         assert np.array_equal(smb[rank][1], gloo[rank][1])
+
+
+def _elastic_update(client, name, model):
+    """One SEASGD elastic update of ``model`` against global weights another (CPU) worker
+    moved by +4; the model's and the store's weights after it, on the host."""
+    from smb_client.torch import SEASGD, ParameterStore
+
+    store = ParameterStore.create(client, name, model, scheme="seasgd", workers=2)
+    try:
+        other = torch.nn.Linear(64, 32)
+        other.load_state_dict({k: v.detach().cpu() + 4 for k, v in model.state_dict().items()})
+        writer = ParameterStore.attach(client, name, other, pull=False)
+        writer.push_params()
+        ea = SEASGD(store, rank=0, world=2, moving_rate=0.25, update_interval=1)
+        assert ea.after_step() is True
+        ea.finish()
+        ea.close()
+        writer.close()
+        return ({k: v.detach().cpu() for k, v in model.state_dict().items()},
+                {k: v.cpu() for k, v in store.state_dict().items()})
+    finally:
+        store.destroy()
+
+
+def test_seasgd_elastic_update_of_a_cuda_model(client, name):
+    """SEASGD's elastic update of a CUDA model gives, bit for bit, what the same update
+    of the same model on the CPU gives, on both sides (the local and the global weights)."""
+    torch.manual_seed(0)
+    cpu_model = torch.nn.Linear(64, 32)
+    cuda_model = torch.nn.Linear(64, 32)
+    cuda_model.load_state_dict(cpu_model.state_dict())
+    cuda_model = cuda_model.cuda()
+    start = {k: v.clone() for k, v in cpu_model.state_dict().items()}
+    on_cpu = _elastic_update(client, name + "-cpu", cpu_model)
+    on_cuda = _elastic_update(client, name, cuda_model)
+    assert all(p.is_cuda for p in cuda_model.parameters())
+    for side in (0, 1):
+        for k, v in on_cpu[side].items():
+            assert torch.equal(on_cuda[side][k], v), (side, k)
+    assert not torch.equal(on_cpu[0]["weight"], start["weight"])     # the update moved something
