@@ -28,7 +28,7 @@ failed operation the process group refuses the next ones.
 An operation that waits longer than :data:`~smb_client.coord.REPORT_EVERY` seconds for
 the other ranks logs how many arrived, and one that times out raises
 :class:`~smb_client.coord.PartiesMissing` naming the ranks that did not come (ranks say
-how far they came in the c10d store, ``smb/at/<rank>``, once one of their waits stalls).
+how far they came in the c10d store, ``smb/<attempt>/at/<rank>``, once one of their waits stalls).
 ``SMBWork.wait(timeout)`` raises :class:`~smb_protocol.errors.Timeout` once ``timeout``
 passed (the operation goes on).
 
@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 import threading
 import time
 import uuid
@@ -141,12 +142,13 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 class StoreRoll:
     """Who came to a process group's waits, in its c10d ``store``: each rank counts its
-    all-reduce rounds (:meth:`arrive`) and adds them to ``smb/at/<rank>`` only when a
+    all-reduce rounds (:meth:`arrive`) and adds them to ``<keys>/at/<rank>`` only when a
     wait of its own stalls (:meth:`missing`), so steady steps cost no store call. A rank
     whose key is below this one's count has not come as far (or is not waiting)."""
 
-    def __init__(self, store: Store, rank: int, size: int) -> None:
+    def __init__(self, store: Store, rank: int, size: int, keys: str = "smb") -> None:
         self._store = store
+        self._keys = keys
         self.rank = rank
         self.size = size
         self.count = 0
@@ -161,9 +163,9 @@ class StoreRoll:
         store cannot be reached)."""
         try:
             if self._said < self.count:
-                self._store.add(f"smb/at/{self.rank}", self.count - self._said)
+                self._store.add(f"{self._keys}/at/{self.rank}", self.count - self._said)
                 self._said = self.count
-            return [r for r in range(self.size) if self._store.add(f"smb/at/{r}", 0) < self.count]
+            return [r for r in range(self.size) if self._store.add(f"{self._keys}/at/{r}", 0) < self.count]
         except RuntimeError as exc:
             log.info("smb process group: the c10d store cannot say who is missing: %r", exc)
             return None
@@ -204,28 +206,37 @@ class SMBProcessGroup(ProcessGroup):
     """The ``smb`` process group of ``size`` ranks (made by ``init_process_group``).
     Owns its client (:func:`smb_client.connect`), its worker thread and its
     collectives; ``store`` (the group's c10d store) is borrowed. ``timeout``: how
-    long a collective waits for the other ranks."""
+    long a collective waits for the other ranks. ``attempt``: which start of the job
+    this is (default ``$TORCHELASTIC_RESTART_COUNT``, which torchrun sets, else 0): its
+    keys in the store are its own (``smb/<attempt>/...``), so a group restarted on the
+    store of a dead attempt (torchrun keeps its store across restarts) never reads that
+    attempt's prefix or collectives; the dead attempt's regions go with their lease."""
 
     def __init__(self, store: Store, rank: int, size: int, timeout: datetime.timedelta,
-                 client: Client | None = None) -> None:
+                 client: Client | None = None, attempt: int | None = None) -> None:
         super().__init__(rank, size)  # type: ignore[call-arg]  # the Python-subclass form
         self._rank, self._size = rank, size
         self._store = store
         self._timeout = timeout
         self._seconds = max(1.0, timeout.total_seconds())
-        self.client = client if client is not None else connect()
+        if attempt is None:
+            attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        self._keys = f"smb/{attempt}"
         if rank == 0:
             self.prefix = f"torch/{uuid.uuid4().hex[:16]}"
-            store.set("smb/prefix", self.prefix)
         else:
-            store.wait(["smb/prefix"], timeout)
-            self.prefix = store.get("smb/prefix").decode()
+            store.wait([f"{self._keys}/prefix"], timeout)
+        self.client = client if client is not None else connect()
+        if rank == 0:
+            store.set(f"{self._keys}/prefix", self.prefix)
+        else:
+            self.prefix = store.get(f"{self._keys}/prefix").decode()
         self.collectives: dict[int, Collective] = {}
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="smb-pg")
         self._failed: BaseException | None = None
         self._closed = False
         self._lock = threading.Lock()
-        self.roll = StoreRoll(store, rank, size)
+        self.roll = StoreRoll(store, rank, size, self._keys)
 
     def getBackendName(self) -> str:  # noqa: N802 (torch's name)
         """``"smb"``."""
@@ -273,7 +284,7 @@ class SMBProcessGroup(ProcessGroup):
         coll = self.collectives.get(cls)
         if coll is not None:
             return coll
-        name, key = f"{self.prefix}/c{cls}", f"smb/c{cls}"
+        name, key = f"{self.prefix}/c{cls}", f"{self._keys}/c{cls}"
         if self._rank == 0:
             try:
                 coll = Collective.create(self.client, name, cls, self._size, timeout=self._seconds,
@@ -441,7 +452,7 @@ class SMBProcessGroup(ProcessGroup):
         for coll in self.collectives.values():
             coll.close()
         try:
-            self._store.add("smb/closed", 1)
+            self._store.add(f"{self._keys}/closed", 1)
             if self._rank == 0:
                 self._wait_closed()
                 for coll in self.collectives.values():
@@ -453,7 +464,7 @@ class SMBProcessGroup(ProcessGroup):
 
     def _wait_closed(self) -> None:
         deadline = time.monotonic() + min(self._seconds, SHUTDOWN_WAIT)
-        while (closed := self._store.add("smb/closed", 0)) < self._size:
+        while (closed := self._store.add(f"{self._keys}/closed", 0)) < self._size:
             if time.monotonic() > deadline:
                 log.warning("smb process group %s: %d of %d ranks closed; deleting its regions anyway",
                             self.prefix, closed, self._size)
