@@ -138,9 +138,14 @@ class Exchanger:
             if pause > 0:
                 heapq.heappush(self._paused, (time.monotonic() + pause, next(self._order), task))
             else:
-                key = task.chunk.index if self.priority else 0
-                heapq.heappush(self._queue, (key, next(self._order), task))
+                self._ready(task)
             self._cond.notify_all()
+
+    def _ready(self, task: _Task) -> None:
+        """Put ``task`` among the chunks ready to go (under the condition): the lowest
+        chunk first with ``priority``, else in order."""
+        key = task.chunk.index if self.priority else 0
+        heapq.heappush(self._queue, (key, next(self._order), task))
 
     def abandon(self) -> None:
         """Fail what is queued, and close the streams of what is in flight (their
@@ -203,9 +208,7 @@ class Exchanger:
         next one is (None: none paused)."""
         now = time.monotonic()
         while self._paused and self._paused[0][0] <= now:
-            _, _, task = heapq.heappop(self._paused)
-            key = task.chunk.index if self.priority else 0
-            heapq.heappush(self._queue, (key, next(self._order), task))
+            self._ready(heapq.heappop(self._paused)[2])
         return self._paused[0][0] - now if self._paused else None
 
     def _send(self, task: _Task) -> None:
