@@ -3,6 +3,7 @@ run by each torchrun process (see :mod:`smb_train.digits`)."""
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import sys
@@ -91,6 +92,10 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
     ctx = {"env": env, "args": args, "t": tensors, "F": F, "torch": torch}
     fn = {"sync": _sync, "seasgd": _seasgd, "hybrid": _hybrid, "ddp": _ddp}[args.scheme]
     result = fn(ctx)
+    # DDP holds its process group in a reference cycle: the group outlives
+    # destroy_process_group() until the collector runs, and freed during the
+    # interpreter's exit, gloo's threads abort the process (std::terminate). Free it now.
+    gc.collect()
     result.update(scheme=args.scheme, rank=env.rank, world=env.world_size, restarts=env.restart_count)
     if args.result_dir:
         path = Path(args.result_dir) / f"{args.scheme}-rank{env.rank}.json"

@@ -15,6 +15,7 @@ weights equal everybody's at the end (the sum of the weights, gathered).
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import time
 from typing import Any
@@ -135,6 +136,7 @@ def training(spec: dict[str, Any]) -> dict[str, Any]:
                 out[system] = _train(spec, system, client)
     finally:
         dist.destroy_process_group()
+        gc.collect()   # DDP holds the group in a cycle: free gloo's threads before exit
     return out
 
 

@@ -64,14 +64,35 @@ class Election:
         self.fence: Fence | None = None
         self._renewed = 0.0  # monotonic seconds of the last successful grant/renewal
         self.known: LeaderInfo | None = None  # the leader as last read or watched
+        self.known_revision = 0  # the etcd revision ``known`` is as of
         self.gone_revision = 0   # revision of the last deletion of the leader key seen
         self._described = -DESCRIBE_REFRESH  # monotonic seconds of describe()'s last read
 
     def current(self) -> LeaderInfo | None:
         """The leader now, or None while there is none (read from etcd)."""
-        item = self.kv.get(self.leader_key)
-        self.known = None if item is None else _info(item)
-        return self.known
+        result = self.kv.txn([], [kv.get(self.leader_key)])
+        (items,) = result.ranges
+        leader = _info(items[0]) if items else None
+        self._learn(leader, result.revision)
+        return leader
+
+    def _learn(self, leader: LeaderInfo | None, revision: int) -> None:
+        """Take ``leader`` as known unless what is known is of a later revision: a read
+        and the watch race, and an event the watch delivers late (a process resumed after
+        a pause, a slow stream) must not undo a newer read."""
+        if revision >= self.known_revision:
+            self.known, self.known_revision = leader, revision
+
+    def observe(self, events: list[kv.WatchEvent]) -> bool:
+        """Apply the watch's ``events`` to ``known``; True when the key was deleted (or the
+        watch asks for a fresh read: no events), so the caller should wake the loop."""
+        for event in events:
+            if event.deleted:
+                self.gone_revision = max(self.gone_revision, event.kv.mod_revision)
+                self._learn(None, event.kv.mod_revision)
+            else:
+                self._learn(_info(event.kv), event.kv.mod_revision)
+        return not events or any(e.deleted for e in events)
 
     def describe(self) -> str:
         """``at host:port (epoch N)`` of the leader as last seen, for messages.
@@ -96,16 +117,10 @@ class Election:
         cancels the watch."""
         result = self.kv.txn([], [kv.get(self.leader_key)])
         (items,) = result.ranges
-        self.known = _info(items[0]) if items else None
+        self._learn(_info(items[0]) if items else None, result.revision)
 
         def on_events(events: list[kv.WatchEvent]) -> None:
-            for event in events:
-                if event.deleted:
-                    self.known = None
-                    self.gone_revision = max(self.gone_revision, event.kv.mod_revision)
-                else:
-                    self.known = _info(event.kv)
-            if not events or any(e.deleted for e in events):
+            if self.observe(events):
                 wake()
         return self.kv.watch(self.leader_key, result.revision + 1, on_events)
 
@@ -115,8 +130,9 @@ class Election:
 
     def campaign(self) -> Fence | None:
         """Try once to lead; returns the fence when this controller won."""
-        leader, epochs = self.kv.read(kv.get(self.leader_key), kv.get(self.epoch_key))
-        self.known = _info(leader[0]) if leader else None
+        read = self.kv.txn([], [kv.get(self.leader_key), kv.get(self.epoch_key)])
+        leader, epochs = read.ranges
+        self._learn(_info(leader[0]) if leader else None, read.revision)
         if leader:
             return None
         epoch_item = epochs[0] if epochs else None
@@ -133,7 +149,7 @@ class Election:
             return None
         self.lease, self._renewed = lease, started
         self.fence = Fence(epoch, result.revision)
-        self.known = LeaderInfo(self.address, epoch)
+        self._learn(LeaderInfo(self.address, epoch), result.revision)
         log.info("leading the controllers at %s (epoch %d, lease %d s)", self.address, epoch, self.ttl)
         return self.fence
 

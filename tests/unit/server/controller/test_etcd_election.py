@@ -241,3 +241,19 @@ def test_a_refusal_names_the_leader_even_when_the_watch_lags(etcd_store: str) ->
     assert eb.campaign() is not None
     assert ea.known is not None and ea.known.address == "10.0.0.1:7700"
     assert ea.describe() == "at 10.0.0.2:7700 (epoch 2)"
+
+
+def test_a_late_watch_event_does_not_undo_a_newer_read(etcd_store: str) -> None:
+    """A leader resumed after a pause answers a queued call at once (reading the new
+    leader) before its watch delivers the old key's deletion: the late event, of an
+    older revision, must not make the next refusal say no leader is elected."""
+    a, b, ea, eb = _pair(etcd_store)
+    assert ea.campaign() is not None
+    a.kv.revoke(ea.lease)                     # a paused: its lease runs out, the key goes
+    deleted_at = a.kv.txn([], []).revision
+    assert eb.campaign() is not None
+    assert ea.describe() == "at 10.0.0.2:7700 (epoch 2)"   # the queued call's refusal
+    late = kv.WatchEvent(True, kv.KeyValue(f"{a.prefix}/leader", b"", 0, deleted_at))
+    assert ea.observe([late])                 # a deletion still wakes the loop
+    assert ea.known is not None and ea.known.address == "10.0.0.2:7700"
+    assert ea.describe() == "at 10.0.0.2:7700 (epoch 2)"
