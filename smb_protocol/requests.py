@@ -234,8 +234,14 @@ class Reduce(Push):
 
 @dataclass(slots=True)
 class Seed(Request):
-    """Exactly-once entries a primary hands a copy it filled (the payload)."""
+    """Exactly-once entries a primary hands a copy it filled (the payload). ``forget``:
+    instead, the copy drops the entries it holds for the extent (a sync that replaces the
+    copy's bytes begins: what an earlier primary forwarded to it is not this one's)."""
+    forget: bool = False
     payload: ClassVar[bool] = True
+
+    def args(self) -> tuple[int, int, float]:
+        return int(self.forget), 0, 0.0
 
 
 _ARITH = {Op.ACCUMULATE: Arith.ACCUMULATE, Op.AXPY: Arith.AXPY, Op.SCALE: Arith.SCALE}
@@ -274,7 +280,7 @@ def from_frame(op: Op, dtype: int, req_id: int, extent_id: int, offset: int, len
     if op is Op.REDUCE:
         return Reduce(*head, dtype=dtype, ref=ChunkRound.from_args(arg0, arg1), timeout=alpha)
     if op is Op.SEED:
-        return Seed(*head)
+        return Seed(*head, forget=bool(arg0))
     if op is Op.HELLO:
         return Hello(*head)
     return Ping(*head)

@@ -35,6 +35,7 @@ import numpy as np
 from smb_client import Client
 from smb_protocol import errors
 from smb_protocol.placement import ExtentPlace
+from smb_server.testing import copies
 
 from . import replica_worker
 
@@ -268,7 +269,7 @@ def check(spec: dict[str, Any]) -> dict[str, Any]:
     with _client(spec) as c:
         regions = c.list_regions(f"{prefix}/")
         result["states"] = {r.name.rpartition("/")[2]: r.state for r in regions}
-        result["copies"] = {r.name.rpartition("/")[2]: replica_worker.compare_copies(c, r.name) for r in regions}
+        result["copies"] = {r.name.rpartition("/")[2]: copies.compare_copies(c, r.name) for r in regions}
         try:
             if spec["scheme"] == "sync":
                 result["weights"] = _sync_weights(c, spec)
@@ -277,8 +278,8 @@ def check(spec: dict[str, Any]) -> dict[str, Any]:
         except errors.SMBError as exc:
             result["error"] = f"{type(exc).__name__}: {exc}"
         result["deleted"] = len(c.delete_regions(f"{prefix}/"))
-    for copies in result["copies"].values():
-        copies.pop("slots", None)   # per-slot detail: only the totals are kept
+    for compared in result["copies"].values():
+        compared.pop("slots", None)   # per-slot detail: only the totals are kept
     result["world"] = world
     return result
 

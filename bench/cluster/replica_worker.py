@@ -31,13 +31,13 @@ import numpy as np
 from smb_client import Client
 from smb_protocol import errors
 from smb_protocol.placement import ExtentPlace
+from smb_server.testing import copies
 
 log = logging.getLogger(__name__)
 
 STORE_KINDS = ("params", "deltas", "counters", "meta")   # what a SEASGD store holds
 COUNTER_WORDS = 8           # smb_client.torch.store.COUNTER_WORDS
 TOTAL_WORD, FINISHED_WORD = 1, 2
-READ_CHUNK = 4 << 20        # bytes per read of one copy
 METRICS_TIMEOUT = 2.0       # seconds for one /metrics scrape
 PROBE_PATIENCE = 40.0       # seconds the monitor waits for its probe (failover gives up after 30)
 
@@ -244,52 +244,12 @@ def monitor(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 # -- check ------------------------------------------------------------------------------
-def _read_copy(c: Client, token: str, place: ExtentPlace) -> np.ndarray:
-    buf = np.empty(place.length, dtype=np.uint8)
-    session = c.dataplane.session(place)
-    for off in range(0, place.length, READ_CHUNK):
-        n = min(READ_CHUNK, place.length - off)
-        session.read_into(token, place.extent_id, off, [memoryview(buf)[off:off + n]])
-    return buf
-
-
-def compare_copies(c: Client, name: str) -> dict[str, Any]:
-    """Read every copy of every slot of region ``name`` from its own server and compare."""
-    info, ticket = c.open_info(name, "ro")
-    places = [ExtentPlace.from_message(e) for e in info.extents] + \
-        [ExtentPlace.from_message(e) for e in getattr(info, "copies", ())]
-    slots: dict[int, list[ExtentPlace]] = {}
-    for i, p in enumerate(places[:len(info.extents)]):
-        slots.setdefault(i, []).append(p)
-    for p in places[len(info.extents):]:
-        slots.setdefault(p.index, []).append(p)
-    compared = differing = 0
-    out = []
-    unreadable = []
-    for slot, copies in sorted(slots.items()):
-        data = []
-        for p in copies:
-            try:
-                data.append(_read_copy(c, ticket.token, p))
-            except errors.SMBError as exc:
-                unreadable.append({"slot": slot, "server": p.server_id, "error": f"{type(exc).__name__}: {exc}"})
-        diff = max((int(np.count_nonzero(d != data[0])) for d in data[1:]), default=0)
-        compared += sum(len(d) for d in data)
-        differing += diff
-        out.append({"slot": slot, "copies": [{"server": p.server_id, "role": p.role or "primary"} for p in copies],
-                    "differing_bytes": diff})
-    replicas = max(1, int(getattr(info, "replicas", 0) or 1))
-    return {"state": info.state, "replicas": replicas, "slots": out, "bytes_compared": compared,
-            "differing_bytes": differing, "unreadable": unreadable,
-            "identical": differing == 0 and not unreadable and all(len(s["copies"]) == replicas for s in out)}
-
-
 def check(spec: dict[str, Any]) -> dict[str, Any]:
     """Copies, global weights and counters of the store after training; then delete it."""
     prefix = spec["prefix"]
     result: dict[str, Any] = {}
     with _client(spec) as c:
-        result["copies"] = {kind: compare_copies(c, f"{prefix}/{kind}") for kind in STORE_KINDS}
+        result["copies"] = {kind: copies.compare_copies(c, f"{prefix}/{kind}") for kind in STORE_KINDS}
         try:
             result.update(_weights_and_counters(c, spec))
         except errors.SMBError as exc:    # a copy that is gone (no replicas)

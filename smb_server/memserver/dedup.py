@@ -202,6 +202,20 @@ class DedupTable:
                     if len(e.what) == 5 and e.what[1] == extent_id
                     and (e.done or (e.applied and not e.owned))]
 
+    def forget(self, extent_id: int) -> int:
+        """Drop the entries of requests on ``extent_id`` that are not running (a copy whose
+        bytes a sync replaces: the primary hands over its own entries at the end).
+        Returns how many were dropped."""
+        with self._cond:
+            dropped = 0
+            for seen in self._clients.values():
+                doomed = [seq for seq, e in seen.items()
+                          if len(e.what) == 5 and e.what[1] == extent_id and not e.owned]
+                for seq in doomed:
+                    del seen[seq]
+                dropped += len(doomed)
+            return dropped
+
     def seed(self, records: Iterable[Record]) -> int:
         """Take entries handed over by a primary: each one this table does not have yet
         (an entry it has came from a forwarded piece of the same request and is as new),

@@ -206,6 +206,10 @@ def seed(node: Node, peer: Peer, req: Seed) -> bytes:
         raise InvalidArgument("exactly-once entries are taken from a primary only (replica ticket)")
     peer.tickets.check(node.arena, req.extent_id, write=True)
     node.replication.admit_piece(ticket, req.extent_id)
+    if req.forget:   # a sync begins: the entries an earlier primary's pieces left go
+        dropped = node.dedup.forget(req.extent_id)
+        log.debug("extent %d: a sync begins, %d exactly-once entries dropped", req.extent_id, dropped)
+        return b""
     payload = bytearray(req.length)
     with peer.payload(req.length) as src:
         src.into(memoryview(payload))

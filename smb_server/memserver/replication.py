@@ -325,9 +325,23 @@ class Replication:
 
     def _sync(self, extent: Extent, cfg: ReplicaConfig, backup: Backup) -> int:
         """Copy ``extent`` to a backup already in the forwarding set, one chunk per hold
-        of the extent's lock; returns the bytes copied."""
+        of the extent's lock; returns the bytes copied.
+
+        The backup first drops its exactly-once entries for the extent: a copy synced
+        again may hold entries of pieces an earlier primary forwarded (a request this
+        primary never applied), and would take this primary's piece of the client's
+        retry for a repeat and skip it. Pieces forwarded before the drop are in the
+        chunks copied after it; this primary's own entries follow the last chunk."""
         copied = 0
         with extent.pin():
+            with extent.lock:
+                if backup.state == "syncing" and self.dedup is not None:
+                    try:
+                        self._send(extent, cfg, backup, Seed(Op.SEED, forget=True), [])
+                    except SMBError as exc:
+                        self._fail(extent, backup, exc)
+                        raise ServerUnavailable(f"extent {extent.extent_id}: starting its copy to backup "
+                                                f"{backup.extent_id} on {backup.endpoint} failed: {exc}") from None
             for pos in range(0, extent.length, SYNC_CHUNK):
                 n = min(SYNC_CHUNK, extent.length - pos)
                 with extent.lock:

@@ -19,6 +19,7 @@ import pytest
 from smb_client.collective import Collective
 from smb_protocol import errors
 from smb_server.commands.local_cluster import LocalCluster
+from smb_server.testing.copies import compare_copies
 from tests.integration.daemons import wait_state
 
 MiB = 1 << 20
@@ -117,6 +118,9 @@ class Load:
         for k, pattern in self.written.items():
             got = region.read(self.SPAN + MiB + k * 2 * MiB, MiB + 8000, dtype=np.int64)
             np.testing.assert_array_equal(got, np.full(MiB // 8 + 1000, pattern, np.int64))
+        # and every backup holds what its primary holds (reads above go to the primaries)
+        copies = compare_copies(region.client, self.name)
+        assert copies["identical"], [s for s in copies["slots"] if s["differing_bytes"]] or copies
 
 
 def holder_of_slot0(c, name: str) -> str:

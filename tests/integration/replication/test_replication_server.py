@@ -209,6 +209,36 @@ def test_a_copy_filled_by_sync_knows_what_the_primary_applied(nodes):
     c.close()
 
 
+def test_a_copy_synced_again_forgets_what_an_earlier_primary_forwarded(nodes):
+    """A backup of an old primary applied a request the new primary never saw (the old
+    primary forwarded it, then was deposed, and the client's answer was lost). Synced
+    from the new primary, the copy's bytes are the new primary's; when the client's retry
+    is applied there and forwarded, the copy applies it too instead of taking it for a
+    repeat of the old primary's piece (its copy and the primary's would differ by it)."""
+    new_primary, copy = nodes(2)
+    client_id, seq = 0x5EED, 41
+    data = np.arange(SIZE // 8, dtype=np.int64)
+    raw = memoryview(data).cast("B")
+    copy.configure(1, "backup")
+    token = tickets.sign(SECRET, UID, [copy.eid], "replica", ttl=600, view=1)[0]
+    conn = TcpConnection("127.0.0.1", copy.tcp.port, client_id=client_id)
+    conn.present(token)                               # the old primary's pieces, all of them
+    for first in range(0, SIZE, replication.SYNC_CHUNK):
+        n = min(replication.SYNC_CHUNK, SIZE - first)
+        conn.request(typed(Op.ACCUMULATE, copy.eid, first, n, DType.INT64, arg0=0, arg1=SIZE, seq=seq,
+                           client=client_id), [raw[first:first + n]])
+    conn.close()
+    # the new primary (a copy that never saw the request) brings the copy in step again
+    new_primary.configure(2, "primary", [copy], sync=[copy])
+    copy.configure(2, "backup")
+    assert copy.data() == new_primary.data()
+    c = Client(new_primary, client_id)
+    c.accumulate(0, data, seq=seq)                    # the retry: fresh at the new primary
+    assert np.array_equal(new_primary.array(np.int64), data)
+    assert copy.data() == new_primary.data()
+    c.close()
+
+
 def test_exactly_once_entries_are_taken_from_a_primary_only(nodes):
     """A client cannot plant answers in a server's exactly-once table: SEED over a
     client's ticket is refused with a typed error, and the connection and server go on."""

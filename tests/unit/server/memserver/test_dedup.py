@@ -166,3 +166,18 @@ def test_a_collective_chunks_entry_is_handed_over_with_its_count_words_offset():
     record = (5, 9, (int(Op.REDUCE), 100, 0, 4096, 1 << 21), 4096, True, 0, bytes(8))
     (message,) = pack_records([record])
     assert list(unpack_records(message)) == [record]
+
+
+def test_a_copy_synced_again_forgets_the_entries_of_its_extent_only():
+    table = DedupTable()
+    acc = (int(Op.ACCUMULATE), 7, 0, 64, 1)
+    other = (int(Op.ACCUMULATE), 8, 0, 64, 1)
+    for seq, what in ((1, acc), (2, other)):
+        _, entry = table.begin(0xA, seq, what=what)
+        entry.finish(0, b"")
+    _, running = table.begin(0xA, 3, what=acc)       # a piece being applied right now stays
+    assert table.forget(7) == 1
+    assert table.begin(0xA, 1, what=acc)[0]          # fresh again: the next piece is applied
+    assert not table.begin(0xA, 2, what=other)[0]    # another extent's entry is kept
+    running.finish(0, b"")
+    assert not table.begin(0xA, 3, what=acc)[0]
