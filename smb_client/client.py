@@ -28,6 +28,7 @@ from smb_protocol.tickets import TicketMode
 from smb_protocol.tls import TLSConfig, diagnose
 
 from .dataplane import TRANSPORT_POLICIES, DataPlane, choose_endpoint
+from .metrics import serve_from_env, timed_method
 from .region import Region
 
 MAX_LEASE = 7 * 24 * 3600.0   # seconds: the longest owner lease a controller takes
@@ -108,7 +109,9 @@ class Client:
     transport's session class). ``tls`` holds the CA, certificate and key for TLS to the
     controller and the memory servers (default: ``$SMB_TLS_CA``, ``$SMB_TLS_CERT``,
     ``$SMB_TLS_KEY``; a wrong CA raises AuthenticationError). The client owns its channel and its :attr:`dataplane`;
-    :meth:`close` closes both, after which its regions stop working.
+    :meth:`close` closes both, after which its regions stop working. With
+    ``$SMB_CLIENT_METRICS_PORT`` set, the process serves its operations' latency
+    histograms there (:mod:`smb_client.metrics`).
     """
 
     def __init__(self, address: str | None = None, token: str | None = None, *,
@@ -134,6 +137,7 @@ class Client:
         self.connections = connections
         self.chunk_bytes = chunk_bytes
         self.transport_options = dict(transport_options or {})
+        serve_from_env()
         self.tls = TLSConfig.from_env() if tls is None else tls
         if self.tls.enabled:
             self.tls.client_context()   # unreadable or mismatched files: InvalidArgument now
@@ -334,6 +338,7 @@ class Client:
                           reconnect_timeout=reconnect_timeout)
         return resp.region, resp.ticket
 
+    @timed_method("open")
     def open_region(self, name: str, mode: str | TicketMode = TicketMode.RW) -> Region:
         """Attach to an existing region by name; ``mode`` is ``rw`` or ``ro``."""
         mode = _mode(mode)
@@ -394,6 +399,7 @@ class Client:
         r = self._call("Rebalance", pb.RebalanceRequest(bytes_per_second=bytes_per_second, stop=stop))
         return RebalanceStatus(r.running, r.bytes_left, r.bytes_moved)
 
+    @timed_method("barrier")
     def barrier(self, name: str, parties: int, timeout: float | None = None, *,
                 rank: int | None = None) -> int:
         """Block until ``parties`` callers reached barrier ``name``; returns its generation.

@@ -75,6 +75,7 @@ from .client import Client
 from .coord import REPORT_EVERY, PartiesMissing, Roll, ranks_text, report_waiting
 from .exchange import Chunk, Exchanger
 from .futures import wait_all, wait_failing_fast
+from .metrics import timed_method
 from .region import Region
 
 log = logging.getLogger(__name__)
@@ -372,6 +373,7 @@ class Collective:
         return out
 
     # -- collectives ------------------------------------------------------------------
+    @timed_method("reduce")
     def all_reduce(self, data: B, dtype: Any = None) -> B:
         """Sum ``data`` (a writable numpy array, torch CPU tensor or buffer; float32,
         float16, bfloat16, float64, int32 or int64) over the parties, in place; returns
@@ -401,6 +403,7 @@ class Collective:
             self.lock.release()
             raise
 
+    @timed_method("broadcast")
     def broadcast(self, data: B, root: int, rank: int, dtype: Any = None) -> B:
         """Give every party ``root``'s ``data`` (in place at the others); ``rank`` is
         this party's rank among ``0 .. parties-1``. Returns ``data``."""

@@ -44,6 +44,7 @@ from smb_protocol.errors import BarrierTimeout, InvalidArgument, LockNotHeld, Ti
 from smb_protocol.waits import ranks_text
 from smb_protocol.wire import WaitCond
 
+from .metrics import timed_method
 from .region import Region
 from .retrying import WAIT_SLICE, in_slices, until
 
@@ -291,6 +292,7 @@ class Lock:
         return route.coordinate(self._slot, lambda s, place: s.lock(
             route.ticket, place.extent_id, self._eoff, self.holder, self.lease, timeout))
 
+    @timed_method("lock")
     def acquire(self, timeout: float | None = None) -> None:
         """Take the lock, waiting up to ``timeout`` seconds (None: for ever, or this
         lock's ``timeout``); :class:`~smb_protocol.errors.Timeout` when it stays held."""

@@ -22,7 +22,7 @@ The route lives in :mod:`.route`; locks and barriers in :mod:`.coord`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -35,10 +35,11 @@ from smb_protocol.wire import WaitCond
 
 from . import cuda, cuda_region
 from .buffers import as_view
+from .metrics import timed_method
 from .region_async import AsyncForms
+from .region_batched import BatchedForms, BufferOp, _accumulate, _read, _write
 from .retrying import in_slices, until
 from .route import RegionSource, Route, layout_of
-from .transports import Session
 
 log = logging.getLogger(__name__)
 
@@ -47,10 +48,9 @@ FLOATING_TYPES = (DType.FLOAT32, DType.FLOAT16, DType.BFLOAT16, DType.FLOAT64)
 __all__ = ["Region", "ExtentPlace", "layout_of"]
 
 #: op(session, ticket, extent_id, extent_offset, buffers, seq)
-BufferOp = Callable[[Session, str, int, int, list[memoryview], int], Any]
 
 
-class Region(AsyncForms):
+class Region(BatchedForms, AsyncForms):
     """A handle on one region (one incarnation: :attr:`uid`), under one ticket (renewed
     as needed). Uses the client's data plane through its :attr:`route`; the client must
     outlive it. :meth:`close` is kept for ``with`` blocks: the connections belong to the
@@ -161,6 +161,7 @@ class Region(AsyncForms):
                 for run in route.chunks(offset, len(view), align)]
 
     # -- bytes ---------------------------------------------------------------------
+    @timed_method("write")
     def write(self, offset: int, data: Any) -> None:
         """Write ``data`` (bytes, numpy array, torch tensor) at ``offset`` bytes."""
         if cuda.is_cuda(data):
@@ -171,6 +172,7 @@ class Region(AsyncForms):
         tasks = self._tasks(offset, view, 1, _write)
         self.route.run_all(tasks)
 
+    @timed_method("read")
     def read_into(self, offset: int, out: Any) -> Any:
         """Fill the writable buffer ``out`` from ``offset``; returns ``out``."""
         if cuda.is_cuda(out):
@@ -213,6 +215,7 @@ class Region(AsyncForms):
         self.layout.check_range(offset, len(view))
         return view, dt
 
+    @timed_method("accumulate")
     def accumulate(self, offset: int, data: Any, dtype: Any = None) -> None:
         """Server-side ``region[offset:] += data`` elementwise."""
         if cuda.is_cuda(data):
@@ -222,6 +225,7 @@ class Region(AsyncForms):
         tasks = self._tasks(offset, view, itemsize(dt), _accumulate(dt))
         self.route.run_all(tasks)
 
+    @timed_method("axpy")
     def axpy(self, offset: int, x: Any, alpha: float, dtype: Any = None) -> None:
         """Server-side ``region[offset:] += alpha * x`` elementwise (a floating type)."""
         if cuda.is_cuda(x):
@@ -233,6 +237,7 @@ class Region(AsyncForms):
         tasks = self._tasks(offset, view, itemsize(dt), _accumulate(dt, float(alpha)))
         self.route.run_all(tasks)
 
+    @timed_method("scale")
     def scale(self, offset: int, length: int, alpha: float, dtype: Any) -> None:
         """Server-side ``region[offset:offset+length] *= alpha`` (length in bytes)."""
         self.route.check_writable()
@@ -254,6 +259,7 @@ class Region(AsyncForms):
         tasks = [task(r) for r in route.chunks(offset, length, size)]
         self.route.run_all(tasks)
 
+    @timed_method("fetch_add")
     def fetch_add(self, offset: int, value: int) -> int:
         """Atomically add ``value`` to the int64 at ``offset``; returns the old value."""
         route = self.route
@@ -263,6 +269,7 @@ class Region(AsyncForms):
         return int(route.run(lambda: route.request(slot, True, lambda s, place: s.fetch_add(
             route.ticket, place.extent_id, eoff, int(value), seq))))
 
+    @timed_method("compare_swap")
     def compare_swap(self, offset: int, expected: int, desired: int) -> int:
         """Atomically set the int64 at ``offset`` to ``desired`` if it equals ``expected``;
         returns the old value (equal to ``expected`` when the swap happened)."""
@@ -273,6 +280,7 @@ class Region(AsyncForms):
         return int(route.run(lambda: route.request(slot, True, lambda s, place: s.compare_swap(
             route.ticket, place.extent_id, eoff, int(expected), int(desired), seq))))
 
+    @timed_method("wait")
     def wait(self, offset: int, *, value: int | None = None, equals: int | None = None,
              changed_from: int | None = None, timeout: float | None = None) -> int:
         """Block, without polling, until the int64 at ``offset`` is ``>= value``, ``== equals``
@@ -291,101 +299,3 @@ class Region(AsyncForms):
         slot, eoff = route.word(offset)
         return in_slices(deadline, lambda left: route.coordinate(slot, lambda s, place: s.wait(
             route.ticket, place.extent_id, eoff, cond, int(target), left)))
-
-    # -- batched forms -------------------------------------------------------------
-    def _many(self, items: Iterable[tuple[int, Any]], fn: Callable[[int, Any], list[Callable[[], Any]]]) -> None:
-        tasks: list[Callable[[], Any]] = []
-        for offset, data in items:
-            tasks.extend(fn(offset, data))
-        if tasks:
-            self.route.run_all(tasks)
-
-    def write_many(self, items: Iterable[tuple[int, Any]]) -> None:
-        """Write several ``(offset, data)`` pairs, all servers in parallel."""
-        items = list(items)
-        if any(cuda.is_cuda(data) for _, data in items):
-            return cuda_region.write_many(self, items)
-        self.route.check_writable()
-
-        def plan(offset: int, data: Any) -> list[Callable[[], Any]]:
-            view, _ = as_view(data)
-            self.layout.check_range(offset, len(view))
-            return self._tasks(offset, view, 1, _write)
-        self._many(items, plan)
-
-    def read_many(self, items: Iterable[tuple[int, Any]]) -> list[Any]:
-        """Fill several ``(offset, out)`` buffers, all servers in parallel; returns the
-        buffers, in order (as :meth:`read_into` returns its buffer)."""
-        items = list(items)
-        if any(cuda.is_cuda(out) for _, out in items):
-            return cuda_region.read_many(self, items)
-        outs: list[Any] = []
-
-        def plan(offset: int, out: Any) -> list[Callable[[], Any]]:
-            view, _ = as_view(out, writable=True)
-            self.layout.check_range(offset, len(view))
-            outs.append(out)
-            return self._tasks(offset, view, 1, _read, numbered=False)
-        self._many(items, plan)
-        return outs
-
-    def fetch_add_many(self, items: Iterable[tuple[int, int]]) -> list[int]:
-        """``fetch_add`` of each ``(offset, value)``; returns the old values in order.
-
-        Words of one extent go to its server as one batch (over rdma: pipelined atomics
-        on one queue pair, one round trip's wait for the lot); servers run in parallel.
-        Every word is checked (alignment, bounds) before any is touched. Each add is
-        atomic; the batch is not (another client's atomics may interleave).
-        """
-        route = self.route
-        route.check_writable()
-        batches: dict[int, tuple[int, list[int], list[tuple[int, int]]]] = {}
-        n = 0
-        for offset, value in items:
-            slot, eoff = route.word(offset)
-            _, where, ops = batches.setdefault(slot, (slot, [], []))
-            where.append(n)
-            ops.append((eoff, int(value)))
-            n += 1
-        olds = [0] * n
-
-        def batch(slot: int, where: list[int], ops: list[tuple[int, int]]) -> Callable[[], None]:
-            seq = route.next_seq()      # word k of the batch: seq + k
-
-            def run() -> None:
-                got = route.request(slot, True, lambda s, place: s.fetch_add_many(
-                    route.ticket, place.extent_id, ops, seq))
-                for k, old in zip(where, got, strict=True):
-                    olds[k] = old
-            return run
-        tasks = [batch(*b) for b in batches.values()]
-        if tasks:
-            self.route.run_all(tasks)
-        return olds
-
-    def accumulate_many(self, items: Iterable[tuple[int, Any]], dtype: Any = None) -> None:
-        """Accumulate several ``(offset, data)`` pairs, all servers in parallel."""
-        items = list(items)
-        if any(cuda.is_cuda(data) for _, data in items):
-            return cuda_region.write_many(self, items, accumulate_as=dtype)
-        self.route.check_writable()
-
-        def plan(offset: int, data: Any) -> list[Callable[[], Any]]:
-            view, dt = self._typed(offset, data, dtype)
-            return self._tasks(offset, view, itemsize(dt), _accumulate(dt))
-        self._many(items, plan)
-
-
-def _write(s: Session, ticket: str, extent_id: int, offset: int, bufs: list[memoryview], seq: int) -> None:
-    s.write(ticket, extent_id, offset, bufs, seq)
-
-
-def _read(s: Session, ticket: str, extent_id: int, offset: int, bufs: list[memoryview], seq: int) -> None:
-    s.read_into(ticket, extent_id, offset, bufs)
-
-
-def _accumulate(dt: DType, alpha: float | None = None) -> BufferOp:
-    """The accumulate (``alpha`` None) or axpy request of one task."""
-    def op(s: Session, ticket: str, extent_id: int, offset: int, bufs: list[memoryview], seq: int) -> None:
-        s.accumulate(ticket, extent_id, offset, bufs, dt, alpha, seq)
-    return op

@@ -35,6 +35,7 @@ from .job import Job, job
 from .launch import WorkerEnv, open_store
 from .layout import ALIGN, Bucket, FlatLayout, TensorSlot
 from .seasgd import SEASGD
+from .steps import StepTimes
 from .store import ParameterStore, Traffic
 from .sync import SYNC_SLOTS, SyncDataParallel
 
@@ -42,5 +43,5 @@ register()
 
 __all__ = ["ALIGN", "Bucket", "DistributedDataParallel", "FlatLayout", "FlatModel", "GradientHooks",
            "HybridSEASGD", "Job", "ParameterStore", "SEASGD", "SMBProcessGroup", "SYNC_SLOTS", "SharedCounters",
-           "StopRule", "SyncDataParallel", "TensorSlot", "Traffic", "WorkerEnv", "job", "new_node_groups",
+           "StepTimes", "StopRule", "SyncDataParallel", "TensorSlot", "Traffic", "WorkerEnv", "job", "new_node_groups",
            "node_groups", "open_store", "register"]

@@ -103,7 +103,7 @@ class DistributedDataParallel(torch.nn.Module):
     Then the wrapper's own, keyword only: ``name`` (default :func:`default_name`),
     ``lease`` and ``job_options`` (a dict of :class:`Job`'s options: ``client``,
     ``env``, ``placement``, ``grad_slots``, ...) make the job; ``overlap`` through
-    ``priority`` are :class:`SyncDataParallel`'s.
+    ``writer`` are :class:`SyncDataParallel`'s.
     """
 
     def __init__(self, module: torch.nn.Module, device_ids: Sequence[Any] | None = None,
@@ -119,7 +119,8 @@ class DistributedDataParallel(torch.nn.Module):
                  overlap: bool = True, bucket_bytes: int | None = None, counters: SharedCounters | None = None,
                  barrier_timeout: float = BARRIER_TIMEOUT, publish_every: int = DEFAULT_PUBLISH_EVERY,
                  buffers: str | None = None, exchange: str = "auto", worker_hosts: Sequence[str] | None = None,
-                 check_env: bool = True, priority: bool = True) -> None:
+                 check_env: bool = True, priority: bool = True, log_every: int = 0,
+                 writer: Any = None) -> None:
         super().__init__()
         if mixed_precision is not None:
             raise InvalidArgument("mixed_precision is not supported here: gradients are summed in the "
@@ -144,7 +145,7 @@ class DistributedDataParallel(torch.nn.Module):
             self.dp: SyncDataParallel = self.job.sync(
                 overlap=overlap, bucket_bytes=bucket_bytes, counters=counters, barrier_timeout=barrier_timeout,
                 publish_every=publish_every, buffers=buffers, exchange=exchange, worker_hosts=worker_hosts,
-                check_env=check_env, priority=priority)
+                check_env=check_env, priority=priority, log_every=log_every, writer=writer)
         except BaseException:
             self.job.abandon()
             raise

@@ -184,18 +184,19 @@ class Job:
              counters: SharedCounters | None = None, barrier_timeout: float = BARRIER_TIMEOUT,
              publish_every: int = DEFAULT_PUBLISH_EVERY, buffers: str = "broadcast", exchange: str = "auto",
              worker_hosts: Sequence[str] | None = None, check_env: bool = True,
-             priority: bool = True) -> SyncDataParallel:
+             priority: bool = True, log_every: int = 0, writer: Any = None) -> SyncDataParallel:
         """A :class:`SyncDataParallel` over the job's store, this worker's rank and the
         world size (closed by :meth:`finish`); the options are its own."""
         dp = SyncDataParallel(self.store, self.rank, self.world, overlap=overlap, bucket_bytes=bucket_bytes,
                               counters=counters, barrier_timeout=barrier_timeout, publish_every=publish_every,
                               buffers=buffers, exchange=exchange, worker_hosts=worker_hosts,
-                              check_env=check_env, priority=priority)
+                              check_env=check_env, priority=priority, log_every=log_every, writer=writer)
         self._trainers.append(dp)
         return dp
 
     def seasgd(self, *, moving_rate: float | None = None, update_interval: int = 4,
-               keep_deltas: bool | None = None, publish_buffers: bool = True) -> SEASGD:
+               keep_deltas: bool | None = None, publish_buffers: bool = True, log_every: int = 0,
+               writer: Any = None) -> SEASGD:
         """A :class:`SEASGD` worker over the job's store (closed by :meth:`finish`); the
         options are its own. ``keep_deltas`` (default: when the store has this worker's
         delta slot, i.e. the job was made with ``scheme="seasgd"``) writes every delta
@@ -206,7 +207,8 @@ class Job:
                 log.info("job %s: the store has no delta slot for rank %d (job(..., scheme=\"seasgd\") "
                          "reserves them): SEASGD keeps no private delta", self.name, self.rank)
         worker = SEASGD(self.store, self.rank, self.world, moving_rate=moving_rate,
-                        update_interval=update_interval, keep_deltas=keep_deltas, publish_buffers=publish_buffers)
+                        update_interval=update_interval, keep_deltas=keep_deltas, publish_buffers=publish_buffers,
+                        log_every=log_every, writer=writer)
         self._trainers.append(worker)
         return worker
 

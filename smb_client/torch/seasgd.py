@@ -31,6 +31,7 @@ import torch
 
 from smb_protocol.errors import InvalidArgument
 
+from .steps import StepTimes
 from .store import ParameterStore
 
 log = logging.getLogger(__name__)
@@ -47,10 +48,16 @@ class SEASGD:
 
     ``publish_buffers`` (default True): rank 0 writes its model's buffers into the
     store (see the module's notes) when the store holds buffers.
+
+    :attr:`times` keeps each local step's seconds computing and waiting (``push``: for
+    the previous delta to land; ``sum``: reading the global weights), ``smb::seasgd.*``
+    ranges in a ``torch.profiler`` trace; ``log_every`` and ``writer`` as for
+    :class:`~smb_client.torch.SyncDataParallel`.
     """
 
     def __init__(self, store: ParameterStore, rank: int, world: int, *, moving_rate: float | None = None,
-                 update_interval: int = 4, keep_deltas: bool = True, publish_buffers: bool = True) -> None:
+                 update_interval: int = 4, keep_deltas: bool = True, publish_buffers: bool = True,
+                 log_every: int = 0, writer: Any = None) -> None:
         if world < 1 or not 0 <= rank < world:
             raise InvalidArgument(f"rank {rank} outside 0..{world - 1}")
         if update_interval < 1:
@@ -78,6 +85,7 @@ class SEASGD:
         self.updates = 0
         self.read_wait = 0.0   # seconds spent reading the global weights
         self.push_wait = 0.0   # seconds spent waiting for a previous push to finish
+        self.times = StepTimes("seasgd", log_every, writer)   # per local step: see steps.py
         self._pusher = ThreadPoolExecutor(1, thread_name_prefix="smb-seasgd")
         self._pending: Future[Any] | None = None
 
@@ -85,16 +93,20 @@ class SEASGD:
         """Count one local step; run an elastic update when one is due (True then)."""
         self.step += 1
         if self.step % self.update_interval:
+            self.times.end_step()
             return False
         self.update()
+        self.times.end_step()
         return True
 
     def update(self) -> None:
         """Read the global weights, move towards them, push the delta in the background."""
         t0 = time.perf_counter()
-        self._wait_push()            # the delta buffer is about to be reused
+        with self.times.phase("push"):
+            self._wait_push()            # the delta buffer is about to be reused
         t1 = time.perf_counter()
-        self.store.pull_params(self.global_weights)
+        with self.times.phase("sum"):    # the global weights: every worker's deltas summed
+            self.store.pull_params(self.global_weights)
         t2 = time.perf_counter()
         self.push_wait += t1 - t0
         self.read_wait += t2 - t1

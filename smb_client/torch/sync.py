@@ -79,6 +79,7 @@ from .counters import SYNC_BARRIER_WORD, SharedCounters
 from .flat import GradientHooks
 from .launch import check_torchrun
 from .layout import ALIGN, Bucket
+from .steps import StepTimes
 from .store import COUNTER_WORDS, SYNC_SLOTS, ParameterStore
 
 log = logging.getLogger(__name__)
@@ -129,6 +130,11 @@ class SyncDataParallel:
     ``LOCAL_RANK``) where those are set: InvalidArgument naming both numbers at once,
     instead of a barrier that waits for workers that do not exist. ``check_env=False``
     skips the check (only some of torchrun's workers train together).
+
+    :attr:`times` (:class:`~smb_client.torch.steps.StepTimes`) keeps each step's seconds
+    computing and waiting (pushes, sums, barrier); the waits are ``smb::sync.*`` ranges in
+    a ``torch.profiler`` trace. ``log_every`` logs their means every that many steps;
+    ``writer`` (a TensorBoard ``SummaryWriter``) receives them every step.
     """
 
     def __init__(self, store: ParameterStore, rank: int, world: int, *, overlap: bool = True,
@@ -136,7 +142,8 @@ class SyncDataParallel:
                  barrier_timeout: float = BARRIER_TIMEOUT,
                  publish_every: int = DEFAULT_PUBLISH_EVERY, buffers: str = "broadcast",
                  exchange: str = "auto", worker_hosts: Sequence[str] | None = None,
-                 check_env: bool = True, priority: bool = True) -> None:
+                 check_env: bool = True, priority: bool = True, log_every: int = 0,
+                 writer: Any = None) -> None:
         if not 0 <= rank < world:
             raise InvalidArgument(f"rank {rank} outside 0..{world - 1}")
         self.priority = priority
@@ -177,6 +184,7 @@ class SyncDataParallel:
         self.step = 0
         self.stop = False
         self.comm_wait = 0.0   # seconds spent waiting for pushes, barrier and pull
+        self.times = StepTimes("sync", log_every, writer)
         slot = store.layout.slot_bytes
         share = -(-slot // world // ALIGN) * ALIGN
         lo, hi = min(slot, rank * share), min(slot, (rank + 1) * share)
@@ -408,21 +416,26 @@ class SyncDataParallel:
                 futures.extend(store.accumulate_flat("grads", base, self.flat.flat_grads, off, n))
         futures.extend(self._push_buffers())
         t0 = time.perf_counter()
-        self._wait(futures)
+        times = self.times
+        with times.phase("push"):
+            self._wait(futures)
         if publish:
             self._published = self.step
-        if self.counters is not None:
-            self.counters.publish()
-        self._meet()
-        base = store.slot_offset("grads", self._slot(self.step))
-        for off, n in self._runs:
-            store.read_into("grads", base + off, self.flat.byte_range(self.flat.flat_grads, off, n))
-        self.flat.scale_(self.flat.flat_grads, 1.0 / self.world)
-        self._pull_buffers()
+        with times.phase("barrier"):
+            if self.counters is not None:
+                self.counters.publish()
+            self._meet()
+        with times.phase("sum"):
+            base = store.slot_offset("grads", self._slot(self.step))
+            for off, n in self._runs:
+                store.read_into("grads", base + off, self.flat.byte_range(self.flat.flat_grads, off, n))
+            self.flat.scale_(self.flat.flat_grads, 1.0 / self.world)
+            self._pull_buffers()
         if self.counters is not None:
             self.stop = self.counters.should_stop()
         self.comm_wait += time.perf_counter() - t0
         self.step += 1
+        times.end_step()
 
     def _synchronize_collective(self) -> None:
         futures: list[Future[Any]] = []
@@ -435,29 +448,35 @@ class SyncDataParallel:
         else:
             self.flat.collect_grads()
         t0 = time.perf_counter()
+        times = self.times
         if self.counters is not None:      # before the held-back chunk: see the module's notes
             self.counters.publish()
         rnd = self._begin_round()
         self._round = None
-        try:
-            if self._hooks is None:
-                for off, n in self._runs:
-                    rnd.ready(off, n)
-        finally:
-            rnd.finish()
+        with times.phase("sum"):           # the last pushes and every chunk's sum
+            try:
+                if self._hooks is None:
+                    for off, n in self._runs:
+                        rnd.ready(off, n)
+            finally:
+                rnd.finish()
         self.store.count_traffic(sent=sum(n for _, n in self._runs), received=sum(n for _, n in self._runs))
         self.flat.scale_(self.flat.flat_grads, 1.0 / self.world)
         futures.extend(self._push_buffers())
-        self._wait(futures)
+        with times.phase("push"):
+            self._wait(futures)
         if publish:
             self._published = self.step
         if self.buffers != "none":
-            self._meet()
-            self._pull_buffers()
+            with times.phase("barrier"):
+                self._meet()
+            with times.phase("sum"):
+                self._pull_buffers()
         if self.counters is not None:
             self.stop = self.counters.should_stop()
         self.comm_wait += time.perf_counter() - t0
         self.step += 1
+        times.end_step()
 
     def _meet(self) -> None:
         """Wait for every worker. The first step meets at the controller's barrier, after

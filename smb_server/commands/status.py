@@ -19,6 +19,7 @@ from smb_client import Client
 from smb_protocol import errors, rpc
 from smb_protocol._proto.smb.v1 import memory_server_pb2, memory_server_pb2_grpc
 from smb_protocol.addressing import format_hostport, parse_hostport
+from smb_protocol.latency import SERVER_HISTOGRAM
 from smb_protocol.units import format_bytes
 from smb_server.runtime import health
 from smb_server.runtime.metrics import histogram_quantile, parse
@@ -26,7 +27,7 @@ from smb_server.runtime.metrics import histogram_quantile, parse
 log = logging.getLogger(__name__)
 
 CALL_TIMEOUT = 2.0        # seconds per memory-server call (Stats, health, /metrics)
-LATENCY_METRIC = "smb_server_operation_seconds"
+LATENCY_METRIC = SERVER_HISTOGRAM
 QUANTILES = (0.5, 0.99)
 NO_METRICS = ("no memory server serves /metrics, so there are no latencies to show; set "
               "metrics_port on the servers (--metrics-port, SMB_METRICS_PORT), or start a local "

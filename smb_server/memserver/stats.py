@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 
+from smb_protocol.latency import OP_BUCKETS, SERVER_HISTOGRAM
 from smb_server.runtime.metrics import Histogram
 
 log = logging.getLogger(__name__)
@@ -31,9 +32,6 @@ COUNTERS = ("bytes_read", "bytes_written", "bytes_accumulated", "operations", "e
 #: (``scratch_bytes`` allocated and ``scratch_in_use`` lent, both gauges; ``scratch_waits``:
 #: requests that waited for one)
 LIMIT_COUNTS = ("refused", "dropped", "evicted", "scratch_bytes", "scratch_in_use", "scratch_waits")
-# seconds; from a small-message round trip to a multi-megabyte accumulate
-OP_BUCKETS = (2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25,
-              0.5, 1.0, 2.5)
 
 
 class PlaneStats:
@@ -51,7 +49,7 @@ class PlaneStats:
         self._counts = dict.fromkeys(COUNTERS + LIMIT_COUNTS, 0)
         self._views: dict[str, PlaneStats] = {}
         self.latency: Histogram = parent.latency if parent is not None else Histogram(
-            "smb_server_operation_seconds", "Data-plane operation latency on the server, seconds",
+            SERVER_HISTOGRAM, "Data-plane operation latency on the server, seconds",
             ["op", "transport"], buckets=OP_BUCKETS)
 
     def add(self, **counts: int) -> None:

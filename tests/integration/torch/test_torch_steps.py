@@ -1,0 +1,110 @@
+"""Where a step's time goes: the memory-box waits of SyncDataParallel and SEASGD are
+named ranges in a torch.profiler trace of an unchanged training loop, and each step's
+seconds by phase are kept, logged and written to a TensorBoard-style writer (worker
+threads on a real local cluster)."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+from smb_client.torch import SEASGD, ParameterStore, SyncDataParallel  # noqa: E402
+from smb_client.torch.steps import PHASES, StepTimes  # noqa: E402
+from smb_server.testing import run_ranks  # noqa: E402
+
+WORLD = 2
+STEPS = 4
+
+
+class Scalars:
+    """What a SummaryWriter is given: (tag, value, step) in order."""
+
+    def __init__(self) -> None:
+        self.got: list[tuple[str, float, int]] = []
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        self.got.append((tag, float(value), step))
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(3)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+
+
+def train(dp_step, model: torch.nn.Module, opt, rank: int) -> None:
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(STEPS):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(torch.randn(4, 8, generator=g)),
+                                          torch.randint(0, 4, (4,), generator=g)).backward()
+        dp_step()
+        opt.step()
+
+
+def names(prof) -> set[str]:
+    return {e.name for e in prof.events()}
+
+
+@pytest.mark.parametrize("exchange", ["collective", "slots"])
+def test_a_sync_step_shows_its_waits_in_a_profiler_trace_and_in_its_times(cluster, name, exchange, caplog):
+    models = [make_model() for _ in range(WORLD)]
+    writer = Scalars()
+    seen: dict[int, set[str]] = {}
+    times: dict[int, StepTimes] = {}
+    caplog.set_level(logging.INFO, logger="smb_client.torch.steps")
+    with cluster.client() as master:
+        store0 = ParameterStore.create(master, name, models[0], grad_slots=3, workers=WORLD)
+        try:
+            def worker(rank: int) -> None:
+                with cluster.client() as c:
+                    store = store0 if rank == 0 else ParameterStore.attach(c, name, models[rank])
+                    dp = SyncDataParallel(store, rank, WORLD, exchange=exchange, check_env=False,
+                                          log_every=2 if rank == 0 else 0, writer=writer if rank == 0 else None)
+                    opt = torch.optim.SGD(models[rank].parameters(), lr=0.1)
+                    if rank == 0:    # one profiler per process
+                        with profile(activities=[ProfilerActivity.CPU]) as prof:
+                            train(dp.synchronize, models[rank], opt, rank)
+                        seen[rank] = names(prof)
+                    else:
+                        train(dp.synchronize, models[rank], opt, rank)
+                    times[rank] = dp.times
+                    dp.close()
+                    if rank:
+                        store.close()
+            run_ranks(WORLD, worker)
+        finally:
+            store0.destroy()
+    assert {"smb::sync.push", "smb::sync.sum"} <= seen[0], sorted(n for n in seen[0] if "smb" in n)
+    if exchange == "slots":
+        assert "smb::sync.barrier" in seen[0]
+    for rank in range(WORLD):
+        t = times[rank]
+        assert t.steps == STEPS and set(t.last) == set(PHASES)
+        assert t.total["sum"] > 0 and all(v >= 0 for v in t.total.values())
+        assert t.mean()["sum"] == pytest.approx(t.total["sum"] / STEPS)
+    # every step's phases to the writer, under smb/sync/<phase>_seconds, steps 1..STEPS
+    assert [s for _, _, s in writer.got] == [s for s in range(1, STEPS + 1) for _ in PHASES]
+    assert {tag for tag, _, _ in writer.got} == {f"smb/sync/{p}_seconds" for p in PHASES}
+    logged = [r.getMessage() for r in caplog.records if r.name == "smb_client.torch.steps"]
+    assert len(logged) == STEPS // 2 and logged[0].startswith("sync steps 1-2, mean seconds: compute ")
+
+
+def test_seasgd_shows_its_updates_in_a_profiler_trace(cluster, name):
+    model = make_model()
+    with cluster.client() as c:
+        store = ParameterStore.create(c, name, model, workers=1, delta_slots=1)
+        try:
+            worker = SEASGD(store, 0, 1, update_interval=2)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                train(worker.after_step, model, opt, 0)
+            worker.close()
+        finally:
+            store.destroy()
+    assert {"smb::seasgd.push", "smb::seasgd.sum"} <= names(prof)
+    assert worker.times.steps == STEPS and worker.updates == STEPS // 2
+    assert worker.times.total["sum"] > 0
