@@ -203,14 +203,14 @@ class DedupTable:
                     and (e.done or (e.applied and not e.owned))]
 
     def forget(self, extent_id: int) -> int:
-        """Drop the entries of requests on ``extent_id`` that are not running (a copy whose
-        bytes a sync replaces: the primary hands over its own entries at the end).
-        Returns how many were dropped."""
+        """Drop the entries of requests on ``extent_id`` (a copy whose bytes a sync
+        replaces: the primary hands over its own entries at the end). A piece still
+        running is of an older view, which its next chunk finds (it stops there), so its
+        entry goes too. Returns how many were dropped."""
         with self._cond:
             dropped = 0
             for seen in self._clients.values():
-                doomed = [seq for seq, e in seen.items()
-                          if len(e.what) == 5 and e.what[1] == extent_id and not e.owned]
+                doomed = [seq for seq, e in seen.items() if len(e.what) == 5 and e.what[1] == extent_id]
                 for seq in doomed:
                     del seen[seq]
                 dropped += len(doomed)

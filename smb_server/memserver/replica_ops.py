@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 
 from smb_protocol.errors import ExtentNotFound, InvalidArgument, NotPrimary, Status, Timeout
 from smb_protocol.replicas import ReplicaRole
@@ -148,9 +149,12 @@ def piece(node: Node, peer: Peer, req: Request) -> bytes:
     node.replication.admit_piece(ticket, req.extent_id)
     if req.op not in REPLICATED_OPS:
         raise InvalidArgument(f"{req.op.name.lower()} is not forwarded to replicas")
+    def current() -> None:   # under the extent's lock, before each chunk of a ranged piece
+        node.replication.admit_piece(ticket, req.extent_id)
+
     with extent.pin():
         if not req.seq:
-            return _apply_piece(peer, extent, req, 0)
+            return _apply_piece(peer, extent, req, 0, current)
         what, start, end = piece_what(req)
         try:
             fresh, entry = node.dedup.begin(req.client, req.seq, peer.dedup_wait, what)
@@ -167,7 +171,7 @@ def piece(node: Node, peer: Peer, req: Request) -> bytes:
             if entry.applied < start:
                 raise InvalidArgument(f"piece [{start}, {end}) of request {req.seq} of client {req.client:#x}: "
                                       f"only {entry.applied} bytes of it arrived before")
-            body = _apply_piece(peer, extent, req, min(entry.applied, end) - start)
+            body = _apply_piece(peer, extent, req, min(entry.applied, end) - start, current)
             entry.applied = max(entry.applied, end)
         except BaseException:
             node.dedup.interrupt(entry)
@@ -179,8 +183,13 @@ def piece(node: Node, peer: Peer, req: Request) -> bytes:
     return body
 
 
-def _apply_piece(peer: Peer, extent: Extent, req: Request, skip: int) -> bytes:
-    """Apply a forwarded piece, after its first ``skip`` bytes (received and dropped)."""
+def _apply_piece(peer: Peer, extent: Extent, req: Request, skip: int,
+                 current: Callable[[], None]) -> bytes:
+    """Apply a forwarded piece, after its first ``skip`` bytes (received and dropped).
+    ``current()`` runs under the extent's lock before each chunk of a ranged piece and
+    raises once the piece's view is not the copy's (a new primary began to copy its
+    bytes here while the old primary's piece was still streaming in: the rest of it
+    must land neither on those bytes nor in the exactly-once table)."""
     if isinstance(req, (FetchAdd, CompareSwap)):
         ops.check_word(req)
         with extent.lock:
@@ -193,7 +202,7 @@ def _apply_piece(peer: Peer, extent: Extent, req: Request, skip: int) -> bytes:
     if isinstance(req, (Write, Arithmetic)):
         dt = kernels.check_arith(req.arith, req.dtype, req.offset, req.length) \
             if isinstance(req, Arithmetic) else None
-        ops.apply_stream(peer, extent, req, dt, skip)
+        ops.apply_stream(peer, extent, req, dt, skip, guard=current)
         return b""
     raise InvalidArgument(f"{req.op.name.lower()} is not forwarded to replicas")
 

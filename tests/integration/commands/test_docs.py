@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from smb_client import Client
+from smb_client import Client, metrics
 
 ROOT = Path(__file__).resolve().parents[3]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -150,8 +150,8 @@ def _scrape_types(port: int) -> dict[str, str]:
 
 
 def test_documented_metrics_are_served(tmp_path):
-    """Every metric of the operations guide, with its type, on a real controller and
-    memory server (and nothing served that the guide leaves out)."""
+    """Every metric of the operations guide, with its type, on a real controller, memory
+    server and client (and nothing served that the guide leaves out)."""
     secret = tmp_path / "secret"
     secret.write_text("5a" * 32)
     env = {k: v for k, v in os.environ.items() if not k.startswith("SMB_")}
@@ -172,6 +172,11 @@ def test_documented_metrics_are_served(tmp_path):
             if kind == "controller":
                 env["SMB_CONTROLLER"] = json.loads(ready.read_text())["address"]
         served = {**_scrape_types(ports["controller"]), **_scrape_types(ports["server"])}
+        client = metrics.serve(0)             # and a client process's own (this one)
+        try:
+            served.update(_scrape_types(client))
+        finally:
+            metrics.disable()
     finally:
         for proc in procs:
             proc.terminate()

@@ -19,12 +19,13 @@ import numpy as np
 import pytest
 
 from smb_client.transports.tcp import TcpConnection
-from smb_protocol import tickets
+from smb_protocol import tickets, wire
 from smb_protocol.dtypes import DType
 from smb_protocol.errors import InvalidArgument, NotPrimary, ReadOnly, ServerUnavailable, Status
 from smb_protocol.wire import Op
 from smb_server.memserver import dedup, replication
 from smb_server.memserver.arena import HEADER_BYTES
+from smb_server.testing import wait_until
 from tests.integration.memserver.planes import typed
 
 from .nodes import SECRET, SIZE, UID, Client, MiB, Node
@@ -234,6 +235,38 @@ def test_a_copy_synced_again_forgets_what_an_earlier_primary_forwarded(nodes):
     assert copy.data() == new_primary.data()
     c = Client(new_primary, client_id)
     c.accumulate(0, data, seq=seq)                    # the retry: fresh at the new primary
+    assert np.array_equal(new_primary.array(np.int64), data)
+    assert copy.data() == new_primary.data()
+    c.close()
+
+
+def test_a_piece_of_an_older_view_stops_when_its_copy_is_synced_again(nodes):
+    """The old primary's piece was still streaming into the copy (a slow link) when a new
+    primary began to copy its bytes there: the rest of the piece is refused, so it lands
+    neither on the copied bytes nor in the copy's exactly-once table (the client's retry,
+    applied at the new primary and forwarded, is then applied there once)."""
+    new_primary, copy = nodes(2)
+    client_id, seq = 0x5EED, 43
+    data = np.arange(SIZE // 8, dtype=np.int64)
+    raw = memoryview(data).cast("B")
+    copy.configure(1, "backup")
+    token = tickets.sign(SECRET, UID, [copy.eid], "replica", ttl=600, view=1)[0]
+    conn = TcpConnection("127.0.0.1", copy.tcp.port, client_id=client_id)
+    conn.present(token)
+    req_id, frames = conn.frames.request(typed(Op.ACCUMULATE, copy.eid, 0, SIZE, DType.INT64, arg0=0, arg1=SIZE,
+                                               seq=seq, client=client_id), [raw])
+    half = SIZE // 2
+    wire.sendmsg_all(conn.sock, [frames[0], raw[:half]])        # the first half streams in
+    wait_until(lambda: copy.array(np.int64)[1] != 0, what="the first chunk applied")
+    new_primary.configure(2, "primary", [copy], sync=[copy])    # a new primary copies its bytes there
+    copy.configure(2, "backup")
+    wire.sendmsg_all(conn.sock, [raw[half:]])                   # the rest of the old piece
+    answer = conn.frames.answer(wire.recv_exact(conn.sock, wire.RESPONSE.size))
+    assert answer.req_id == req_id and not answer.ok
+    conn.close()
+    assert copy.data() == new_primary.data()
+    c = Client(new_primary, client_id)
+    c.accumulate(0, data, seq=seq)                              # the retry, fresh at the new primary
     assert np.array_equal(new_primary.array(np.int64), data)
     assert copy.data() == new_primary.data()
     c.close()
