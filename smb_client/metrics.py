@@ -10,7 +10,8 @@ collective's rounds, ``open`` and ``barrier`` at the controller.
 
 Turn it on with :func:`serve` (or ``SMB_CLIENT_METRICS_PORT``, read when a
 :class:`~smb_client.Client` is made): the histograms are served at
-``http://<addr>:<port>/metrics``. While it is off, :func:`timed` costs one global read.
+``http://<addr>:<port>/metrics``. While it is off, a :func:`timed_method` call costs one
+global read.
 """
 from __future__ import annotations
 
@@ -19,8 +20,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import prometheus_client
@@ -40,6 +40,8 @@ _lock = threading.Lock()
 _histogram: prometheus_client.Histogram | None = None
 _registry: CollectorRegistry | None = None
 _served: dict[tuple[str, int], int] = {}
+_env_lock = threading.Lock()
+_env_port: int | None = None   # what serve_from_env served
 
 
 def enable() -> CollectorRegistry:
@@ -73,11 +75,16 @@ def serve(port: int, addr: str = DEFAULT_ADDR) -> int:
 
 def serve_from_env() -> int | None:
     """:func:`serve` on ``SMB_CLIENT_METRICS_PORT`` (and ``SMB_CLIENT_METRICS_ADDR``) when
-    set; the port served, or None."""
+    set, once per process (every Client calls it; port 0 picks one free port, not one per
+    Client); the port served, or None."""
+    global _env_port
     port = os.environ.get(PORT_ENV, "").strip()
     if not port:
         return None
-    return serve(int(port), os.environ.get(ADDR_ENV, "").strip() or DEFAULT_ADDR)
+    with _env_lock:
+        if _env_port is None:
+            _env_port = serve(int(port), os.environ.get(ADDR_ENV, "").strip() or DEFAULT_ADDR)
+        return _env_port
 
 
 def disable() -> None:
@@ -95,21 +102,8 @@ def observe(op: str, seconds: float) -> None:
         histogram.labels(op=op).observe(seconds)
 
 
-@contextmanager
-def timed(op: str) -> Iterator[None]:
-    """Count the block's time as one ``op``, failed or not."""
-    if _histogram is None:
-        yield
-        return
-    start = time.perf_counter()
-    try:
-        yield
-    finally:
-        observe(op, time.perf_counter() - start)
-
-
 def timed_method(op: str) -> Callable[[F], F]:
-    """A method decorated to count each call as one ``op``."""
+    """A method decorated to count each call as one ``op``, failed or not."""
     def wrap(fn: F) -> F:
         @functools.wraps(fn)
         def run(*args: Any, **kwargs: Any) -> Any:

@@ -47,8 +47,6 @@ FLOATING_TYPES = (DType.FLOAT32, DType.FLOAT16, DType.BFLOAT16, DType.FLOAT64)
 
 __all__ = ["Region", "ExtentPlace", "layout_of"]
 
-#: op(session, ticket, extent_id, extent_offset, buffers, seq)
-
 
 class Region(BatchedForms, AsyncForms):
     """A handle on one region (one incarnation: :attr:`uid`), under one ticket (renewed

@@ -70,11 +70,15 @@ class Election:
 
     def current(self) -> LeaderInfo | None:
         """The leader now, or None while there is none (read from etcd)."""
+        return self._read_leader()[0]
+
+    def _read_leader(self) -> tuple[LeaderInfo | None, int]:
+        """The leader key as read from etcd now, learned, and the revision of the read."""
         result = self.kv.txn([], [kv.get(self.leader_key)])
         (items,) = result.ranges
         leader = _info(items[0]) if items else None
         self._learn(leader, result.revision)
-        return leader
+        return leader, result.revision
 
     def _learn(self, leader: LeaderInfo | None, revision: int) -> None:
         """Take ``leader`` as known unless what is known is of a later revision: a read
@@ -115,14 +119,12 @@ class Election:
         """Follow the leader key from now on: ``known`` and ``gone_revision`` stay current,
         and ``wake()`` runs when the key is deleted (or must be read afresh). The caller
         cancels the watch."""
-        result = self.kv.txn([], [kv.get(self.leader_key)])
-        (items,) = result.ranges
-        self._learn(_info(items[0]) if items else None, result.revision)
+        _, revision = self._read_leader()
 
         def on_events(events: list[kv.WatchEvent]) -> None:
             if self.observe(events):
                 wake()
-        return self.kv.watch(self.leader_key, result.revision + 1, on_events)
+        return self.kv.watch(self.leader_key, revision + 1, on_events)
 
     def deposed(self) -> bool:
         """True when the leader key this controller wrote has been deleted."""

@@ -40,6 +40,14 @@ def replica_set(make, n: int = 2) -> list[Node]:
     return [primary, *backups]
 
 
+def primary_conn(backup: Node, client_id: int = 0, view: int = 1) -> TcpConnection:
+    """A connection that speaks to ``backup`` as a primary of ``view`` does (a replica
+    ticket), with the pieces numbered for ``client_id``."""
+    conn = TcpConnection("127.0.0.1", backup.tcp.port, client_id=client_id)
+    conn.present(tickets.sign(SECRET, UID, [backup.eid], "replica", ttl=600, view=view)[0])
+    return conn
+
+
 def run_threads(fn, n: int) -> None:
     errors: list[BaseException] = []
 
@@ -139,9 +147,7 @@ def test_request_cut_mid_way_resumes_at_promoted_backup(nodes):
     data = np.arange(SIZE // 8, dtype=np.int64)
     raw = memoryview(data).cast("B")
     piece = replication.SYNC_CHUNK
-    token = tickets.sign(SECRET, UID, [backup.eid], "replica", ttl=600, view=1)[0]
-    conn = TcpConnection("127.0.0.1", backup.tcp.port, client_id=client_id)
-    conn.present(token)
+    conn = primary_conn(backup, client_id)
     conn.request(typed(Op.ACCUMULATE, backup.eid, 0, piece, DType.INT64, arg0=0, arg1=SIZE, seq=seq,
                        client=client_id), [raw[:piece]])
     conn.close()
@@ -221,9 +227,7 @@ def test_a_copy_synced_again_forgets_what_an_earlier_primary_forwarded(nodes):
     data = np.arange(SIZE // 8, dtype=np.int64)
     raw = memoryview(data).cast("B")
     copy.configure(1, "backup")
-    token = tickets.sign(SECRET, UID, [copy.eid], "replica", ttl=600, view=1)[0]
-    conn = TcpConnection("127.0.0.1", copy.tcp.port, client_id=client_id)
-    conn.present(token)                               # the old primary's pieces, all of them
+    conn = primary_conn(copy, client_id)              # the old primary's pieces, all of them
     for first in range(0, SIZE, replication.SYNC_CHUNK):
         n = min(replication.SYNC_CHUNK, SIZE - first)
         conn.request(typed(Op.ACCUMULATE, copy.eid, first, n, DType.INT64, arg0=0, arg1=SIZE, seq=seq,
@@ -250,9 +254,7 @@ def test_a_piece_of_an_older_view_stops_when_its_copy_is_synced_again(nodes):
     data = np.arange(SIZE // 8, dtype=np.int64)
     raw = memoryview(data).cast("B")
     copy.configure(1, "backup")
-    token = tickets.sign(SECRET, UID, [copy.eid], "replica", ttl=600, view=1)[0]
-    conn = TcpConnection("127.0.0.1", copy.tcp.port, client_id=client_id)
-    conn.present(token)
+    conn = primary_conn(copy, client_id)
     req_id, frames = conn.frames.request(typed(Op.ACCUMULATE, copy.eid, 0, SIZE, DType.INT64, arg0=0, arg1=SIZE,
                                                seq=seq, client=client_id), [raw])
     half = SIZE // 2
@@ -393,9 +395,7 @@ def test_backups_refuse_clients_and_deposed_primaries(nodes):
     with pytest.raises(NotPrimary):
         Client(primary).write(0, b"stale")                # its forward (view 1) is refused
     assert backup.data()[:5] == b"hello"
-    old = tickets.sign(SECRET, UID, [backup.eid], "replica", ttl=600, view=1)[0]
-    conn = TcpConnection("127.0.0.1", backup.tcp.port)
-    conn.present(old)
+    conn = primary_conn(backup)
     with pytest.raises(NotPrimary):
         conn.request(typed(Op.WRITE, backup.eid, 0, 5, arg0=0, arg1=5), [memoryview(b"stale")])
     conn.close()
