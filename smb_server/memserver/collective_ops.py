@@ -26,7 +26,7 @@ import struct
 import time
 
 from smb_protocol import rounds, wire
-from smb_protocol.errors import ExtentNotFound, InvalidArgument, Misaligned, Timeout
+from smb_protocol.errors import ExtentNotFound, InvalidArgument, Misaligned, Status, Timeout
 from smb_protocol.requests import Arith, Pull, Push
 from smb_protocol.rounds import Step
 from smb_protocol.wire import WaitCond
@@ -77,8 +77,9 @@ def push(node: Node, peer: Peer, extent: Extent, req: Push, entry: Entry | None)
                     # counted after the sum is in place: a pull reads once the count says
                     # so, without the lock
                     kernels.fetch_add(count, word - old)
-                    if entry is not None:
+                    if entry is not None:   # finished while counted (see Replication.unreplicated)
                         entry.applied = max(req.length, 1)
+                        entry.finish(Status.OK, _OLD.pack(old))
                     break
             _wait(node, peer, extent, req.word, word, deadline, req.timeout)
     if not extent.live:
@@ -121,6 +122,8 @@ def pull(node: Node, peer: Peer, req: Pull) -> None:
                     kernels.fetch_add(count, 1)
             except ExtentNotFound:   # released after the sum went out: nothing left to count
                 log.debug("extent %d released after a pull was answered", req.extent_id)
+            if entry is not None:   # finished while counted (see Replication.unreplicated)
+                entry.finish(Status.OK)
     if not req.seq:
         run(None)
     else:

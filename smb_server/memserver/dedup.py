@@ -152,7 +152,8 @@ class DedupTable:
         except BaseException:
             self.interrupt(entry)
             raise
-        entry.finish(Status.OK, body)
+        if not entry.done:   # ``run`` may finish it itself (a mutation served unreplicated)
+            entry.finish(Status.OK, body)
         return True, entry, body
 
     def interrupt(self, entry: Entry) -> None:

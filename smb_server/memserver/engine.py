@@ -127,7 +127,10 @@ class Engine:
         if not write:
             raise InvalidArgument(f"{req.op.name.lower()} is not served on this data plane")
         with replication.unreplicated(req.extent_id):   # a move waits for it (replication)
-            return self._unreplicated(peer, extent, req, entry)
+            body = self._unreplicated(peer, extent, req, entry)
+            if entry is not None:   # answered while counted: a move's copy hands the entry over
+                entry.finish(Status.OK, body or b"")
+            return body
 
     def _unreplicated(self, peer: Peer, extent: Extent, req: Request, entry: Entry | None) -> bytes | None:
         """A mutation of an unreplicated extent."""

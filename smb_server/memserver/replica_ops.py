@@ -34,19 +34,9 @@ from .arena import Extent
 from .dedup import Entry, unpack_records
 from .node import Node
 from .peer import Peer
-from .replication import RANGED_OPS, REPLICATED_OPS, ReplicaConfig
+from .replication import RANGED_OPS, REPLICATED_OPS, Deposed, ReplicaConfig
 
 log = logging.getLogger(__name__)
-
-
-class Deposed(NotPrimary):
-    """NotPrimary from a copy that is no longer its slot's primary. ``resumable``: a
-    request it applied part of stays interrupted in its exactly-once table (not finished
-    with this error), so that when the copy stays as a backup (a role swap) the rest of
-    the request, forwarded by the new primary where the client's retry resumes it,
-    is applied here too instead of being answered as a repeat."""
-
-    resumable = True
 
 
 def primary(node: Node, extent: Extent) -> ReplicaConfig:

@@ -20,7 +20,7 @@ every lock the controller's next ``ConfigureReplicas`` needs, until a new view d
 it (or copies it again) or :data:`REPLICA_TIMEOUT` passes (:class:`ReplicaTimeout`,
 the dedup entry keeps what was applied so that a retry resumes). A backup answering
 NotPrimary has a newer view than this primary: this one was deposed, and its client is
-told NotPrimary. The controller learns of failed backups from this server's heartbeats
+told NotPrimary (:class:`Deposed`: what the request applied here stays to be resumed). The controller learns of failed backups from this server's heartbeats
 (:meth:`Replication.failed_backups`; :attr:`Replication.on_failure` asks for a heartbeat
 at once), so that a backup this primary cannot reach while its own server still
 heartbeats (a partition between two memory servers) is dropped too.
@@ -39,8 +39,10 @@ Mutations served the unreplicated way (straight into the mapping, no forwarding)
 counted while they run (:meth:`Replication.unreplicated`): the configuration that
 makes the extent a primary first has the planes revoke the write access they handed
 out (:attr:`Replication.revoke_direct`: the rdma plane's writable registration) and
-waits for those mutations to end, so the copy that starts next misses none of them;
-those that come later see the role and take the primary's path (or, for collective
+waits for those mutations to end, so the copy that starts next misses none of them
+(and a numbered one's exactly-once entry is finished before its count ends, so the
+copy's handed-over entries answer its retry at the new place instead of applying it
+again); those that come later see the role and take the primary's path (or, for collective
 chunks, are refused with NotPrimary: their clients retry after the move). Waiting
 requests (locks, collective chunks) are not counted while they wait.
 
@@ -92,6 +94,19 @@ _WORD = struct.Struct("<q")
 RANGED_OPS = frozenset({Op.WRITE, Op.ACCUMULATE, Op.AXPY, Op.SCALE})
 #: operations a replicated extent serves (PUSH/PULL: collectives use unreplicated regions)
 REPLICATED_OPS = RANGED_OPS | {Op.FETCH_ADD, Op.COMPARE_SWAP, Op.LOCK, Op.UNLOCK}
+
+
+class Deposed(NotPrimary):
+    """NotPrimary from a copy that is no longer its slot's primary: its configuration
+    says so, or one of its backups has a newer view and refused its piece. ``resumable``:
+    a request it applied part of stays interrupted in its exactly-once table (not
+    finished with this error), so that the client's retry resumes it wherever the
+    applied part is: at this copy when it stays the primary of a newer view (a sync
+    driven again), at a copy synced from it (its entries go along), or, when it stays as
+    a backup (a role swap), through the rest of the request that the new primary
+    forwards here, applied instead of answered as a repeat."""
+
+    resumable = True
 
 
 class ReplicaTimeout(ServerUnavailable):
@@ -407,7 +422,7 @@ class Replication:
         :mod:`.requests`) to every backup of ``cfg`` not marked failed and wait for the
         answers; the caller holds the extent's lock. A failing backup is marked failed
         (:meth:`settle` waits for it to be dropped); NotPrimary from a backup (this
-        primary was deposed) is raised."""
+        primary was deposed) raises :class:`Deposed`."""
         sent = 0
         for backup in cfg.backups:
             if backup.state == "failed":
@@ -416,7 +431,7 @@ class Replication:
             try:
                 self._send(extent, cfg, backup, piece, payload)
             except NotPrimary:
-                raise NotPrimary(f"extent {extent.extent_id}: backup {backup.extent_id} on "
+                raise Deposed(f"extent {extent.extent_id}: backup {backup.extent_id} on "
                                  f"{backup.endpoint} has a newer view: this copy is no longer "
                                  "the primary; open the region again") from None
             except SMBError as exc:

@@ -173,11 +173,14 @@ def test_collectives_run_through_an_evacuation_with_exact_sums(pool):
     rounds = [0] * parties
     errs: list[BaseException] = []
     stop = threading.Event()
+    # the round every party ends before (set once; every party runs the same rounds: a party
+    # that stopped on a flag of its own could leave the others waiting in a round it never joined)
+    last: list[int] = []
 
     def run(rank: int) -> None:
         try:
             k = 0
-            while not stop.is_set() or k < 3:
+            while not stop.is_set() and (not last or k < last[0]):
                 x = np.arange(n, dtype=np.int64) * (rank + 1) + k
                 colls[rank].all_reduce(x)
                 np.testing.assert_array_equal(x, np.arange(n, dtype=np.int64) * 6 + 3 * k)
@@ -198,11 +201,12 @@ def test_collectives_run_through_an_evacuation_with_exact_sums(pool):
             done = min(rounds)
             while min(rounds) < done + 3 and not errs:   # rounds go on at the new place
                 time.sleep(0.01)
-        stop.set()
+        last.append(max(rounds) + 2)   # no party began a round past max(rounds) yet
         for t in threads:
             t.join(SETTLE)
         assert not errs, errs
         assert not any(t.is_alive() for t in threads)
+        assert rounds == [last[0]] * parties
     finally:
         stop.set()
         for coll in colls[1:]:

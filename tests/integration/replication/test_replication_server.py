@@ -274,6 +274,39 @@ def test_a_piece_of_an_older_view_stops_when_its_copy_is_synced_again(nodes):
     c.close()
 
 
+def test_a_forward_refused_for_a_newer_view_is_resumed_not_refused_again(nodes):
+    """The controller configures a backup at a newer view before its primary (a sync
+    driven again by a controller that restarted): a mutation the primary applies between
+    the two calls is refused by the backup, and its client hears NotPrimary. The primary,
+    configured at the new view, copies its bytes (that mutation's included) and its
+    exactly-once entries to the copy; the client's retry, at the primary or at the copy
+    once promoted, is answered as done: neither refused for ever nor applied twice."""
+    primary, copy = replica_set(nodes)
+    c = Client(primary)
+    copy.configure(2, "backup")
+    ones = np.ones(SIZE // 8, np.int64)
+    seq, fa_seq = next(c.seqs), next(c.seqs)
+    with pytest.raises(NotPrimary):
+        c.accumulate(0, ones, seq=seq)                # applied here, refused by the copy
+    with pytest.raises(NotPrimary):
+        c.session.fetch_add(c.ticket, primary.eid, 8, 5, seq=fa_seq)
+    primary.configure(2, "primary", [copy], sync=[copy])
+    assert copy.data() == primary.data()
+    c.accumulate(0, ones, seq=seq)                    # the retries, at the new view
+    assert c.session.fetch_add(c.ticket, primary.eid, 8, 5, seq=fa_seq) == 1
+    got = primary.array(np.int64)
+    assert got[1] == 1 + 5 and got[0] == 1 and np.all(got[2:] == 1), got[:4]
+    assert copy.data() == primary.data()
+    primary.tcp.close()                               # and at the copy, once promoted
+    copy.configure(3, "primary")
+    c.close()
+    c.session = c.open(copy)
+    c.accumulate(0, ones, seq=seq)
+    assert c.session.fetch_add(c.ticket, copy.eid, 8, 5, seq=fa_seq) == 1
+    assert np.array_equal(copy.array(np.int64), got)
+    c.close()
+
+
 def test_exactly_once_entries_are_taken_from_a_primary_only(nodes):
     """A client cannot plant answers in a server's exactly-once table: SEED over a
     client's ticket is refused with a typed error, and the connection and server go on."""
