@@ -20,9 +20,10 @@ every lock the controller's next ``ConfigureReplicas`` needs, until a new view d
 it (or copies it again) or :data:`REPLICA_TIMEOUT` passes (:class:`ReplicaTimeout`,
 the dedup entry keeps what was applied so that a retry resumes). A backup answering
 NotPrimary has a newer view than this primary: this one was deposed, and its client is
-told NotPrimary (:class:`Deposed`: what the request applied here stays to be resumed). The controller learns of failed backups from this server's heartbeats
-(:meth:`Replication.failed_backups`; :attr:`Replication.on_failure` asks for a heartbeat
-at once), so that a backup this primary cannot reach while its own server still
+told NotPrimary (:class:`Deposed`: what the request applied here stays to be resumed).
+The controller learns of failed backups from this server's heartbeats
+(:meth:`Replication.failed_backups`; :attr:`Replication.on_failure` asks for a
+heartbeat at once), so that a backup this primary cannot reach while its own server still
 heartbeats (a partition between two memory servers) is dropped too.
 
 A backup marked ``sync`` is added to the forwarding set first, then copied chunk by
