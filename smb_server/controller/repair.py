@@ -97,15 +97,13 @@ from .store import StateStore
 log = logging.getLogger(__name__)
 
 #: Whether a handover or role swap drains the old primary and keeps the staying copies
-#: without copying them again. Off: the elastic benchmark (SEASGD, evacuation under
-#: training) found a backup of the parameters region differing from its primary in 1.2
-#: of 9 MB after a drained handover, so the staying copies are synced from the new
-#: primary after every promotion, as before. Those differences had two causes elsewhere
-#: (a re-synced copy's stale exactly-once entries, a piece of an older view applied on
-#: copied bytes), both fixed; on again, the benchmark's copies stayed identical, but
-#: tests/integration/elastic/test_evacuate.py's controller restart mid-evacuation had a
-#: client see NotPrimary ("backup ... has a newer view"), so it stays off until that is.
-GRACEFUL_HANDOVER = False
+#: without copying them again (one copy per moved primary). It was off while the elastic
+#: benchmark found backups differing after drained handovers (two causes, fixed: a
+#: re-synced copy's stale exactly-once entries, a piece of an older view applied on
+#: copied bytes) and a client saw NotPrimary for good after a controller restart
+#: mid-evacuation (a deposed primary's refused forward was finished with that refusal and
+#: handed to the copy: it is resumable now, :class:`~smb_server.memserver.replication.Deposed`).
+GRACEFUL_HANDOVER = True
 
 REPAIR_INTERVAL = 1.0   # seconds between passes when nothing wakes the manager
 SYNC_WORKERS = 4        # slots synced at once

@@ -9,11 +9,8 @@ import hashlib
 import itertools
 from collections.abc import Sequence
 
-import pytest
-
 from smb_protocol import errors
 from smb_protocol.replicas import ReplicaRole
-from smb_server.controller import repair
 from smb_server.controller.creation import RegionCreator, RegionSpec
 from smb_server.controller.heads import Swap, head_cap, plan_heads
 from smb_server.controller.memservers import Backup
@@ -30,12 +27,6 @@ _ids = itertools.count(1)
 
 
 # -- store shapes as records ------------------------------------------------------------
-
-@pytest.fixture(autouse=True)
-def graceful(monkeypatch):
-    """The graceful handover's mechanism, which these tests drive (off by default:
-    repair.GRACEFUL_HANDOVER, see its comment)."""
-    monkeypatch.setattr(repair, "GRACEFUL_HANDOVER", True)
 
 def server(sid: str, state: str = "up", evacuating: bool = False) -> ServerRecord:
     return ServerRecord(sid, f"h{sid}", f"{sid}:1", (f"tcp://{sid}:2",), 256 * MiB, 0, 0, state, 0.0, 0.0,
