@@ -64,6 +64,7 @@ from functools import partial
 from typing import Any, TypeVar
 
 from smb_protocol import wire
+from smb_protocol.chunk_types import ChunkTypes, wire_type
 from smb_protocol.dtypes import DType, itemsize, resolve
 from smb_protocol.errors import DtypeError, InvalidArgument, Misaligned, RoundMismatch, SMBError, Timeout
 from smb_protocol.placement import check_weights, chunk_shares
@@ -77,6 +78,7 @@ from .exchange import Chunk, Exchanger
 from .futures import wait_all, wait_failing_fast
 from .metrics import timed_method
 from .region import Region
+from .wire_chunk import WireChunk
 
 log = logging.getLogger(__name__)
 
@@ -282,19 +284,27 @@ class Collective:
         """Round ``round_`` of ``chunk``, as its requests name it."""
         return ChunkRound(chunk.words[round_ % 2], self.parties, round_, root)
 
-    def _push(self, chunk: Chunk, round_: int, data: list[memoryview], dt: DType, root: bool = False) -> None:
+    def _push(self, chunk: Chunk, round_: int, data: list[memoryview], types: ChunkTypes,
+              root: bool = False) -> None:
         route = self.region.route
         seq = route.next_seq()
         ref = self._ref(chunk, round_, root)
+        code = types.code()
         route.coordinate(chunk.slot, lambda s, place: s.push(
-            route.ticket, place.extent_id, chunk.slots[round_ % 2], data, dt, ref, self.timeout, seq))
+            route.ticket, place.extent_id, chunk.slots[round_ % 2], data, code, ref, self.timeout, seq))
 
-    def _pull(self, chunk: Chunk, round_: int, out: list[memoryview]) -> None:
+    def _pull(self, chunk: Chunk, round_: int, out: list[memoryview], wire_chunk: WireChunk | None = None) -> None:
+        """Pull ``chunk``'s sum of round ``round_`` into ``out`` (through ``wire_chunk``
+        when it travels in a wire type)."""
         route = self.region.route
         seq = route.next_seq()
         ref = self._ref(chunk, round_)
+        w = wire_chunk
+        into, code, length = (out, 0, None) if w is None else (w.into, w.types.code(), w.nbytes)
         route.coordinate(chunk.slot, lambda s, place: s.pull(
-            route.ticket, place.extent_id, chunk.slots[round_ % 2], out, ref, self.timeout, seq))
+            route.ticket, place.extent_id, chunk.slots[round_ % 2], into, ref, self.timeout, seq, code, length))
+        if w is not None:
+            w.received()
 
     def _join(self) -> None:
         """Count this party into the collective's members, once, before its first round
@@ -348,14 +358,15 @@ class Collective:
         self.round += 1
         return round_, self._used(nbytes)
 
-    def exchange(self, chunk: Chunk, round_: int, parts: list[memoryview], dt: DType) -> list[Future[None]]:
-        """Push ``parts`` as ``chunk``'s share of round ``round_``, and have the sum in
-        them once every party pushed: streamed back on a pipelined connection
-        (:mod:`.exchange`), or pulled; the futures."""
+    def exchange(self, chunk: Chunk, round_: int, parts: list[memoryview], types: ChunkTypes) -> list[Future[None]]:
+        """Push ``parts`` as ``chunk``'s share of round ``round_`` (travelling as
+        ``types`` say), and have the sum in them once every party pushed: streamed back
+        on a pipelined connection (:mod:`.exchange`), or pulled; the futures."""
         if self.exchanger is not None:
-            return [self.exchanger.submit(chunk, round_, parts, dt)]
-        return [self._pushes.submit(self._push, chunk, round_, parts, dt),
-                self._pulls.submit(self._pull, chunk, round_, parts)]
+            return [self.exchanger.submit(chunk, round_, parts, types)]
+        w = WireChunk(parts, types) if types.wire else None
+        return [self._pushes.submit(self._push, chunk, round_, parts if w is None else w.sent, types),
+                self._pulls.submit(self._pull, chunk, round_, parts, w)]
 
     def _check_usable(self) -> None:
         """A collective whose round failed part way cannot go on: its counts are unknown."""
@@ -374,15 +385,21 @@ class Collective:
 
     # -- collectives ------------------------------------------------------------------
     @timed_method("reduce")
-    def all_reduce(self, data: B, dtype: Any = None) -> B:
+    def all_reduce(self, data: B, dtype: Any = None, *, wire: Any = None, full_sum: bool = False) -> B:
         """Sum ``data`` (a writable numpy array, torch CPU tensor or buffer; float32,
         float16, bfloat16, float64, int32 or int64) over the parties, in place; returns
-        ``data``. Chunks are pushed in order while the finished ones are pulled."""
-        self.begin(data, dtype).finish()
+        ``data``. Chunks are pushed in order while the finished ones are pulled.
+
+        ``wire``: ``"bf16"`` or ``"fp16"`` sends a float32 buffer's chunks as 16-bit
+        values (half the bytes); the servers sum them in float32, and the sum comes
+        back rounded once to the wire type, or, with ``full_sum``, as float32 (twice the
+        return bytes, never rounded). Every party must pass the same."""
+        self.begin(data, dtype, wire=wire, full_sum=full_sum).finish()
         return data
 
     def begin(self, data: Any, dtype: Any = None, *, runs: Sequence[tuple[int, int]] | None = None,
-              hold: int | None = None) -> AllReduce | cuda_round.StagedRound:
+              hold: int | None = None, wire: Any = None,
+              full_sum: bool = False) -> AllReduce | cuda_round.StagedRound:
         """Start an all-reduce of ``data`` (as :meth:`all_reduce`) whose bytes become
         final piece by piece: call :meth:`AllReduce.ready` as they do (each chunk is
         pushed once all its bytes are), then :meth:`AllReduce.finish`. ``runs``:
@@ -391,14 +408,16 @@ class Collective:
         same; only their bytes travel, packed). ``hold``: the offset of a byte whose chunk
         is pushed only by ``finish``
         (the round's end can then not be seen by anyone before every party called it).
-        A CUDA tensor's round is staged through pinned host memory (:mod:`.cuda_round`)."""
+        A CUDA tensor's round is staged through pinned host memory (:mod:`.cuda_round`).
+        ``wire``, ``full_sum``: as for :meth:`all_reduce`."""
         if cuda.is_cuda(data):
-            return cuda_round.begin(self, data, dtype, runs, hold)
+            return cuda_round.begin(self, data, dtype, runs, hold, wire, full_sum)
         view, dt = self._typed(data, dtype)
+        types = ChunkTypes(dt, wire_type(wire), full_sum)
         self.lock.acquire()
         try:
             self._check_usable()
-            return AllReduce(self, view, dt, runs, hold)
+            return AllReduce(self, view, types, runs, hold)
         except BaseException:
             self.lock.release()
             raise
@@ -424,7 +443,7 @@ class Collective:
             for c, n in self._used(len(view)):
                 part = view[c.start:c.start + n]
                 if rank == root:
-                    jobs.append((self._pushes, partial(self._push, c, round_, [part], dt, True)))
+                    jobs.append((self._pushes, partial(self._push, c, round_, [part], ChunkTypes(dt), True)))
                 else:
                     jobs.append((self._pulls, partial(self._pull, c, round_, [part])))
             try:
@@ -467,11 +486,11 @@ class AllReduce:
     the runs (frozen parameters) cost no traffic.
     """
 
-    def __init__(self, coll: Collective, view: memoryview, dt: DType,
+    def __init__(self, coll: Collective, view: memoryview, types: ChunkTypes,
                  runs: Sequence[tuple[int, int]] | None, hold: int | None) -> None:
         self.coll = coll
         self.view = view
-        self.dt = dt
+        self.types = types
         runs = [(0, len(view))] if runs is None else sorted((o, n) for o, n in runs if n > 0)
         self.runs: list[tuple[int, int, int]] = []       # (buffer offset, length, packed offset)
         packed = 0
@@ -528,7 +547,7 @@ class AllReduce:
     def _launch(self, index: int) -> None:
         c, n = self._todo.pop(index)
         parts = self._pieces(c.start, c.start + n)
-        self.futures.extend(self.coll.exchange(c, self._round, parts, self.dt))
+        self.futures.extend(self.coll.exchange(c, self._round, parts, self.types))
 
     def finish(self) -> None:
         """Push what is left (in chunk order), wait for every push and pull; raise the

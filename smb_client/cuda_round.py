@@ -40,7 +40,8 @@ class StagedRound:
     """
 
     def __init__(self, stager: Stager, coll: Any, data: Any, dtype: Any,
-                 runs: Sequence[tuple[int, int]] | None, hold: int | None) -> None:
+                 runs: Sequence[tuple[int, int]] | None, hold: int | None,
+                 wire: Any = None, full_sum: bool = False) -> None:
         self.stager = stager
         self.lane = stager.lane
         self.data = data
@@ -49,7 +50,8 @@ class StagedRound:
         self.streams = [self.lane.caller()]
         try:
             #: the round of the host copy (an AllReduce)
-            self.inner: Any = coll.begin(_host_view(self.mirror, data.dtype), dtype, runs=runs)
+            self.inner: Any = coll.begin(_host_view(self.mirror, data.dtype), dtype, runs=runs, wire=wire,
+                                         full_sum=full_sum)
         except BaseException:
             stager.unmirror(self.mirror)
             raise
@@ -182,11 +184,12 @@ class StagedRound:
 
 
 def begin(coll: Any, data: Any, dtype: Any = None, runs: Sequence[tuple[int, int]] | None = None,
-          hold: int | None = None, stager: Stager | None = None) -> StagedRound:
+          hold: int | None = None, wire: Any = None, full_sum: bool = False,
+          stager: Stager | None = None) -> StagedRound:
     """:meth:`Collective.begin <smb_client.collective.Collective.begin>` of a CUDA tensor."""
     if not data.is_contiguous():
         raise InvalidArgument("an all-reduce needs a contiguous tensor")
-    return StagedRound(stager or stager_for(data), coll, data, dtype, runs, hold)
+    return StagedRound(stager or stager_for(data), coll, data, dtype, runs, hold, wire, full_sum)
 
 
 def broadcast(coll: Any, data: B, root: int, rank: int, dtype: Any = None,

@@ -42,7 +42,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, InvalidStateError
 from typing import Protocol
 
-from smb_protocol.dtypes import DType
+from smb_protocol.chunk_types import ChunkTypes
 from smb_protocol.errors import ServerUnavailable, SMBError
 from smb_protocol.placement import ExtentPlace
 from smb_protocol.rounds import ChunkRound
@@ -51,6 +51,7 @@ from .region import Region
 from .retrying import Next, Retrying
 from .route import name_server
 from .transports.stream import ReduceStream, Reduction
+from .wire_chunk import WireChunk
 
 log = logging.getLogger(__name__)
 
@@ -81,18 +82,19 @@ class Owner(Protocol):
 
 
 class _Task:
-    __slots__ = ("chunk", "slot", "round", "parts", "dt", "seq", "nbytes", "future", "in_flight",
+    __slots__ = ("chunk", "slot", "round", "parts", "types", "wire", "seq", "nbytes", "future", "in_flight",
                  "retrying", "ticket", "stream")
 
-    def __init__(self, chunk: Chunk, round_: int, parts: Sequence[memoryview], dt: DType,
+    def __init__(self, chunk: Chunk, round_: int, parts: Sequence[memoryview], types: ChunkTypes,
                  seq: int) -> None:
         self.chunk = chunk
         self.slot = round_ % 2
         self.round = round_
         self.parts = list(parts)
-        self.dt = dt
+        self.types = types
+        self.wire = WireChunk(self.parts, types) if types.wire else None   # narrowed once, for every send
         self.seq = seq
-        self.nbytes = sum(len(p) for p in self.parts)
+        self.nbytes = self.wire.nbytes if self.wire is not None else sum(len(p) for p in self.parts)
         self.future: Future[None] = Future()
         self.in_flight = False
         self.retrying = Retrying()
@@ -121,10 +123,10 @@ class Exchanger:
         self._thread.start()
 
     # -- the round's side -------------------------------------------------------------
-    def submit(self, chunk: Chunk, round_: int, parts: Sequence[memoryview], dt: DType) -> Future[None]:
-        """Queue ``chunk``'s share of round ``round_``; the future ends once its sum is in
-        ``parts``."""
-        task = _Task(chunk, round_, parts, dt, self.coll.region.route.next_seq())
+    def submit(self, chunk: Chunk, round_: int, parts: Sequence[memoryview], types: ChunkTypes) -> Future[None]:
+        """Queue ``chunk``'s share of round ``round_`` (``parts`` of ``types.slot``,
+        travelling as ``types`` say); the future ends once its sum is in ``parts``."""
+        task = _Task(chunk, round_, parts, types, self.coll.region.route.next_seq())
         self._queue_task(task)
         return task.future
 
@@ -220,11 +222,12 @@ class Exchanger:
             raise ServerUnavailable(f"server {place.server_id} has no pipelined stream")
         task.stream = stream
         task.ticket = route.ticket
-        c = task.chunk
+        c, w = task.chunk, task.wire
         stream.send(task.ticket, Reduction(
-            place.extent_id, c.slots[task.slot], task.parts, task.dt,
+            place.extent_id, c.slots[task.slot], task.parts if w is None else w.sent, task.types,
             ChunkRound(c.words[task.slot], self.coll.parties, task.round), self.coll.timeout, task.seq,
-            pushed=lambda: self._pushed(task), done=lambda err: self._done(task, err)))
+            pushed=lambda: self._pushed(task), done=lambda err: self._done(task, err),
+            into=None if w is None else w.into, received=None if w is None else w.received))
 
     def _pushed(self, task: _Task) -> None:
         with self._cond:

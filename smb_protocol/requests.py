@@ -206,9 +206,11 @@ class Push(Request):
 @dataclass(slots=True)
 class Pull(Request):
     """A collective's pull of the round ``ref`` names: waits until every party's push is
-    in, answers the chunk, counts the pull."""
+    in, answers the chunk, counts the pull. ``dtype``: the chunk's types
+    (:mod:`smb_protocol.chunk_types`; 0: the slot's bytes as they are)."""
     ref: ChunkRound = _NO_ROUND
     timeout: float = 0.0
+    dtype: int = 0
 
     @property
     def word(self) -> int:
@@ -220,6 +222,9 @@ class Pull(Request):
     def what(self) -> tuple[int, ...]:
         return (int(self.op), self.extent_id, self.offset, self.length, self.ref.word)
 
+    def dtype_code(self) -> int:
+        return self.dtype
+
 
 @dataclass(slots=True)
 class Reduce(Push):
@@ -229,7 +234,7 @@ class Reduce(Push):
     def pull(self) -> Pull:
         """The pull that delivers the chunk's sum, numbered ``seq + 1``."""
         return Pull(Op.PULL, self.req_id, self.extent_id, self.offset, self.length, self.client,
-                    self.seq + 1 if self.seq else 0, ref=self.ref, timeout=self.timeout)
+                    self.seq + 1 if self.seq else 0, ref=self.ref, timeout=self.timeout, dtype=self.dtype)
 
 
 @dataclass(slots=True)
@@ -276,7 +281,7 @@ def from_frame(op: Op, dtype: int, req_id: int, extent_id: int, offset: int, len
     if op is Op.PUSH:
         return Push(*head, dtype=dtype, ref=ChunkRound.from_args(arg0, arg1), timeout=alpha)
     if op is Op.PULL:
-        return Pull(*head, ref=ChunkRound.from_args(arg0, arg1), timeout=alpha)
+        return Pull(*head, ref=ChunkRound.from_args(arg0, arg1), timeout=alpha, dtype=dtype)
     if op is Op.REDUCE:
         return Reduce(*head, dtype=dtype, ref=ChunkRound.from_args(arg0, arg1), timeout=alpha)
     if op is Op.SEED:

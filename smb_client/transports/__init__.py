@@ -98,17 +98,20 @@ class Session(abc.ABC):
         """Free the lock word at ``offset`` held by ``holder`` (LockNotHeld otherwise)."""
         raise self._no_coordination("unlock")
 
-    def push(self, ticket: str, extent_id: int, offset: int, buffers: Sequence[memoryview], dtype: DType,
+    def push(self, ticket: str, extent_id: int, offset: int, buffers: Sequence[memoryview], dtype: int,
              ref: ChunkRound, timeout: float, seq: int = 0) -> int:
         """A collective's ``PUSH`` of ``buffers`` at ``offset`` into the round ``ref``
         names (see :data:`smb_protocol.wire.COLLECTIVE_OPS`), waiting up to ``timeout``
-        seconds for the slot; the count word before."""
+        seconds for the slot; the count word before. ``dtype``: the chunk's types
+        (:meth:`smb_protocol.chunk_types.ChunkTypes.code`; a DType for a plain chunk)."""
         raise self._no_coordination("push")
 
     def pull(self, ticket: str, extent_id: int, offset: int, buffers: Sequence[memoryview],
-             ref: ChunkRound, timeout: float, seq: int = 0) -> None:
+             ref: ChunkRound, timeout: float, seq: int = 0, dtype: int = 0, length: int | None = None) -> None:
         """A collective's ``PULL`` of the round ``ref`` names into ``buffers``, waiting up
-        to ``timeout`` seconds for every push (see :data:`smb_protocol.wire.COLLECTIVE_OPS`)."""
+        to ``timeout`` seconds for every push (see :data:`smb_protocol.wire.COLLECTIVE_OPS`).
+        ``dtype``: the chunk's types (0: the slot's bytes as they are); ``length``: the
+        chunk's pushed bytes (default: the buffers' size)."""
         raise self._no_coordination("pull")
 
     def reductions(self) -> ReduceStream | None:

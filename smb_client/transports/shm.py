@@ -377,13 +377,13 @@ class ShmSession(Session):
     def unlock(self, ticket: str, extent_id: int, offset: int, holder: int) -> int:
         return self._server().unlock(ticket, extent_id, offset, holder)
 
-    def push(self, ticket: str, extent_id: int, offset: int, buffers: Sequence[memoryview], dtype: DType,
+    def push(self, ticket: str, extent_id: int, offset: int, buffers: Sequence[memoryview], dtype: int,
              ref: ChunkRound, timeout: float, seq: int = 0) -> int:
         return self._server().push(ticket, extent_id, offset, buffers, dtype, ref, timeout, seq)
 
     def pull(self, ticket: str, extent_id: int, offset: int, buffers: Sequence[memoryview],
-             ref: ChunkRound, timeout: float, seq: int = 0) -> None:
-        self._server().pull(ticket, extent_id, offset, buffers, ref, timeout, seq)
+             ref: ChunkRound, timeout: float, seq: int = 0, dtype: int = 0, length: int | None = None) -> None:
+        self._server().pull(ticket, extent_id, offset, buffers, ref, timeout, seq, dtype, length)
 
     def close(self) -> None:
         """Unmaps every extent; the arithmetic session belongs to the caller."""

@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from smb_protocol import wire
-from smb_protocol.dtypes import DType
+from smb_protocol.chunk_types import ChunkTypes
 from smb_protocol.errors import ProtocolError, ServerUnavailable, SMBError
 from smb_protocol.framing import ClientFrames
 from smb_protocol.requests import Reduce
@@ -55,32 +55,39 @@ class Connection(Protocol):
 
 
 class Reduction:
-    """One ``REDUCE`` in flight: push ``parts`` (``dtype`` elements) as the chunk at
-    ``offset`` of extent ``extent_id`` into the round ``ref`` names, and receive the sum
-    into ``parts``. ``pushed()`` is called when the push took effect, ``done(error)``
-    once with None (the sum is in ``parts``) or the typed error; both run on the
+    """One ``REDUCE`` in flight: push ``parts`` (the chunk as it travels, of the chunk
+    ``types`` of :mod:`smb_protocol.chunk_types`) as the chunk at ``offset`` of extent
+    ``extent_id`` into the round ``ref`` names, and receive the sum into ``into``
+    (default: ``parts``), then call ``received()`` (when given: it unpacks a sum that
+    came in another type). ``pushed()`` is called when the push took effect,
+    ``done(error)`` once with None (the sum is in) or the typed error; all run on the
     stream's receiving thread and must be quick."""
 
-    __slots__ = ("extent_id", "offset", "parts", "nbytes", "dtype", "ref", "timeout", "seq", "pushed", "done")
+    __slots__ = ("extent_id", "offset", "parts", "nbytes", "types", "ref", "timeout", "seq", "pushed", "done",
+                 "into", "answer_nbytes", "received")
 
-    def __init__(self, extent_id: int, offset: int, parts: Sequence[memoryview], dtype: DType,
+    def __init__(self, extent_id: int, offset: int, parts: Sequence[memoryview], types: ChunkTypes,
                  ref: ChunkRound, timeout: float, seq: int,
-                 pushed: Callable[[], None], done: Callable[[SMBError | None], None]) -> None:
+                 pushed: Callable[[], None], done: Callable[[SMBError | None], None],
+                 into: Sequence[memoryview] | None = None, received: Callable[[], None] | None = None) -> None:
         self.extent_id = extent_id
         self.offset = offset
         self.parts = list(parts)
         self.nbytes = sum(len(p) for p in self.parts)
-        self.dtype = dtype
+        self.types = types
         self.ref = ref
         self.timeout = timeout
         self.seq = seq
         self.pushed = pushed
         self.done = done
+        self.into = self.parts if into is None else list(into)
+        self.answer_nbytes = sum(len(p) for p in self.into)
+        self.received = received
 
     def request(self, client_id: int) -> Reduce:
         """The typed ``REDUCE`` of this reduction, numbered for ``client_id``."""
         return Reduce(Op.REDUCE, 0, self.extent_id, self.offset, self.nbytes, client_id if self.seq else 0,
-                      self.seq, dtype=self.dtype, ref=self.ref, timeout=self.timeout)
+                      self.seq, dtype=self.types.code(), ref=self.ref, timeout=self.timeout)
 
 
 class _Link:
@@ -182,9 +189,12 @@ class ReduceStream:
                         r.pushed()
                     continue
                 assert isinstance(r, Reduction)
-                if answer.length != r.nbytes:
-                    raise ProtocolError(f"{self.where}: a sum of {answer.length} bytes for a chunk of {r.nbytes}")
-                wire.recv_into_all(sock, r.parts)
+                if answer.length != r.answer_nbytes:
+                    raise ProtocolError(f"{self.where}: a sum of {answer.length} bytes where "
+                                        f"{r.answer_nbytes} were due")
+                wire.recv_into_all(sock, r.into)
+                if r.received is not None:
+                    r.received()
                 self._finish(link, answer.req_id, None)
         except TimeoutError as exc:
             if exc.errno == errno.ETIMEDOUT:

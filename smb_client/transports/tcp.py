@@ -348,16 +348,17 @@ class TcpSession(Session):
     def unlock(self, ticket: str, extent_id: int, offset: int, holder: int) -> int:
         return self._word(ticket, Lock(Op.UNLOCK, 0, extent_id, offset, 8, holder=holder), waits=0.0)
 
-    def push(self, ticket: str, extent_id: int, offset: int, buffers: Sequence[memoryview], dtype: DType,
+    def push(self, ticket: str, extent_id: int, offset: int, buffers: Sequence[memoryview], dtype: int,
              ref: ChunkRound, timeout: float, seq: int = 0) -> int:
         return int(_WORD.unpack(self._do(
             ticket, Push(Op.PUSH, 0, extent_id, offset, _size(buffers), self.client_id, seq, dtype=dtype,
                          ref=ref, timeout=timeout), buffers, waits=timeout))[0])
 
     def pull(self, ticket: str, extent_id: int, offset: int, buffers: Sequence[memoryview],
-             ref: ChunkRound, timeout: float, seq: int = 0) -> None:
-        self._do(ticket, Pull(Op.PULL, 0, extent_id, offset, _size(buffers), self.client_id, seq, ref=ref,
-                              timeout=timeout), into=buffers, waits=timeout)
+             ref: ChunkRound, timeout: float, seq: int = 0, dtype: int = 0, length: int | None = None) -> None:
+        n = _size(buffers) if length is None else length
+        self._do(ticket, Pull(Op.PULL, 0, extent_id, offset, n, self.client_id, seq, ref=ref,
+                              timeout=timeout, dtype=dtype), into=buffers, waits=timeout)
 
     def reductions(self) -> ReduceStream | None:
         """The pipelined ``REDUCE`` stream to this server (made on first use; one per

@@ -25,13 +25,17 @@ import logging
 import struct
 import time
 
+import numpy as np
+
 from smb_protocol import rounds, wire
+from smb_protocol.chunk_types import ChunkTypes, narrow
+from smb_protocol.dtypes import STORAGE, itemsize
 from smb_protocol.errors import ExtentNotFound, InvalidArgument, Misaligned, Status, Timeout
 from smb_protocol.requests import Arith, Pull, Push
 from smb_protocol.rounds import Step
 from smb_protocol.wire import WaitCond
 
-from . import kernels, ops
+from . import kernels
 from .arena import Extent
 from .dedup import Entry
 from .node import Node
@@ -42,24 +46,36 @@ log = logging.getLogger(__name__)
 _OLD = struct.Struct("<q")
 
 
-def check_chunk(req: Push | Pull, extent: Extent) -> None:
-    """The chunk's size and its count word's place."""
+def chunk_types(req: Push | Pull) -> ChunkTypes | None:
+    """The chunk's types (:mod:`smb_protocol.chunk_types`); None for a pull that names
+    none (its answer is the slot's bytes as they are)."""
+    if isinstance(req, Pull) and not req.dtype:
+        return None
+    return ChunkTypes.from_code(req.dtype)
+
+
+def check_chunk(req: Push | Pull, extent: Extent, types: ChunkTypes | None) -> int:
+    """The chunk's size and its count word's place; returns the bytes its slot spans."""
     name = req.op.name.lower()
-    if req.length > wire.MAX_CHUNK:
-        raise InvalidArgument(f"{name} moves at most {wire.MAX_CHUNK} bytes, not {req.length}")
+    span = types.slot_bytes(req.length) if types is not None else req.length
+    if span > wire.MAX_CHUNK:
+        raise InvalidArgument(f"{name} moves at most {wire.MAX_CHUNK} bytes, not {span}")
+    extent.check_range(req.offset, span)
     if req.word % 8:
         raise Misaligned(f"{name}: count word offset {req.word} is not 8-byte aligned")
     extent.check_range(req.word, 8)
-    if req.word < req.offset + req.length and req.offset < req.word + 8:
+    if req.word < req.offset + span and req.offset < req.word + 8:
         raise InvalidArgument(f"{name}: count word at {req.word} overlaps the chunk "
-                              f"[{req.offset}, {req.offset + req.length})")
+                              f"[{req.offset}, {req.offset + span})")
+    return span
 
 
 def push(node: Node, peer: Peer, extent: Extent, req: Push, entry: Entry | None) -> bytes:
     """Receive the chunk whole, wait until its slot's previous round ended, then store or
     add it and count the arrival; answers the count word before."""
-    check_chunk(req, extent)
-    dt = kernels.check_arith(Arith.ACCUMULATE, req.dtype, req.offset, req.length)
+    types = ChunkTypes.from_code(req.dtype)
+    span = check_chunk(req, extent, types)
+    kernels.check_arith(Arith.ACCUMULATE, types.slot, req.offset, span)
     deadline = time.monotonic() + req.timeout
     with extent.pin(), peer.payload(req.length) as src:
         chunk = src.take(req.length) if req.length else memoryview(b"")
@@ -69,11 +85,8 @@ def push(node: Node, peer: Peer, extent: Extent, req: Push, entry: Entry | None)
                 old = kernels.fetch_add(count, 0)
                 step, word = rounds.admit_push(old, req.ref)
                 if step is not Step.WAIT:
-                    with extent.data[req.offset:req.offset + req.length] as dst:
-                        if step is Step.START:
-                            dst[:] = chunk
-                        else:
-                            kernels.apply(Arith.ACCUMULATE, dst, chunk, dt, 0.0)
+                    with extent.data[req.offset:req.offset + span] as dst:
+                        kernels.push_chunk(dst, chunk, types, first=step is Step.START)
                     # counted after the sum is in place: a pull reads once the count says
                     # so, without the lock
                     kernels.fetch_add(count, word - old)
@@ -104,8 +117,8 @@ def pull(node: Node, peer: Peer, req: Pull) -> None:
     answers through :meth:`~.peer.Peer.send`, once: a failure after the answer went out
     (the extent released meanwhile) ends the pull quietly."""
     extent = peer.tickets.check(node.arena, req.extent_id, write=True)
-    extent.check_range(req.offset, req.length)
-    check_chunk(req, extent)
+    types = chunk_types(req)
+    span = check_chunk(req, extent, types)
     deadline = time.monotonic() + req.timeout
 
     def run(entry: Entry | None) -> None:
@@ -116,7 +129,7 @@ def pull(node: Node, peer: Peer, req: Pull) -> None:
                 break
             _wait(node, peer, extent, req.word, value, deadline, req.timeout)
         with node.replication.unreplicated(extent.extent_id):
-            ops.read(peer, extent, req)   # in the socket's buffer once this returns
+            _send_sum(peer, extent, req, types, span)   # in the socket's buffer once this returns
             try:
                 with extent.pin(), extent.lock, extent.data[req.word:req.word + 8] as count:
                     kernels.fetch_add(count, 1)
@@ -130,7 +143,7 @@ def pull(node: Node, peer: Peer, req: Pull) -> None:
         fresh, _, _ = node.dedup.once(req.client, req.seq, req.what(), peer.dedup_wait, run)
         if not fresh:
             peer.stats.add(repeats=1)
-            _send_again(peer, extent, req)
+            _send_again(peer, extent, req, types, span)
             return None
     node.waiters.touched(req.extent_id, req.word, 8)
     return None
@@ -141,12 +154,31 @@ def _word(extent: Extent, offset: int) -> int:
         return kernels.fetch_add(view, 0)
 
 
-def _send_again(peer: Peer, extent: Extent, req: Pull) -> None:
+def _answer(view: memoryview, types: ChunkTypes | None) -> memoryview:
+    """The sum in the slot (``view``) as a pull answers it: as it is, or narrowed to the
+    wire type (rounded once, here)."""
+    if types is None or types.answer is types.slot:
+        return view
+    out = np.empty(len(view) // itemsize(types.slot), STORAGE[types.answer])
+    narrow(np.frombuffer(view, STORAGE[types.slot]), types.answer, out)
+    return out.data.cast("B")
+
+
+def _send_sum(peer: Peer, extent: Extent, req: Pull, types: ChunkTypes | None, span: int) -> None:
+    """Answer a pull with its round's sum, from the mapping where it travels as it is."""
+    with extent.pin(), extent.data[req.offset:req.offset + span] as view:
+        out = _answer(view, types)
+        # counted before the answer goes out, so a client that has it sees the count
+        peer.stats.add(bytes_read=len(out), operations=1)
+        peer.send(req.req_id, out)
+
+
+def _send_again(peer: Peer, extent: Extent, req: Pull, types: ChunkTypes | None, span: int) -> None:
     """Answer a repeated pull with the sum again, copied under the extent's lock while the
     slot still holds the pull's round (a later round's push takes the same lock)."""
     with extent.pin(), extent.lock, extent.data[req.word:req.word + 8] as count:
         rounds.check_pulled_again(kernels.fetch_add(count, 0), req.ref)
-        with extent.data[req.offset:req.offset + req.length] as view:
-            copy = memoryview(bytes(view))
-    peer.stats.add(bytes_read=req.length, operations=1)
+        with extent.data[req.offset:req.offset + span] as view:
+            copy = memoryview(bytes(_answer(view, types)))
+    peer.stats.add(bytes_read=len(copy), operations=1)
     peer.send(req.req_id, copy)

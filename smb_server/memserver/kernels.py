@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from smb_protocol.chunk_types import ChunkTypes, widen
 from smb_protocol.dtypes import FLOATING, STORAGE, DType
 from smb_protocol.errors import DtypeError, InvalidArgument, Misaligned
 from smb_protocol.requests import Arith
@@ -167,6 +168,34 @@ def accumulate(dst: memoryview, src: memoryview | bytes | bytearray, dtype: int)
             assert s is not None
             np.add(d, s, out=d)
     _apply(dst, src, dt, fn)
+
+
+def push_chunk(dst: memoryview, src: memoryview, types: ChunkTypes, first: bool) -> None:
+    """A collective's push into its slot ``dst``: stored (the round's ``first``) or
+    added. A push in a wire type (:mod:`smb_protocol.chunk_types`) is widened into the
+    slot's type block by block, so the sum is never rounded to the wire type."""
+    if not types.wire:
+        if first:
+            dst[:] = src
+        else:
+            accumulate(dst, src, types.slot)
+        return
+    slot, sent = STORAGE[types.slot], STORAGE[types.wire]
+    n = len(src) // sent.itemsize
+    if len(dst) != n * slot.itemsize:
+        raise InvalidArgument(f"a push of {n} {types.wire.name.lower()} elements into a slot of {len(dst)} bytes")
+    d = np.frombuffer(dst, slot)
+    s = np.frombuffer(src, sent)
+    wide = _scratch.a.view(np.float32)
+    with np.errstate(all="ignore"):
+        for start in range(0, n, BF16_BLOCK):
+            end = min(n, start + BF16_BLOCK)
+            if first:
+                widen(s[start:end], types.wire, d[start:end])
+            else:
+                w = wide[:end - start]
+                widen(s[start:end], types.wire, w)
+                d[start:end] += w
 
 
 def scale(dst: memoryview, alpha: float, dtype: int) -> None:

@@ -20,16 +20,17 @@ KiB = 1 << 10
 
 def _parties(cluster, name: str, parties: int, nbytes: int, chunk_bytes: int | None, transport: str, body,
              num_servers: int = 0, window: int | None = None, priority: bool = True, timeout: float = 60,
-             expect_errors: bool = False, **options) -> list[BaseException]:
+             expect_errors: bool = False, pipelined: bool = True, **options) -> list[BaseException]:
     """Run ``body(coll, rank)`` in ``parties`` threads; the first creates the collective
     (with ``options`` for :meth:`Collective.create`); every party's sends go through
-    ``window`` bytes, lowest chunk first with ``priority``."""
+    ``window`` bytes, lowest chunk first with ``priority`` (or as PUSH and PULL requests
+    without ``pipelined``)."""
     clients = [cluster.client(transport=transport) for _ in range(parties)]
     created = Collective.create(clients[0], name, nbytes, parties, chunk_bytes=chunk_bytes,
                                 num_servers=num_servers, timeout=timeout, window=window, priority=priority,
-                                **options)
-    colls = [created] + [Collective.open(c, name, parties, timeout=timeout, window=window, priority=priority)
-                         for c in clients[1:]]
+                                pipelined=pipelined, **options)
+    colls = [created] + [Collective.open(c, name, parties, timeout=timeout, window=window, priority=priority,
+                                         pipelined=pipelined) for c in clients[1:]]
     errors_: list[BaseException] = []
 
     def run(rank: int) -> None:
