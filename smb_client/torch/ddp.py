@@ -103,7 +103,8 @@ class DistributedDataParallel(torch.nn.Module):
     Then the wrapper's own, keyword only: ``name`` (default :func:`default_name`),
     ``lease`` and ``job_options`` (a dict of :class:`Job`'s options: ``client``,
     ``env``, ``placement``, ``grad_slots``, ...) make the job; ``overlap`` through
-    ``writer`` are :class:`SyncDataParallel`'s.
+    ``compression`` are :class:`SyncDataParallel`'s (``compression="bf16"``: gradients
+    travel as 16-bit values and are summed in float32 by the memory servers).
     """
 
     def __init__(self, module: torch.nn.Module, device_ids: Sequence[Any] | None = None,
@@ -120,7 +121,7 @@ class DistributedDataParallel(torch.nn.Module):
                  barrier_timeout: float = BARRIER_TIMEOUT, publish_every: int = DEFAULT_PUBLISH_EVERY,
                  buffers: str | None = None, exchange: str = "auto", worker_hosts: Sequence[str] | None = None,
                  check_env: bool = True, priority: bool = True, log_every: int = 0,
-                 writer: Any = None) -> None:
+                 writer: Any = None, compression: str | None = None) -> None:
         super().__init__()
         if mixed_precision is not None:
             raise InvalidArgument("mixed_precision is not supported here: gradients are summed in the "
@@ -145,7 +146,8 @@ class DistributedDataParallel(torch.nn.Module):
             self.dp: SyncDataParallel = self.job.sync(
                 overlap=overlap, bucket_bytes=bucket_bytes, counters=counters, barrier_timeout=barrier_timeout,
                 publish_every=publish_every, buffers=buffers, exchange=exchange, worker_hosts=worker_hosts,
-                check_env=check_env, priority=priority, log_every=log_every, writer=writer)
+                check_env=check_env, priority=priority, log_every=log_every, writer=writer,
+                compression=compression)
         except BaseException:
             self.job.abandon()
             raise

@@ -184,13 +184,15 @@ class Job:
              counters: SharedCounters | None = None, barrier_timeout: float = BARRIER_TIMEOUT,
              publish_every: int = DEFAULT_PUBLISH_EVERY, buffers: str = "broadcast", exchange: str = "auto",
              worker_hosts: Sequence[str] | None = None, check_env: bool = True,
-             priority: bool = True, log_every: int = 0, writer: Any = None) -> SyncDataParallel:
+             priority: bool = True, log_every: int = 0, writer: Any = None,
+             compression: str | None = None) -> SyncDataParallel:
         """A :class:`SyncDataParallel` over the job's store, this worker's rank and the
         world size (closed by :meth:`finish`); the options are its own."""
         dp = SyncDataParallel(self.store, self.rank, self.world, overlap=overlap, bucket_bytes=bucket_bytes,
                               counters=counters, barrier_timeout=barrier_timeout, publish_every=publish_every,
                               buffers=buffers, exchange=exchange, worker_hosts=worker_hosts,
-                              check_env=check_env, priority=priority, log_every=log_every, writer=writer)
+                              check_env=check_env, priority=priority, log_every=log_every, writer=writer,
+                              compression=compression)
         self._trainers.append(dp)
         return dp
 

@@ -68,6 +68,8 @@ from typing import Any
 
 import torch
 
+from smb_protocol.chunk_types import ChunkTypes, wire_type
+from smb_protocol.dtypes import resolve
 from smb_protocol.errors import InvalidArgument, RegionNotFound
 from smb_protocol.hostinfo import host_id
 
@@ -91,6 +93,25 @@ DEFAULT_BUCKET_BYTES = 256 << 10  # bytes per pushed bucket
 BARRIER_TIMEOUT = 300.0           # seconds
 BUFFER_MODES = ("broadcast", "average", "none")
 EXCHANGES = ("auto", "collective", "slots")
+
+
+COMPRESSIONS = ("bf16", "fp16", "bf16-full", "fp16-full")
+
+
+def compression_types(compression: str | None, dtype: Any, exchange: str) -> tuple[str | None, bool]:
+    """The wire type and full-sum choice of a ``compression`` option (see
+    :class:`SyncDataParallel`); InvalidArgument or DtypeError for one that cannot
+    apply to parameters of ``dtype`` exchanged by ``exchange``."""
+    if compression in (None, "none"):
+        return None, False
+    if compression not in COMPRESSIONS:
+        raise InvalidArgument(f"unknown compression {compression!r}: expected one of "
+                              f"{', '.join(COMPRESSIONS)} or None")
+    if exchange != "collective":
+        raise InvalidArgument(f"compression={compression!r} needs the collective exchange, not {exchange!r}")
+    wire, _, full = compression.partition("-")
+    ChunkTypes(resolve(dtype), wire_type(wire), bool(full))   # DtypeError for parameters it cannot carry
+    return wire, bool(full)
 
 
 class SyncDataParallel:
@@ -135,6 +156,12 @@ class SyncDataParallel:
     computing and waiting (pushes, sums, barrier); the waits are ``smb::sync.*`` ranges in
     a ``torch.profiler`` trace. ``log_every`` logs their means every that many steps;
     ``writer`` (a TensorBoard ``SummaryWriter``) receives them every step.
+
+    ``compression`` (collective exchange, float32 parameters): ``"bf16"`` or ``"fp16"``
+    sends the gradients as 16-bit values, half the bytes; the memory servers sum them in
+    float32 and send the sum back rounded once (``"bf16-full"``/``"fp16-full"``: the
+    float32 sum itself, twice the return bytes, never rounded). None: float32 both ways.
+    Every worker must pass the same.
     """
 
     def __init__(self, store: ParameterStore, rank: int, world: int, *, overlap: bool = True,
@@ -143,7 +170,7 @@ class SyncDataParallel:
                  publish_every: int = DEFAULT_PUBLISH_EVERY, buffers: str = "broadcast",
                  exchange: str = "auto", worker_hosts: Sequence[str] | None = None,
                  check_env: bool = True, priority: bool = True, log_every: int = 0,
-                 writer: Any = None) -> None:
+                 writer: Any = None, compression: str | None = None) -> None:
         if not 0 <= rank < world:
             raise InvalidArgument(f"rank {rank} outside 0..{world - 1}")
         self.priority = priority
@@ -160,6 +187,7 @@ class SyncDataParallel:
                                   "mixes types: use exchange='slots'")
         if exchange == "auto":
             exchange = "collective" if store.flat.dtype is not None else "slots"
+        self.wire, self.full_sum = compression_types(compression, store.flat.dtype, exchange)
         if exchange == "slots" and store.grad_slots < SYNC_SLOTS:
             raise InvalidArgument(f"exchange='slots' needs a store with grad_slots >= {SYNC_SLOTS}, "
                                   f"{store.prefix!r} has {store.grad_slots}: create it with "
@@ -269,7 +297,8 @@ class SyncDataParallel:
     def _begin_round(self) -> AllReduce | StagedRound:
         if self._round is None:
             assert self._coll is not None
-            self._round = self._coll.begin(self.flat.flat_grads, runs=self._runs, hold=self._hold)
+            self._round = self._coll.begin(self.flat.flat_grads, runs=self._runs, hold=self._hold,
+                                           wire=self.wire, full_sum=self.full_sum)
         return self._round
 
     # -- per step -----------------------------------------------------------------

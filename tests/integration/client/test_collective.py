@@ -280,10 +280,12 @@ def test_a_round_whose_connections_break_is_sent_again_and_adds_nothing_twice(cl
     assert len(breaks) == 3
 
 
-def test_a_server_killed_mid_round_fails_every_party_with_a_typed_error(fresh_cluster, name):
+@pytest.mark.parametrize("wire", [None, "bf16"])
+def test_a_server_killed_mid_round_fails_every_party_with_a_typed_error(fresh_cluster, name, wire):
     """kill -9 of a memory server in the middle of a round: every party gets a typed
     error (the server is unavailable), well before the collective's own timeout, none
-    hangs, and the collective refuses another round (its counts are unknown)."""
+    hangs, and the collective refuses another round (its counts are unknown); the same
+    with chunks that travel in a wire type."""
     killed = threading.Event()
     killed_at: list[float] = []
     ended: dict[int, float] = {}
@@ -298,15 +300,15 @@ def test_a_server_killed_mid_round_fails_every_party_with_a_typed_error(fresh_cl
     def body(coll: Collective, rank: int) -> None:
         if rank == 0:
             _after_each_push(coll, kill)
-        x = np.ones(200 * 512, np.int64)
+        x = np.ones(200 * 512, np.int64) if wire is None else np.ones(400 * 512, np.float32)
         try:
             for _ in range(3):
-                coll.all_reduce(x)
+                coll.all_reduce(x, wire=wire)
         except errors.SMBError as exc:
             ended[rank] = time.monotonic()
             seen[rank] = exc
             with pytest.raises(type(exc), match="failed in round"):
-                coll.all_reduce(x)
+                coll.all_reduce(x, wire=wire)
             raise
     failures = _parties(fresh_cluster, name, 3, 200 * 512 * 8, 4096, "tcp", body, num_servers=2,
                         window=8 * 4096, timeout=120, expect_errors=True)

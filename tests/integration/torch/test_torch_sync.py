@@ -28,7 +28,7 @@ def make_data():
     return x, y
 
 
-def sync_worker(address, token, prefix, rank, placement, overlap, queue):
+def sync_worker(address, token, prefix, rank, placement, overlap, queue, compression=None):
     try:
         import smb_client
         from smb_client.torch import SharedCounters, SyncDataParallel, WorkerEnv, open_store
@@ -45,7 +45,8 @@ def sync_worker(address, token, prefix, rank, placement, overlap, queue):
             # workers would stop at different counts; "fastest" stops all after STEPS steps
             counters = SharedCounters(store.region("counters"), rank, WORLD, "fastest", STEPS + rank,
                                       lockstep=True)
-            dp = SyncDataParallel(store, rank, WORLD, overlap=overlap, counters=counters, bucket_bytes=1024)
+            dp = SyncDataParallel(store, rank, WORLD, overlap=overlap, counters=counters, bucket_bytes=1024,
+                                  compression=compression)
             opt = torch.optim.SGD(model.parameters(), lr=LR)
             step = 0
             while not dp.stop:
@@ -81,22 +82,26 @@ def reference():
     return model
 
 
-@pytest.mark.parametrize("placement,overlap", [("striped", True), ("layered", False)])
-def test_sync_equals_single_process_on_union_of_batches(cluster, name, placement, overlap):
-    from smb_client.torch import FlatModel
+def run_workers(cluster, name, placement, overlap, compression=None):
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=sync_worker, args=(cluster.address, cluster.token, name, r, placement,
-                                                    overlap, queue)) for r in range(WORLD)]
+                                                    overlap, queue, compression)) for r in range(WORLD)]
     for p in procs:
         p.start()
     try:
-        results = sorted(queue.get(timeout=120) for _ in procs)
+        return sorted(queue.get(timeout=120) for _ in procs)
     finally:
         for p in procs:
             p.join(30)
             if p.is_alive():
                 p.kill()
+
+
+@pytest.mark.parametrize("placement,overlap", [("striped", True), ("layered", False)])
+def test_sync_equals_single_process_on_union_of_batches(cluster, name, placement, overlap):
+    from smb_client.torch import FlatModel
+    results = run_workers(cluster, name, placement, overlap)
     for rank, steps, params, _traffic in results:
         assert steps == STEPS, (rank, params)
     ref = FlatModel(reference()).flat_params.numpy()
@@ -106,3 +111,42 @@ def test_sync_equals_single_process_on_union_of_batches(cluster, name, placement
         np.testing.assert_allclose(params, ref, rtol=1e-5, atol=1e-6)
         assert traffic["sent"] > 0 and traffic["received"] > 0
     assert np.abs(ref - start).max() > 1e-3                        # training moved the weights
+
+
+@pytest.mark.parametrize("compression", ["bf16", "fp16-full"])
+def test_16_bit_gradients_train_close_to_float32_and_every_replica_alike(cluster, name, compression):
+    """Gradients sent as 16-bit values and summed in float32 on the servers: every
+    replica ends with the same bytes, near the float32 reference (the pushes' rounding
+    is all that differs), and not equal to it (the gradients did travel narrowed)."""
+    from smb_client.torch import FlatModel
+    results = run_workers(cluster, name, "striped", True, compression)
+    ref = FlatModel(reference()).flat_params.numpy()
+    start = FlatModel(make_model()).flat_params.numpy()
+    moved = np.abs(ref - start).max()
+    for rank, steps, params, _traffic in results:
+        assert steps == STEPS, (rank, params)
+        assert np.array_equal(params, results[0][2])
+        assert np.abs(params - ref).max() < 0.02 * moved
+    assert not np.array_equal(results[0][2], ref)
+
+
+def test_compression_that_cannot_apply_is_refused(cluster, name):
+    import smb_client
+    from smb_client.torch import SyncDataParallel, WorkerEnv, open_store
+    from smb_protocol import errors
+    env = WorkerEnv(rank=0, world_size=1, local_rank=0, local_world_size=1)
+    with smb_client.connect(cluster.address, cluster.token) as client:
+        store = open_store(client, env, name, make_model(), grad_slots=3, workers=1)
+        try:
+            with pytest.raises(errors.InvalidArgument, match="unknown compression 'int8'"):
+                SyncDataParallel(store, 0, 1, compression="int8", check_env=False)
+            with pytest.raises(errors.InvalidArgument, match="needs the collective exchange"):
+                SyncDataParallel(store, 0, 1, compression="bf16", exchange="slots", check_env=False)
+            store16 = open_store(client, env, f"{name}16", make_model().half(), grad_slots=3, workers=1)
+            try:
+                with pytest.raises(errors.DtypeError, match="float16 chunks cannot travel as bfloat16"):
+                    SyncDataParallel(store16, 0, 1, compression="bf16", check_env=False)
+            finally:
+                store16.destroy()
+        finally:
+            store.destroy()
