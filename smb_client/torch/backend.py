@@ -14,7 +14,13 @@ Every operation is a :class:`~smb_client.collective.Collective` round, made lazi
 is there (every rank runs the same operations in the same order). Operations run in
 order on one worker thread; each call returns an :class:`SMBWork` whose ``wait()`` and
 ``get_future()`` give the result or raise the error (a dead server, a timeout). After a
-failed operation the process group refuses the next ones.
+failed operation the process group refuses the next ones. A callback chained on an
+operation's future (``fut.then(fn)``: DDP's communication hooks, PowerSGD's chain of
+all-reduces) is queued behind the operations the caller started before it and runs on
+the worker thread, whether the operation already ended or not; an operation it starts
+runs there at once. So every rank runs the same operations in the same order, however
+its threads are timed (a callback run at once in whichever thread chained it, as
+plain futures do, would start its all-reduce at a moment that differs between ranks).
 
 * ``allreduce`` (also coalesced): ``SUM`` on float32, float16, bfloat16, float64, int32
   and int64; ``AVG`` on the floating-point ones (sum, then divide). Any other
@@ -171,6 +177,37 @@ class StoreRoll:
             return None
 
 
+class OrderedFuture(torch.futures.Future[Any]):
+    """The future of an :class:`SMBProcessGroup` operation: :meth:`then` queues its
+    callback on the group's worker thread, in the order of the caller's operations
+    (module docstring)."""
+
+    def __init__(self, group: SMBProcessGroup, devices: list[int | str | torch.device] | None = None) -> None:
+        if devices:
+            super().__init__(devices=devices)
+        else:
+            super().__init__()
+        self._group = group
+        self._devices = devices
+
+    def then(self, callback: Callable[[Any], Any]) -> OrderedFuture:
+        """A future of ``callback(self)``, run on the group's worker thread once this one
+        ended, after the operations queued before this call."""
+        child = OrderedFuture(self._group, self._devices)
+
+        def run() -> None:
+            try:
+                child.set_result(callback(self))
+            except BaseException as exc:   # the chained future carries it, as torch's do
+                child.set_exception(exc)
+        if not self.done() and self._group.on_worker():
+            # chained by a callback on an operation queued behind it: run when that ends
+            super().then(lambda _: run())
+        else:
+            self._group._enqueue(run)   # behind this future's operation: it has ended by then
+        return child
+
+
 class SMBWork(Work):
     """One operation of an :class:`SMBProcessGroup`: done when its future is."""
 
@@ -233,6 +270,7 @@ class SMBProcessGroup(ProcessGroup):
             self.prefix = store.get(f"{self._keys}/prefix").decode()
         self.collectives: dict[int, Collective] = {}
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="smb-pg")
+        self._running = threading.local()   # .active: this thread runs an operation (or its callbacks)
         self._failed: BaseException | None = None
         self._closed = False
         self._lock = threading.Lock()
@@ -255,8 +293,7 @@ class SMBProcessGroup(ProcessGroup):
         caller's queued work) and the future is a CUDA one (its waiters' streams wait for
         the copies back)."""
         devices: list[int | str | torch.device] = sorted({t.device for t in tensors if t.is_cuda}, key=str)
-        future: torch.futures.Future[Any] = torch.futures.Future(devices=devices) if devices \
-            else torch.futures.Future()
+        future = OrderedFuture(self, devices)
         fn = on_caller_stream(fn, list(tensors))
 
         def run() -> None:
@@ -271,11 +308,30 @@ class SMBProcessGroup(ProcessGroup):
                 future.set_exception(exc)
             else:
                 future.set_result(result)
+        self._enqueue(run)
+        return SMBWork(future, what)
+
+    def _enqueue(self, job: Callable[[], None]) -> None:
+        """Queue ``job`` on the worker thread; from the worker thread itself (a chained
+        callback starting an operation) run it now."""
         with self._lock:
             if self._closed:
                 raise Closed(f"process group {self.prefix} is shut down (destroy_process_group was called)")
-            self._worker.submit(run)
-        return SMBWork(future, what)
+            if not self.on_worker():
+                self._worker.submit(self._run_job, job)
+                return
+        job()
+
+    def on_worker(self) -> bool:
+        """Whether the calling thread is the worker running an operation or callback."""
+        return bool(getattr(self._running, "active", False))
+
+    def _run_job(self, job: Callable[[], None]) -> None:
+        self._running.active = True
+        try:
+            job()
+        finally:
+            self._running.active = False
 
     def collective(self, nbytes: int) -> Collective:
         """The collective of ``nbytes``' size class, made (rank 0) or opened (the

@@ -153,11 +153,19 @@ def make_model(seed):
                                torch.nn.Linear(64, 4))
 
 
-def train_ddp(rank, world, group):
-    """A few DDP steps; each rank starts from its own seed (DDP broadcasts rank 0's)."""
+def train_ddp(rank, world, group, hook=None, bucket_cap_mb=0.001):
+    """A few DDP steps; each rank starts from its own seed (DDP broadcasts rank 0's).
+    ``hook``: ``"fp16"`` (DDP's fp16_compress_hook) or ``"powersgd"`` (its PowerSGD hook)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
     from torch.nn.parallel import DistributedDataParallel as DDP
     model = make_model(100 + rank)
-    ddp = DDP(model, process_group=group, bucket_cap_mb=0.001)      # several buckets, overlapped
+    ddp = DDP(model, process_group=group, bucket_cap_mb=bucket_cap_mb)   # default: several buckets, overlapped
+    if hook == "fp16":
+        ddp.register_comm_hook(group, default_hooks.fp16_compress_hook)
+    elif hook == "powersgd":
+        state = powerSGD_hook.PowerSGDState(process_group=group, matrix_approximation_rank=1,
+                                            start_powerSGD_iter=2, min_compression_rate=0.5)
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=LR, momentum=0.9)
     g = torch.Generator().manual_seed(7)
     x = torch.randn(STEPS, world, BATCH, 10, generator=g)
@@ -169,16 +177,22 @@ def train_ddp(rank, world, group):
     return {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
 
 
-def ddp_both(rank, world):
+def ddp_both(rank, world, hook=None):
     import torch.distributed as dist
-    smb = train_ddp(rank, world, None)                               # the default group: smb
-    gloo = train_ddp(rank, world, dist.new_group(backend="gloo"))
+    # PowerSGD's hook waits for an all-reduce inside a callback; gloo runs those callbacks on
+    # its own worker threads, and with more buckets than threads it waits for ever: one bucket
+    cap = 25 if hook == "powersgd" else 0.001
+    smb = train_ddp(rank, world, None, hook, cap)                    # the default group: smb
+    gloo = train_ddp(rank, world, dist.new_group(backend="gloo"), hook, cap)
     return smb, gloo
 
 
-def test_ddp_on_smb_equals_ddp_on_gloo(cluster):
-    """Two ranks: a sum of two numbers has one order, so the weights agree bit for bit."""
-    results = run_processes(cluster, ddp_both, 2)
+@pytest.mark.parametrize("hook", [None, "fp16", "powersgd"])
+def test_ddp_on_smb_equals_ddp_on_gloo(cluster, hook):
+    """Two ranks: a sum of two numbers has one order, so the weights agree bit for bit;
+    the same with DDP's own communication hooks (fp16 compression, PowerSGD) registered
+    unchanged on the smb process group."""
+    results = run_processes(cluster, ddp_both, 2, hook)
     start = make_model(100).state_dict()
     for smb, gloo in results:
         assert smb.keys() == gloo.keys()
@@ -188,6 +202,17 @@ def test_ddp_on_smb_equals_ddp_on_gloo(cluster):
             assert "running" in key or np.array_equal(smb[key], results[0][0][key]), key
         assert np.abs(smb["0.weight"] - start["0.weight"].numpy()).max() > 1e-3
         assert smb["1.num_batches_tracked"] == STEPS
+
+
+def test_powersgd_with_many_buckets_keeps_every_rank_in_step(cluster):
+    """PowerSGD chains all-reduces in callbacks of earlier ones, bucket after bucket; the
+    smb group runs every callback in the order it was chained, so both ranks start the
+    same all-reduces in the same order and end with the same weights."""
+    results = run_processes(cluster, train_ddp, 2, None, "powersgd", 0.001)
+    start = make_model(100).state_dict()
+    for key in results[0]:
+        assert "running" in key or np.array_equal(results[0][key], results[1][key]), key
+    assert np.abs(results[0]["0.weight"] - start["0.weight"].numpy()).max() > 1e-3
 
 
 def until_failure(rank, world, ready):
