@@ -258,7 +258,7 @@ def _allreduce_points(s: Settings, tick: Tick, cpu: CpuSampler | None, n: int, k
                 runs = tb.run_workers(specs, name=f"ar-{size}-")
             point: dict[str, Any] = {"bytes": size, "workers": n, "servers": k, "colocated": colocate,
                                      "shared_hosts": tb.shared}
-            systems = ("smb", "collective", "pushpull", "gloo") + (("weighted",) if weighted else ())
+            systems = ("smb", "collective", "pushpull", "bf16", "gloo") + (("weighted",) if weighted else ())
             for system in systems:
                 per_sync = [max(r[str(size)][system]["times"][i] for r in runs)
                             for i in range(s.syncs)]
@@ -277,6 +277,8 @@ def _allreduce_points(s: Settings, tick: Tick, cpu: CpuSampler | None, n: int, k
             point["smb_vs_gloo"] = point["gloo"]["seconds"] / point["smb"]["seconds"]
             point["collective_vs_gloo"] = point["gloo"]["seconds"] / point["collective"]["seconds"]
             point["pushpull_vs_gloo"] = point["gloo"]["seconds"] / point["pushpull"]["seconds"]
+            point["bf16_vs_gloo"] = point["gloo"]["seconds"] / point["bf16"]["seconds"]
+            point["bf16_of_collective"] = point["bf16"]["seconds"] / point["collective"]["seconds"]
             if weighted:
                 point["weighted_vs_gloo"] = point["gloo"]["seconds"] / point["weighted"]["seconds"]
                 point["weighted_bytes_per_server"] = runs[0][str(size)]["weighted"]["bytes_per_server"]
@@ -286,7 +288,8 @@ def _allreduce_points(s: Settings, tick: Tick, cpu: CpuSampler | None, n: int, k
             points.append(point)
             tick(f"aggregation, {n} workers, {k} {where} servers, {size / 1e6:.0f} MB: smb "
                  f"{point['smb']['seconds']:.2f} s, collective {point['collective']['seconds']:.2f} s, "
-                 f"push-pull {point['pushpull']['seconds']:.2f} s, gloo {point['gloo']['seconds']:.2f} s"
+                 f"push-pull {point['pushpull']['seconds']:.2f} s, bf16 on the wire {point['bf16']['seconds']:.2f} s, "
+                 f"gloo {point['gloo']['seconds']:.2f} s"
                  + (f", weighted push-pull {point['weighted']['seconds']:.2f} s" if weighted else ""))
     return points
 

@@ -92,15 +92,17 @@ def dedicated_bounds(r: dict[str, Any], p: dict[str, Any]) -> tuple[float | None
 
 def dedicated_table(r: dict[str, Any]) -> str:
     lines = ["| workers | memory servers | gradient size | accumulate then read (s) | pipelined push-pull (s) "
+             "| the same, bf16 on the wire (s) "
              "| gloo all-reduce (s) | gloo time / memory-box time (accumulate-read, push-pull) "
              "| link bound: memory box, ring (s) | expected ratio at the link bound "
              "| CPU cores used (accumulate-read, push-pull, gloo) |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for p in r.get("dedicated", []):
         box, ring = dedicated_bounds(r, p)
+        bf16 = p.get("bf16", {}).get("seconds")
         lines.append(
             f"| {p['workers']} | {p['servers']} | {p['bytes'] / 1e6:.0f} MB | {p['smb']['seconds']:.2f} "
-            f"| {p['collective']['seconds']:.2f} | {p['gloo']['seconds']:.2f} "
+            f"| {p['collective']['seconds']:.2f} | {_f(bf16)} | {p['gloo']['seconds']:.2f} "
             f"| {p['smb_vs_gloo']:.2f}, {p['collective_vs_gloo']:.2f} | {_f(box)}, {_f(ring)} "
             f"| {_f(ring / box if box and ring else None)} "
             f"| {_cores(p['smb'].get('cpu'))}, {_cores(p['collective'].get('cpu'))}, "

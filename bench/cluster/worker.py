@@ -220,19 +220,20 @@ def _smb_allreduce(c: Client, spec: dict[str, Any], size: int) -> dict[str, Any]
 
 
 def _smb_collective(c: Client, spec: dict[str, Any], size: int, weighted: bool = False,
-                    pipelined: bool = True) -> dict[str, Any]:
+                    pipelined: bool = True, wire: str | None = None) -> dict[str, Any]:
     """Sum ``size`` bytes of float32 over the workers with :class:`Collective`
     (chunks dealt over the servers; no barrier, no controller call): streamed sums
     (``REDUCE`` on one pipelined connection per server, default chunks and window) or,
     without ``pipelined``, as before them: a push and a pull per chunk on pooled
     connections, 8 of each in flight, chunks of up to 4 MiB (``pushpull``).
     ``weighted``: chunks shared by spare link capacity, from every worker's host
-    (``spec["worker_hosts"]``), not evenly."""
+    (``spec["worker_hosts"]``), not evenly. ``wire``: the chunks travel as that 16-bit
+    type and are summed in float32 (``Collective.all_reduce(..., wire=)``)."""
     from smb_client.collective import Collective
     rank, world = spec["rank"], spec["world"]
     n = size // 4
     grads = np.empty(n, dtype=np.float32)
-    name = f"{spec['tag']}/coll{'w' if weighted else ''}{'' if pipelined else 'p'}{size}"
+    name = f"{spec['tag']}/coll{'w' if weighted else ''}{'' if pipelined else 'p'}{wire or ''}{size}"
     chunk = None if pipelined else max(64 << 10, min(4 << 20, -(-size // (spec["servers"] * 4 * 4096)) * 4096))
     if rank == 0 and weighted:
         coll = Collective.create(c, name, size, world, worker_hosts=spec["worker_hosts"], timeout=BARRIER_TIMEOUT)
@@ -250,7 +251,7 @@ def _smb_collective(c: Client, spec: dict[str, Any], size: int, weighted: bool =
         grads.fill(rank + 1)
         c.barrier(f"{name}/align{s}", world, timeout=BARRIER_TIMEOUT)
         w0, t0 = time.time(), time.perf_counter()
-        coll.all_reduce(grads)
+        coll.all_reduce(grads, wire=wire)
         t1 = time.perf_counter()
         ok = ok and bool(np.all(grads == world * (world + 1) / 2))
         if s >= spec["warmup"]:
@@ -303,6 +304,7 @@ def allreduce(spec: dict[str, Any]) -> dict[str, Any]:
                 result[str(size)] = {"smb": _smb_allreduce(c, spec, size),
                                      "collective": _smb_collective(c, spec, size),
                                      "pushpull": _smb_collective(c, spec, size, pipelined=False),
+                                     "bf16": _smb_collective(c, spec, size, wire="bf16"),
                                      "gloo": _gloo_allreduce(spec, size)}
                 if spec.get("worker_hosts"):
                     result[str(size)]["weighted"] = _smb_collective(c, spec, size, weighted=True)

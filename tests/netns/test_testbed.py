@@ -87,7 +87,7 @@ def test_aggregation_short_against_gloo():
     assert point["collective"]["verified"] and point["collective"]["seconds"] > 0
     (dedicated,) = result["dedicated"]                 # workers and servers on hosts of their own
     assert (dedicated["workers"], dedicated["servers"], dedicated["colocated"]) == (2, 2, False)
-    assert all(dedicated[system]["verified"] for system in ("smb", "collective", "pushpull", "gloo"))
+    assert all(dedicated[system]["verified"] for system in ("smb", "collective", "pushpull", "bf16", "gloo"))
     # every host link sampled during the rounds: the sums crossed the links, and no
     # link carried more than its cap
     links = dedicated["links"]
