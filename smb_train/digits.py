@@ -108,6 +108,8 @@ def worker_argv(args: argparse.Namespace, data: str) -> list[str]:
         out += ["--eval-every", str(args.eval_every)]
     if args.no_overlap:
         out.append("--no-overlap")
+    if args.compression:
+        out += ["--compression", args.compression]
     if args.quiet:
         out.append("--quiet")
     return out
@@ -190,6 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--node-size", type=int, default=0,
                    help="hybrid: workers per node (default LOCAL_WORLD_SIZE; half the workers on one host)")
     p.add_argument("--no-overlap", action="store_true", help="push gradients after backward, not from hooks")
+    p.add_argument("--compression", default=None, choices=("bf16", "fp16", "bf16-full", "fp16-full"),
+                   help="sync: gradients as 16-bit values on the wire, summed in float32 on the servers")
     p.add_argument("--job", default="digits", help="region namespace")
     p.add_argument("--replicas", type=int, default=1,
                    help="copies of every byte of the parameter store on distinct memory servers (1 to 3)")

@@ -122,7 +122,8 @@ def _sync(ctx: dict[str, Any]) -> dict[str, Any]:
         steps_per_epoch = len(t["y_train"]) // (world * b)
         total_steps = steps_per_epoch * args.epochs
         counters = SharedCounters(store.region("counters"), rank, world, "master", total_steps, lockstep=True)
-        dp = SyncDataParallel(store, rank, world, overlap=not args.no_overlap, counters=counters)
+        dp = SyncDataParallel(store, rank, world, overlap=not args.no_overlap, counters=counters,
+                              compression=getattr(args, "compression", None))
         progress = Progress(rank == 0 and not args.quiet, total_steps, f"sync   x{world}")
         curve: list[tuple[float, int, float]] = []
         client.barrier(f"{prefix}/start", world, timeout=120)

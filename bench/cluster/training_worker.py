@@ -6,7 +6,9 @@ every system, one after the other on the same hosts: ``smb`` (:class:`SyncDataPa
 the pipelined push-pull collective, no hooks), ``smb+hooks`` (pushes from the backward
 hooks; ``-fifo``: chunks in the order they become ready, not first layers first), ``ddp``
 (:class:`torch.nn.parallel.DistributedDataParallel` over gloo) and ``ddp-smb`` (the same
-DDP over the ``"smb"`` backend, :mod:`smb_client.torch.backend`).
+DDP over the ``"smb"`` backend, :mod:`smb_client.torch.backend`); with 16-bit gradients:
+``smb+hooks-bf16`` (``compression="bf16"``: bfloat16 on the wire, float32 sums on the
+servers) and ``ddp-fp16`` (DDP over gloo with its ``fp16_compress_hook``).
 Each system: ``warmup`` steps, a gloo barrier, then ``steps`` timed steps; the
 result holds this worker's seconds for them, its time waiting for the exchange
 (SyncDataParallel's ``comm_wait``), the wall-clock window (for CPU use) and whether its
@@ -22,7 +24,7 @@ from typing import Any
 
 BARRIER_TIMEOUT = 300.0   # seconds
 #: -fifo: chunks in the order they are ready; ddp-smb: plain DDP on the "smb" torch.distributed backend
-SYSTEMS = ("smb", "smb+hooks", "smb+hooks-fifo", "ddp", "ddp-smb")
+SYSTEMS = ("smb", "smb+hooks", "smb+hooks-bf16", "smb+hooks-fifo", "ddp", "ddp-fp16", "ddp-smb")
 
 
 def make_model(layers: list[int]) -> Any:
@@ -52,8 +54,11 @@ def _train(spec: dict[str, Any], system: str, client: Any) -> dict[str, Any]:
     dp: Any = None
     store: Any = None
     group: Any = None
-    if system == "ddp":
+    if system in ("ddp", "ddp-fp16"):
         net: Any = torch.nn.parallel.DistributedDataParallel(model)
+        if system == "ddp-fp16":
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+            net.register_comm_hook(None, default_hooks.fp16_compress_hook)
     elif system == "ddp-smb":
         import smb_client.torch  # noqa: F401  (registers the backend)
         os.environ["SMB_CONTROLLER"] = spec["controller"]
@@ -64,7 +69,8 @@ def _train(spec: dict[str, Any], system: str, client: Any) -> dict[str, Any]:
         store = open_store(client, env, f"{spec['tag']}/{system.replace('+', '-')}", model, workers=world,
                            buffers=False, replace=True)
         dp = SyncDataParallel(store, rank, world, overlap=system.startswith("smb+hooks"), publish_every=0,
-                              buffers="none", exchange="collective", priority=not system.endswith("-fifo"))
+                              buffers="none", exchange="collective", priority=not system.endswith("-fifo"),
+                              compression="bf16" if system.endswith("-bf16") else None)
         net = model
     opt = torch.optim.SGD(model.parameters(), lr=spec["lr"])
     times: list[float] = []

@@ -121,7 +121,8 @@ def test_aggregation_with_some_servers_on_workers_hosts():
 def test_training_short_against_ddp():
     from bench.cluster import training
     result = training.run(experiments.quick(), lambda message: None)
-    assert set(result["systems"]) == {"smb", "smb+hooks", "smb+hooks-fifo", "ddp", "ddp-smb"}
+    assert set(result["systems"]) == {"smb", "smb+hooks", "smb+hooks-bf16", "smb+hooks-fifo", "ddp", "ddp-fp16",
+                                      "ddp-smb"}
     for system in result["systems"].values():
         assert system["same_weights"] and system["steps_per_second"] > 0
     # the collective's chunks on both dedicated servers

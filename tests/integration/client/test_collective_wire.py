@@ -83,3 +83,21 @@ def test_a_wire_type_is_refused_where_it_cannot_carry_the_buffer(cluster, name):
         coll.all_reduce(x, wire="bf16")
         np.testing.assert_array_equal(x, np.full(100, 2, np.float32))
     _parties(cluster, name, 2, 400, 4096, "tcp", body)
+
+
+def test_the_error_benchmark_runs_and_ranks_the_exchanges(tmp_path):
+    """bench/wire_error.py, short: every exchange measured, float32 near exact, the
+    full sum no worse than the rounded one, 16-bit far from float32."""
+    import json
+
+    from bench import wire_error
+    out = tmp_path / "wire_error.json"
+    assert wire_error.main(["--workers", "2", "--elements", "20000", "--out", str(out)]) == 0
+    (point,) = json.loads(out.read_text())["points"]
+    e = point["errors"]
+    assert set(e) == {"collective float32", "collective bf16 wire", "collective bf16 wire, full sum",
+                      "collective fp16 wire", "collective fp16 wire, full sum", "gloo bfloat16", "gloo float16",
+                      "gloo float32"}
+    assert e["collective float32"]["norm"] < 1e-6 and e["gloo float32"]["norm"] < 1e-6
+    assert e["collective bf16 wire, full sum"]["norm"] <= e["collective bf16 wire"]["norm"]
+    assert 1e-4 < e["collective bf16 wire"]["norm"] < 1e-2
