@@ -129,3 +129,32 @@ def test_ddps_arguments_are_taken(cluster, client, name, monkeypatch):
     assert client.list_regions(name + "/") == []
     with pytest.raises(InvalidArgument, match="mixed_precision"):
         DistributedDataParallel(model, mixed_precision=object(), name=name)
+
+
+def test_the_wrapper_sends_16_bit_gradients_when_asked(cluster, client, name, monkeypatch):
+    """``compression="bf16"`` reaches SyncDataParallel: its rounds push bfloat16, and the
+    steps train as DDP's would (one worker: the sum is its own gradient, rounded once
+    to bfloat16 on the way back)."""
+    from smb_client.torch import DistributedDataParallel
+    from smb_protocol.dtypes import bf16_to_f32, f32_to_bf16
+
+    monkeypatch.setenv("SMB_CONTROLLER", cluster.address)
+    monkeypatch.setenv("SMB_TOKEN", cluster.token)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 8)
+    alone = torch.nn.Linear(64, 8)
+    alone.load_state_dict(model.state_dict())
+    x = torch.randn(5, 64)
+    alone(x).square().sum().backward()
+    local = alone.weight.grad                           # the gradient before any exchange
+    ddp = DistributedDataParallel(model, name=name, lease=5.0, compression="bf16")
+    try:
+        assert (ddp.dp.wire, ddp.dp.full_sum) == ("bf16", False)
+        model(x).square().sum().backward()                 # the round ends in the backward pass
+        ddp.dp.synchronize()
+        rounded = bf16_to_f32(f32_to_bf16(local.numpy().ravel())).reshape(local.shape)
+        assert torch.equal(model.weight.grad, torch.from_numpy(rounded))
+        assert not torch.equal(model.weight.grad, local)
+    finally:
+        ddp.close()
+    assert client.list_regions(name + "/") == []
