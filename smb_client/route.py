@@ -109,6 +109,20 @@ def layout_of(info: Any) -> Layout:
     return layout
 
 
+def sent_to(exc: BaseException, place: ExtentPlace) -> None:
+    """Remember on ``exc`` the extent its request went to (the first one it failed at)."""
+    if getattr(exc, "sent_to", None) is None:
+        exc.sent_to = place.extent_id   # type: ignore[attr-defined]
+
+
+def _left(exc: BaseException, places: Sequence[tuple[int, str]]) -> bool:
+    """Whether the extent ``exc``'s request went to is none of the region's now: the
+    region moved it, perhaps before this operation looked (another operation on the
+    handle may have learned the move while this one's request was on its way)."""
+    extent = getattr(exc, "sent_to", None)
+    return extent is not None and extent not in {e for e, _ in places}
+
+
 def name_server(exc: errors.ServerUnavailable, server_id: str) -> None:
     """Put memory server ``server_id`` and where to look (``smb status``) into the
     message of ``exc`` (same class, same traceback), unless it names the server already."""
@@ -230,9 +244,11 @@ class Route:
         session, place = self.target(slot, mutate)
         try:
             return send(session, place)
-        except errors.ServerUnavailable as exc:
-            self._failed(place)
-            name_server(exc, place.server_id)
+        except (errors.ServerUnavailable, errors.ExtentNotFound) as exc:
+            sent_to(exc, place)
+            if isinstance(exc, errors.ServerUnavailable):
+                self._failed(place)
+                name_server(exc, place.server_id)
             raise
 
     def stream(self, slot: int) -> tuple[ReduceStream | None, ExtentPlace]:
@@ -251,8 +267,10 @@ class Route:
             place = self.extents[slot]
             try:
                 return send(self.dataplane.coordination(place), place)
-            except errors.ServerUnavailable as exc:
-                name_server(exc, place.server_id)
+            except (errors.ServerUnavailable, errors.ExtentNotFound) as exc:
+                sent_to(exc, place)
+                if isinstance(exc, errors.ServerUnavailable):
+                    name_server(exc, place.server_id)
                 raise
         return self.run(attempt)
 
@@ -297,7 +315,8 @@ class Route:
                 self._explain(exc)
                 if getattr(exc, "outcome_unknown", False):   # an unnumbered one-sided atomic
                     raise
-                if not isinstance(exc, errors.NotPrimary) and self._places() == before and not self.copies:
+                moved = self._places() != before or _left(exc, self._places())
+                if not isinstance(exc, errors.NotPrimary) and not moved and not self.copies:
                     raise      # the same server holds it and nothing moves: the server failed
                 # a refusal (NotPrimary) applied nothing; a switch under way ends soon
                 log.info("region %s: moved or being moved (%s); running the operation again", self.name, exc)
