@@ -179,8 +179,8 @@ def train_ddp(rank, world, group, hook=None, bucket_cap_mb=0.001):
 
 def ddp_both(rank, world, hook=None):
     import torch.distributed as dist
-    # PowerSGD's hook waits for an all-reduce inside a callback; gloo runs those callbacks on
-    # its own worker threads, and with more buckets than threads it waits for ever: one bucket
+    # PowerSGD's hook waits for an all-reduce inside a callback; with many small buckets the
+    # gloo group hung here (test_powersgd_with_many_buckets_... runs those on smb): one bucket
     cap = 25 if hook == "powersgd" else 0.001
     smb = train_ddp(rank, world, None, hook, cap)                    # the default group: smb
     gloo = train_ddp(rank, world, dist.new_group(backend="gloo"), hook, cap)
