@@ -58,8 +58,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor
-from concurrent.futures import wait as wait_futures
+from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from typing import Any, TypeVar
 
@@ -75,7 +74,7 @@ from .buffers import as_view
 from .client import Client
 from .coord import REPORT_EVERY, PartiesMissing, Roll, ranks_text, report_waiting
 from .exchange import Chunk, Exchanger
-from .futures import wait_all, wait_failing_fast
+from .futures import wait_all, wait_failing_fast, watch
 from .metrics import timed_method
 from .region import Region
 from .wire_chunk import WireChunk
@@ -464,16 +463,6 @@ class Collective:
     async def abroadcast(self, data: B, root: int, rank: int, dtype: Any = None) -> B:
         """:meth:`broadcast` as a coroutine, run as :meth:`aall_reduce` runs."""
         return await asyncio.to_thread(self.broadcast, data, root, rank, dtype)
-
-
-def watch(futures: Sequence[Future[Any]], every: float, report: Callable[[], None]) -> None:
-    """Wait for ``futures``, calling ``report()`` every ``every`` seconds while they run;
-    returns once all ended or one failed."""
-    while True:
-        done, pending = wait_futures(futures, timeout=every, return_when=FIRST_EXCEPTION)
-        if not pending or any(f.exception() is not None for f in done):
-            return
-        report()
 
 
 class AllReduce:

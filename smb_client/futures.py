@@ -1,4 +1,5 @@
-"""Waiting for a batch of futures: every one ends before the first error is raised."""
+"""Waiting for a batch of futures: every one ends before the first error is raised (or, watched,
+with a report while they run)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
@@ -7,7 +8,7 @@ from typing import TypeVar
 
 T = TypeVar("T")
 
-__all__ = ["wait_all", "wait_failing_fast"]
+__all__ = ["wait_all", "wait_failing_fast", "watch"]
 
 
 def wait_all(futures: Iterable[Future[T]]) -> list[T]:
@@ -38,3 +39,13 @@ def wait_failing_fast(futures: Sequence[Future[T]], abandon: Callable[[], None] 
             wait(futures)
             raise cause
     return wait_all(futures)
+
+
+def watch(futures: Sequence[Future[T]], every: float, report: Callable[[], None]) -> None:
+    """Wait for ``futures``, calling ``report()`` every ``every`` seconds while they run;
+    returns once all ended or one failed."""
+    while True:
+        done, pending = wait(futures, timeout=every, return_when=FIRST_EXCEPTION)
+        if not pending or any(f.exception() is not None for f in done):
+            return
+        report()
