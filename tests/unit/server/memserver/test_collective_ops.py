@@ -2,12 +2,11 @@
 released right after the sum went out (the region deleted by a party that finished
 first) ends the pull quietly instead of a second, error answer under the same request
 id, which a client's stream takes for an answer to a request not in flight. The
-connection is a recording double of the engine's Peer; the arena, exactly-once table,
-waits and the deliveries' queue and thread are the server's own."""
+connection is a recording double of the engine's Peer (peer_double.py); the arena,
+exactly-once table, waits and the deliveries' queue and thread are the server's own."""
 from __future__ import annotations
 
 import threading
-from contextlib import AbstractContextManager
 
 from smb_protocol import tickets
 from smb_protocol.errors import SMBError
@@ -15,42 +14,15 @@ from smb_protocol.requests import Pull
 from smb_protocol.rounds import ChunkRound, count_word
 from smb_protocol.wire import Op
 from smb_server.memserver import collective_ops
-from smb_server.memserver.access import TicketBook
 from smb_server.memserver.arena import Arena
 from smb_server.memserver.deliveries import Deliveries
 from smb_server.memserver.node import Node
-from smb_server.memserver.peer import Payload
-from smb_server.memserver.stats import PlaneStats
+from tests.unit.server.memserver.peer_double import PeerDouble
 
 SECRET = b"s" * 32
 UID = "region-pull"
 CHUNK = 4096
 WORD = 2 * CHUNK
-
-
-class _Connection:
-    """The engine's view of a connection, recording every answer; ``on_send`` runs
-    right after an answer went out."""
-
-    def __init__(self, token: str, on_send) -> None:
-        self.name = "test"
-        self.tickets = TicketBook()
-        self.tickets.add(tickets.verify(SECRET, token))
-        self.stats = PlaneStats()
-        self.dedup_wait = 5.0
-        self.takes_replicated = False
-        self.answers: list[tuple[int, str]] = []
-        self.on_send = on_send
-
-    def payload(self, length: int) -> AbstractContextManager[Payload]:
-        raise AssertionError("a pull has no payload")
-
-    def send(self, req_id: int, view: memoryview) -> None:
-        self.answers.append((req_id, "sum"))
-        self.on_send()
-
-    def cancelled(self) -> bool:
-        return False
 
 
 def test_a_pull_whose_extent_is_released_after_its_answer_went_out_answers_once():
@@ -61,7 +33,7 @@ def test_a_pull_whose_extent_is_released_after_its_answer_went_out_answers_once(
         ref = ChunkRound(WORD, 1, 0)
         extent.data[WORD:WORD + 8] = count_word(0, 1).to_bytes(8, "little")   # the push is in
         token = tickets.sign(SECRET, UID, [1], "rw", ttl=600.0)[0]
-        conn = _Connection(token, lambda: arena.release(1))
+        conn = PeerDouble(SECRET, token, on_send=lambda: arena.release(1))
         served = threading.Event()
         broken: list[BaseException] = []
 
@@ -80,7 +52,7 @@ def test_a_pull_whose_extent_is_released_after_its_answer_went_out_answers_once(
             assert served.wait(10)
         finally:
             deliveries.stop()
-        assert conn.answers == [(7, "sum")]
+        assert [req_id for req_id, _ in conn.answers] == [7]
         assert not broken
     finally:
         node.close()

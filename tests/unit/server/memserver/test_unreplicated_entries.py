@@ -10,9 +10,8 @@ request at the moment its entry is being finished and checks what a move's drain
 """
 from __future__ import annotations
 
-import contextlib
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -22,55 +21,17 @@ from smb_protocol.dtypes import DType
 from smb_protocol.requests import FetchAdd, Push, Request
 from smb_protocol.rounds import ChunkRound
 from smb_protocol.wire import Op
-from smb_server.memserver.access import TicketBook
 from smb_server.memserver.arena import Arena
 from smb_server.memserver.dedup import DedupTable
 from smb_server.memserver.engine import Engine
 from smb_server.memserver.node import Node
-from smb_server.memserver.stats import PlaneStats
+from tests.unit.server.memserver.peer_double import PeerDouble
 
 SECRET = b"s" * 32
 UID = "region-moved"
 CHUNK = 4096
 WORD = 2 * CHUNK
 CLIENT, SEQ = 0x51, 32
-
-
-class _Payload:
-    step = 1 << 20
-
-    def __init__(self, data: bytes) -> None:
-        self._data, self._pos = memoryview(data), 0
-
-    def take(self, n: int) -> memoryview:
-        out = self._data[self._pos:self._pos + n]
-        self._pos += n
-        return out
-
-    def into(self, view: memoryview) -> None:
-        view[:] = self.take(len(view))
-
-
-class _Connection:
-    def __init__(self, token: str, payload: bytes = b"") -> None:
-        self.name = "test"
-        self.tickets = TicketBook()
-        self.tickets.add(tickets.verify(SECRET, token))
-        self.stats = PlaneStats()
-        self.dedup_wait = 5.0
-        self.takes_replicated = False
-        self._payload = payload
-
-    @contextlib.contextmanager
-    def payload(self, length: int) -> Iterator[_Payload]:
-        assert length == len(self._payload)
-        yield _Payload(self._payload)
-
-    def send(self, req_id: int, view: memoryview) -> None:
-        raise AssertionError("no request here answers with data")
-
-    def cancelled(self) -> bool:
-        return False
 
 
 @pytest.fixture
@@ -97,7 +58,7 @@ def _held_at_finish(node: Node, monkeypatch) -> tuple[threading.Event, threading
     return entered, go_on
 
 
-def _drained_entries(node: Node, req: Request, conn: _Connection, monkeypatch) -> list[tuple[int, int]]:
+def _drained_entries(node: Node, req: Request, conn: PeerDouble, monkeypatch) -> list[tuple[int, int]]:
     """Serve ``req`` while a move's drain of its extent runs; the (client, seq) of every
     entry the drained extent would hand over, read the moment the drain ended."""
     entered, go_on = _held_at_finish(node, monkeypatch)
@@ -125,7 +86,7 @@ def _drained_entries(node: Node, req: Request, conn: _Connection, monkeypatch) -
 def test_a_numbered_fetch_add_is_handed_over_once_a_drain_ends(node, monkeypatch):
     token = tickets.sign(SECRET, UID, [1], "rw", ttl=600.0)[0]
     req = FetchAdd(Op.FETCH_ADD, 7, 1, 0, 8, client=CLIENT, seq=SEQ, value=5)
-    assert _drained_entries(node, req, _Connection(token), monkeypatch) == [(CLIENT, SEQ)]
+    assert _drained_entries(node, req, PeerDouble(SECRET, token), monkeypatch) == [(CLIENT, SEQ)]
 
 
 def test_a_collective_push_is_handed_over_once_a_drain_ends(node, monkeypatch):
@@ -133,4 +94,4 @@ def test_a_collective_push_is_handed_over_once_a_drain_ends(node, monkeypatch):
     chunk = np.arange(CHUNK // 8, dtype=np.int64).tobytes()
     req = Push(Op.PUSH, 7, 1, 0, CHUNK, client=CLIENT, seq=SEQ, dtype=int(DType.INT64),
                ref=ChunkRound(WORD, 2, 0), timeout=5.0)
-    assert _drained_entries(node, req, _Connection(token, chunk), monkeypatch) == [(CLIENT, SEQ)]
+    assert _drained_entries(node, req, PeerDouble(SECRET, token, chunk), monkeypatch) == [(CLIENT, SEQ)]
