@@ -109,10 +109,13 @@ def layout_of(info: Any) -> Layout:
     return layout
 
 
-def sent_to(exc: BaseException, place: ExtentPlace) -> None:
-    """Remember on ``exc`` the extent its request went to (the first one it failed at)."""
+def failed_at(exc: errors.ServerUnavailable | errors.ExtentNotFound, place: ExtentPlace) -> None:
+    """Remember on ``exc`` the extent its request went to (the first one it failed at,
+    for :func:`_left`) and, for an unavailable server, name the server in its message."""
     if getattr(exc, "sent_to", None) is None:
-        exc.sent_to = place.extent_id   # type: ignore[attr-defined]
+        exc.sent_to = place.extent_id   # type: ignore[union-attr]
+    if isinstance(exc, errors.ServerUnavailable):
+        name_server(exc, place.server_id)
 
 
 def _left(exc: BaseException, places: Sequence[tuple[int, str]]) -> bool:
@@ -245,10 +248,9 @@ class Route:
         try:
             return send(session, place)
         except (errors.ServerUnavailable, errors.ExtentNotFound) as exc:
-            sent_to(exc, place)
+            failed_at(exc, place)
             if isinstance(exc, errors.ServerUnavailable):
                 self._failed(place)
-                name_server(exc, place.server_id)
             raise
 
     def stream(self, slot: int) -> tuple[ReduceStream | None, ExtentPlace]:
@@ -268,9 +270,7 @@ class Route:
             try:
                 return send(self.dataplane.coordination(place), place)
             except (errors.ServerUnavailable, errors.ExtentNotFound) as exc:
-                sent_to(exc, place)
-                if isinstance(exc, errors.ServerUnavailable):
-                    name_server(exc, place.server_id)
+                failed_at(exc, place)
                 raise
         return self.run(attempt)
 
@@ -315,7 +315,8 @@ class Route:
                 self._explain(exc)
                 if getattr(exc, "outcome_unknown", False):   # an unnumbered one-sided atomic
                     raise
-                moved = self._places() != before or _left(exc, self._places())
+                now = self._places()
+                moved = now != before or _left(exc, now)
                 if not isinstance(exc, errors.NotPrimary) and not moved and not self.copies:
                     raise      # the same server holds it and nothing moves: the server failed
                 # a refusal (NotPrimary) applied nothing; a switch under way ends soon
