@@ -24,7 +24,7 @@ APT_PKGS := python3-venv python3-dev iproute2 procps \
             slurmctld slurmd slurm-client python3-apt etcd-server etcd-client \
             golang-etcd-server-dev
 
-.PHONY: all deps apt venv proto demo lint test test-host test-unit test-integration test-rdma bench bench-rdma bench-cluster clean
+.PHONY: all deps apt venv proto demo lint api-docs test test-host test-unit test-integration test-rdma bench bench-rdma bench-cluster clean
 
 all: proto
 
@@ -67,6 +67,11 @@ lint: deps
 	$(PY) -m ruff check .
 	$(PY) -m mypy
 
+# the client library's API reference, from its docstrings (pdoc), in build/api/index.html;
+# fails on any warning (tests/unit/test_api_docs.py builds it too)
+api-docs: deps
+	$(PY) tools/api_docs.py build/api
+
 # static checks, the host suite, then the rdma tier inside the Soft-RoCE VM (fails
 # loudly if the VM cannot start)
 test: lint test-host test-rdma
@@ -98,4 +103,4 @@ bench-cluster: deps
 	$(PY) -m bench.cluster
 
 clean:
-	rm -rf $(VENV) smb_protocol/_proto *.egg-info .pytest_cache
+	rm -rf $(VENV) smb_protocol/_proto *.egg-info .pytest_cache build/api

@@ -431,9 +431,15 @@ def _mode(mode: object) -> TicketMode:
     return parsed
 
 
-def connect(address: str | None = None, token: str | None = None, **kwargs: Any) -> Client:
-    """Connect to the controller at ``address`` (``host:port``); see :class:`Client`."""
-    return Client(address, token, **kwargs)
+def connect(address: str | None = None, token: str | None = None, *, transport: str | None = None,
+            timeout: float = 30.0, connections: int = 2, chunk_bytes: int = 8 << 20, io_threads: int = 16,
+            reconnect_timeout: float = 5.0, transport_options: dict[str, Any] | None = None,
+            tls: TLSConfig | None = None) -> Client:
+    """Connect to the controller at ``address`` (``host:port``); the options are
+    :class:`Client`'s. The caller owns the client: use it in a ``with`` block or close it."""
+    return Client(address, token, transport=transport, timeout=timeout, connections=connections,
+                  chunk_bytes=chunk_bytes, io_threads=io_threads, reconnect_timeout=reconnect_timeout,
+                  transport_options=transport_options, tls=tls)
 
 
 __all__ = ["Client", "connect", "ServerStatus", "RegionStatus", "SMBError", "choose_endpoint"]

@@ -30,6 +30,9 @@ from smb_protocol.latency import CLIENT_HISTOGRAM, OP_BUCKETS
 
 log = logging.getLogger(__name__)
 
+__all__ = ["ADDR_ENV", "DEFAULT_ADDR", "PORT_ENV", "disable", "enable", "observe", "serve", "serve_from_env",
+           "timed_method"]
+
 PORT_ENV = "SMB_CLIENT_METRICS_PORT"
 ADDR_ENV = "SMB_CLIENT_METRICS_ADDR"
 DEFAULT_ADDR = "127.0.0.1"   # scraped from this host unless asked otherwise

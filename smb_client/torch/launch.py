@@ -18,7 +18,7 @@ import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from smb_protocol.errors import BarrierTimeout, InvalidArgument
 
@@ -110,9 +110,12 @@ def open_store(client: Client, env: WorkerEnv, prefix: str, model: torch.nn.Modu
                ready_timeout: float = READY_TIMEOUT, members: int | None = None,
                creator: bool | None = None, resume: bool | None = None,
                on_create: Callable[[ParameterStore], None] | None = None,
-               **create: Any) -> ParameterStore:
-    """The master creates the store (``create`` holds :meth:`ParameterStore.create`'s
-    options); everybody meets at the barrier ``<prefix>/ready``; the others then attach
+               scheme: str | None = None, placement: str = "striped", grad_slots: int | None = None,
+               delta_slots: int | None = None, workers: int = 1, stripe_unit: int | None = None,
+               num_servers: int = 0, replace: bool = False, buffers: bool = True, lease: float | None = None,
+               replicas: int = 1, attempt: int = 0) -> ParameterStore:
+    """The master creates the store (``scheme`` through ``attempt`` are
+    :meth:`ParameterStore.create`'s options); everybody meets at the barrier ``<prefix>/ready``; the others then attach
     by name and load the master's parameters, so that all start from the same weights.
 
     ``members`` is how many processes call this (default: every worker; more than
@@ -150,11 +153,14 @@ def open_store(client: Client, env: WorkerEnv, prefix: str, model: torch.nn.Modu
         controller_barrier(client, name, parties, timeout=ready_timeout, rank=rank)
     elif creates:
         try:
-            store = ParameterStore.create(client, prefix, model, **create)
+            store = ParameterStore.create(
+                client, prefix, model, scheme=scheme, placement=placement, grad_slots=grad_slots,
+                delta_slots=delta_slots, workers=workers, stripe_unit=stripe_unit, num_servers=num_servers,
+                replace=replace, buffers=buffers, lease=lease, replicas=replicas, attempt=attempt)
             if on_create is not None:
                 on_create(store)
         except BaseException as exc:
-            failure.publish(client, prefix, exc, lease=create.get("lease"))
+            failure.publish(client, prefix, exc, lease=lease)
             raise
         controller_barrier(client, name, parties, timeout=ready_timeout, rank=rank)
     else:

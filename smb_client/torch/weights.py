@@ -16,7 +16,6 @@ from __future__ import annotations
 import fnmatch
 import logging
 from collections.abc import Iterable, Mapping
-from typing import Any
 
 import numpy as np
 import torch
@@ -39,10 +38,14 @@ def state_of(obj: StateLike) -> dict[str, torch.Tensor]:
     return {k: v.detach() for k, v in state.items() if isinstance(v, torch.Tensor)}
 
 
-def publisher(client: Client, name: str, obj: StateLike, **kwargs: Any) -> Publisher:
-    """A :class:`Publisher` for the tensors of ``obj`` (see :meth:`Publisher.create`
-    for ``versions``, ``replicas``, ``ranks`` ...)."""
-    return Publisher.create(client, name, state_of(obj), **kwargs)
+def publisher(client: Client, name: str, obj: StateLike, *, versions: int = 2, replicas: int = 1,
+              stripe_unit: int = 0, num_servers: int = 0, lease: float | None = None, exist_ok: bool = False,
+              ranks: int = 1, rank: int = 0) -> Publisher:
+    """A :class:`Publisher` for the tensors of ``obj``; the options are
+    :meth:`Publisher.create`'s."""
+    return Publisher.create(client, name, state_of(obj), versions=versions, replicas=replicas,
+                            stripe_unit=stripe_unit, num_servers=num_servers, lease=lease, exist_ok=exist_ok,
+                            ranks=ranks, rank=rank)
 
 
 def publish(pub: Publisher, obj: StateLike, version: int | None = None) -> int:

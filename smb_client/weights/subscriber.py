@@ -116,10 +116,12 @@ class Subscriber:
         return self.meta.wait(LATEST, value=target, timeout=timeout)
 
     def next(self, into: Mapping[str, Any] | None = None, *, timeout: float | None = None,
-             **kwargs: Any) -> Snapshot:
-        """:meth:`wait` for a version newer than the last read, then :meth:`read` it."""
+             names: Sequence[str] | None = None, shards: Mapping[str, Shard | None] | None = None,
+             dtype: Any = None, retry: bool = True) -> Snapshot:
+        """:meth:`wait` for a version newer than the last read, then :meth:`read` it
+        (``names`` through ``retry`` are :meth:`read`'s)."""
         self.wait(self.version, timeout)
-        return self.read(into, **kwargs)
+        return self.read(into, names=names, shards=shards, dtype=dtype, retry=retry)
 
     def read(self, into: Mapping[str, Any] | None = None, *, names: Sequence[str] | None = None,
              shards: Mapping[str, Shard | None] | None = None, dtype: Any = None,
