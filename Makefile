@@ -37,7 +37,7 @@ apt:
 
 $(STAMP): pyproject.toml | apt
 	@test -x $(PY) || $(PY_SYS) -m venv --system-site-packages $(VENV)
-	$(PIP) install -q --disable-pip-version-check -e '.[dev,torch]'
+	$(PIP) install -q --disable-pip-version-check -e '.[dev,torch,otel]'
 	@touch $(STAMP)
 
 venv: $(STAMP)
@@ -93,6 +93,7 @@ bench: deps
 	$(PY) bench/notify.py
 	$(PY) bench/replication.py
 	$(PY) bench/persistence.py
+	$(PY) bench/tracing.py
 
 bench-rdma: deps
 	SMB_VM_BENCH=1 tests/rdma/run_vm.sh

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from smb_protocol import rpc
+from smb_protocol import rpc, tracing
 from smb_protocol._proto.smb.v1 import controller_pb2 as pb
 from smb_protocol._proto.smb.v1 import controller_pb2_grpc as pb_grpc
 from smb_protocol.errors import Closed, ControllerUnavailable, InvalidArgument, RegionNotFound, SMBError, Timeout
@@ -111,7 +111,8 @@ class Client:
     ``$SMB_TLS_KEY``; a wrong CA raises AuthenticationError). The client owns its channel and its :attr:`dataplane`;
     :meth:`close` closes both, after which its regions stop working. With
     ``$SMB_CLIENT_METRICS_PORT`` set, the process serves its operations' latency
-    histograms there (:mod:`smb_client.metrics`).
+    histograms there (:mod:`smb_client.metrics`); with ``$SMB_OTEL_*`` or the
+    OpenTelemetry variables set, it traces them (:mod:`smb_protocol.tracing`).
     """
 
     def __init__(self, address: str | None = None, token: str | None = None, *,
@@ -138,6 +139,7 @@ class Client:
         self.chunk_bytes = chunk_bytes
         self.transport_options = dict(transport_options or {})
         serve_from_env()
+        tracing.setup_from_env("smb-client")
         self.tls = TLSConfig.from_env() if tls is None else tls
         if self.tls.enabled:
             self.tls.client_context()   # unreadable or mismatched files: InvalidArgument now
@@ -252,6 +254,7 @@ class Client:
             raise
 
     # -- regions -------------------------------------------------------------------
+    @tracing.traced("create")
     def create_region(self, name: str, size: int, *, placement: str = "striped",
                       stripe_unit: int = 0, num_servers: int = 0,
                       segment_sizes: Sequence[int] = (), persistent: bool = False,

@@ -25,6 +25,7 @@ from functools import partial
 from typing import Any, TypeVar
 
 from smb_client import transports
+from smb_protocol import tracing
 from smb_protocol.addressing import parse_endpoint
 from smb_protocol.errors import Closed, InvalidArgument, ServerUnavailable
 from smb_protocol.placement import ExtentPlace
@@ -206,6 +207,8 @@ class DataPlane:
         self._check_open()
         if len(tasks) == 1:
             return [tasks[0]()]
+        if tracing.enabled():   # the requests join the caller's trace
+            tasks = [tracing.carried(t) for t in tasks]
         futures: list[Future[T]] = []
         for t in tasks[1:]:
             try:
@@ -226,6 +229,9 @@ class DataPlane:
     def submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Future[T]:
         """Run ``fn`` on the async pool (the ``*_async`` forms of Region)."""
         self._check_open()
+        if tracing.enabled():   # the operation joins the caller's trace
+            fn = tracing.carried(partial(fn, *args, **kwargs))
+            args, kwargs = (), {}
         try:
             return self._async.submit(fn, *args, **kwargs)
         except RuntimeError:

@@ -10,8 +10,8 @@ collective's rounds, ``open`` and ``barrier`` at the controller.
 
 Turn it on with :func:`serve` (or ``SMB_CLIENT_METRICS_PORT``, read when a
 :class:`~smb_client.Client` is made): the histograms are served at
-``http://<addr>:<port>/metrics``. While it is off, a :func:`timed_method` call costs one
-global read.
+``http://<addr>:<port>/metrics``. While it and tracing are off, a :func:`timed_method`
+call costs two global reads.
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 import prometheus_client
 from prometheus_client.registry import CollectorRegistry
 
+from smb_protocol import tracing
 from smb_protocol.latency import CLIENT_HISTOGRAM, OP_BUCKETS
 
 log = logging.getLogger(__name__)
@@ -106,15 +107,17 @@ def observe(op: str, seconds: float) -> None:
 
 
 def timed_method(op: str) -> Callable[[F], F]:
-    """A method decorated to count each call as one ``op``, failed or not."""
+    """A method decorated to count each call as one ``op``, failed or not, and, while
+    tracing is on (:mod:`smb_protocol.tracing`), to run it as the span ``smb.<op>``."""
     def wrap(fn: F) -> F:
         @functools.wraps(fn)
         def run(*args: Any, **kwargs: Any) -> Any:
-            if _histogram is None:
+            if _histogram is None and not tracing.enabled():
                 return fn(*args, **kwargs)
             start = time.perf_counter()
             try:
-                return fn(*args, **kwargs)
+                with tracing.operation(op):
+                    return fn(*args, **kwargs)
             finally:
                 observe(op, time.perf_counter() - start)
         return run  # type: ignore[return-value]

@@ -16,7 +16,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from . import wire
+from . import tracing, wire
 from .errors import ProtocolError, SMBError, status_error
 from .requests import Hello, Request
 from .wire import Op
@@ -71,9 +71,14 @@ class ClientFrames:
         return req_id, [Hello(Op.HELLO, length=len(token)).to_frame(req_id), token]
 
     def request(self, req: Request, payload: Sequence[memoryview] = ()) -> tuple[int, list[memoryview | bytes]]:
-        """``(req_id, frames)`` of ``req`` with its payload buffers."""
+        """``(req_id, frames)`` of ``req`` with its payload buffers; inside a sampled
+        trace, with the trace's traceparent between header and payload
+        (:data:`~smb_protocol.wire.TRACED`)."""
         req_id = self.next_id()
-        return req_id, [req.to_frame(req_id), *payload]
+        trace = tracing.traceparent()
+        if trace is None:
+            return req_id, [req.to_frame(req_id), *payload]
+        return req_id, [req.to_frame(req_id, traced=True), trace, *payload]
 
     def answer(self, header: bytes | bytearray | memoryview) -> Answer:
         """The answer of a :data:`~smb_protocol.wire.RESPONSE`-sized header

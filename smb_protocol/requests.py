@@ -22,7 +22,7 @@ from typing import ClassVar
 
 from .rdma_wire import MsgOp
 from .rounds import ChunkRound
-from .wire import Op, pack_request
+from .wire import TRACED, Op, pack_request
 
 
 class Arith(enum.Enum):
@@ -47,6 +47,8 @@ class Request:
     seq: int = 0
     #: a mutation that came over a replica ticket: a piece its primary forwards
     forwarded: bool = False
+    #: the W3C traceparent the request arrived with (a sampled trace's), else None
+    trace: bytes | None = None
 
     #: whether the request carries ``length`` payload bytes after its header
     payload: ClassVar[bool] = False
@@ -64,11 +66,13 @@ class Request:
         :meth:`dtype_code` as the frame's ``dtype``)."""
         return 0, 0, 0.0
 
-    def to_frame(self, req_id: int | None = None) -> bytes:
+    def to_frame(self, req_id: int | None = None, traced: bool = False) -> bytes:
         """The request's tcp frame header (``req_id``: the connection's number for it,
-        default its own); ``client`` travels only with a numbered request."""
+        default its own); ``client`` travels only with a numbered request. ``traced``:
+        a traceparent follows it (:data:`~smb_protocol.wire.TRACED`)."""
         arg0, arg1, alpha = self.args()
-        return pack_request(self.op, self.req_id if req_id is None else req_id, self.extent_id, self.offset,
+        return pack_request(self.op | TRACED if traced else self.op,
+                            self.req_id if req_id is None else req_id, self.extent_id, self.offset,
                             self.length, self.dtype_code(), arg0, arg1, alpha,
                             client=self.client if self.seq else 0, seq=self.seq)
 
@@ -255,12 +259,12 @@ _MSG_ARITH = {MsgOp.ACCUMULATE: Arith.ACCUMULATE, MsgOp.AXPY: Arith.AXPY, MsgOp.
 
 def from_frame(op: Op, dtype: int, req_id: int, extent_id: int, offset: int, length: int,
                arg0: int, arg1: int, alpha: float, client: int, seq: int,
-               forwarded: bool = False) -> Request:
+               forwarded: bool = False, trace: bytes | None = None) -> Request:
     """The request of a tcp frame header (see :mod:`smb_protocol.wire` for the fields);
     InvalidArgument for fields that cannot be the operation's. ``forwarded``: the
     connection presented a replica ticket for the extent, so a mutation is a piece a
-    primary forwards."""
-    head = (op, req_id, extent_id, offset, length, client, seq, forwarded)
+    primary forwards. ``trace``: the traceparent that followed the header."""
+    head = (op, req_id, extent_id, offset, length, client, seq, forwarded, trace)
     arith = _ARITH.get(op)
     if arith is not None:
         return Arithmetic(*head, arith=arith, dtype=dtype, alpha=alpha, whole=(arg0, arg1))

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import grpc
 
-from smb_protocol import errors, waits
+from smb_protocol import errors, tracing, waits
 
 from .tls import TLSConfig, is_trust_failure, untrusted
 
@@ -55,14 +55,54 @@ def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
 
 def channel(address: str, tls: TLSConfig | None = None) -> grpc.Channel:
     """A channel to ``host:port``: over TLS when ``tls`` (default: the ``SMB_TLS_*``
-    environment, see :mod:`smb_protocol.tls`) names a CA, else in the clear."""
+    environment, see :mod:`smb_protocol.tls`) names a CA, else in the clear. While
+    tracing is on (when the channel is made), calls made inside a trace are spans of
+    it and carry its context (:class:`TraceInterceptor`)."""
     tls = TLSConfig.from_env() if tls is None else tls
     if not tls.enabled:
-        return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
-    tls.client_context()   # checks the files: InvalidArgument naming them, before any call
-    ca, cert, key = tls.read()
-    credentials = grpc.ssl_channel_credentials(ca, key, cert)
-    return grpc.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
+        made = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    else:
+        tls.client_context()   # checks the files: InvalidArgument naming them, before any call
+        ca, cert, key = tls.read()
+        credentials = grpc.ssl_channel_credentials(ca, key, cert)
+        made = grpc.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
+    return grpc.intercept_channel(made, TraceInterceptor()) if tracing.enabled() else made
+
+
+class _CallDetails(NamedTuple):
+    method: str
+    timeout: float | None
+    metadata: Any
+    credentials: Any
+    wait_for_ready: bool | None
+    compression: Any
+
+
+if TYPE_CHECKING:  # generic in the type stubs only; grpc's own class takes no parameters
+    _UnaryInterceptor = grpc.UnaryUnaryClientInterceptor[Any, Any]
+else:
+    _UnaryInterceptor = grpc.UnaryUnaryClientInterceptor
+
+
+class TraceInterceptor(_UnaryInterceptor):
+    """A unary call made inside a trace becomes a client span (named for the method,
+    ``smb.v1.Controller/OpenRegion``) whose ``traceparent`` travels in the call's
+    metadata; a call outside any trace (heartbeats) passes untouched."""
+
+    def intercept_unary_unary(self, continuation: Callable[[Any, Any], Any], details: Any, request: Any) -> Any:
+        span = tracing.client_span(details.method.lstrip("/"))
+        if span is None:
+            return continuation(details, request)
+        parent = tracing.traceparent(span)
+        metadata = [*(details.metadata or ()), *([(tracing.TRACEPARENT, parent.decode())] if parent else [])]
+        try:
+            outcome = continuation(_CallDetails(details.method, details.timeout, metadata, details.credentials,
+                                                details.wait_for_ready, details.compression), request)
+        except BaseException as exc:
+            tracing.end(span, exc)
+            raise
+        outcome.add_done_callback(lambda done: tracing.end(span, done.exception()))
+        return outcome
 
 
 def translate(exc: grpc.RpcError, unavailable: type[errors.SMBError] = errors.Unavailable) -> errors.SMBError:

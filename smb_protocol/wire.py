@@ -54,6 +54,12 @@ Over TLS (``tcp+tls://`` endpoints) the frames are the same inside the TLS strea
 :mod:`smb_protocol.tls` (no ``sendmsg``/``recvmsg_into`` there) and keep the plain path as
 it is.
 
+Traces (:mod:`smb_protocol.tracing`): a request sent inside a sampled trace has the
+:data:`TRACED` bit set in its ``op`` byte, and its header is followed by the trace's W3C
+``traceparent`` (:data:`TRACE_SIZE` ASCII bytes), then by its payload as usual; ``length``
+counts the payload only. Other requests (every request while tracing is off) are
+unchanged. A server that does not trace reads and drops the traceparent.
+
 Request:  magic u16 | op u8 | dtype u8 | req_id u32 | extent_id u64 | offset u64 |
           length u64 | arg0 i64 | arg1 i64 | alpha f64 | client u64 | seq u64
 Response: magic u16 | status u8 | kind u8 | req_id u32 | length u64
@@ -77,6 +83,8 @@ RESPONSE = struct.Struct("<HBBIQ")
 MAX_PAYLOAD = 1 << 30       # bytes in one request
 MAX_TICKET = 64 << 10       # bytes
 IOV_MAX = 512               # buffers handed to one sendmsg/recvmsg_into
+TRACED = 0x80               # op byte flag: a traceparent follows the header
+TRACE_SIZE = 55             # bytes of that traceparent (W3C version 00)
 
 
 class Op(enum.IntEnum):

@@ -16,6 +16,7 @@ from typing import Any
 from smb_protocol import errors
 from smb_protocol._proto.smb.v1 import controller_pb2_grpc
 from smb_protocol.replicas import ASSIGNABLE
+from smb_server.runtime import rpc_tracing
 from smb_server.runtime.config import ConfigError, ControllerConfig
 from smb_server.runtime.credentials import Credentials
 from smb_server.runtime.daemon import Daemon, Status, write_atomic
@@ -122,7 +123,7 @@ class Controller(Daemon):
         # calls is refused ("busy") before it takes the threads heartbeats need
         client_slots = cfg.barrier_waits_max + SHORT_CALL_WORKERS
         interceptors: list[ServerInterceptor] = [
-            RpcMetrics(self.registry, "smb_controller"),
+            *rpc_tracing.setup("smb-controller"), RpcMetrics(self.registry, "smb_controller"),
             RoleAuth(credentials, METHOD_ROLES, exempt=HEALTH_METHODS, client_slots=client_slots)]
         if leadership is not None:  # standbys refuse, naming the leader
             interceptors.append(LeaderGate("smb.v1.Controller", self.leading, self._describe_leader))

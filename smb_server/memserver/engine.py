@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 
+from smb_protocol import tracing
 from smb_protocol.errors import InvalidArgument, NotPrimary, Status
 from smb_protocol.requests import (
     Arithmetic,
@@ -54,7 +55,16 @@ class Engine:
         """Serve one request; returns the OK answer's body, or None when the operation
         already answered through :meth:`~.peer.Peer.send`. Raises typed errors
         (SMBError) and :class:`~.peer.Repeat`. Payload bytes it did not read are the
-        plane's to discard."""
+        plane's to discard. A request that came with a trace context is served in a
+        span of that trace (:mod:`smb_protocol.tracing`; nothing while tracing is off)."""
+        if req.trace is None:
+            return self._handle(peer, req)
+        with tracing.serving(f"smb.server.{req.op.name.lower()}", req.trace, {
+                "smb.extent": req.extent_id, "smb.offset": req.offset, "smb.bytes": req.length,
+                "smb.peer": peer.name}):
+            return self._handle(peer, req)
+
+    def _handle(self, peer: Peer, req: Request) -> bytes | None:
         if isinstance(req, Ping):
             return b""
         if isinstance(req, Seed):

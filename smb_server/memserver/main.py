@@ -34,7 +34,7 @@ from smb_protocol.hostinfo import host_id
 from smb_protocol.rdma import verbs
 from smb_protocol.retry import Backoff
 from smb_protocol.tls import TLS_SCHEME
-from smb_server.runtime import sdnotify
+from smb_server.runtime import rpc_tracing, sdnotify
 from smb_server.runtime.config import ServerConfig
 from smb_server.runtime.credentials import server_credential
 from smb_server.runtime.daemon import Daemon, Status, write_atomic
@@ -133,7 +133,7 @@ class MemoryServer(Daemon):
                          dead_peer_timeout=cfg.replica_dead_peer_seconds)
         servicer = MemoryServerServicer(self.node, self)
         self._grpc = make_server(interceptors=[
-            RpcMetrics(self.registry, "smb_server"),
+            *rpc_tracing.setup("smb-server"), RpcMetrics(self.registry, "smb_server"),
             BearerAuth(cfg.token, exempt=TICKET_METHODS + HEALTH_METHODS)])
         memory_server_pb2_grpc.add_MemoryServerServicer_to_server(  # type: ignore[no-untyped-call]  # generated, untyped
             servicer, self._grpc)

@@ -116,7 +116,7 @@ class _Connection:
         self.deadline = self.hello_deadline   # monotonic time the current frame must be in by
         self._header = bytearray(wire.REQUEST.size)
         self._sending = threading.Lock()      # one answer frame at a time (two threads send)
-        self._deliveries: Deliveries | None = None   # REDUCE sums owed, made on the first
+        self._deliveries: Deliveries[requests.Pull] | None = None   # REDUCE sums owed, made on the first
         self.ended = False                    # the reading loop is over
         self._reader = 0                      # the reading thread's ident
 
@@ -277,12 +277,13 @@ class _Connection:
         if magic != wire.MAGIC:
             raise _Drop(f"bad magic {magic:#x}")
         try:
-            op = Op(op_code)
+            op = Op(op_code & ~wire.TRACED)
         except ValueError:
             raise _Drop(f"unknown opcode {op_code}") from None
         if length > wire.MAX_PAYLOAD:
             raise _Drop(f"length {length} exceeds the limit of {wire.MAX_PAYLOAD} bytes")
         self.pending = length if op in wire.PAYLOAD_OPS else 0
+        trace = self._trace() if op_code & wire.TRACED else None
         if op is Op.HELLO:
             keep = self._hello(req_id, length)
             self.plane.stats.observe("hello", time.perf_counter() - start)
@@ -292,7 +293,7 @@ class _Connection:
         forwarded = (op in wire.WRITE_OPS or op is Op.SEED) and self._forwarded(extent_id)
         try:
             req = requests.from_frame(op, dtype, req_id, extent_id, offset, length, arg0, arg1, alpha,
-                                      client, seq, forwarded)
+                                      client, seq, forwarded, trace)
             if isinstance(req, requests.Reduce) and self.plane.tls is not None:
                 raise InvalidArgument("reduce is not served over TLS (one thread both reads and "
                                       "writes a TLS stream): use push and pull")
@@ -318,7 +319,14 @@ class _Connection:
         self.plane.stats.observe(op.name.lower(), time.perf_counter() - start)
         return True
 
-    def _owed(self) -> Deliveries:
+    def _trace(self) -> bytes:
+        """The traceparent that follows a traced request's header (:data:`wire.TRACED`)."""
+        buf = bytearray(wire.TRACE_SIZE)
+        self.pending += len(buf)
+        self._recv(memoryview(buf))
+        return bytes(buf)
+
+    def _owed(self) -> Deliveries[requests.Pull]:
         """The queue of sums this connection owes (made on its first REDUCE)."""
         if self._deliveries is None:
             self._deliveries = Deliveries(
