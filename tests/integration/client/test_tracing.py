@@ -165,3 +165,16 @@ def test_spans_of_real_processes_reach_an_otlp_receiver(tmp_path):
     rpc_client = [s for s in receiver.spans if s.service == "smb-test-client"
                   and s.span_id == found["rpc"].parent_id]
     assert rpc_client and rpc_client[0].parent_id == found["open"].span_id
+
+
+def test_servers_that_do_not_trace_serve_traced_requests(cluster, name, spans):
+    """The session's cluster traces nothing: its memory servers read the traceparent of
+    a traced client's requests, drop it, and serve the requests as usual."""
+    data = np.arange(1 << 16, dtype=np.float32)
+    with cluster.client(transport="tcp") as c:
+        region = c.create_region(name, 1 << 20)
+        region.write(0, data)
+        region.accumulate(0, data)
+        assert np.array_equal(region.read(0, data.nbytes, dtype="float32"), 2 * data)
+        c.delete_region(name)
+    assert {"smb.write", "smb.accumulate", "smb.read"} <= {s.name for s in spans.get_finished_spans()}
