@@ -14,6 +14,16 @@ or is killed (torchrun stops the others with SIGTERM when one fails), leaves the
 the job's lease, which deletes them :data:`~smb_client.torch.job.LEASE` seconds after
 the last worker is gone.
 
+After ``torchrun --max-restarts`` started the group again, the wrapper **starts
+afresh**: rank 0 replaces the dead attempt's store, and every worker begins from rank
+0's model as in the first attempt, as a DDP loop begins again at its first epoch with a
+new optimizer (``ddp.job.resumed`` is None). To go on from where a run stopped, give
+the job a checkpoint (``job_options={"checkpoint": path, "optimizer": opt}``, saved
+with ``ddp.job.save(step=...)``): the weights, the optimizer's state and
+``ddp.job.step`` then come from the file (``ddp.job.resumed == "checkpoint"``).
+``job_options={"resume": True}`` goes on from the store's weights instead (the
+:func:`~smb_client.torch.job.job` default; the loop must then know its own step).
+
 The job's name (``name=``; default :func:`default_name`) must be the same in every
 worker: under torchrun it is derived from ``TORCHELASTIC_RUN_ID`` (so a restarted group
 finds its store), else rank 0 draws one and shares it through ``torch.distributed``.
@@ -135,7 +145,9 @@ class DistributedDataParallel(torch.nn.Module):
         if bucket_bytes is None:
             bucket_bytes = DEFAULT_BUCKET_BYTES if bucket_cap_mb is None else max(1, int(bucket_cap_mb * (1 << 20)))
         self.module = module
-        self.job = Job(name or default_name(), module, lease=lease, **(job_options or {}))
+        # a restarted group starts afresh, as a DDP loop does (its epoch 0, a new optimizer)
+        options: dict[str, Any] = {"resume": False, **(job_options or {})}
+        self.job = Job(name or default_name(), module, lease=lease, **options)
         if process_group is not None:
             size = torch.distributed.get_world_size(process_group)
             if size != self.job.world:

@@ -73,7 +73,9 @@ class Job:
 
     ``checkpoint`` (a file), ``optimizer``, ``lease`` (seconds, None: no lease),
     ``ready_timeout`` and ``end_timeout`` (seconds) are the job's (see the module);
-    ``client`` and ``env`` default to ones made from the environment.
+    ``client`` and ``env`` default to ones made from the environment. ``resume=False``:
+    a restarted group does not go on from the earlier attempt's store but replaces it
+    and starts afresh (from the ``checkpoint`` when there is one), as a new launch does.
 
     The store: ``scheme`` is the trainer it is sized for, ``"sync"`` (the default,
     for :meth:`sync`) or ``"seasgd"``/``"hybrid"`` (a private delta slot per worker,
@@ -86,7 +88,7 @@ class Job:
     def __init__(self, name: str, model: torch.nn.Module, *, checkpoint: str | os.PathLike[str] | None = None,
                  optimizer: torch.optim.Optimizer | None = None, client: Client | None = None,
                  env: WorkerEnv | None = None, lease: float | None = LEASE,
-                 ready_timeout: float = READY_TIMEOUT, end_timeout: float = END_TIMEOUT,
+                 ready_timeout: float = READY_TIMEOUT, end_timeout: float = END_TIMEOUT, resume: bool = True,
                  scheme: str | None = None, placement: str = "striped", grad_slots: int | None = None,
                  delta_slots: int | None = None, stripe_unit: int | None = None, num_servers: int = 0,
                  buffers: bool = True, replicas: int = 1) -> None:
@@ -100,6 +102,7 @@ class Job:
         self.lease = lease
         self.ready_timeout = ready_timeout
         self.end_timeout = end_timeout
+        self.resume = resume
         #: the :meth:`ParameterStore.create` options of the job's store
         self.create: dict[str, Any] = {
             "scheme": scheme, "placement": placement, "grad_slots": grad_slots, "delta_slots": delta_slots,
@@ -150,7 +153,7 @@ class Job:
                                      placement="single", lease=self.lease)
             saved = self._read_checkpoint()
             state = saved[0] if saved is not None else None
-            restarted = self.env.restart_count > 0
+            restarted = self.env.restart_count > 0 and self.resume
 
             def load(store: ParameterStore) -> None:
                 if state is not None:
@@ -288,7 +291,7 @@ class Job:
 def job(name: str, model: torch.nn.Module, *, checkpoint: str | os.PathLike[str] | None = None,
         optimizer: torch.optim.Optimizer | None = None, client: Client | None = None,
         env: WorkerEnv | None = None, lease: float | None = LEASE,
-        ready_timeout: float = READY_TIMEOUT, end_timeout: float = END_TIMEOUT,
+        ready_timeout: float = READY_TIMEOUT, end_timeout: float = END_TIMEOUT, resume: bool = True,
         scheme: str | None = None, placement: str = "striped", grad_slots: int | None = None,
         delta_slots: int | None = None, stripe_unit: int | None = None, num_servers: int = 0,
         buffers: bool = True, replicas: int = 1) -> Job:
@@ -296,6 +299,7 @@ def job(name: str, model: torch.nn.Module, *, checkpoint: str | os.PathLike[str]
     ``with job(...) as j:`` starts it and finishes or abandons it. For
     :meth:`Job.seasgd`, ``scheme="seasgd"`` gives every worker its delta slot."""
     return Job(name, model, checkpoint=checkpoint, optimizer=optimizer, client=client, env=env, lease=lease,
-               ready_timeout=ready_timeout, end_timeout=end_timeout, scheme=scheme, placement=placement,
+               ready_timeout=ready_timeout, end_timeout=end_timeout, resume=resume, scheme=scheme,
+               placement=placement,
                grad_slots=grad_slots, delta_slots=delta_slots, stripe_unit=stripe_unit,
                num_servers=num_servers, buffers=buffers, replicas=replicas)

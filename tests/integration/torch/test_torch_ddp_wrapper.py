@@ -158,3 +158,41 @@ def test_the_wrapper_sends_16_bit_gradients_when_asked(cluster, client, name, mo
     finally:
         ddp.close()
     assert client.list_regions(name + "/") == []
+
+
+def test_a_restarted_wrapper_starts_afresh_unless_told_to_resume(cluster, client, name, monkeypatch):
+    """After a restart the wrapper replaces the dead attempt's store, so a DDP loop that
+    begins again at its first step begins from the first weights too, not from the
+    store's mid-run ones; ``job_options={"resume": True}`` goes on from the store."""
+    from smb_client.torch import DistributedDataParallel, WorkerEnv
+
+    monkeypatch.setenv("SMB_CONTROLLER", cluster.address)
+    monkeypatch.setenv("SMB_TOKEN", cluster.token)
+
+    def make() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Linear(4, 2)
+    first = make()
+    ddp = DistributedDataParallel(first, name=name, lease=30.0)
+    opt = torch.optim.SGD(first.parameters(), lr=0.5)
+    for _ in range(3):
+        opt.zero_grad()
+        ddp(torch.ones(2, 4)).sum().backward()
+        opt.step()
+    ddp.__exit__(RuntimeError, None, None)               # the worker dies: the store stays
+
+    resumed = make()
+    ddp = DistributedDataParallel(resumed, name=name, lease=30.0,
+                                  job_options={"env": WorkerEnv(restart_count=1), "resume": True})
+    assert ddp.job.resumed == "store"                    # the weights published mid-run
+    assert not torch.equal(resumed.weight, make().weight)
+    ddp.__exit__(RuntimeError, None, None)
+
+    again = make()                                       # the default: a second restart starts afresh
+    ddp = DistributedDataParallel(again, name=name, lease=30.0, job_options={"env": WorkerEnv(restart_count=2)})
+    try:
+        assert ddp.job.resumed is None and ddp.job.step == 0
+        assert torch.equal(again.weight, make().weight)  # the first weights, not the store's
+    finally:
+        ddp.close()
+    assert client.list_regions(name + "/") == []
