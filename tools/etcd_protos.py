@@ -17,7 +17,7 @@ the process's descriptor pool, where another library's copy of it would clash. S
    under ``<out>/etcd/...``; tools/fix_proto_imports.py then roots their imports at
    ``smb_protocol._proto``.
 
-The services are not generated: :mod:`smb_server.controller.etcd_kv` binds the methods
+The services are not generated: :mod:`smb_server.controller.stores.etcd.kv` binds the methods
 it calls (``/etcdserverpb.KV/Range`` ...) on its own, typed.
 """
 from __future__ import annotations

@@ -35,7 +35,7 @@ _ARRIVAL_ID = re.compile(r"[0-9a-f]{32}")
 
 
 class GenerationStore(Protocol):
-    """Where barriers' generations outlive a leader (:class:`.etcd_state.EtcdState`)."""
+    """Where barriers' generations outlive a leader (:class:`.stores.etcd.state.EtcdState`)."""
 
     def barrier_generation(self, name: str) -> tuple[int, tuple[str, ...]]:
         """How many times barrier ``name`` has opened (0: never), and the arrival ids of

@@ -22,37 +22,18 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent import futures
-from dataclasses import dataclass
 
 from smb_protocol import errors
 from smb_protocol.replicas import ReplicaRole
 
 from .memservers import Backup, MemoryServers
-from .records import ExtentRecord, RegionRecord
-from .store import StateStore
+from .records import CreateRequest, ExtentRecord, RegionRecord
+from .stores.protocol import StateStore
 
 log = logging.getLogger(__name__)
 
 EXIST_OK_WAIT = 30.0         # seconds create(exist_ok) waits for a concurrent create of the name
 MEMSERVER_CALL_THREADS = 32  # parallel reserve/release calls, all regions together
-
-
-@dataclass(frozen=True)
-class RegionSpec:
-    """What a caller asks for; sizes in bytes, 0 meaning the default."""
-
-    name: str
-    size: int
-    placement: str = ""
-    stripe_unit: int = 0
-    num_servers: int = 0
-    segment_sizes: tuple[int, ...] = ()
-    persistent: bool = False
-    uid: str = ""   # the caller's uid for the region: a retry with it gets the region it made
-    owner: str = ""               # with lease_seconds: whose lease keeps the region
-    lease_seconds: float = 0.0    # > 0: deleted once the owner renewed nothing for this long
-    replicas: int = 0             # copies of every byte on distinct servers (0 or 1: one)
-    server_weights: tuple[tuple[str, float], ...] = ()   # layered: (server id, weight) pairs
 
 
 class RegionCreator:
@@ -74,50 +55,47 @@ class RegionCreator:
         self._pool.shutdown(wait=True)
 
     # -- create --------------------------------------------------------------------------
-    def create(self, spec: RegionSpec, exist_ok: bool = False) -> RegionRecord:
+    def create(self, request: CreateRequest, exist_ok: bool = False) -> RegionRecord:
         """Create the region (or, with ``exist_ok``, return the existing one if it has
         the size and placement asked for). Raises typed errors; on any error nothing is
         created.
 
-        With ``spec.uid``, a create that finds the region it names made under that uid
+        With ``request.uid``, a create that finds the region it names made under that uid
         (an earlier attempt of the same call: its reply was lost to a failover or a
         timeout) returns that region instead of RegionExists.
         """
         deadline = time.monotonic() + self.exist_ok_wait
         while True:
-            self._claim(spec.name, exist_ok, deadline, spec.uid)
+            self._claim(request.name, exist_ok, deadline, request.uid)
             try:
                 try:
-                    region = self.state.begin_create_region(
-                        spec.name, spec.size, spec.placement, spec.stripe_unit, spec.num_servers,
-                        list(spec.segment_sizes), spec.persistent, uid=spec.uid,
-                        replicas=spec.replicas, server_weights=dict(spec.server_weights) or None)
+                    region = self.state.begin_create_region(request)
                 except errors.RegionExists:
-                    if not exist_ok and not spec.uid:
+                    if not exist_ok and not request.uid:
                         raise
                     try:
-                        existing = self.state.get_region(spec.name)
+                        existing = self.state.get_region(request.name)
                     except errors.RegionNotFound:  # deleted meanwhile: try again
                         if time.monotonic() > deadline:
                             raise
                         continue
-                    if spec.uid and existing.uid == spec.uid:
+                    if request.uid and existing.uid == request.uid:
                         log.info("region %s: a repeated create of uid %s gets the region it made",
-                                 spec.name, spec.uid)
+                                 request.name, request.uid)
                         return existing
                     if not exist_ok:
                         raise
-                    check_same(existing, spec)
+                    check_same(existing, request)
                     return existing
-                if spec.lease_seconds:
+                if request.lease_seconds:
                     try:
-                        self.state.lease_region(spec.name, spec.owner, spec.lease_seconds)
+                        self.state.lease_region(request.name, request.owner, request.lease_seconds)
                     except BaseException:
-                        self.state.abort_region(spec.name, region.uid)
+                        self.state.abort_region(request.name, region.uid)
                         raise
                 return self._reserve_and_commit(region)
             finally:
-                self._unclaim(spec.name)
+                self._unclaim(request.name)
 
     def _claim(self, name: str, exist_ok: bool, deadline: float, uid: str = "") -> None:
         """Mark ``name`` as being created here; with ``exist_ok`` first wait until no
@@ -237,18 +215,18 @@ class RegionCreator:
                             extent.grpc_address, exc)
 
 
-def check_same(existing: RegionRecord, spec: RegionSpec) -> None:
+def check_same(existing: RegionRecord, request: CreateRequest) -> None:
     """exist_ok returns an existing region only if it is the one asked for."""
-    if spec.size and spec.size != existing.size:
+    if request.size and request.size != existing.size:
         raise errors.RegionExists(f"region {existing.name!r} exists with {existing.size} bytes, "
-                                  f"not {spec.size}; delete it or use another name")
-    if spec.placement and spec.placement != existing.placement:
+                                  f"not {request.size}; delete it or use another name")
+    if request.placement and request.placement != existing.placement:
         raise errors.RegionExists(f"region {existing.name!r} exists with {existing.placement} "
-                                  f"placement, not {spec.placement}")
-    if spec.replicas > 1 and spec.replicas != existing.replicas:
+                                  f"placement, not {request.placement}")
+    if request.replicas > 1 and request.replicas != existing.replicas:
         raise errors.RegionExists(f"region {existing.name!r} exists with {existing.replicas} "
                                   f"cop{'y' if existing.replicas == 1 else 'ies'} of every byte, "
-                                  f"not {spec.replicas}")
+                                  f"not {request.replicas}")
 
 
 def reserve_error(name: str, failed: list[tuple[ExtentRecord, errors.SMBError]]) -> errors.SMBError:

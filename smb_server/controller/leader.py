@@ -4,7 +4,7 @@ standby from serving.
 One controller leads: it holds ``P/leader`` (its address and epoch) on an etcd lease
 it keeps alive. Winning is one transaction: the leader key is absent and ``P/epoch``
 is unchanged since it was read; it writes ``epoch + 1`` and the leader key. The epoch
-and the leader key's create revision are the new leader's :class:`.etcd_txn.Fence`,
+and the leader key's create revision are the new leader's :class:`.stores.etcd.txn.Fence`,
 checked by every write it makes; a leader that loses its lease (paused, cut off) cannot
 write again, because a successor's epoch differs.
 
@@ -31,8 +31,8 @@ import grpc
 from smb_protocol import errors
 from smb_server.runtime.grpc_util import Continuation, Handler, ServerInterceptor, abort
 
-from . import etcd_kv as kv
-from .etcd_txn import Fence
+from .stores.etcd import kv
+from .stores.etcd.txn import Fence
 
 log = logging.getLogger(__name__)
 

@@ -25,14 +25,14 @@ from smb_server.runtime.health import HEALTH_METHODS, Health
 from smb_server.runtime.metrics import MetricsServer, Registry
 from smb_server.runtime.rpc_metrics import RpcMetrics
 
-from .etcd_kv import is_etcd_url
-from .etcd_txn import Fence
 from .leader import Election, LeaderGate, LeaderLoop
 from .records import FailedReplica
 from .repair import REPAIR_INTERVAL, RepairManager, RepairMetrics
 from .service import METHOD_ROLES, ControllerServicer
-from .state import SERVER_STATES
-from .store import Leadership, StateStore, open_state
+from .stores import open_state
+from .stores.etcd.kv import is_etcd_url
+from .stores.etcd.txn import Fence
+from .stores.protocol import SERVER_STATES, Leadership, StateStore
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ import logging
 import re
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field, replace
 
 from smb_protocol import placement as placement_mod
 from smb_protocol.errors import InvalidArgument
@@ -258,49 +258,53 @@ MAX_SERVERS = 1 << 16   # the most servers a region may be spread over
 
 
 @dataclass(frozen=True)
-class RegionRequest:
-    """A create request, checked (:func:`check_create`): what both stores plan from."""
+class CreateRequest:
+    """A region's create request, from the servicer through the region creator to the
+    store: sizes in bytes, 0 or "" meaning the default. The stores plan from it once
+    :func:`check_create` has checked and normalized it."""
 
     name: str
-    uid: str
-    size: int                              # bytes
-    placement: str                         # striped | layered | single
-    stripe_unit: int                       # bytes (0: the default)
-    num_servers: int                       # 0: all
-    segment_sizes: tuple[int, ...]         # bytes (layered only)
-    persistent: bool
-    replicas: int                          # 1 to MAX_REPLICAS
-    server_weights: Mapping[str, float] | None = None
+    size: int                               # bytes
+    _: KW_ONLY
+    placement: str = ""                     # striped (""), layered or single
+    stripe_unit: int = 0                    # bytes (0: the default)
+    num_servers: int = 0                    # 0: all
+    segment_sizes: tuple[int, ...] = ()     # bytes (layered only)
+    persistent: bool = False
+    uid: str = ""                 # the caller's uid for the region: a retry with it gets the region it made
+    replicas: int = 0             # copies of every byte on distinct servers (0 or 1: one)
+    server_weights: tuple[tuple[str, float], ...] = ()   # layered: (server id, weight) pairs
+    owner: str = ""               # with lease_seconds: whose lease keeps the region
+    lease_seconds: float = 0.0    # > 0: deleted once the owner renewed nothing for this long
 
     def plan(self, free: Mapping[str, int], hosts: Mapping[str, str]) -> tuple[Layout, list[list[str]]]:
         """The layout and each slot's servers (copy 0 first), from each candidate
         server's free bytes and host (:func:`smb_protocol.placement.plan_replicated`)."""
         return placement_mod.plan_replicated(
             self.size, self.placement, free, self.replicas, hosts, stripe_unit=self.stripe_unit,
-            num_servers=self.num_servers, segment_sizes=list(self.segment_sizes), weights=self.server_weights)
+            num_servers=self.num_servers, segment_sizes=list(self.segment_sizes),
+            weights=dict(self.server_weights) or None)
 
 
-def check_create(name: str, size: int, placement: str = "striped", stripe_unit: int = 0,
-                 num_servers: int = 0, segment_sizes: Sequence[int] = (), persistent: bool = False,
-                 uid: str = "", replicas: int = 1,
-                 server_weights: Mapping[str, float] | None = None) -> RegionRequest:
-    """The arguments of a create, checked and normalized (a fresh uid for "", one copy for
-    ``replicas`` 0, ``striped`` for no placement). Raises InvalidArgument."""
-    uid = check_uid(uid)
-    replicas = check_replicas(replicas)
-    check_region_name(name)
-    if size <= 0:
-        raise InvalidArgument(f"region size must be positive, got {size} bytes")
-    size = check_bytes("region size", size, 1)
-    stripe_unit = check_bytes("stripe unit", stripe_unit)
-    sizes = tuple(int(check_bytes("a segment size", s)) for s in segment_sizes)
-    if not 0 <= int(num_servers) <= MAX_SERVERS:
-        raise InvalidArgument(f"num_servers must be 0 (all) to {MAX_SERVERS}, got {num_servers}")
-    placement = placement or "striped"
+def check_create(req: CreateRequest) -> CreateRequest:
+    """``req`` checked and normalized (a fresh uid for "", one copy for ``replicas`` 0,
+    ``striped`` for no placement). Raises InvalidArgument."""
+    uid = check_uid(req.uid)
+    replicas = check_replicas(req.replicas)
+    check_region_name(req.name)
+    if req.size <= 0:
+        raise InvalidArgument(f"region size must be positive, got {req.size} bytes")
+    size = check_bytes("region size", req.size, 1)
+    stripe_unit = check_bytes("stripe unit", req.stripe_unit)
+    sizes = tuple(int(check_bytes("a segment size", s)) for s in req.segment_sizes)
+    if not 0 <= int(req.num_servers) <= MAX_SERVERS:
+        raise InvalidArgument(f"num_servers must be 0 (all) to {MAX_SERVERS}, got {req.num_servers}")
+    placement = req.placement or "striped"
     if placement != "layered" and sizes:
         raise InvalidArgument(f"segment sizes are only for layered placement, not {placement!r}")
-    return RegionRequest(name, uid, int(size), placement, int(stripe_unit), int(num_servers), sizes,
-                         bool(persistent), replicas, server_weights)
+    return replace(req, uid=uid, size=int(size), placement=placement, stripe_unit=int(stripe_unit),
+                   num_servers=int(req.num_servers), segment_sizes=sizes, persistent=bool(req.persistent),
+                   replicas=replicas)
 
 
 def region_state(stored: str, extents: Sequence[ExtentRecord], replicas: int = 1) -> str:

@@ -92,7 +92,7 @@ from .records import (
 )
 from .repair_metrics import RepairMetrics as RepairMetrics  # the manager's, kept importable from here
 from .repair_plans import SyncPlan, free_copy_number, plan_drained, plan_fence, plan_report, plan_sync
-from .store import StateStore
+from .stores.protocol import StateStore
 
 log = logging.getLogger(__name__)
 

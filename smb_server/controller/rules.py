@@ -1,9 +1,10 @@
 """The controller's rules: pure functions from the records a store loads to the changes
 it makes, tested without any store.
 
-The stores (:class:`.state.ControllerState` on SQLite, :class:`.etcd_state.EtcdState` on
-etcd) only load what a rule takes and apply what it returns atomically: one SQLite
-transaction, or one etcd transaction retried from a fresh read when it lost a race.
+The stores (:class:`.stores.sqlite.state.ControllerState` on SQLite,
+:class:`.stores.etcd.state.EtcdState` on etcd) only load what a rule takes and apply what
+it returns atomically: one SQLite transaction, or one etcd transaction retried from a
+fresh read when it lost a race.
 Checks of what callers send are in :mod:`.records`; the evacuation rules in :mod:`.moves`.
 """
 from __future__ import annotations
@@ -19,11 +20,11 @@ from smb_protocol.replicas import ReplicaRole
 
 from .records import (
     DELETE_MEMORY_SECONDS,
+    CreateRequest,
     DeletedRegion,
     ExtentRecord,
     HeldExtent,
     RegionRecord,
-    RegionRequest,
     ServerRecord,
     SlotChange,
     check_slot_change,
@@ -98,7 +99,7 @@ def lost_on_register(server_id: str, known: Mapping[int, tuple[str, str]],
 
 
 # -- regions ----------------------------------------------------------------------------------
-def check_new_region(req: RegionRequest, existing: str | None, uid_taken: bool) -> None:
+def check_new_region(req: CreateRequest, existing: str | None, uid_taken: bool) -> None:
     """Raise RegionExists when a region of the requested name exists (``existing``: its
     stored state, None when there is none), InvalidArgument when another region has its uid."""
     if existing is not None:
@@ -120,7 +121,7 @@ class PlannedExtent:
     view: int
 
 
-def plan_region(req: RegionRequest, servers: Iterable[ServerRecord], now: float, lease_seconds: float,
+def plan_region(req: CreateRequest, servers: Iterable[ServerRecord], now: float, lease_seconds: float,
                 taken: Mapping[str, int] | None = None) -> tuple[Layout, list[PlannedExtent]]:
     """Where a new region goes: its layout and every copy of every slot, in order.
 

@@ -20,12 +20,12 @@ from smb_server.runtime.credentials import ADMIN, CLIENT, SERVER
 from smb_server.runtime.grpc_util import current_principal, typed_errors
 
 from .barriers import MAX_WAITERS, Barriers
-from .creation import RegionCreator, RegionSpec
+from .creation import RegionCreator
 from .heads import plan_heads
 from .memservers import RELEASE_TIMEOUT, RESERVE_TIMEOUT, GrpcMemoryServers
 from .moves import plan_rebalance
-from .records import ExtentRecord, FailedReplica, HeldExtent, RegionRecord, ServerRecord
-from .store import StateStore
+from .records import CreateRequest, ExtentRecord, FailedReplica, HeldExtent, RegionRecord, ServerRecord
+from .stores.protocol import StateStore
 
 if TYPE_CHECKING:
     from .repair import RepairManager
@@ -211,11 +211,13 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
     @typed_errors
     def CreateRegion(self, request: controller_pb2.CreateRegionRequest,
                      context: grpc.ServicerContext) -> Any:
-        spec = RegionSpec(request.name, request.size, request.placement, request.stripe_unit,
-                          request.num_servers, tuple(request.segment_sizes), request.persistent,
-                          request.uid, request.owner, request.lease_seconds, request.replicas,
-                          tuple(sorted(request.server_weights.items())))
-        return self._response(self.creator.create(spec, exist_ok=request.exist_ok), "rw")
+        create = CreateRequest(request.name, request.size, placement=request.placement,
+                               stripe_unit=request.stripe_unit, num_servers=request.num_servers,
+                               segment_sizes=tuple(request.segment_sizes), persistent=request.persistent,
+                               uid=request.uid, replicas=request.replicas,
+                               server_weights=tuple(sorted(request.server_weights.items())),
+                               owner=request.owner, lease_seconds=request.lease_seconds)
+        return self._response(self.creator.create(create, exist_ok=request.exist_ok), "rw")
 
     @typed_errors
     def OpenRegion(self, request: controller_pb2.OpenRegionRequest,

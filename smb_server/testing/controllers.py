@@ -14,7 +14,7 @@ from smb_client import Client
 from smb_protocol import errors
 
 from ..commands.local_cluster import wait_for_json
-from ..controller.etcd_kv import EtcdKV, is_etcd_url, parse_url
+from ..controller.stores.etcd.kv import EtcdKV, is_etcd_url, parse_url
 from ..runtime.config import new_secret, new_token
 from .harness import wait_until
 

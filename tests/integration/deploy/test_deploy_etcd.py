@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from smb_server.controller import etcd_kv as kv
+from smb_server.controller.stores.etcd import kv
 
 ROOT = Path(__file__).resolve().parents[3]
 ANSIBLE = ROOT / "deploy" / "ansible"

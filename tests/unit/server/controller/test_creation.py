@@ -10,9 +10,10 @@ import pytest
 
 from smb_protocol import errors
 from smb_server.controller.barriers import Barriers
-from smb_server.controller.creation import RegionCreator, RegionSpec
+from smb_server.controller.creation import RegionCreator
 from smb_server.controller.memservers import Backup, MemoryServers
-from smb_server.controller.state import ControllerState, ExtentRecord
+from smb_server.controller.records import CreateRequest, ExtentRecord
+from smb_server.controller.stores.sqlite.state import ControllerState
 
 MiB = 1 << 20
 
@@ -105,7 +106,7 @@ def test_in_memory_servers_is_a_memory_servers() -> None:
 def test_create_reserves_every_extent_then_commits(creator: RegionCreator,
                                                    servers: InMemoryServers,
                                                    state: ControllerState) -> None:
-    region = creator.create(RegionSpec("job/p", 6 * MiB, stripe_unit=MiB))
+    region = creator.create(CreateRequest("job/p", 6 * MiB, stripe_unit=MiB))
     assert region.state == "ready"
     assert len(region.extents) == 3
     for e in region.extents:
@@ -118,13 +119,13 @@ def test_failure_in_the_middle_releases_what_was_reserved(creator: RegionCreator
                                                           state: ControllerState) -> None:
     servers.fail["mem1:1"] = errors.ServerUnavailable("connection refused")
     with pytest.raises(errors.ServerUnavailable, match=r"server s1 at mem1:1.*nothing was created"):
-        creator.create(RegionSpec("job/p", 6 * MiB, stripe_unit=MiB))
+        creator.create(CreateRequest("job/p", 6 * MiB, stripe_unit=MiB))
     assert servers.total() == 0
     assert len(servers.released) == 2          # the two that did reserve
     with pytest.raises(errors.RegionNotFound):
         state.get_region("job/p")
     del servers.fail["mem1:1"]                 # the name is free again
-    assert creator.create(RegionSpec("job/p", 6 * MiB, stripe_unit=MiB)).state == "ready"
+    assert creator.create(CreateRequest("job/p", 6 * MiB, stripe_unit=MiB)).state == "ready"
 
 
 def test_out_of_memory_is_reported_before_other_failures(creator: RegionCreator,
@@ -132,7 +133,7 @@ def test_out_of_memory_is_reported_before_other_failures(creator: RegionCreator,
     servers.fail["mem0:1"] = errors.ServerUnavailable("down")
     servers.fail["mem2:1"] = errors.OutOfMemory("no room")
     with pytest.raises(errors.OutOfMemory, match=r"s2.*\(and 1 more\)"):
-        creator.create(RegionSpec("job/p", 6 * MiB, stripe_unit=MiB))
+        creator.create(CreateRequest("job/p", 6 * MiB, stripe_unit=MiB))
     assert servers.total() == 0
 
 
@@ -140,7 +141,7 @@ def test_a_bug_in_reserve_still_rolls_back(creator: RegionCreator, servers: InMe
                                            state: ControllerState) -> None:
     servers.fail["mem0:1"] = RuntimeError("boom")  # type: ignore[assignment]
     with pytest.raises(errors.ServerError, match="boom"):
-        creator.create(RegionSpec("job/p", 6 * MiB, stripe_unit=MiB))
+        creator.create(CreateRequest("job/p", 6 * MiB, stripe_unit=MiB))
     assert servers.total() == 0
     assert state.list_regions() == []
 
@@ -152,7 +153,7 @@ def test_region_deleted_before_commit_releases(creator: RegionCreator, servers: 
 
     def create() -> None:
         try:
-            creator.create(RegionSpec("job/p", 3 * MiB, stripe_unit=MiB))
+            creator.create(CreateRequest("job/p", 3 * MiB, stripe_unit=MiB))
         except BaseException as exc:  # noqa: BLE001 - handed to the test thread
             result.append(exc)
 
@@ -171,14 +172,14 @@ def test_exist_ok_waits_for_a_concurrent_create(creator: RegionCreator,
     servers.gate = threading.Event()
     first: list[object] = []
     t = threading.Thread(target=lambda: first.append(
-        creator.create(RegionSpec("job/p", 3 * MiB, stripe_unit=MiB))))
+        creator.create(CreateRequest("job/p", 3 * MiB, stripe_unit=MiB))))
     t.start()
     assert servers.reserving.wait(5)
     with pytest.raises(errors.RegionExists, match="being created"):
-        creator.create(RegionSpec("job/p", 3 * MiB))          # without exist_ok: at once
+        creator.create(CreateRequest("job/p", 3 * MiB))          # without exist_ok: at once
     threading.Timer(0.2, servers.gate.set).start()
     started = time.monotonic()
-    second = creator.create(RegionSpec("job/p", 3 * MiB), exist_ok=True)
+    second = creator.create(CreateRequest("job/p", 3 * MiB), exist_ok=True)
     assert time.monotonic() - started >= 0.15                 # waited, not failed
     t.join(10)
     assert second.uid == first[0].uid  # type: ignore[attr-defined]
@@ -192,7 +193,7 @@ def test_exist_ok_after_a_failed_concurrent_create_creates(creator: RegionCreato
 
     def create() -> None:
         try:
-            creator.create(RegionSpec("job/p", 3 * MiB, stripe_unit=MiB))
+            creator.create(CreateRequest("job/p", 3 * MiB, stripe_unit=MiB))
         except errors.SMBError as exc:
             failed.append(exc)
 
@@ -200,7 +201,7 @@ def test_exist_ok_after_a_failed_concurrent_create_creates(creator: RegionCreato
     t.start()
     assert servers.reserving.wait(5)
     threading.Timer(0.1, servers.gate.set).start()
-    region = creator.create(RegionSpec("job/p", 3 * MiB, stripe_unit=MiB), exist_ok=True)
+    region = creator.create(CreateRequest("job/p", 3 * MiB, stripe_unit=MiB), exist_ok=True)
     t.join(10)
     assert isinstance(failed[0], errors.OutOfMemory)   # the first one failed and rolled back,
     assert region.state == "ready"                     # then the waiting one created it
@@ -210,12 +211,12 @@ def test_exist_ok_after_a_failed_concurrent_create_creates(creator: RegionCreato
 def test_exist_ok_gives_up_after_the_wait(state: ControllerState, servers: InMemoryServers) -> None:
     c = RegionCreator(state, servers, threads=4, exist_ok_wait=0.2)
     servers.gate = threading.Event()
-    t = threading.Thread(target=lambda: c.create(RegionSpec("job/p", MiB)))
+    t = threading.Thread(target=lambda: c.create(CreateRequest("job/p", MiB)))
     t.start()
     try:
         assert servers.reserving.wait(5)
         with pytest.raises(errors.RegionExists, match="still being created after 0.2 s"):
-            c.create(RegionSpec("job/p", MiB), exist_ok=True)
+            c.create(CreateRequest("job/p", MiB), exist_ok=True)
     finally:
         servers.gate.set()
         t.join(10)
@@ -223,19 +224,19 @@ def test_exist_ok_gives_up_after_the_wait(state: ControllerState, servers: InMem
 
 
 def test_exist_ok_checks_the_existing_region(creator: RegionCreator) -> None:
-    first = creator.create(RegionSpec("job/p", 2 * MiB))
-    assert creator.create(RegionSpec("job/p", 2 * MiB), exist_ok=True).uid == first.uid
+    first = creator.create(CreateRequest("job/p", 2 * MiB))
+    assert creator.create(CreateRequest("job/p", 2 * MiB), exist_ok=True).uid == first.uid
     with pytest.raises(errors.RegionExists, match="exists with 2097152 bytes, not 1048576"):
-        creator.create(RegionSpec("job/p", MiB), exist_ok=True)
+        creator.create(CreateRequest("job/p", MiB), exist_ok=True)
     with pytest.raises(errors.RegionExists, match="striped placement, not single"):
-        creator.create(RegionSpec("job/p", 2 * MiB, placement="single"), exist_ok=True)
+        creator.create(CreateRequest("job/p", 2 * MiB, placement="single"), exist_ok=True)
     with pytest.raises(errors.RegionExists, match="already exists"):
-        creator.create(RegionSpec("job/p", 2 * MiB))
+        creator.create(CreateRequest("job/p", 2 * MiB))
 
 
 def test_delete_releases_and_skips_down_servers(creator: RegionCreator, servers: InMemoryServers,
                                                 state: ControllerState) -> None:
-    creator.create(RegionSpec("job/p", 6 * MiB, stripe_unit=MiB))
+    creator.create(CreateRequest("job/p", 6 * MiB, stripe_unit=MiB))
     state.expire_leases(now=time.time() + 2e9)  # every server down
     state.register_server("s0", "h0", "mem0:1", [], 64 * MiB, held=[])  # s0 back up
     creator.delete("job/p")
@@ -246,7 +247,7 @@ def test_delete_releases_and_skips_down_servers(creator: RegionCreator, servers:
 
 def test_release_failures_are_logged_not_raised(creator: RegionCreator, servers: InMemoryServers,
                                                 caplog: pytest.LogCaptureFixture) -> None:
-    creator.create(RegionSpec("job/p", 3 * MiB, stripe_unit=MiB))
+    creator.create(CreateRequest("job/p", 3 * MiB, stripe_unit=MiB))
     servers.release_fails = errors.ServerUnavailable("gone")
     creator.delete("job/p")
     assert "freed as an orphan" in caplog.text
@@ -274,13 +275,13 @@ def test_barriers_open_for_all_parties() -> None:
 def test_a_repeated_create_of_one_uid_gets_the_region_it_made(creator: RegionCreator,
                                                               servers: InMemoryServers) -> None:
     uid = "ab" * 16
-    first = creator.create(RegionSpec("job/u", 3 * MiB, stripe_unit=MiB, uid=uid))
+    first = creator.create(CreateRequest("job/u", 3 * MiB, stripe_unit=MiB, uid=uid))
     # the reply was lost (failover, timeout): the caller sends the same create again
-    again = creator.create(RegionSpec("job/u", 3 * MiB, stripe_unit=MiB, uid=uid))
+    again = creator.create(CreateRequest("job/u", 3 * MiB, stripe_unit=MiB, uid=uid))
     assert again.uid == first.uid == uid and again.extent_ids == first.extent_ids
     assert servers.total() == 3                               # nothing reserved twice
     with pytest.raises(errors.RegionExists):                  # another caller's create
-        creator.create(RegionSpec("job/u", 3 * MiB, uid="cd" * 16))
+        creator.create(CreateRequest("job/u", 3 * MiB, uid="cd" * 16))
 
 
 def test_a_repeat_arriving_while_its_first_attempt_runs_waits_for_it(creator: RegionCreator,
@@ -289,20 +290,20 @@ def test_a_repeat_arriving_while_its_first_attempt_runs_waits_for_it(creator: Re
     servers.gate = threading.Event()
     first: list[object] = []
     t = threading.Thread(target=lambda: first.append(
-        creator.create(RegionSpec("job/w", 3 * MiB, stripe_unit=MiB, uid=uid))))
+        creator.create(CreateRequest("job/w", 3 * MiB, stripe_unit=MiB, uid=uid))))
     t.start()
     assert servers.reserving.wait(5)
     with pytest.raises(errors.RegionExists, match="being created"):   # another caller: at once
-        creator.create(RegionSpec("job/w", 3 * MiB, uid="01" * 16))
+        creator.create(CreateRequest("job/w", 3 * MiB, uid="01" * 16))
     threading.Timer(0.2, servers.gate.set).start()
-    again = creator.create(RegionSpec("job/w", 3 * MiB, stripe_unit=MiB, uid=uid))
+    again = creator.create(CreateRequest("job/w", 3 * MiB, stripe_unit=MiB, uid=uid))
     t.join(10)
     assert again.uid == uid == first[0].uid  # type: ignore[attr-defined]
 
 
 def test_a_repeated_delete_of_one_request_is_answered_as_done(creator: RegionCreator,
                                                               servers: InMemoryServers) -> None:
-    creator.create(RegionSpec("job/d", 3 * MiB, stripe_unit=MiB))
+    creator.create(CreateRequest("job/d", 3 * MiB, stripe_unit=MiB))
     request = "a1" * 16
     creator.delete("job/d", request)
     assert servers.total() == 0
@@ -319,7 +320,7 @@ def test_a_delete_retried_after_the_leader_died_before_releasing_frees_the_exten
     extents: the retry (at the next leader, same state) is answered as done *and* frees
     them, so the old region's handles stop reaching its memory now, not at the orphan
     sweep."""
-    region = creator.create(RegionSpec("job/e", 3 * MiB, stripe_unit=MiB))
+    region = creator.create(CreateRequest("job/e", 3 * MiB, stripe_unit=MiB))
     request = "c3" * 16
     state.delete_region("job/e", request)        # the state's half of the delete only
     assert servers.total() == 3
@@ -334,7 +335,7 @@ def test_a_delete_retried_after_the_leader_died_before_releasing_frees_the_exten
 def test_a_replicated_create_configures_backups_then_primaries(creator: RegionCreator,
                                                                 servers: InMemoryServers,
                                                                 state: ControllerState) -> None:
-    region = creator.create(RegionSpec("job/r", 3 * MiB, stripe_unit=MiB, replicas=2))
+    region = creator.create(CreateRequest("job/r", 3 * MiB, stripe_unit=MiB, replicas=2))
     assert region.state == "ready" and region.replicas == 2 and len(region.extents) == 6
     assert servers.total() == 6                       # every copy reserved
     roles = [c[3] for c in servers.configured]
@@ -350,8 +351,8 @@ def test_a_replicated_create_configures_backups_then_primaries(creator: RegionCr
 
 
 def test_an_unreplicated_create_configures_nothing(creator: RegionCreator, servers: InMemoryServers) -> None:
-    creator.create(RegionSpec("job/p", 3 * MiB, stripe_unit=MiB, replicas=1))
-    creator.create(RegionSpec("job/q", 3 * MiB, stripe_unit=MiB))
+    creator.create(CreateRequest("job/p", 3 * MiB, stripe_unit=MiB, replicas=1))
+    creator.create(CreateRequest("job/q", 3 * MiB, stripe_unit=MiB))
     assert servers.configured == [] and servers.total() == 6
 
 
@@ -359,14 +360,14 @@ def test_a_failed_configure_releases_every_copy(creator: RegionCreator, servers:
                                                 state: ControllerState) -> None:
     servers.configure_fails["mem2:1"] = errors.ServerUnavailable("gone")
     with pytest.raises(errors.ServerUnavailable, match="s2.*nothing was created"):
-        creator.create(RegionSpec("job/r", 3 * MiB, stripe_unit=MiB, replicas=2))
+        creator.create(CreateRequest("job/r", 3 * MiB, stripe_unit=MiB, replicas=2))
     assert servers.total() == 0
     with pytest.raises(errors.RegionNotFound):
         state.get_region("job/r")
 
 
 def test_exist_ok_checks_the_copies_asked_for(creator: RegionCreator) -> None:
-    creator.create(RegionSpec("job/r", MiB, replicas=2))
-    assert creator.create(RegionSpec("job/r", MiB), exist_ok=True).replicas == 2
+    creator.create(CreateRequest("job/r", MiB, replicas=2))
+    assert creator.create(CreateRequest("job/r", MiB), exist_ok=True).replicas == 2
     with pytest.raises(errors.RegionExists, match="2 copies of every byte, not 3"):
-        creator.create(RegionSpec("job/r", MiB, replicas=3), exist_ok=True)
+        creator.create(CreateRequest("job/r", MiB, replicas=3), exist_ok=True)

@@ -11,14 +11,14 @@ from collections.abc import Sequence
 
 from smb_protocol import errors
 from smb_protocol.replicas import ReplicaRole
-from smb_server.controller.creation import RegionCreator, RegionSpec
+from smb_server.controller.creation import RegionCreator
 from smb_server.controller.heads import Swap, head_cap, plan_heads
 from smb_server.controller.memservers import Backup
 from smb_server.controller.moves import head_bytes, head_of, plan_rebalance
 from smb_server.controller.rebalancer import Rebalancer
-from smb_server.controller.records import ExtentRecord, RegionRecord, ServerRecord, SlotChange
+from smb_server.controller.records import CreateRequest, ExtentRecord, RegionRecord, ServerRecord, SlotChange
 from smb_server.controller.repair import RepairManager
-from smb_server.controller.state import ControllerState
+from smb_server.controller.stores.sqlite.state import ControllerState
 from tests.unit.server.controller.test_moves import add_servers_more, rebalance_all
 from tests.unit.server.controller.test_repair import MiB, ReplicaServers, add_servers, settle
 
@@ -199,7 +199,7 @@ def two_slots_headed_by_s0(state: ControllerState, servers: ReplicaServers, mana
     add_servers(state, 2, capacity=256 * MiB)
     creator = RegionCreator(state, servers, threads=2)
     try:
-        created = creator.create(RegionSpec("job/a", 2 * MiB, stripe_unit=MiB, replicas=2))
+        created = creator.create(CreateRequest("job/a", 2 * MiB, stripe_unit=MiB, replicas=2))
     finally:
         creator.close()
     for index in range(2):
@@ -262,7 +262,7 @@ def test_the_issues_scenario_gets_even_heads_and_one_copy_per_moved_copy(state, 
     creator = RegionCreator(state, servers, threads=2)
     try:
         for name in ("job/a", "job/b"):
-            creator.create(RegionSpec(name, 4 * SLOT, stripe_unit=SLOT, replicas=2))
+            creator.create(CreateRequest(name, 4 * SLOT, stripe_unit=SLOT, replicas=2))
     finally:
         creator.close()
     settle(manager)

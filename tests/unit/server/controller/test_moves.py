@@ -8,12 +8,12 @@ import dataclasses
 import pytest
 
 from smb_protocol import errors
-from smb_server.controller.creation import RegionCreator, RegionSpec
+from smb_server.controller.creation import RegionCreator
 from smb_server.controller.moves import head_bytes, head_of, leaving, plan_rebalance
 from smb_server.controller.rebalancer import Rebalancer
-from smb_server.controller.records import NewCopy, SlotChange
+from smb_server.controller.records import CreateRequest, NewCopy, SlotChange
 from smb_server.controller.repair import RETRY_SECONDS, RepairManager, RepairMetrics
-from smb_server.controller.state import ControllerState
+from smb_server.controller.stores.sqlite.state import ControllerState
 from smb_server.runtime.metrics import Registry
 from tests.unit.server.controller.test_repair import (
     MiB,
@@ -82,8 +82,8 @@ def test_a_rebalance_evens_bytes_out_and_spreads_a_striped_regions_slots(state, 
     add_servers(state, 2, capacity=256 * MiB)
     creator = RegionCreator(state, servers, threads=2)
     try:
-        creator.create(RegionSpec("job/a", 8 * MiB, stripe_unit=MiB))
-        creator.create(RegionSpec("job/b", 4 * MiB, stripe_unit=MiB))
+        creator.create(CreateRequest("job/a", 8 * MiB, stripe_unit=MiB))
+        creator.create(CreateRequest("job/b", 4 * MiB, stripe_unit=MiB))
     finally:
         creator.close()
     add_servers_more(state, 2)
@@ -112,7 +112,7 @@ def test_a_rebalance_paces_its_moves_by_the_rate(state, servers) -> None:
     creator = RegionCreator(state, servers, threads=2)
     try:
         for k in range(4):
-            creator.create(RegionSpec(f"job/{k}", MiB, placement="single"))
+            creator.create(CreateRequest(f"job/{k}", MiB, placement="single"))
     finally:
         creator.close()
     add_servers_more(state, 1)
@@ -254,7 +254,7 @@ def striped_on_three(state: ControllerState, servers) -> None:
     creator = RegionCreator(state, servers, threads=2)
     try:
         for k in range(3):
-            creator.create(RegionSpec(f"job/{k}", 3 * MiB, stripe_unit=MiB, num_servers=3, replicas=2))
+            creator.create(CreateRequest(f"job/{k}", 3 * MiB, stripe_unit=MiB, num_servers=3, replicas=2))
     finally:
         creator.close()
     assert sorted(head_bytes(state.list_regions()).values()) == [3 * MiB] * 3
@@ -302,10 +302,10 @@ def test_a_rebalance_keeps_a_small_striped_region_spread(state, servers, manager
     add_servers(state, 3, capacity=256 * MiB)
     creator = RegionCreator(state, servers, threads=2)
     try:
-        creator.create(RegionSpec("job/params", 4505664, stripe_unit=MiB, num_servers=3, replicas=2))
-        creator.create(RegionSpec("job/deltas", 4 * 4505664, stripe_unit=MiB, num_servers=3, replicas=2))
+        creator.create(CreateRequest("job/params", 4505664, stripe_unit=MiB, num_servers=3, replicas=2))
+        creator.create(CreateRequest("job/deltas", 4 * 4505664, stripe_unit=MiB, num_servers=3, replicas=2))
         for small in ("job/counters", "job/meta"):
-            creator.create(RegionSpec(small, 4096, placement="single", replicas=2))
+            creator.create(CreateRequest(small, 4096, placement="single", replicas=2))
     finally:
         creator.close()
     small_before = {r.name: sorted(c.server_id for c in r.extents) for r in state.list_regions()
@@ -333,7 +333,7 @@ def test_many_small_regions_still_even_out(state, servers) -> None:
     creator = RegionCreator(state, servers, threads=2)
     try:
         for k in range(240):
-            creator.create(RegionSpec(f"job/small-{k}", small, placement="single"))
+            creator.create(CreateRequest(f"job/small-{k}", small, placement="single"))
     finally:
         creator.close()
     add_servers_more(state, 1)

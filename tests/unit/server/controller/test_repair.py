@@ -8,11 +8,19 @@ from collections.abc import Iterator, Sequence
 import pytest
 
 from smb_protocol import errors
-from smb_server.controller.creation import RegionCreator, RegionSpec
+from smb_server.controller.creation import RegionCreator
 from smb_server.controller.memservers import Backup
-from smb_server.controller.records import FailedReplica, NewCopy, RegionRecord, SlotChange
+from smb_server.controller.records import (
+    CreateRequest,
+    ExtentRecord,
+    FailedReplica,
+    HeldExtent,
+    NewCopy,
+    RegionRecord,
+    SlotChange,
+)
 from smb_server.controller.repair import AVOID_SECONDS, RETRY_SECONDS, RepairManager, plan_fence
-from smb_server.controller.state import ControllerState, ExtentRecord, HeldExtent
+from smb_server.controller.stores.sqlite.state import ControllerState
 from tests.unit.server.controller.test_creation import InMemoryServers
 
 MiB = 1 << 20
@@ -98,7 +106,7 @@ def add_servers(state: ControllerState, n: int, capacity: int = 64 * MiB) -> Non
 def create(state: ControllerState, servers: ReplicaServers, replicas: int = 2, **kw: object) -> RegionRecord:
     creator = RegionCreator(state, servers, threads=2)
     try:
-        return creator.create(RegionSpec("job/r", MiB, placement="single", replicas=replicas, **kw))  # type: ignore[arg-type]
+        return creator.create(CreateRequest("job/r", MiB, placement="single", replicas=replicas, **kw))  # type: ignore[arg-type]
     finally:
         creator.close()
 
@@ -341,7 +349,7 @@ def test_plan_fence_on_a_healthy_slot_is_nothing(state, servers) -> None:
 def test_spares_of_one_pass_count_what_earlier_slots_took(state, servers, manager) -> None:
     add_servers(state, 2)
     creator = RegionCreator(state, servers, threads=2)
-    region = creator.create(RegionSpec("job/r", 2 * MiB, stripe_unit=MiB, replicas=2))
+    region = creator.create(CreateRequest("job/r", 2 * MiB, stripe_unit=MiB, replicas=2))
     creator.close()
     state.register_server("s2", "h2", "mem2:1", [], 3 * MiB // 2)
     state.register_server("s3", "h3", "mem3:1", [], 5 * MiB // 4)

@@ -8,6 +8,7 @@ from smb_protocol.errors import InvalidArgument, OutOfMemory, RegionExists, Regi
 from smb_protocol.replicas import ReplicaRole as R
 from smb_server.controller.records import (
     DELETE_MEMORY_SECONDS,
+    CreateRequest,
     DeletedRegion,
     ExtentRecord,
     HeldExtent,
@@ -170,7 +171,7 @@ def _server(sid: str, state: str = "up", heartbeat: float = 100.0, used: int = 0
 def test_a_new_region_goes_to_live_servers_only_with_their_free_bytes() -> None:
     servers = [_server("a"), _server("b", state="draining"), _server("c", heartbeat=90.0),
                _server("d", state="down"), _server("e", used=(1 << 20) - 16384)]
-    req = check_create("job/x", 3 * 4096, stripe_unit=4096, replicas=2)
+    req = check_create(CreateRequest("job/x", 3 * 4096, stripe_unit=4096, replicas=2))
     layout, extents = plan_region(req, servers, now=100.0, lease_seconds=5.0)
     assert {e.server_id for e in extents} == {"a", "e"}     # b drains, c is silent, d is down
     assert [(e.index, e.copy, e.role, e.view) for e in extents][:2] == [(0, 0, R.PRIMARY, 1), (0, 1, R.BACKUP, 1)]
@@ -180,7 +181,7 @@ def test_a_new_region_goes_to_live_servers_only_with_their_free_bytes() -> None:
 
 
 def test_a_new_region_needs_a_free_name_and_uid() -> None:
-    req = check_create("job/x", 4096)
+    req = check_create(CreateRequest("job/x", 4096))
     check_new_region(req, None, uid_taken=False)
     with pytest.raises(RegionExists, match="being created"):
         check_new_region(req, "creating", uid_taken=False)

@@ -1,4 +1,4 @@
-"""Memory servers in the etcd store (:class:`.etcd_state.EtcdState` builds on it):
+"""Memory servers in the etcd store (:class:`.etcd.state.EtcdState` builds on it):
 registrations, heartbeats, lease expiry, drains and removals, each read and committed
 with compares on the server's row (never under the region lock, so that heartbeats do
 not queue behind region changes), applying what :mod:`.rules` and :mod:`.moves` decide."""
@@ -11,11 +11,11 @@ from typing import Any
 
 from smb_protocol import errors
 
-from . import etcd_kv as kv
-from .etcd_txn import EtcdStore
-from .moves import check_removable, drain_flag, removed_error
-from .records import HeldExtent, ServerRecord, find_orphans
-from .rules import check_registration, drained_state, find_server, lease_ran_out, live_state, lost_on_register
+from ...moves import check_removable, drain_flag, removed_error
+from ...records import HeldExtent, ServerRecord, find_orphans
+from ...rules import check_registration, drained_state, find_server, lease_ran_out, live_state, lost_on_register
+from . import kv
+from .txn import EtcdStore
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ class EtcdServers(EtcdStore):
                         held: Iterable[HeldExtent] = (), now: float | None = None
                         ) -> tuple[str, list[int]]:
         """Add or refresh a memory server; returns its id and the orphan extent ids (as
-        :meth:`.state.ControllerState.register_server`)."""
+        :meth:`.sqlite.state.ControllerState.register_server`)."""
         now = self._now(now)
         server_id, capacity = check_registration(server_id, grpc_address, capacity)
         held = list(held)

@@ -8,8 +8,8 @@ import threading
 import pytest
 
 from smb_protocol import errors
-from smb_server.controller import etcd_kv as kv
-from smb_server.controller.etcd_state import MAX_TXN_OPS
+from smb_server.controller.stores.etcd import kv
+from smb_server.controller.stores.etcd.txn import MAX_TXN_OPS
 from smb_server.testing import EtcdServer
 
 

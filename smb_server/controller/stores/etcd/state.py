@@ -1,5 +1,5 @@
 """The controller's durable state in etcd (v3): the same methods and rules as the SQLite
-:class:`.state.ControllerState`, for a control plane that outlives its machine.
+:class:`.sqlite.state.ControllerState`, for a control plane that outlives its machine.
 
 Keys under the store's prefix ``P`` (default ``/smb``), values JSON:
 
@@ -36,27 +36,20 @@ changed under their compares alone, so that heartbeats never queue behind region
 
 Every durable change is one method and one transaction, which loads records and applies
 what a rule of :mod:`.rules` decides (the SQLite store applies the same rules). Regions
-and replica sets are here; batched creates in :mod:`.etcd_create`, memory servers in
-:mod:`.etcd_servers`, owner leases in :mod:`.etcd_leases`, leadership and barriers'
-generations in :mod:`.etcd_leadership`; the keys, snapshots, fenced commits and retries
-they are written with in :mod:`.etcd_txn`.
+and replica sets are here; batched creates in :mod:`.etcd.create`, memory servers in
+:mod:`.etcd.servers`, owner leases in :mod:`.etcd.leases`, leadership and barriers'
+generations in :mod:`.etcd.leadership`; the keys, snapshots, fenced commits and retries
+they are written with in :mod:`.etcd.txn`.
 """
 from __future__ import annotations
 
 import json
 import logging
 import secrets
-from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
-from . import etcd_kv as kv
-from .etcd_create import FIRST_ID_BASE, RegionCreates
-from .etcd_leadership import EtcdLeadership
-from .etcd_leases import EtcdLeases
-from .etcd_servers import EtcdServers
-from .etcd_txn import MAX_TXN_OPS as MAX_TXN_OPS  # the limit callers check against
-from .etcd_txn import _extent_row
-from .records import (
+from ...records import (
+    CreateRequest,
     DeletedRegion,
     ExtentRecord,
     RegionRecord,
@@ -65,7 +58,7 @@ from .records import (
     check_request_id,
     region_state,
 )
-from .rules import (
+from ...rules import (
     abortable,
     check_committable,
     check_created,
@@ -74,6 +67,12 @@ from .rules import (
     retried_delete,
     slot_change,
 )
+from . import kv
+from .create import FIRST_ID_BASE, RegionCreates
+from .leadership import EtcdLeadership
+from .leases import EtcdLeases
+from .servers import EtcdServers
+from .txn import _extent_row
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +81,7 @@ class EtcdState(RegionCreates, EtcdLeadership, EtcdServers, EtcdLeases):
     """Servers, regions and extents in etcd; owns its etcd channel.
 
     ``url``: ``etcd://host:port[,host:port...][/prefix]``. ``lease_seconds`` and
-    ``orphan_grace_seconds`` as for :class:`.state.ControllerState`. ``recover``: remove
+    ``orphan_grace_seconds`` as for :class:`.sqlite.state.ControllerState`. ``recover``: remove
     regions left ``creating`` by a controller that died (only the leader may: a standby
     passes False and calls :meth:`take_over` once it leads).
     """
@@ -102,18 +101,12 @@ class EtcdState(RegionCreates, EtcdLeadership, EtcdServers, EtcdLeases):
         self.close()
 
     # -- regions -------------------------------------------------------------------------
-    def begin_create_region(self, name: str, size: int, placement: str = "striped",
-                            stripe_unit: int = 0, num_servers: int = 0,
-                            segment_sizes: Sequence[int] = (), persistent: bool = False,
-                            now: float | None = None, uid: str = "", replicas: int = 1,
-                            server_weights: Mapping[str, float] | None = None
-                            ) -> RegionRecord:
+    def begin_create_region(self, request: CreateRequest, now: float | None = None) -> RegionRecord:
         """Plan a region and record it as ``creating`` (as
-        :meth:`.state.ControllerState.begin_create_region`)."""
-        req = check_create(name, size, placement, stripe_unit, num_servers, segment_sizes, persistent,
-                           uid, replicas, server_weights)
+        :meth:`.sqlite.state.ControllerState.begin_create_region`)."""
+        req = check_create(request)
         region = self._creates.run((req, self._now(now)))
-        log.info("planned region %s (%s, %d bytes) on %d extent(s)", name, region.placement,
+        log.info("planned region %s (%s, %d bytes) on %d extent(s)", req.name, region.placement,
                  region.size, len(region.extents))
         return region
 
@@ -172,7 +165,7 @@ class EtcdState(RegionCreates, EtcdLeadership, EtcdServers, EtcdLeases):
 
     def delete_region(self, name: str, request_id: str = "", now: float | None = None) -> list[ExtentRecord]:
         """Remove a ready region; returns its extents, which the caller releases (as
-        :meth:`.state.ControllerState.delete_region`)."""
+        :meth:`.sqlite.state.ControllerState.delete_region`)."""
         request_id, now = check_request_id(request_id), self._now(now)
         done = self._key("done_deletes", "")
 
@@ -199,7 +192,7 @@ class EtcdState(RegionCreates, EtcdLeadership, EtcdServers, EtcdLeases):
     def change_slot(self, name: str, uid: str, change: SlotChange
                     ) -> tuple[RegionRecord, list[ExtentRecord]] | None:
         """Apply one change of one slot of a replicated region in one transaction (as
-        :meth:`.state.ControllerState.change_slot`): compares on the region's key and,
+        :meth:`.sqlite.state.ControllerState.change_slot`): compares on the region's key and,
         for a new copy, on the extent id counter; writes the region, the ``placed`` index
         of added and removed copies and drops removed copies' ``lost`` keys."""
         def attempt() -> tuple[tuple[RegionRecord, list[ExtentRecord]] | None] | None:
@@ -239,7 +232,7 @@ class EtcdState(RegionCreates, EtcdLeadership, EtcdServers, EtcdLeases):
 
     def deleted_by(self, name: str, request_id: str) -> DeletedRegion | None:
         """What the delete of ``request_id`` removed when it removed region ``name``
-        lately, else None (as :meth:`.state.ControllerState.deleted_by`)."""
+        lately, else None (as :meth:`.sqlite.state.ControllerState.deleted_by`)."""
         if not request_id:
             return None
         (kvs,) = self.kv.read(kv.get_prefix(self._key("done_deletes", "")))

@@ -1,4 +1,4 @@
-"""The SQLite file under :class:`.state.ControllerState`: its tables, the connection
+"""The SQLite file under :class:`.sqlite.state.ControllerState`: its tables, the connection
 with its transactions, and the reads that turn rows into records.
 
 Tables (see ``_SCHEMA``):
@@ -41,8 +41,8 @@ from contextlib import contextmanager
 from smb_protocol.errors import InvalidArgument
 from smb_protocol.replicas import ReplicaRole
 
-from .moves import DRAIN_EVACUATE
-from .records import ExtentRecord, RegionRecord, ServerRecord, region_state
+from ...moves import DRAIN_EVACUATE
+from ...records import ExtentRecord, RegionRecord, ServerRecord, region_state
 
 log = logging.getLogger(__name__)
 
@@ -210,7 +210,7 @@ class SqliteDb:
 
 class SqliteStore:
     """What the parts of the SQLite store share: the database (set by
-    :class:`.state.ControllerState`, which owns it) and its lease settings."""
+    :class:`.sqlite.state.ControllerState`, which owns it) and its lease settings."""
 
     _sql: SqliteDb
     lease_seconds: float          # seconds a silent memory server stays up

@@ -1,4 +1,4 @@
-"""Owner leases in the SQLite store (:class:`.state.ControllerState` builds on it): a
+"""Owner leases in the SQLite store (:class:`.sqlite.state.ControllerState` builds on it): a
 region tied to its owner's lease, renewals, and the regions of owners that stopped
 renewing, each one transaction that applies what the rules of :mod:`.rules` decide."""
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import logging
 import sqlite3
 
-from .records import check_lease
-from .rules import OwnerLease, lapsed, leased, renewed
-from .sqlite_db import SqliteStore
+from ...records import check_lease
+from ...rules import OwnerLease, lapsed, leased, renewed
+from .db import SqliteStore
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Reading and committing the controller's etcd state (:class:`.etcd_state.EtcdState`
+"""Reading and committing the controller's etcd state (:class:`.etcd.state.EtcdState`
 builds on it): the store's keys, snapshots read at one revision and the records they
 give, commits fenced by the leader epoch, and the retry of changes that lost a race.
 """
@@ -15,9 +15,9 @@ from typing import Any, Generic, TypeVar
 from smb_protocol import errors
 from smb_protocol.replicas import ReplicaRole
 
-from . import etcd_kv as kv
-from .moves import DRAIN_EVACUATE
-from .records import ExtentRecord, RegionRecord, ServerRecord, region_state
+from ...moves import DRAIN_EVACUATE
+from ...records import ExtentRecord, RegionRecord, ServerRecord, region_state
+from . import kv
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ class Snapshot:
 
 
 class EtcdStore:
-    """The etcd side of :class:`.etcd_state.EtcdState`: its keys, snapshots read at one
+    """The etcd side of :class:`.etcd.state.EtcdState`: its keys, snapshots read at one
     revision, fenced commits and the retry of lost races; owns its etcd channel."""
 
     def __init__(self, url: str, timeout: float = kv.REQUEST_TIMEOUT) -> None:

@@ -1,4 +1,4 @@
-"""Memory servers in the SQLite store (:class:`.state.ControllerState` builds on it):
+"""Memory servers in the SQLite store (:class:`.sqlite.state.ControllerState` builds on it):
 registrations, heartbeats, lease expiry, drains and removals, each one transaction that
 applies what the rules of :mod:`.rules` and :mod:`.moves` decide."""
 from __future__ import annotations
@@ -10,16 +10,16 @@ from collections.abc import Iterable, Sequence
 
 from smb_protocol.errors import ServerNotFound
 
-from .moves import check_removable, drain_flag, removed_error
-from .records import HeldExtent, ServerRecord, find_orphans
-from .rules import check_registration, drained_state, find_server, lease_ran_out, live_state, lost_on_register
-from .sqlite_db import SqliteStore, known_extents, server_records
+from ...moves import check_removable, drain_flag, removed_error
+from ...records import HeldExtent, ServerRecord, find_orphans
+from ...rules import check_registration, drained_state, find_server, lease_ran_out, live_state, lost_on_register
+from .db import SqliteStore, known_extents, server_records
 
 log = logging.getLogger(__name__)
 
 
 class ServerRows(SqliteStore):
-    """The memory servers' rows (see :class:`.state.ControllerState` for the store)."""
+    """The memory servers' rows (see :class:`.sqlite.state.ControllerState` for the store)."""
 
     # -- servers -------------------------------------------------------------------------
     def register_server(self, server_id: str, host_id: str, grpc_address: str,

@@ -7,8 +7,8 @@ import threading
 import pytest
 
 from smb_protocol import errors
-from smb_server.controller.etcd_state import EtcdState
-from smb_server.controller.records import RegionRecord
+from smb_server.controller.records import CreateRequest, RegionRecord
+from smb_server.controller.stores.etcd.state import EtcdState
 
 MiB = 1 << 20
 
@@ -35,7 +35,7 @@ def _together(n: int, body: object) -> list[RegionRecord | errors.SMBError]:
 def test_concurrent_creates_never_overfill_a_server(etcd_store: str) -> None:
     state = EtcdState(etcd_store)
     state.register_server("s1", "h", "127.0.0.1:1", [], 20 * MiB)
-    results = _together(32, lambda k: state.begin_create_region(f"job/{k}", MiB, placement="single"))
+    results = _together(32, lambda k: state.begin_create_region(CreateRequest(f"job/{k}", MiB, placement="single")))
     made = [r for r in results if isinstance(r, RegionRecord)]
     refused = [r for r in results if isinstance(r, errors.OutOfMemory)]
     assert len(made) == 20 and len(refused) == 12
@@ -50,7 +50,7 @@ def test_concurrent_creates_never_overfill_a_server(etcd_store: str) -> None:
 def test_one_of_concurrent_creates_of_a_name_wins(etcd_store: str) -> None:
     state = EtcdState(etcd_store)
     state.register_server("s1", "h", "127.0.0.1:1", [], 64 * MiB)
-    results = _together(8, lambda k: state.begin_create_region("job/same", MiB))
+    results = _together(8, lambda k: state.begin_create_region(CreateRequest("job/same", MiB)))
     assert sum(isinstance(r, RegionRecord) for r in results) == 1
     assert sum(isinstance(r, errors.RegionExists) for r in results) == 7
 
@@ -58,7 +58,7 @@ def test_one_of_concurrent_creates_of_a_name_wins(etcd_store: str) -> None:
 def test_a_commit_finds_a_region_removed_meanwhile(etcd_store: str) -> None:
     a = EtcdState(etcd_store)
     a.register_server("s1", "h", "127.0.0.1:1", [], 64 * MiB)
-    region = a.begin_create_region("job/x", MiB)
+    region = a.begin_create_region(CreateRequest("job/x", MiB))
     assert EtcdState(etcd_store, recover=False).recover() == ["job/x"]   # another controller removed it
     with pytest.raises(errors.RegionNotFound):
         a.commit_region("job/x", region.uid)

@@ -8,11 +8,11 @@ import time
 import pytest
 
 from smb_protocol import errors
-from smb_server.controller import etcd_kv as kv
-from smb_server.controller.etcd_state import EtcdState
-from smb_server.controller.etcd_txn import Fence
 from smb_server.controller.leader import Election, LeaderLoop
-from smb_server.controller.records import HeldExtent, RegionRecord
+from smb_server.controller.records import CreateRequest, HeldExtent, RegionRecord
+from smb_server.controller.stores.etcd import kv
+from smb_server.controller.stores.etcd.state import EtcdState
+from smb_server.controller.stores.etcd.txn import Fence
 
 MiB = 1 << 20
 
@@ -64,7 +64,7 @@ def test_a_deposed_leader_cannot_write(etcd_store: str) -> None:
     assert fence_a is not None
     a.take_over(fence_a)
     a.register_server("s1", "h", "127.0.0.1:1", [], 64 * MiB)
-    a.commit_region("job/x", a.begin_create_region("job/x", MiB).uid)
+    a.commit_region("job/x", a.begin_create_region(CreateRequest("job/x", MiB)).uid)
     # a's lease runs out while it is paused (its process does not renew), b takes over
     a.kv.revoke(ea.lease)
     fence_b = eb.campaign()
@@ -72,7 +72,7 @@ def test_a_deposed_leader_cannot_write(etcd_store: str) -> None:
     b.take_over(fence_b)
     # a still believes it leads: every kind of write fails in etcd, nothing applied
     with pytest.raises(errors.ControllerUnavailable, match="no longer leads.*10.0.0.2:7700"):
-        a.begin_create_region("job/y", MiB)
+        a.begin_create_region(CreateRequest("job/y", MiB))
     with pytest.raises(errors.ControllerUnavailable, match="no longer leads"):
         a.delete_region("job/x")
     with pytest.raises(errors.ControllerUnavailable, match="no longer leads"):
@@ -81,7 +81,7 @@ def test_a_deposed_leader_cannot_write(etcd_store: str) -> None:
         a.expire_leases(now=time.time() + 3600)
     assert [r.name for r in b.list_regions()] == ["job/x"]
     assert b.get_server("s1").state == "up"
-    b.commit_region("job/y", b.begin_create_region("job/y", MiB).uid)
+    b.commit_region("job/y", b.begin_create_region(CreateRequest("job/y", MiB)).uid)
     assert [r.name for r in b.list_regions()] == ["job/x", "job/y"]
 
 
@@ -91,14 +91,14 @@ def test_a_new_leader_removes_half_created_regions(etcd_store: str) -> None:
     assert fence_a is not None
     a.take_over(fence_a)
     a.register_server("s1", "h", "127.0.0.1:1", [], 64 * MiB)
-    a.begin_create_region("job/half", MiB)   # the leader dies here
+    a.begin_create_region(CreateRequest("job/half", MiB))   # the leader dies here
     ea.step_down("died")
     fence_b = eb.campaign()
     assert fence_b is not None
     b.take_over(fence_b)
     with pytest.raises(errors.RegionNotFound):
         b.get_region("job/half")
-    b.commit_region("job/half", b.begin_create_region("job/half", MiB).uid)  # the name is free again
+    b.commit_region("job/half", b.begin_create_region(CreateRequest("job/half", MiB)).uid)  # the name is free again
 
 
 def test_a_new_leader_repairs_the_placed_extent_index(etcd_store: str) -> None:
@@ -107,7 +107,7 @@ def test_a_new_leader_repairs_the_placed_extent_index(etcd_store: str) -> None:
     assert fence_a is not None
     a.take_over(fence_a)
     a.register_server("s1", "h", "127.0.0.1:1", [], 64 * MiB)
-    region = a.commit_region("job/x", a.begin_create_region("job/x", MiB).uid)
+    region = a.commit_region("job/x", a.begin_create_region(CreateRequest("job/x", MiB)).uid)
     (extent,) = region.extents
     # the index lost its entry (a store written before it, or edited by hand), and holds a stray one
     a.kv.txn([], [kv.delete(f"{a.prefix}/placed/s1/{extent.extent_id}"),
@@ -147,7 +147,7 @@ class _CreateDuringTakeOver(EtcdState):
         if self.fence is not None and not hasattr(self, "created"):
             self.created = []
             self.racer = threading.Thread(
-                target=lambda: self.created.append(self.begin_create_region("job/early", MiB)))
+                target=lambda: self.created.append(self.begin_create_region(CreateRequest("job/early", MiB))))
             self.racer.start()
             self.racer.join(1.0)  # time enough to run, unless it waits for the take-over
         return super().recover()

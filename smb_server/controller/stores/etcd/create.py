@@ -1,4 +1,4 @@
-"""Region creates on the etcd store (:class:`.etcd_state.EtcdState` builds on it):
+"""Region creates on the etcd store (:class:`.etcd.state.EtcdState` builds on it):
 planned in batches and written with one read and as few transactions as etcd takes.
 
 A create waits behind the one being written; whatever queued meanwhile is planned
@@ -23,10 +23,10 @@ from typing import Any
 
 from smb_protocol import errors
 
-from . import etcd_kv as kv
-from .etcd_txn import COMMIT_ATTEMPTS, MAX_TXN_OPS, EtcdStore, GroupCommit, Pending, Snapshot
-from .records import RegionRecord, RegionRequest, ServerRecord
-from .rules import check_new_region, plan_region
+from ...records import CreateRequest, RegionRecord, ServerRecord
+from ...rules import check_new_region, plan_region
+from . import kv
+from .txn import COMMIT_ATTEMPTS, MAX_TXN_OPS, EtcdStore, GroupCommit, Pending, Snapshot
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ class BegunRegions:
             return self._items.pop(name, None)
 
 
-Create = Pending[tuple[RegionRequest, float], RegionRecord]
+Create = Pending[tuple[CreateRequest, float], RegionRecord]
 
 
 @dataclass
@@ -83,9 +83,9 @@ class RegionCreates(EtcdStore):
     def __init__(self, url: str, timeout: float = kv.REQUEST_TIMEOUT) -> None:
         super().__init__(url, timeout)
         self._begun = BegunRegions()
-        self._creates: GroupCommit[tuple[RegionRequest, float], RegionRecord] = GroupCommit(self._write_creates)
+        self._creates: GroupCommit[tuple[CreateRequest, float], RegionRecord] = GroupCommit(self._write_creates)
 
-    def _plan(self, req: RegionRequest, now: float, snap: Snapshot, seen: _Seen, first: int) -> dict[str, Any]:
+    def _plan(self, req: CreateRequest, now: float, snap: Snapshot, seen: _Seen, first: int) -> dict[str, Any]:
         """The row of a new region planned on ``snap`` (and ``seen``: what the plans of
         this pass took), its extent ids from ``first``."""
         existing = snap.regions.get(req.name)

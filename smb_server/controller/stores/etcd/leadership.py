@@ -1,5 +1,5 @@
-"""The etcd store's side of leadership (:class:`.store.Leadership`;
-:class:`.etcd_state.EtcdState` builds on it): standing by, the election on the store's
+"""The etcd store's side of leadership (:class:`.stores.protocol.Leadership`;
+:class:`.etcd.state.EtcdState` builds on it): standing by, the election on the store's
 channel, a take-over that cleans what a dead leader left half-done, stepping down, and
 barriers' generations, which outlive a leader."""
 from __future__ import annotations
@@ -10,10 +10,10 @@ from collections.abc import Sequence
 
 from smb_protocol import errors
 
-from . import etcd_kv as kv
-from .etcd_txn import EtcdStore, Fence
-from .leader import Election
-from .rules import half_created, refreshed_on_take_over, report_half_created
+from ...leader import Election
+from ...rules import half_created, refreshed_on_take_over, report_half_created
+from . import kv
+from .txn import EtcdStore, Fence
 
 log = logging.getLogger(__name__)
 

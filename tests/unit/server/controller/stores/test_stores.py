@@ -10,8 +10,9 @@ import pytest
 
 from smb_protocol import errors
 from smb_protocol.names import check_region_name
-from smb_server.controller.state import HeldExtent
-from smb_server.controller.store import StateStore, open_state
+from smb_server.controller.records import CreateRequest, HeldExtent
+from smb_server.controller.stores import open_state
+from smb_server.controller.stores.protocol import StateStore
 
 MiB = 1 << 20
 T0 = 1_000_000.0
@@ -43,7 +44,7 @@ def add(state: StateStore, sid: str, capacity: int = 64 * MiB, now: float = T0) 
 
 
 def make(state: StateStore, name: str, size: int, now: float = T0, **kw):
-    region = state.begin_create_region(name, size, now=now, **kw)
+    region = state.begin_create_region(CreateRequest(name, size, **kw), now=now)
     return state.commit_region(name, region.uid)
 
 
@@ -117,7 +118,7 @@ def test_lease_expiry_marks_down_and_degrades_regions(state: StateStore) -> None
 def test_silent_server_gets_no_extents_even_before_expiry_runs(state: StateStore) -> None:
     add(state, "a")
     with pytest.raises(errors.OutOfMemory):
-        state.begin_create_region("job/x", MiB, now=T0 + LEASE + 1)
+        state.begin_create_region(CreateRequest("job/x", MiB), now=T0 + LEASE + 1)
 
 
 def test_drain_excludes_server_from_placement(state: StateStore) -> None:
@@ -171,9 +172,9 @@ def test_over_capacity_is_out_of_memory(state: StateStore) -> None:
     used = {s.server_id: s.used for s in state.list_servers()}
     assert used == {"a": 6 * MiB, "b": 6 * MiB}
     with pytest.raises(errors.OutOfMemory, match="free"):
-        state.begin_create_region("job/more", 6 * MiB, stripe_unit=MiB, now=T0)
+        state.begin_create_region(CreateRequest("job/more", 6 * MiB, stripe_unit=MiB), now=T0)
     with pytest.raises(errors.OutOfMemory):
-        state.begin_create_region("job/one", 3 * MiB, placement="single", now=T0)
+        state.begin_create_region(CreateRequest("job/one", 3 * MiB, placement="single"), now=T0)
     # nothing was recorded by the failed attempts
     assert [r.name for r in state.list_regions()] == ["job/big"]
     make(state, "job/fits", 4 * MiB, stripe_unit=MiB)
@@ -183,13 +184,13 @@ def test_layered_region_layout(state: StateStore) -> None:
     add(state, "a")
     add(state, "b")
     region = make(state, "job/layers", 7 * MiB, placement="layered",
-                  segment_sizes=[4 * MiB, 2 * MiB, MiB])
+                  segment_sizes=(4 * MiB, 2 * MiB, MiB))
     assert region.segment_sizes == (4 * MiB, 2 * MiB, MiB)
     layout = region.layout()
     assert sorted(layout.extent_lengths) == [3 * MiB, 4 * MiB]
     assert len(layout.map(0, 4 * MiB)) == 1
     with pytest.raises(errors.InvalidArgument):
-        state.begin_create_region("job/bad", 7 * MiB, placement="striped", segment_sizes=[7 * MiB])
+        state.begin_create_region(CreateRequest("job/bad", 7 * MiB, placement="striped", segment_sizes=(7 * MiB,)))
 
 
 @pytest.mark.parametrize("name", ["job/params", "a/b", "a.b/c_d-e/F9", "x/" + "x" * 253, "j/..x"])
@@ -202,19 +203,19 @@ def test_good_names(name: str) -> None:
 def test_bad_names(state: StateStore, name: str) -> None:
     add(state, "a")
     with pytest.raises(errors.InvalidArgument):
-        state.begin_create_region(name, MiB, now=T0)
+        state.begin_create_region(CreateRequest(name, MiB), now=T0)
 
 
 def test_region_exists_and_not_found(state: StateStore) -> None:
     add(state, "a")
     make(state, "job/p", MiB)
     with pytest.raises(errors.RegionExists):
-        state.begin_create_region("job/p", MiB, now=T0)
+        state.begin_create_region(CreateRequest("job/p", MiB), now=T0)
     with pytest.raises(errors.RegionNotFound):
         state.get_region("job/q")
-    state.begin_create_region("job/c", MiB, now=T0)
+    state.begin_create_region(CreateRequest("job/c", MiB), now=T0)
     with pytest.raises(errors.RegionExists, match="being created"):
-        state.begin_create_region("job/c", MiB, now=T0)
+        state.begin_create_region(CreateRequest("job/c", MiB), now=T0)
     with pytest.raises(errors.RegionNotFound):  # not visible until committed
         state.get_region("job/c")
     assert [r.name for r in state.list_regions()] == ["job/p"]
@@ -263,14 +264,14 @@ def test_creating_rows_cleaned_on_reopen(db: str) -> None:
     with closing(open_state(db, LEASE, GRACE)) as s:
         add(s, "a")
         make(s, "job/kept", MiB)
-        half = s.begin_create_region("job/half", 2 * MiB, now=T0)  # the controller "dies" here
+        half = s.begin_create_region(CreateRequest("job/half", 2 * MiB), now=T0)  # the controller "dies" here
     with closing(open_state(db, LEASE, GRACE)) as s:
         assert [r.name for r in s.list_regions()] == ["job/kept"]
         assert s.list_servers()[0].used == MiB
         # the server reserved the half-created extent: it is an orphan after the grace
         held = [HeldExtent(half.extent_ids[0], half.uid, 2 * MiB, GRACE)]
         assert s.heartbeat("a", held, now=T0 + 1) == half.extent_ids
-        s.begin_create_region("job/half", 2 * MiB, now=T0)  # the name is free again
+        s.begin_create_region(CreateRequest("job/half", 2 * MiB), now=T0)  # the name is free again
 
 
 @pytest.mark.parametrize("field, value", [("size", 1 << 63), ("stripe_unit", 1 << 63),
@@ -281,7 +282,7 @@ def test_sizes_beyond_int64_are_invalid(state: StateStore, field: str, value: ob
     if field == "segment_sizes":
         kwargs["placement"] = "layered"
     with pytest.raises(errors.InvalidArgument, match="2\\^63-1"):
-        state.begin_create_region("job/huge", now=T0, **kwargs)
+        state.begin_create_region(CreateRequest("job/huge", **kwargs), now=T0)
 
 
 def test_capacity_beyond_int64_is_invalid(state: StateStore) -> None:
@@ -342,10 +343,10 @@ def test_a_region_may_take_the_callers_uid(state: StateStore) -> None:
     region = make(state, "job/mine", MiB, uid=uid)
     assert region.uid == uid and state.get_region("job/mine").uid == uid
     with pytest.raises(errors.InvalidArgument, match="already names another region"):
-        state.begin_create_region("job/other", MiB, now=T0, uid=uid)
+        state.begin_create_region(CreateRequest("job/other", MiB, uid=uid), now=T0)
     for bad in ("xyz", uid.upper(), uid + "0"):
         with pytest.raises(errors.InvalidArgument, match="32 lowercase hex"):
-            state.begin_create_region("job/bad", MiB, now=T0, uid=bad)
+            state.begin_create_region(CreateRequest("job/bad", MiB, uid=bad), now=T0)
     assert [r.name for r in state.list_regions()] == ["job/mine"]
 
 
@@ -433,9 +434,9 @@ def test_replicas_are_checked(state: StateStore) -> None:
     add(state, "b")
     for bad in (4, -1):
         with pytest.raises(errors.InvalidArgument, match="replicas"):
-            state.begin_create_region("job/r", MiB, now=T0, replicas=bad)
+            state.begin_create_region(CreateRequest("job/r", MiB, replicas=bad), now=T0)
     with pytest.raises(errors.OutOfMemory, match="3 copies of every byte need 3 memory servers, only 2"):
-        state.begin_create_region("job/r", MiB, now=T0, replicas=3)
+        state.begin_create_region(CreateRequest("job/r", MiB, replicas=3), now=T0)
     assert make(state, "job/r", MiB, replicas=0).replicas == 1
 
 
@@ -573,6 +574,6 @@ def test_an_older_sqlite_database_is_upgraded_in_place(tmp_path: Path) -> None:
 
 
 def test_etcd_rows_written_before_replication_read_as_unreplicated() -> None:
-    from smb_server.controller.etcd_state import _extent_row
+    from smb_server.controller.stores.etcd.txn import _extent_row
     assert _extent_row([7, 0, "a", 4096]) == (7, 0, "a", 4096, 0, "", 0)
     assert _extent_row([7, 2, "b", 10, 1, "backup", 5]) == (7, 2, "b", 10, 1, "backup", 5)

@@ -8,9 +8,9 @@ depends on time takes ``now``, unix seconds, defaulting to :func:`time.time`).
 Every durable change the controller makes is one method and one SQLite transaction,
 which loads records and applies what a rule of :mod:`.rules` decides, so that a reader
 can check that nothing a successor needs lives outside a transaction. Regions and
-replica sets are here; memory servers in :mod:`.sqlite_servers`, owner leases in
-:mod:`.sqlite_leases`; the tables, the connection and the reads of rows into records in
-:mod:`.sqlite_db`; records and input checks in :mod:`.records`. Region state as
+replica sets are here; memory servers in :mod:`.sqlite.servers`, owner leases in
+:mod:`.sqlite.leases`; the tables, the connection and the reads of rows into records in
+:mod:`.sqlite.db`; records and input checks in :mod:`.records`. Region state as
 reported to clients: :func:`.records.region_state`.
 
 Thread safety: one connection guarded by one lock; every method is atomic.
@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping, Sequence
 
-from .records import (
+from ...records import (
+    CreateRequest,
     DeletedRegion,
     ExtentRecord,
     HeldExtent,
@@ -31,7 +31,7 @@ from .records import (
     check_create,
     check_request_id,
 )
-from .rules import (
+from ...rules import (
     abortable,
     check_committable,
     check_created,
@@ -44,16 +44,14 @@ from .rules import (
     retried_delete,
     slot_change,
 )
-from .sqlite_db import SqliteDb, load_region, new_extent_id, server_records
-from .sqlite_leases import OwnerLeases
-from .sqlite_servers import ServerRows
+from .db import SqliteDb, load_region, new_extent_id, server_records
+from .leases import OwnerLeases
+from .servers import ServerRows
 
-__all__ = ["SERVER_STATES", "ControllerState", "ExtentRecord", "HeldExtent", "RegionRecord",
+__all__ = ["ControllerState", "ExtentRecord", "HeldExtent", "RegionRecord",
            "ServerRecord"]
 
 log = logging.getLogger(__name__)
-
-SERVER_STATES = ("up", "down", "draining")
 
 
 # -- the state -----------------------------------------------------------------------------
@@ -103,29 +101,24 @@ class ControllerState(ServerRows, OwnerLeases):
         self.close()
 
     # -- regions -------------------------------------------------------------------------
-    def begin_create_region(self, name: str, size: int, placement: str = "striped",
-                            stripe_unit: int = 0, num_servers: int = 0,
-                            segment_sizes: Sequence[int] = (), persistent: bool = False,
-                            now: float | None = None, uid: str = "", replicas: int = 1,
-                            server_weights: Mapping[str, float] | None = None
-                            ) -> RegionRecord:
+    def begin_create_region(self, request: CreateRequest, now: float | None = None) -> RegionRecord:
         """Plan a region and record it as ``creating``; returns it with its extents.
 
         Placement uses the servers that are ``up`` (not draining, lease not expired),
         each offering ``capacity - used`` bytes. The caller reserves the extents on the
-        servers, then calls :meth:`commit_region` or :meth:`abort_region`. ``uid``: the
-        caller's uid for the region (see :func:`.records.check_uid`); "" draws one.
-        ``replicas`` (1 to 3; 0 means 1): copies of every slot on distinct servers
+        servers, then calls :meth:`commit_region` or :meth:`abort_region`. The request's
+        ``uid``: the caller's uid for the region (see :func:`.records.check_uid`); "" draws
+        one. ``replicas`` (1 to 3; 0 means 1): copies of every slot on distinct servers
         (:func:`smb_protocol.placement.plan_replicated`); copy 0 is the slot's primary,
         every copy starts at view 1. ``server_weights`` (layered only; server id ->
         weight): the segments go to those servers in proportion to their weights
-        (:func:`smb_protocol.placement.plan`). Raises InvalidArgument (also for a uid another
+        (:func:`smb_protocol.placement.plan`). Its ``owner`` and ``lease_seconds`` are the
+        caller's (:meth:`lease_region`). Raises InvalidArgument (also for a uid another
         region has), RegionExists, or OutOfMemory (with the numbers).
         """
         now = self._now(now)
-        req = check_create(name, size, placement, stripe_unit, num_servers, segment_sizes, persistent,
-                           uid, replicas, server_weights)
-        uid, replicas = req.uid, req.replicas
+        req = check_create(request)
+        name, uid, replicas = req.name, req.uid, req.replicas
         with self._sql.tx() as db:
             row = db.execute("SELECT state FROM regions WHERE name=?", (name,)).fetchone()
             check_new_region(req, row["state"] if row else None,
@@ -137,7 +130,7 @@ class ControllerState(ServerRows, OwnerLeases):
                 "VALUES (?,?,?,?,?,?,?,?,?,'creating',?)",
                 (name, uid, layout.size, layout.kind, layout.stripe_unit,
                  json.dumps(list(layout.segment_sizes)), json.dumps(list(layout.segment_extents)),
-                 int(bool(persistent)), now, replicas))
+                 int(req.persistent), now, replicas))
             for e in extents:
                 db.execute("INSERT INTO extents (extent_id, region_name, idx, server_id, length, "
                            "copy, role, view) VALUES (?,?,?,?,?,?,?,?)",

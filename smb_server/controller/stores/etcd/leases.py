@@ -1,4 +1,4 @@
-"""Owner leases in the etcd store (:class:`.etcd_state.EtcdState` builds on it): keys
+"""Owner leases in the etcd store (:class:`.etcd.state.EtcdState` builds on it): keys
 ``P/owner_leases/<owner>`` (the lease) and ``P/region_leases/<name>`` (its owner), each
 change one transaction applying what :mod:`.rules` decides."""
 from __future__ import annotations
@@ -7,16 +7,16 @@ import json
 import logging
 from dataclasses import asdict
 
-from . import etcd_kv as kv
-from .etcd_txn import EtcdStore
-from .records import check_lease
-from .rules import OwnerLease, lapsed, leased, renewed
+from ...records import check_lease
+from ...rules import OwnerLease, lapsed, leased, renewed
+from . import kv
+from .txn import EtcdStore
 
 log = logging.getLogger(__name__)
 
 
 class EtcdLeases(EtcdStore):
-    """Owner leases (as :class:`.sqlite_leases.OwnerLeases`)."""
+    """Owner leases (as :class:`.sqlite.leases.OwnerLeases`)."""
 
     def lease_region(self, name: str, owner: str, seconds: float, now: float | None = None) -> None:
         """Tie region ``name`` to ``owner``'s lease of ``seconds`` (one transaction)."""

@@ -1,25 +1,23 @@
-"""Which state store a controller uses: the interface both backends offer, and
-:func:`open_state` that picks one from a path or URL.
-
-- a file path (or ``:memory:``): :class:`.state.ControllerState`, SQLite, the embedded
-  default for one controller (``smb up``, single-node use);
-- ``etcd://host:port[,host:port...][/prefix]``: :class:`.etcd_state.EtcdState`, for
-  several controllers (one leader, standbys; :mod:`.leader`).
+"""The interface both state stores offer (:class:`StateStore`), and the part of it that
+only a store shared by several controllers has (:class:`Leadership`); the stores are
+:class:`.sqlite.state.ControllerState` and :class:`.etcd.state.EtcdState`, picked by
+:func:`smb_server.controller.stores.open_state`.
 """
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
-from .etcd_kv import is_etcd_url
-from .records import DeletedRegion, ExtentRecord, HeldExtent, RegionRecord, ServerRecord, SlotChange
+from ..records import CreateRequest, DeletedRegion, ExtentRecord, HeldExtent, RegionRecord, ServerRecord, SlotChange
 
 if TYPE_CHECKING:
-    from .etcd_txn import Fence
-    from .leader import Election
+    from ..leader import Election
+    from .etcd.txn import Fence
 
 log = logging.getLogger(__name__)
+
+SERVER_STATES = ("up", "down", "draining")   # the states a store keeps for a memory server
 
 
 class Leadership(Protocol):
@@ -52,7 +50,7 @@ class Leadership(Protocol):
 
 class StateStore(Protocol):
     """What the servicer, the region creator and the daemon call; see
-    :class:`.state.ControllerState` for each method's contract."""
+    :class:`.sqlite.state.ControllerState` for each method's contract."""
 
     path: str
     lease_seconds: float          # seconds a silent memory server stays up
@@ -86,11 +84,7 @@ class StateStore(Protocol):
 
     def list_servers(self) -> list[ServerRecord]: ...
 
-    def begin_create_region(self, name: str, size: int, placement: str = "striped",
-                            stripe_unit: int = 0, num_servers: int = 0,
-                            segment_sizes: Sequence[int] = (), persistent: bool = False,
-                            now: float | None = None, uid: str = "", replicas: int = 1,
-                            server_weights: Mapping[str, float] | None = None) -> RegionRecord: ...
+    def begin_create_region(self, request: CreateRequest, now: float | None = None) -> RegionRecord: ...
 
     def commit_region(self, name: str, uid: str | None = None) -> RegionRecord: ...
 
@@ -114,14 +108,3 @@ class StateStore(Protocol):
 
     def expired_leases(self, now: float | None = None) -> list[str]: ...
 
-
-def open_state(where: str, lease_seconds: float = 5.0, orphan_grace_seconds: float = 30.0,
-               recover: bool = True) -> StateStore:
-    """Open the store at ``where`` (a SQLite path or an ``etcd://`` URL); the caller
-    closes it. ``recover`` (etcd only): remove half-created regions now; a standby
-    passes False (the SQLite file has one controller, which always recovers)."""
-    if is_etcd_url(where):
-        from .etcd_state import EtcdState
-        return EtcdState(where, lease_seconds, orphan_grace_seconds, recover=recover)
-    from .state import ControllerState
-    return ControllerState(where, lease_seconds, orphan_grace_seconds)
