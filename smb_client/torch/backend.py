@@ -359,10 +359,11 @@ class SMBProcessGroup(ProcessGroup):
         self.collectives[cls] = coll
         return coll
 
-    def _sum(self, buf: torch.Tensor) -> None:
-        """Sum the contiguous ``buf`` over the ranks, in place (worker thread)."""
+    def _sum(self, buf: torch.Tensor, wire: str | None = None, full_sum: bool = False) -> None:
+        """Sum the contiguous ``buf`` over the ranks, in place (worker thread); ``wire``,
+        ``full_sum``: as for :meth:`Collective.all_reduce`."""
         if buf.numel():
-            self.collective(buf.numel() * buf.element_size()).all_reduce(buf)
+            self.collective(buf.numel() * buf.element_size()).all_reduce(buf, wire=wire, full_sum=full_sum)
 
     def _reduce(self, t: torch.Tensor, average: bool) -> None:
         buf = t if t.is_contiguous() else t.contiguous()
@@ -384,6 +385,22 @@ class SMBProcessGroup(ProcessGroup):
         return self._submit(run, "all_reduce", tensors)
 
     allreduce_coalesced = allreduce
+
+    def allreduce_wire(self, tensors: list[torch.Tensor], wire: str, full_sum: bool = False) -> SMBWork:
+        """Sum float32 ``tensors`` over the ranks in place, sent as 16-bit ``wire`` values
+        (``"bf16"`` or ``"fp16"``) and summed in float32 on the memory servers; the sum
+        comes back rounded once to ``wire``, or as float32 with ``full_sum``
+        (:meth:`~smb_client.collective.Collective.all_reduce`). Every rank passes the same."""
+        _check_reduce(ReduceOp.SUM, tensors)
+
+        def run() -> list[torch.Tensor]:
+            for t in tensors:
+                buf = t if t.is_contiguous() else t.contiguous()
+                self._sum(buf, wire, full_sum)
+                if buf is not t:
+                    t.copy_(buf)
+            return tensors
+        return self._submit(run, "all_reduce", tensors)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: BroadcastOptions | None = None) -> SMBWork:  # type: ignore[override]
         """Give every rank the root rank's tensors (any dtype)."""
