@@ -6,7 +6,9 @@ runs inside :meth:`StepTimes.phase`, which opens a ``torch.profiler.record_funct
 range named ``smb::<scheme>.<phase>`` on the waiting thread (so a profiler trace of an
 unchanged training loop shows the exchange) and adds the wait to the step's phase.
 ``compute`` is the rest of the step's wall time: from the end of the previous step's
-exchange to the end of this one, less the waits.
+exchange to the end of this one, less the waits. A wait is counted once: a phase
+opened inside another one (a wait made of waits) adds nothing of its own, only its
+range, so the phases of a step never add up to more than its wall time.
 """
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ from contextlib import contextmanager
 from typing import Any
 
 from torch.profiler import record_function
+
+from smb_protocol.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
 
@@ -44,17 +48,32 @@ class StepTimes:
         self._waits = dict.fromkeys(PHASES[1:], 0.0)
         self._window = dict.fromkeys(PHASES, 0.0)
         self._since = time.perf_counter()
+        self._open = 0   # phases open now (nested ones count in the outermost only)
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
         """A wait of phase ``name`` (``push``, ``sum`` or ``barrier``): a profiler range,
-        and its seconds added to the current step's."""
+        and its seconds added to the current step's, unless it runs inside another
+        phase (whose seconds already hold it)."""
+        if name not in self._waits:
+            raise InvalidArgument(f"unknown phase {name!r}: expected one of {', '.join(self._waits)}")
         with record_function(f"smb::{self.scheme}.{name}"):
+            outermost = not self._open
+            self._open += 1
             start = time.perf_counter()
             try:
                 yield
             finally:
-                self._waits[name] += time.perf_counter() - start
+                self._open -= 1
+                if outermost:
+                    self._waits[name] += time.perf_counter() - start
+
+    def add(self, name: str, seconds: float) -> None:
+        """Add ``seconds`` of a wait timed elsewhere (no range) to the current step's
+        phase ``name``."""
+        if name not in self._waits:
+            raise InvalidArgument(f"unknown phase {name!r}: expected one of {', '.join(self._waits)}")
+        self._waits[name] += max(0.0, seconds)
 
     def end_step(self) -> None:
         """Close the current step: its phases become :attr:`last` and go to the log and

@@ -108,3 +108,123 @@ def test_seasgd_shows_its_updates_in_a_profiler_trace(cluster, name):
     assert {"smb::seasgd.push", "smb::seasgd.sum"} <= names(prof)
     assert worker.times.steps == STEPS and worker.updates == STEPS // 2
     assert worker.times.total["sum"] > 0
+
+
+class Clock:
+    """A ``time`` stand-in whose ``perf_counter`` moves only when told to (seconds)."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def test_a_nested_phase_is_counted_once(monkeypatch):
+    """A wait inside another wait adds its seconds to the outer phase only: the phases
+    of a step add up to its wall time."""
+    from smb_client.torch import steps
+    clock = Clock()
+    monkeypatch.setattr(steps, "time", clock)
+    t = StepTimes("x")
+    clock.advance(1.0)                       # computing
+    with t.phase("push"):
+        clock.advance(2.0)
+        with t.phase("push"):                # the same phase, nested
+            clock.advance(4.0)
+        with t.phase("sum"):                 # another phase, nested
+            clock.advance(8.0)
+    t.add("barrier", 0.5)                    # timed elsewhere: added as it is
+    clock.advance(0.5)
+    t.end_step()
+    assert t.last == {"compute": 1.0, "push": 14.0, "sum": 0.0, "barrier": 0.5}
+    assert sum(t.last.values()) == 15.5      # the step's wall time, nothing twice
+
+
+def seasgd_clock(monkeypatch, worker, clock: Clock, push: float, read: float) -> None:
+    """Make ``worker``'s waits take ``push`` and ``read`` seconds of ``clock``."""
+    wait_push, pull = worker._wait_push, worker.store.pull_params
+
+    def slow_wait_push() -> None:
+        clock.advance(push)
+        wait_push()
+
+    def slow_pull(*args, **kwargs):
+        clock.advance(read)
+        return pull(*args, **kwargs)
+    monkeypatch.setattr(worker, "_wait_push", slow_wait_push)
+    monkeypatch.setattr(worker.store, "pull_params", slow_pull)
+
+
+def test_seasgd_counts_each_wait_once(cluster, name, monkeypatch):
+    """Under a clock that moves only by known amounts (1 s computing per step, 5 s
+    waiting for the last push, 3 s reading the global weights), every step's phases
+    are exactly those: no interval lands in two phases or twice in one, and over all
+    steps they add up to the wall time."""
+    from smb_client.torch import seasgd as seasgd_module
+    from smb_client.torch import steps
+    clock = Clock()
+    monkeypatch.setattr(steps, "time", clock)
+    monkeypatch.setattr(seasgd_module, "time", clock)
+    start = clock.now
+    model = make_model()
+    with cluster.client() as c:
+        store = ParameterStore.create(c, name, model, workers=1, delta_slots=1)
+        try:
+            worker = SEASGD(store, 0, 1, update_interval=2)
+            seasgd_clock(monkeypatch, worker, clock, push=5.0, read=3.0)
+            lasts = []
+            for _ in range(STEPS):
+                clock.advance(1.0)           # the step's forward, backward and optimizer
+                worker.after_step()
+                lasts.append(dict(worker.times.last))
+            worker.close()
+        finally:
+            store.destroy()
+    idle = {"compute": 1.0, "push": 0.0, "sum": 0.0, "barrier": 0.0}
+    update = {"compute": 1.0, "push": 5.0, "sum": 3.0, "barrier": 0.0}
+    assert lasts == [idle, update] * (STEPS // 2)
+    assert sum(worker.times.total.values()) == clock.now - start - 5.0   # close()'s wait is no step's
+    assert (worker.push_wait, worker.read_wait) == (5.0 * 3, 3.0 * 2)    # close() waited once more
+
+
+def test_hybrid_counts_its_leaders_waits_once(cluster, name, monkeypatch):
+    """The hybrid leader's step holds SEASGD's waits (timed by SEASGD) in its own phases,
+    each once (one node of one worker; the clock moves only by known amounts)."""
+    import torch.distributed as dist
+
+    from smb_client.torch import HybridSEASGD, new_node_groups, steps
+    from smb_client.torch import seasgd as seasgd_module
+    from tests.integration.daemons import free_port
+    clock = Clock()
+    monkeypatch.setattr(steps, "time", clock)
+    monkeypatch.setattr(seasgd_module, "time", clock)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        ranks, groups = new_node_groups(1, 1)
+        model = make_model()
+        with cluster.client() as c:
+            store = ParameterStore.create(c, name, model, scheme="hybrid", workers=1)
+            try:
+                with SEASGD(store, 0, 1, update_interval=2) as worker:
+                    seasgd_clock(monkeypatch, worker, clock, push=5.0, read=3.0)
+                    hy = HybridSEASGD(store.flat, groups[0], ranks[0], seasgd=worker)
+                    lasts = []
+                    for _ in range(STEPS):
+                        hy.zero_grad()
+                        model(torch.randn(4, 8)).sum().backward()
+                        hy.synchronize()
+                        clock.advance(1.0)
+                        hy.after_step()
+                        lasts.append(dict(hy.times.last))
+                    hy.close()
+            finally:
+                store.destroy()
+    finally:
+        dist.destroy_process_group()
+    idle = {"compute": 1.0, "push": 0.0, "sum": 0.0, "barrier": 0.0}
+    update = {"compute": 1.0, "push": 5.0, "sum": 3.0, "barrier": 0.0}
+    assert lasts == [idle, update] * (STEPS // 2)
