@@ -13,7 +13,9 @@ party alike) uses slot ``k % 2``. Every party *pushes* each chunk (the server st
 round's first arrival and adds the others, counting arrivals in the slot's count word,
 under the extent's lock), and *pulls* its sum once the count shows every party's push
 (the server sends it then, and counts the pull). Both halves travel
-as one ``REDUCE`` per chunk on a pipelined connection per server, the sum sent back by
+as one ``REDUCE`` per chunk on a pipelined connection per server (a queue pair where the
+region's data goes over rdma: pushes written one-sided into the server's staging area,
+sums written back into the caller's buffers; else a tcp socket), the sum sent back by
 the server unasked (:mod:`.exchange`: chunks in order through a window, lowest first);
 ``pipelined=False`` and TLS endpoints send a ``PUSH`` and a ``PULL`` request instead.
 Later chunks go out while earlier sums come back, so both directions of every link
@@ -73,7 +75,7 @@ from . import cuda, cuda_round
 from .buffers import as_view
 from .client import Client
 from .coord import REPORT_EVERY, PartiesMissing, Roll, ranks_text, report_waiting
-from .exchange import Chunk, Exchanger
+from .exchange import Chunk, Exchanger, exchange_transport
 from .futures import wait_all, wait_failing_fast, watch
 from .metrics import timed_method
 from .region import Region
@@ -109,17 +111,19 @@ class Collective:
     ``timeout``: seconds a chunk waits for the other parties (then
     :class:`~smb_client.coord.PartiesMissing`, a :class:`~smb_protocol.errors.Timeout`).
     :attr:`roll` (set by the caller; None: ranks unknown) names the ranks a stalled
-    round waits for; :attr:`report_every`: seconds between its reports.
+    round waits for; :attr:`report_every`: seconds between its reports. ``transport``:
+    see :func:`~smb_client.exchange.exchange_transport`.
     """
 
     def __init__(self, region: Region, parties: int, *, timeout: float = DEFAULT_TIMEOUT,
                  fresh: bool = True, window: int | None = None, priority: bool = True,
-                 pipelined: bool = True) -> None:
+                 pipelined: bool = True, transport: str | None = None) -> None:
         _check_parties(parties)
         layout = region.layout
         if layout.kind != "layered" or any(s <= TAIL or (s - TAIL) % 2 for s in layout.segment_sizes):
             raise InvalidArgument(f"region {region.name} is not a collective's (made by Collective.create)")
         region.route.check_writable()
+        self.transport = exchange_transport(transport)
         self.region = region
         self.parties = parties
         self.timeout = float(timeout)
@@ -146,7 +150,7 @@ class Collective:
         # pipelined streams where every server's session has one (not over TLS, whose
         # collectives push and pull on pooled connections)
         self.streaming = pipelined and all(
-            region.route.stream(c.slot)[0] is not None
+            region.route.stream(c.slot, self.transport == "auto")[0] is not None
             for c in {c.place.server_id: c for c in self.chunks}.values())
         self.exchanger = Exchanger(self, self.window, priority) if self.streaming else None
         #: held by one round at a time (an AllReduce holds it until it finishes)
@@ -185,7 +189,7 @@ class Collective:
                timeout: float = DEFAULT_TIMEOUT, worker_hosts: Sequence[str] | None = None,
                servers: Sequence[str] | Mapping[str, float] | None = None,
                window: int | None = None, priority: bool = True, pipelined: bool = True,
-               lease: float | None = None) -> Collective:
+               lease: float | None = None, transport: str | None = None) -> Collective:
         """Create the region ``name`` for collectives of up to ``nbytes`` bytes, chunks
         of ``chunk_bytes`` (default :meth:`default_chunk`) dealt over ``num_servers``
         servers (0: all that are up).
@@ -215,7 +219,7 @@ class Collective:
                                       num_servers=num_servers, server_weights=weights, lease=lease)
         try:
             return cls(region, parties, timeout=timeout, fresh=True, window=window, priority=priority,
-                       pipelined=pipelined)
+                       pipelined=pipelined, transport=transport)
         except BaseException:
             client.delete_region(name)
             raise
@@ -248,7 +252,7 @@ class Collective:
     @classmethod
     def open(cls, client: Client, name: str, parties: int, *, timeout: float = DEFAULT_TIMEOUT,
              fresh: bool = True, window: int | None = None, priority: bool = True,
-             pipelined: bool = True) -> Collective:
+             pipelined: bool = True, transport: str | None = None) -> Collective:
         """Open the collective ``name`` that another party created, at any moment: this
         party starts at round 0 with the others, and a late one joins the round they
         wait in. A party beyond ``parties`` (one that came back after a restart) gets
@@ -256,7 +260,7 @@ class Collective:
         group already went past round 0 without it. ``fresh`` is accepted for older
         callers and changes nothing: no value of it can make a sum wrong."""
         return cls(client.open_region(name), parties, timeout=timeout, fresh=fresh, window=window,
-                   priority=priority, pipelined=pipelined)
+                   priority=priority, pipelined=pipelined, transport=transport)
 
     def close(self) -> None:
         """Stop this party's threads (after the work in flight); the region stays."""

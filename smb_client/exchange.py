@@ -36,6 +36,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -43,14 +44,14 @@ from concurrent.futures import Future, InvalidStateError
 from typing import Protocol
 
 from smb_protocol.chunk_types import ChunkTypes
-from smb_protocol.errors import ServerUnavailable, SMBError
+from smb_protocol.errors import InvalidArgument, ServerUnavailable, SMBError
 from smb_protocol.placement import ExtentPlace
 from smb_protocol.rounds import ChunkRound
 
 from .region import Region
 from .retrying import Next, Retrying
 from .route import name_server
-from .transports.stream import ReduceStream, Reduction
+from .transports.stream import Reducer, Reduction
 from .wire_chunk import WireChunk
 
 log = logging.getLogger(__name__)
@@ -72,12 +73,27 @@ class Chunk:
         self.region_words = region_offset + 2 * length   # region offset of the two count words
 
 
+ENV_TRANSPORT = "SMB_EXCHANGE_TRANSPORT"
+
+
+def exchange_transport(transport: str | None) -> str:
+    """What a collective's chunks travel on: ``auto`` (the default, or
+    ``$SMB_EXCHANGE_TRANSPORT``) by RDMA where the region's data goes over rdma, else
+    over the servers' tcp planes; ``tcp`` always over the tcp planes."""
+    value = transport if transport is not None else os.environ.get(ENV_TRANSPORT) or "auto"
+    if value not in ("auto", "tcp"):
+        raise InvalidArgument(f"a collective's transport is 'auto' or 'tcp', not {value!r}"
+                              + ("" if transport is not None else f" (from ${ENV_TRANSPORT})"))
+    return value
+
+
 class Owner(Protocol):
     """What an exchanger needs of its collective."""
 
     region: Region
     parties: int
     timeout: float
+    transport: str
 
 
 
@@ -99,7 +115,7 @@ class _Task:
         self.in_flight = False
         self.retrying = Retrying()
         self.ticket = ""
-        self.stream: ReduceStream | None = None
+        self.stream: Reducer | None = None
 
 
 class Exchanger:
@@ -217,7 +233,7 @@ class Exchanger:
         route = self.coll.region.route
         if task.retrying.moved or (task.retrying.sends and task.ticket == route.ticket):
             route.refresh()   # a fresh ticket and where the extent is now (RegionNotFound once it is gone)
-        stream, place = route.stream(task.chunk.slot)
+        stream, place = route.stream(task.chunk.slot, self.coll.transport == "auto")
         if stream is None:
             raise ServerUnavailable(f"server {place.server_id} has no pipelined stream")
         task.stream = stream

@@ -69,7 +69,7 @@ from smb_protocol.tickets import TicketMode
 from .dataplane import DataPlane
 from .retrying import FAILOVER_TIMEOUT, move_backoff
 from .transports import Session
-from .transports.stream import ReduceStream
+from .transports.stream import Reducer
 
 log = logging.getLogger(__name__)
 
@@ -253,11 +253,13 @@ class Route:
                 self._failed(place)
             raise
 
-    def stream(self, slot: int) -> tuple[ReduceStream | None, ExtentPlace]:
-        """The pipelined collective stream of ``slot``'s server (its tcp session's, the
-        client's; borrowed) and the copy it reaches, as the region is described now; no
-        stream where the session has none (TLS: push and pull instead)."""
+    def stream(self, slot: int, rdma: bool = True) -> tuple[Reducer | None, ExtentPlace]:
+        """The collective stream of ``slot``'s server (borrowed: the rdma session's, unless
+        not ``rdma``, else the tcp session's; None over TLS) and the copy it reaches now."""
         place = self.extents[slot]
+        session = self.session(place) if rdma else None
+        if session is not None and session.scheme == "rdma":
+            return session.reductions(), place
         return self.dataplane.coordination(place).reductions(), place
 
     def coordinate(self, slot: int, send: Callable[[Session, ExtentPlace], T]) -> T:

@@ -19,7 +19,7 @@ from smb_protocol.errors import InvalidArgument
 from smb_protocol.rounds import ChunkRound
 
 if TYPE_CHECKING:
-    from .stream import ReduceStream
+    from .stream import Reducer
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ class Session(abc.ABC):
         chunk's pushed bytes (default: the buffers' size)."""
         raise self._no_coordination("pull")
 
-    def reductions(self) -> ReduceStream | None:
+    def reductions(self) -> Reducer | None:
         """The pipelined stream for a collective's ``REDUCE`` requests to this server
         (:mod:`.stream`), or None where the session has none (a collective then pushes
         and pulls)."""

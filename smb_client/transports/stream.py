@@ -90,6 +90,22 @@ class Reduction:
                       self.seq, dtype=self.types.code(), ref=self.ref, timeout=self.timeout)
 
 
+class Reducer(Protocol):
+    """What the exchanger (:mod:`smb_client.exchange`) sends a collective's chunks
+    through: this module's :class:`ReduceStream` (tcp) or
+    :class:`~smb_client.transports.rdma.reduce.RdmaReduceStream`."""
+
+    where: str
+
+    def send(self, ticket: str, r: Reduction) -> None: ...
+
+    def in_flight(self) -> int: ...
+
+    def abandon(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class _Link:
     """One connection of a stream and what is in flight on it (request id -> the
     reduction, or :data:`_HELLO`): answers read from a connection are looked up in its

@@ -19,28 +19,31 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable
+from typing import Generic, TypeVar
 
 from smb_protocol.errors import SMBError
-from smb_protocol.requests import Pull
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 STOP_WAIT = 5.0   # seconds :meth:`Deliveries.stop` waits for the thread (it notices within RECHECK)
 
 
-class Deliveries:
-    """A FIFO of pulls served by a thread of its own.
+class Deliveries(Generic[T]):
+    """A FIFO of requests (pulls; on the rdma plane also a queue pair's pushes) served
+    in order by a thread of its own.
 
     ``serve(pull)`` sends a pull's answer (blocking while its count is short);
     ``fail(pull, err)`` answers a typed error instead; ``broken(exc)`` is called once if
     serving raised anything else (the connection cannot go on: its owner closes it)."""
 
-    def __init__(self, serve: Callable[[Pull], None], fail: Callable[[Pull, SMBError], None],
+    def __init__(self, serve: Callable[[T], None], fail: Callable[[T, SMBError], None],
                  broken: Callable[[BaseException], None], name: str) -> None:
         self._serve = serve
         self._fail = fail
         self._broken = broken
-        self._queue: deque[Pull] = deque()
+        self._queue: deque[T] = deque()
         self._cond = threading.Condition()
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name=f"smb-deliver {name}", daemon=True)
@@ -50,7 +53,7 @@ class Deliveries:
     def stopped(self) -> bool:
         return self._stopped
 
-    def put(self, pull: Pull) -> None:
+    def put(self, pull: T) -> None:
         with self._cond:
             self._queue.append(pull)
             self._cond.notify()
@@ -59,15 +62,15 @@ class Deliveries:
         with self._cond:
             return len(self._queue)
 
-    def stop(self) -> None:
+    def stop(self, join: bool = True) -> None:
         """Drop what is queued (the client sends those requests again on a new
-        connection) and end the thread; a pull being served notices through its
-        ``cancelled`` check."""
+        connection) and end the thread (waiting for it with ``join``); a pull being
+        served notices through its ``cancelled`` check."""
         with self._cond:
             self._stopped = True
             self._queue.clear()
             self._cond.notify()
-        if threading.current_thread() is not self._thread:
+        if join and threading.current_thread() is not self._thread:
             self._thread.join(STOP_WAIT)
 
     def _run(self) -> None:

@@ -34,6 +34,23 @@ class Payload(Protocol):
         """Put the next ``len(view)`` payload bytes straight into ``view``."""
 
 
+class Whole:
+    """A payload already in memory (an rdma staging area), handed out whole (:class:`Payload`)."""
+
+    def __init__(self, view: memoryview) -> None:
+        self.view = view
+        self.step = max(1, len(view))
+        self._pos = 0
+
+    def take(self, n: int) -> memoryview:
+        chunk = self.view[self._pos:self._pos + n]
+        self._pos += n
+        return chunk
+
+    def into(self, view: memoryview) -> None:
+        view[:] = self.take(len(view))
+
+
 class Peer(Protocol):
     """The connection a request came from, as the engine sees it."""
 

@@ -1,16 +1,27 @@
 """One client queue pair on a memory server: its endpoint, the tickets presented on it,
 its staging area, and the two-sided requests it hands to the node's request engine
 (:mod:`.engine`; see :mod:`.rdma_plane`). A request's operand is read straight from
-the staging area, where the client's RDMA WRITE put it."""
+the staging area, where the client's RDMA WRITE put it. A collective's ``REDUCE``
+requests are parsed here and served by the queue pair's :mod:`.rdma_reduce` threads;
+every post on the queue pair takes one lock (those threads post too)."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from smb_protocol import rdma_wire, requests
-from smb_protocol.errors import InvalidArgument, OutOfRange, ReadOnly, SMBError, Status, error_status
+from smb_protocol.errors import (
+    InvalidArgument,
+    OutOfRange,
+    ReadOnly,
+    ServerUnavailable,
+    SMBError,
+    Status,
+    error_status,
+)
 from smb_protocol.rdma import verbs
 from smb_protocol.rdma.endpoint import RcEndpoint, RegisteredBuffer
 from smb_protocol.rdma_wire import MSG_BYTES, MsgOp
@@ -19,20 +30,25 @@ from smb_protocol.tickets import Ticket
 from .access import TicketBook
 from .engine import Engine
 from .node import Node
-from .peer import Repeat
+from .peer import Repeat, Whole
+from .rdma_reduce import ReduceService
 from .stats import PlaneStats
 
 log = logging.getLogger(__name__)
 
 RECV_DEPTH = 16           # request slots (posted receives) per connection
-SEND_DEPTH = 2 * RECV_DEPTH
-CQ_DEPTH = 4 * RECV_DEPTH
+REDUCE_SLOTS = 2 * RECV_DEPTH   # message slots of REDUCE replies (each freed by its SEND's completion)
+SEND_DEPTH = 8 * RECV_DEPTH     # replies, REDUCE replies and the RDMA WRITEs of sums
+CQ_DEPTH = SEND_DEPTH + 2 * RECV_DEPTH
 POLL_BATCH = 16           # completions taken per poll
 NOTICE_GRACE = 0.2        # seconds a doomed connection waits for its notice to go out
 NOTICE_SLOT = 2 * RECV_DEPTH  # message slot of the server's unsolicited notice
 RECV_WR_BASE = 0          # wr_id of receive slot i: i
 SEND_WR_BASE = 1 << 20    # wr_id of reply slot i: SEND_WR_BASE + i
+REDUCE_SLOT_BASE = NOTICE_SLOT + 1   # message slot of REDUCE reply i: REDUCE_SLOT_BASE + i
+WRITE_WR_ID = 1 << 30     # wr_id of the (unsignaled) RDMA WRITEs of sums
 DEDUP_WAIT = 1.0          # seconds a repeat waits for its first attempt (another plane's) to end
+DELIVERY_TIMEOUT = 10.0   # seconds a sum's final reply may stay unacknowledged before the client counts as gone
 
 
 def _op_name(op: int) -> str:
@@ -60,7 +76,8 @@ class ServerConnection:
     takes_replicated = False   # mutations of replicated extents go to the primary's tcp plane
 
     def __init__(self, node: Node, engine: Engine, device: verbs.Device, stats: PlaneStats,
-                 staging_bytes: int, staging_access: int, peer: verbs.QPInfo, peer_name: str) -> None:
+                 staging_bytes: int, staging_access: int, peer: verbs.QPInfo, peer_name: str,
+                 local_key: Callable[[int, int, int], int | None] = lambda *_: None) -> None:
         import pyverbs.enums as e
         self.node = node
         self.engine = engine
@@ -79,9 +96,16 @@ class ServerConnection:
         self.notice: tuple[int, str] | None = None   # (status, message) to tell the client
         self.notice_deadline = 0.0                   # monotonic seconds; 0: not sent yet
         self.notice_done = False
+        self.local_key = local_key
+        self.reduce: ReduceService | None = None     # made on the first REDUCE
+        self._posting = threading.Condition()        # every post; REDUCE reply slots
+        self._free_slots = list(range(REDUCE_SLOTS))
+        self._awaited: set[int] = set()              # REDUCE reply slots whose completion a thread waits for
+        self._sent: set[int] = set()                 # ... and whose SEND completed
         dev = device
-        self.ep = RcEndpoint(dev, (NOTICE_SLOT + 1) * MSG_BYTES, sq_depth=SEND_DEPTH, recv_slots=RECV_DEPTH,
-                             slot_bytes=MSG_BYTES, recv_wr_base=RECV_WR_BASE, cq_depth=CQ_DEPTH)
+        self.ep = RcEndpoint(dev, (REDUCE_SLOT_BASE + REDUCE_SLOTS) * MSG_BYTES, sq_depth=SEND_DEPTH,
+                             recv_slots=RECV_DEPTH, slot_bytes=MSG_BYTES, recv_wr_base=RECV_WR_BASE,
+                             cq_depth=CQ_DEPTH)
         try:
             self.mtu = verbs.negotiate_mtu(peer.mtu, dev.info.active_mtu)
             remote = e.IBV_ACCESS_REMOTE_READ | e.IBV_ACCESS_REMOTE_WRITE | e.IBV_ACCESS_REMOTE_ATOMIC
@@ -124,9 +148,89 @@ class ServerConnection:
     # -- messages -----------------------------------------------------------------------
     def _reply(self, slot: int, req_id: int, status: int, message: str = "", notice: bool = False) -> None:
         index = NOTICE_SLOT if notice else RECV_DEPTH + slot
-        n = rdma_wire.pack_reply(self.ep.slot(index), req_id, status, message)
-        self.ep.post(SEND_WR_BASE + (NOTICE_SLOT if notice else slot), True, "send",
-                     self.ep.base + index * MSG_BYTES, n)
+        with self._posting:
+            if self.ep.closed:
+                return
+            n = rdma_wire.pack_reply(self.ep.slot(index), req_id, status, message)
+            self.ep.post(SEND_WR_BASE + (NOTICE_SLOT if notice else slot), True, "send",
+                         self.ep.base + index * MSG_BYTES, n)
+
+    # -- REDUCE replies (the reduce service's threads) -------------------------------------
+    def _reduce_slot(self) -> int:
+        """A free REDUCE reply slot (``_posting`` held); waits while every one is in flight."""
+        while not self._free_slots:
+            if self.doomed or self.ep.closed:
+                raise ServerUnavailable(f"rdma {self.name}: the queue pair is closing ({self.doomed})")
+            self._posting.wait(0.05)
+        return self._free_slots.pop()
+
+    def _post_reply(self, req_id: int, status: int, message: str, kind: int,
+                    writes: list[tuple[int, int, int, int, int]], awaited: bool = False) -> int:
+        """Post ``writes`` (local address, lkey, bytes, remote address, rkey) and a reply,
+        under the post lock; returns the reply's slot (``awaited``: the caller waits for
+        its completion and frees it)."""
+        with self._posting:
+            if self.doomed or self.ep.closed:
+                raise ServerUnavailable(f"rdma {self.name}: the queue pair is closing ({self.doomed})")
+            i = self._reduce_slot()
+            if awaited:
+                self._awaited.add(i)
+            index = REDUCE_SLOT_BASE + i
+            for laddr, lkey, n, raddr, rkey in writes:
+                self.ep.post(WRITE_WR_ID, False, "write", laddr, n, lkey=lkey, rkey=rkey, raddr=raddr)
+            n = rdma_wire.pack_reply(self.ep.slot(index), req_id, status, message, kind)
+            self.ep.post(SEND_WR_BASE + index, True, "send", self.ep.base + index * MSG_BYTES, n)
+            return i
+
+    def reply(self, req_id: int, status: int, message: str = "", kind: int = rdma_wire.FINAL) -> None:
+        """SEND a REDUCE's reply (a PUSHED one, or an error) without waiting."""
+        self._post_reply(req_id, status, message, kind, [])
+
+    def write_and_reply(self, req_id: int, writes: list[tuple[int, int, int, int, int]]) -> None:
+        """RDMA-WRITE a sum, SEND its final reply and wait until that SEND completed (the
+        client has the sum); ServerUnavailable when the queue pair breaks first, or when
+        :data:`DELIVERY_TIMEOUT` passes (the client's process or host is gone: a queue
+        pair that vanished is not always reported as a failed work request, and its
+        half-served chunks must not hold the slot's round)."""
+        i = self._post_reply(req_id, Status.OK, "", rdma_wire.FINAL, writes, awaited=True)
+        deadline = time.monotonic() + DELIVERY_TIMEOUT
+        with self._posting:
+            try:
+                while i not in self._sent:
+                    if not self.doomed and time.monotonic() > deadline:   # a client that vanished
+                        self.doom(f"a sum was not acknowledged within {DELIVERY_TIMEOUT:g} s")
+                    if self.doomed or self.ep.closed:
+                        raise ServerUnavailable(f"rdma {self.name}: the queue pair broke before the sum "
+                                                f"was delivered ({self.doomed})")
+                    self._posting.wait(0.05)
+            finally:
+                self._awaited.discard(i)
+                self._sent.discard(i)
+                self._free_slots.append(i)
+
+    def _reduce_sent(self, i: int) -> None:
+        """The SEND of REDUCE reply slot ``i`` completed (the progress thread)."""
+        with self._posting:
+            if i in self._awaited:
+                self._sent.add(i)
+            else:
+                self._free_slots.append(i)
+            self._posting.notify_all()
+
+    def staging_view(self, offset: int, length: int) -> memoryview:
+        """``length`` bytes of the staging area at ``offset`` (a REDUCE's push)."""
+        area = self.staging
+        if area is None:
+            raise ReadOnly("no writing ticket was presented on this queue pair (no staging area)")
+        if offset < 0 or offset + length > area.length:
+            raise OutOfRange(f"staging range [{offset}, {offset + length}) outside the "
+                             f"{area.length}-byte staging area")
+        return area.view[offset:offset + length]
+
+    def new_buffer(self, length: int) -> RegisteredBuffer:
+        """A registered buffer the queue pair may send from (owned by the caller)."""
+        import pyverbs.enums as e
+        return RegisteredBuffer(self.device, length, e.IBV_ACCESS_LOCAL_WRITE)
 
     def progress(self) -> int:
         """Poll once and serve what arrived; returns the number of completions."""
@@ -140,6 +244,8 @@ class ServerConnection:
                 continue
             if wc.wr_id == SEND_WR_BASE + NOTICE_SLOT:
                 self.notice_done = True
+            elif 0 <= wc.wr_id - SEND_WR_BASE - REDUCE_SLOT_BASE < REDUCE_SLOTS:
+                self._reduce_sent(wc.wr_id - SEND_WR_BASE - REDUCE_SLOT_BASE)
             if wc.wr_id >= SEND_WR_BASE or self.doomed:
                 continue
             self._serve(wc.wr_id - RECV_WR_BASE, wc.byte_len)
@@ -147,6 +253,13 @@ class ServerConnection:
 
     def _serve(self, slot: int, nbytes: int) -> None:
         try:
+            if rdma_wire.request_op(self.ep.slot(slot)) == MsgOp.REDUCE:
+                msg = rdma_wire.ReduceMessage.unpack(self.ep.slot(slot))
+                self.ep.repost(slot)
+                if self.reduce is None:
+                    self.reduce = ReduceService(self, self.engine, self.local_key)
+                self.reduce.submit(msg)
+                return
             (op, dtype, req_id, extent_id, offset, length, staging, alpha, client,
              seq) = rdma_wire.unpack_request(self.ep.slot(slot))
         except Exception as exc:
@@ -183,11 +296,11 @@ class ServerConnection:
 
     # -- the engine's view of this connection (.peer.Peer) ---------------------------------
     @contextmanager
-    def payload(self, length: int) -> Iterator[_StagingPayload]:
+    def payload(self, length: int) -> Iterator[Whole]:
         """The request's operand: ``length`` bytes of the staging area, where the
         client wrote them (no copy)."""
         if length == 0:   # SCALE: no operand
-            yield _StagingPayload(memoryview(b""))
+            yield Whole(memoryview(b""))
             return
         area = self.staging
         if area is None:
@@ -196,7 +309,7 @@ class ServerConnection:
         if at < 0 or at + length > area.length:
             raise OutOfRange(f"staging range [{at}, {at + length}) outside the "
                              f"{area.length}-byte staging area")
-        yield _StagingPayload(area.view[at:at + length])
+        yield Whole(area.view[at:at + length])
 
     def send(self, req_id: int, view: memoryview) -> None:
         raise InvalidArgument("reads are one-sided on the rdma data plane")
@@ -233,26 +346,17 @@ class ServerConnection:
         return self.notice_done or time.monotonic() > self.notice_deadline
 
     def close(self) -> None:
-        """Destroy the endpoint (QP first), then the staging area (progress thread or
-        the plane's close)."""
-        self.ep.close()
+        """Stop the reduce service, destroy the endpoint (QP first), then the staging
+        area (progress thread or the plane's close)."""
+        if not self.doomed:
+            self.doomed = "closed"
+        if self.reduce is not None:
+            self.reduce.stop()
+        with self._posting:
+            self.ep.close()
+            self._posting.notify_all()
+        if self.reduce is not None:
+            self.reduce.close()
         if self.staging is not None:
             self.staging.close()
             self.staging = None
-
-
-class _StagingPayload:
-    """A request's operand in the staging area, handed out whole (:class:`.peer.Payload`)."""
-
-    def __init__(self, view: memoryview) -> None:
-        self.view = view
-        self.step = max(1, len(view))
-        self._pos = 0
-
-    def take(self, n: int) -> memoryview:
-        chunk = self.view[self._pos:self._pos + n]
-        self._pos += n
-        return chunk
-
-    def into(self, view: memoryview) -> None:
-        view[:] = self.take(len(view))

@@ -194,6 +194,15 @@ class RdmaPlane:
             reg.close()
             log.debug("extent %d deregistered", extent.extent_id)
 
+    def local_key(self, extent_id: int, address: int, length: int) -> int | None:
+        """The lkey of extent ``extent_id``'s registration when it covers ``[address,
+        address + length)`` (a sum sent from the extent's memory); else None."""
+        with self._lock:
+            reg = self._regs.get(extent_id)
+        if reg is None or not reg.address <= address <= address + length <= reg.address + reg.extent.length:
+            return None
+        return int(reg.rw.lkey)
+
     # -- Connect ------------------------------------------------------------------------
     def connect(self, ticket: Ticket, peer: verbs.QPInfo, peer_name: str = "") -> dict[str, Any]:
         """Present ``ticket`` for the client queue pair ``peer``: set up the server's side
@@ -226,7 +235,7 @@ class RdmaPlane:
         new = conn is None
         if conn is None:
             conn = ServerConnection(self.node, self.engine, self.device, self.stats, self.staging_bytes,
-                                    self.staging_access, peer, peer_name)
+                                    self.staging_access, peer, peer_name, self.local_key)
         try:
             staging = conn.ensure_staging() if mode.writes else None
         except Exception as exc:

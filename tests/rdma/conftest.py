@@ -35,10 +35,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @contextlib.contextmanager
-def rdma_cluster(servers: int, capacity: str, log_prefix: str = "") -> Iterator[LocalCluster]:
+def rdma_cluster(servers: int, capacity: str, log_prefix: str = "", metrics: bool = False) -> Iterator[LocalCluster]:
     """A local cluster of rdma memory servers that report another host id (so ``auto``
     must not pick shm), in a work folder on local disk (SQLite's WAL needs mmap); the
-    daemon logs are kept in ``$SMB_TEST_LOGDIR`` (the VM runner's) as ``log_prefix`` + name.
+    daemon logs are kept in ``$SMB_TEST_LOGDIR`` (the VM runner's) as ``log_prefix`` + name;
+    ``metrics``: every daemon serves Prometheus metrics.
 
     The memory servers give a silent backup ``VM_DEAD_PEER_SECONDS`` (not 3 s): the
     emulated VM's kernel can leave a busy server's TCP unacknowledged for seconds, and a
@@ -48,7 +49,7 @@ def rdma_cluster(servers: int, capacity: str, log_prefix: str = "") -> Iterator[
         with LocalCluster(servers=servers, capacity=capacity, transports="tcp,shm,rdma", log_level="INFO",
                           env={"SMB_HOST_ID": "memory-box-host",
                                "SMB_REPLICA_DEAD_PEER_SECONDS": str(VM_DEAD_PEER_SECONDS)},
-                          workdir=work) as c:
+                          workdir=work, metrics=metrics) as c:
             yield c
     finally:
         logs = os.environ.get("SMB_TEST_LOGDIR")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from tests.integration.daemons import wait_state
-from tests.integration.elastic.test_evacuate import Load, holder_of_slot0, wait_empty
+from tests.integration.elastic.test_evacuate import Load, collectives_through_an_evacuation, holder_of_slot0, wait_empty
 from tests.rdma.conftest import rdma_cluster
 
 pytestmark = pytest.mark.rdma
@@ -37,3 +37,12 @@ def test_an_evacuation_under_rdma_clients_loses_nothing():
         load.check(region)
         region.refresh()
         assert source not in {p.server_id for p in (*region.route.extents, *region.route.copies)}
+
+
+def test_collectives_over_rdma_follow_an_evacuation_with_exact_sums():
+    """A collective whose chunks travel by RDMA goes on through its server's evacuation:
+    the server tells the queue pairs NotPrimary when the move begins, the chunks in
+    flight wait, follow the extent to its new server (a new queue pair there) and are
+    sent again with their numbers; every sum stays exact."""
+    with rdma_cluster(3, "128M", log_prefix="evacuate-coll-") as pool:
+        collectives_through_an_evacuation(pool, "rdma", SETTLE)

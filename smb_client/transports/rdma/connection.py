@@ -40,7 +40,6 @@ log = logging.getLogger(__name__)
 
 SQ_DEPTH = 256            # send queue entries per QP
 RECV_DEPTH = 8            # reply slots per QP (>= requests in flight + 1)
-CQ_DEPTH = SQ_DEPTH + 2 * RECV_DEPTH
 WINDOW = 128              # RDMA WRITEs in flight per operation (<= SQ_DEPTH)
 SIGNAL_EVERY = 32         # request a completion every this many work requests
 BOUNCE_BYTES = 1 << 20    # registered bounce buffer per QP, bytes
@@ -64,14 +63,16 @@ class RdmaConnection:
     error completion, a lost reply) or was closed: the pool then drops it.
     """
 
-    def __init__(self, peer: Peer) -> None:
+    def __init__(self, peer: Peer, recv_depth: int = RECV_DEPTH, remote_write: bool = False) -> None:
         self.peer = peer
         self.where = peer.where
-        self._atomic_off = 2 * RECV_DEPTH * MSG_BYTES
+        self.recv_depth = recv_depth
+        self.remote_write = remote_write   # the server may RDMA-WRITE into this side (sums)
+        self._atomic_off = 2 * recv_depth * MSG_BYTES
         self.bounce_off = self._atomic_off + PAGE
         self.ep = RcEndpoint(peer.device, self.bounce_off + BOUNCE_BYTES, sq_depth=SQ_DEPTH,
-                             recv_slots=RECV_DEPTH, slot_bytes=MSG_BYTES, recv_wr_base=RECV_WR_BASE,
-                             cq_depth=CQ_DEPTH)
+                             recv_slots=recv_depth, slot_bytes=MSG_BYTES, recv_wr_base=RECV_WR_BASE,
+                             cq_depth=SQ_DEPTH + 2 * recv_depth)
         self.view = self.ep.view
         self.base = self.ep.base
         self.lkey = self.ep.lkey
@@ -126,8 +127,9 @@ class RdmaConnection:
             import pyverbs.enums as e
             dev = self.ep.device
             self.rd_atomic = dev.rd_atomic()
+            access = e.IBV_ACCESS_LOCAL_WRITE | (e.IBV_ACCESS_REMOTE_WRITE if self.remote_write else 0)
             try:
-                self.ep.connect(remote, mtu, e.IBV_ACCESS_LOCAL_WRITE, self.rd_atomic)
+                self.ep.connect(remote, mtu, access, self.rd_atomic)
             except BaseException:
                 self.broken = True
                 raise
@@ -311,18 +313,31 @@ class RdmaConnection:
         """Post the operand WRITEs then the request SEND in one batch; returns the
         request id (its reply lands in ``replies``). ``seq`` numbers the request for
         exactly-once service (0: not tracked)."""
+        def pack(buf: memoryview, req_id: int) -> int:
+            rdma_wire.pack_request(buf, op, req_id, extent_id, offset, length, dtype,
+                                   staging_offset, alpha, self.peer.client_id if seq else 0, seq)
+            return rdma_wire.REQUEST.size
+        self.wait(lambda: self.seq + len(writes) + 1 - self.done <= SQ_DEPTH, "send")
+        return self.post_message(pack, writes, signaled)
+
+    def next_req_id(self) -> int:
+        self._req_ids = (self._req_ids + 1) & 0xFFFFFFFF or 1
+        return self._req_ids
+
+    def post_message(self, pack: Callable[[memoryview, int], int],
+                     writes: Sequence[tuple[int, int, int, int, int]] = (), signaled: bool = True) -> int:
+        """Post ``writes`` (local address, lkey, bytes, remote address, rkey), then SEND
+        the message ``pack(slot, req_id)`` writes into a message slot (returning its
+        size), in one batch; returns the request id. The caller made room in the send
+        queue; message slots are reused after :attr:`recv_depth` more messages."""
         import pyverbs.enums as e
         qp = self.ep.qp
         sge = self.ep.sge
-        self._req_ids = (self._req_ids + 1) & 0xFFFFFFFF or 1
-        req_id = self._req_ids
-        slot = RECV_DEPTH + self._send_slot
-        self._send_slot = (self._send_slot + 1) % RECV_DEPTH
-        rdma_wire.pack_request(self.ep.slot(slot), op, req_id, extent_id, offset, length, dtype,
-                               staging_offset, alpha, self.peer.client_id if seq else 0, seq)
-        need = len(writes) + 1
-        last = self.seq + need
-        self.wait(lambda: self.seq + need - self.done <= SQ_DEPTH, "send")
+        req_id = self.next_req_id()
+        slot = self.recv_depth + self._send_slot
+        self._send_slot = (self._send_slot + 1) % self.recv_depth
+        size = pack(self.ep.slot(slot), req_id)
+        last = self.seq + len(writes) + 1
         qp.wr_start()
         for laddr, lkey, n, raddr, rkey in writes:
             self.seq += 1
@@ -336,7 +351,7 @@ class RdmaConnection:
         qp.wr_id = self.seq
         qp.wr_flags = e.IBV_SEND_SIGNALED if signaled else 0
         qp.wr_send()
-        sge.addr, sge.length, sge.lkey = self.base + slot * MSG_BYTES, rdma_wire.REQUEST.size, self.lkey
+        sge.addr, sge.length, sge.lkey = self.base + slot * MSG_BYTES, size, self.lkey
         qp.wr_set_sge(sge)
         qp.wr_complete()
         return req_id

@@ -23,6 +23,18 @@ class SharedDevice:
     def __init__(self, name: str | None) -> None:
         self.device = verbs.Device(name)
         self.cache = RegistrationCache(self.device)
+        self._remote_cache: RegistrationCache | None = None
+
+    @property
+    def remote_cache(self) -> RegistrationCache:
+        """Registrations of caller buffers that a server may RDMA-WRITE into (a
+        collective's sums): LOCAL_WRITE | REMOTE_WRITE, made when first needed."""
+        with self._lock:
+            if self._remote_cache is None:
+                import pyverbs.enums as e
+                self._remote_cache = RegistrationCache(
+                    self.device, writable_access=e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE)
+            return self._remote_cache
 
     @classmethod
     def get(cls, name: str | None = None) -> SharedDevice:
@@ -41,6 +53,8 @@ class SharedDevice:
             insts, cls._instances = list(cls._instances.values()), {}
         for inst in insts:
             inst.cache.close()
+            if inst._remote_cache is not None:
+                inst._remote_cache.close()
             try:
                 inst.device.close()
             except Exception as exc:  # a session still holds children

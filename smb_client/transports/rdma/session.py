@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -18,6 +19,8 @@ from ..pool import ConnectionPool
 from .connection import BOUNCE_BYTES, RdmaConnection
 from .device import SharedDevice
 from .peer import Broken, Peer, RemoteExtent, TicketKeys
+from .reduce import RECV_DEPTH as REDUCE_RECV_DEPTH
+from .reduce import RdmaReduceStream
 from .registration import address_of, owner_of
 
 log = logging.getLogger(__name__)
@@ -62,8 +65,10 @@ class RdmaSession(Session):
                                      or os.environ.get(ENV_CONNECT_TIMEOUT) or CONNECT_TIMEOUT)
         self.shared = SharedDevice.get(options.get("device") or None)
         self._channel: Any = None
-        peer = Peer(self.where, self.shared.device, self.channel, self.token, self.connect_timeout,
-                    self.max_message, self.client_id)
+        self.peer = peer = Peer(self.where, self.shared.device, self.channel, self.token, self.connect_timeout,
+                                self.max_message, self.client_id)
+        self._stream: RdmaReduceStream | None = None
+        self._stream_lock = threading.Lock()
         self.pool: ConnectionPool[RdmaConnection] = ConnectionPool(
             lambda: RdmaConnection(peer), max(1, int(options.get("connections", 2))), self.where)
 
@@ -305,8 +310,24 @@ class RdmaSession(Session):
                 raise
         self._do(ticket, guarded)
 
+    def reductions(self) -> RdmaReduceStream:
+        """The collective's ``REDUCE`` stream to this server over RDMA (a queue pair of
+        its own, made when first needed; owned by the session)."""
+        with self._stream_lock:
+            if self._stream is None:
+                peer = self.peer
+                self._stream = RdmaReduceStream(
+                    lambda: RdmaConnection(peer, recv_depth=REDUCE_RECV_DEPTH, remote_write=True),
+                    self.shared.remote_cache, f"{self.where} (reduce)")
+            return self._stream
+
     def close(self) -> None:
-        """Close the queue pairs (each says BYE to the server) and the gRPC channel."""
+        """Close the reduce stream and the queue pairs (each says BYE to the server) and
+        the gRPC channel."""
+        with self._stream_lock:
+            stream, self._stream = self._stream, None
+        if stream is not None:
+            stream.close()
         self.pool.close()
         channel, self._channel = self._channel, None
         if channel is not None:

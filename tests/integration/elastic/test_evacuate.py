@@ -164,8 +164,15 @@ def test_evacuating_a_server_moves_every_copy_while_clients_keep_using_them(pool
 
 
 def test_collectives_run_through_an_evacuation_with_exact_sums(pool):
+    collectives_through_an_evacuation(pool, "tcp", SETTLE)
+
+
+def collectives_through_an_evacuation(pool, transport: str, settle: float) -> None:
+    """Three parties sum round after round (exact integer sums) over ``transport`` while
+    the server holding the collective's first chunk is evacuated; rounds go on at the
+    new place, and every party ends at the same agreed round."""
     parties, n = 3, 3 * MiB // 8
-    clients = [pool.client(transport="tcp") for _ in range(parties)]
+    clients = [pool.client(transport=transport) for _ in range(parties)]
     coll0 = Collective.create(clients[0], "job/grads", n * 8, parties, chunk_bytes=256 * 1024, num_servers=3,
                               timeout=120)
     colls = [coll0] + [Collective.open(c, "job/grads", parties, timeout=120) for c in clients[1:]]
@@ -197,13 +204,13 @@ def test_collectives_run_through_an_evacuation_with_exact_sums(pool):
             while min(rounds) < 3 and not errs:
                 time.sleep(0.01)
             admin.drain_server(source, evacuate=True)
-            wait_empty(admin, source)
+            wait_empty(admin, source, timeout=settle)
             done = min(rounds)
             while min(rounds) < done + 3 and not errs:   # rounds go on at the new place
                 time.sleep(0.01)
         last.append(max(rounds) + 2)   # no party began a round past max(rounds) yet
         for t in threads:
-            t.join(SETTLE)
+            t.join(settle)
         assert not errs, errs
         assert not any(t.is_alive() for t in threads)
         assert rounds == [last[0]] * parties
