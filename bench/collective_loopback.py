@@ -15,11 +15,18 @@ moving the same bytes in one direction (MB/s). Used to compare two trees of the
 project on one machine (run it in each; nothing else running).
 
 ``--paths``: ``streamed`` (``REDUCE`` on pipelined connections, sums streamed back:
-the default) and/or ``pushpull`` (a push and a pull per chunk, as before it: chunks of
-up to 4 MiB, 8 of each in flight); with both, they run alternately, ``--repeat``
-times each, on one cluster. Server CPU: the memory servers' user+system seconds over
+the default), ``pushpull`` (a push and a pull per chunk, as before it: chunks of
+up to 4 MiB, 8 of each in flight) and, on a host with an RDMA device (the Soft-RoCE
+VM), ``rdma`` (the workers' regions open over rdma: chunks RDMA-written into the
+servers' staging areas, sums written back) and ``rdma-tcp`` (the same clients, the
+collective forced onto tcp: ``transport="tcp"``); with several, they run alternately,
+``--repeat`` times each, on one cluster. With ``--perftest``, ``ib_write_bw`` between
+two processes on the same device at the collective's chunk size is the reference
+(MB/s per direction of one link) besides the raw socket. Server CPU: the memory servers' user+system seconds over
 the measured rounds (``/proc``), per GB the servers took in and sent out (every
-worker's pushes and sums), as GB/s per core of the server path.
+worker's pushes and sums), as GB/s per core of the server path, and its user part alone
+(the server's own code: on Soft-RoCE the system part includes the emulated RDMA device,
+which a real NIC does in hardware).
 """
 from __future__ import annotations
 
@@ -50,11 +57,11 @@ except ImportError:   # an older tree, for A/B runs
 def worker(rank: int, env: dict[str, str], n: int, name: str, parties: int, rounds: int,
            out: mp.Queue, path: str = "streamed", servers: int = 2) -> None:  # type: ignore[type-arg]
     os.environ.update(env)
-    opts = {} if path == "streamed" else {"pipelined": False}
-    with smb_client.connect(transport="tcp") as c:
+    opts: dict[str, object] = {"pushpull": {"pipelined": False}, "rdma-tcp": {"transport": "tcp"}}.get(path, {})
+    with smb_client.connect(transport="rdma" if path.startswith("rdma") else "tcp") as c:
         if rank == 0:
             old = max(64 << 10, min(4 << 20, -(-n * 4 // (servers * 4 * 4096)) * 4096))   # the former default
-            chunk = None if path == "streamed" else old
+            chunk = old if path == "pushpull" else None
             coll = smb_client.Collective.create(c, name, n * 4, parties, chunk_bytes=chunk, **opts)
         else:
             coll = None
@@ -86,9 +93,15 @@ def worker(rank: int, env: dict[str, str], n: int, name: str, parties: int, roun
 
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of process ``pid`` (all its threads) so far."""
+    return sum(cpu_split(pid))
+
+
+def cpu_split(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of process ``pid`` (all its threads) so far."""
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
 
 
 def raw_socket_rate(nbytes: int) -> float:
@@ -130,6 +143,7 @@ def run(lc: LocalCluster, env: dict[str, str], n: int, args: argparse.Namespace,
              for r in range(args.workers)]
     pids = [lc.server_pid(i) for i in range(args.servers)]
     before = sum(cpu_seconds(p) for p in pids)
+    user_before = sum(cpu_split(p)[0] for p in pids)
     for p in procs:
         p.start()
     results = []
@@ -141,13 +155,14 @@ def run(lc: LocalCluster, env: dict[str, str], n: int, args: argparse.Namespace,
             if failed:
                 raise SystemExit(f"a worker failed (exit codes {failed}); see its traceback above") from None
     after = sum(cpu_seconds(p) for p in pids)
+    user = sum(cpu_split(p)[0] for p in pids) - user_before
     for p in procs:
         p.join(60)
     per_round = [max(r[0][i] for r in results) for i in range(args.rounds)][1:]   # the first round warms up
     median = statistics.median(per_round)
     served = 2 * n * 4 * args.workers * args.rounds / 1e9   # GB in (pushes) and out (sums), all rounds
     return {"round_s": median, "worker_MBps": 2 * n * 4 / median / 1e6,
-            "server_cpu_s_per_GB": (after - before) / served,
+            "server_cpu_s_per_GB": (after - before) / served, "server_user_s_per_GB": user / served,
             "server_GBps_per_core": served / (after - before) if after > before else float("nan")}
 
 
@@ -159,25 +174,42 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--paths", default="streamed", help="streamed and/or pushpull, comma-separated")
     ap.add_argument("--repeat", type=int, default=1, help="measurements of each path, alternating")
+    ap.add_argument("--perftest", action="store_true", help="ib_write_bw at the chunk size as a reference")
+    ap.add_argument("--out", help="also write the results as JSON lines to this file")
     args = ap.parse_args()
     n = int(args.mbytes * 1e6) // 4
     paths = args.paths.split(",")
     got: dict[str, list[dict[str, float]]] = {p: [] for p in paths}
-    with LocalCluster(args.servers, capacity=max(1 << 30, 8 * n * 4)) as lc:
+    rdma = any(p.startswith("rdma") for p in paths)
+    extra = {"transports": "tcp,rdma", "env": {"SMB_HOST_ID": "bench-server"}} if rdma else {}
+    with LocalCluster(args.servers, capacity=max(1 << 30, 8 * n * 4), **extra) as lc:  # type: ignore[arg-type]
         env = {"SMB_CONTROLLER": lc.address, "SMB_TOKEN": lc.token}
         for k in range(args.repeat):
             for path in paths:
                 got[path].append(run(lc, env, n, args, path, f"{path}{k}"))
     raw = raw_socket_rate(n * 4)
+    lines = []
+    if args.perftest:
+        from bench.rdma import gid_index, perftest
+        device = os.environ.get("SMB_RDMA_DEVICE", "rxe0")
+        chunk = smb_client.Collective.default_chunk(n * 4, args.servers)
+        ref = perftest("ib_write_bw", chunk, device, gid_index(device), 18600, ["-n", "200"])
+        lines.append({"reference": "ib_write_bw", "chunk_bytes": chunk, "MBps": ref["avg_MBps"]})
+        print(json.dumps(lines[-1]))
     for path, runs in got.items():
         median = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
-        print(json.dumps({"path": path, "workers": args.workers, "servers": args.servers, "mbytes": args.mbytes,
-                          "runs": len(runs), "round_s": round(median["round_s"], 4),
-                          "rounds_s": [round(r["round_s"], 4) for r in runs],
-                          "worker_MBps": round(median["worker_MBps"], 1), "raw_socket_MBps": round(raw, 1),
-                          "ratio_to_raw": round(median["worker_MBps"] / raw, 3),
-                          "server_cpu_s_per_GB": round(median["server_cpu_s_per_GB"], 3),
-                          "server_GBps_per_core": round(median["server_GBps_per_core"], 2)}))
+        lines.append({"path": path, "workers": args.workers, "servers": args.servers, "mbytes": args.mbytes,
+                      "runs": len(runs), "round_s": round(median["round_s"], 4),
+                      "rounds_s": [round(r["round_s"], 4) for r in runs],
+                      "worker_MBps": round(median["worker_MBps"], 1), "raw_socket_MBps": round(raw, 1),
+                      "ratio_to_raw": round(median["worker_MBps"] / raw, 3),
+                      "server_cpu_s_per_GB": round(median["server_cpu_s_per_GB"], 3),
+                      "server_user_s_per_GB": round(median["server_user_s_per_GB"], 3),
+                      "server_GBps_per_core": round(median["server_GBps_per_core"], 2)})
+        print(json.dumps(lines[-1]))
+    if args.out:
+        with open(args.out, "w") as f:
+            f.writelines(json.dumps(line) + "\n" for line in lines)
     return 0
 
 
