@@ -1,18 +1,7 @@
 """The parameter store: a model's flat parameters, gradient and delta slots in regions.
 
-Regions under a prefix ``job``:
-
-==================  ==========================================================
-``job/meta``        the layout (tensor names and shapes) and slot counts, JSON
-``job/params``      one slot: the parameters (the global weights for SEASGD)
-``job/grads``       ``grad_slots`` slots: gradient accumulation (synchronous training
-                    with ``exchange="slots"``; the collective exchange needs none)
-``job/deltas``      ``delta_slots`` slots: one private delta buffer per worker
-``job/counters``    int64 words: stop word, total and per-worker iteration counts
-``job/buffers``     the model's buffers (batch-norm statistics), 4 slots: slot 0
-                    the published copy, slots 1-3 rotated by synchronous steps
-``job/failed``      only after a failed creation: the master's error, JSON
-==================  ==========================================================
+The regions under a prefix (``job/params``, ``job/grads``, ...) are listed, sized and
+made in :mod:`.store_plan`.
 
 Every tensor is stored in its own element type (float32, bfloat16 or float16 for
 parameters, so a slot's gradients are accumulated in the parameter's type).
@@ -30,21 +19,21 @@ from __future__ import annotations
 
 import json
 import logging
-import struct
 import threading
-import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from smb_protocol.errors import InvalidArgument, RegionExists, RegionNotFound
-from smb_protocol.placement import PLACEMENTS
+from smb_protocol.errors import InvalidArgument, RegionNotFound
 
-from . import checkpoint, failure
+from . import checkpoint, failure, store_plan
 from .flat import FlatModel
-from .layout import ALIGN, FlatLayout, align_up
+from .layout import FlatLayout
+from .store_plan import COUNTER_WORDS as COUNTER_WORDS  # the constants, where callers have always found them
+from .store_plan import SCHEMES as SCHEMES
+from .store_plan import SYNC_SLOTS as SYNC_SLOTS
 
 if TYPE_CHECKING:
     from ..client import Client
@@ -56,16 +45,7 @@ Data = torch.Tensor | bytes | bytearray | memoryview
 
 log = logging.getLogger(__name__)
 
-META_MAGIC = b"SMBPSTOR"
-META_HEADER = struct.Struct("<8sQ")     # magic, JSON length (bytes)
-META_PAGE = 4096                        # bytes; the meta region is a whole number of these
 ZERO_CHUNK = 8 << 20                    # bytes written per request when zeroing
-ATTACH_POLL = 0.05                      # seconds between looks for a store being created
-COUNTER_WORDS = 8                       # int64 control words before the per-worker counts
-KINDS = ("params", "grads", "deltas", "counters", "buffers", "allreduce", "meta")
-SYNC_SLOTS = 3                          # gradient slots synchronous training rotates through
-BUFFER_SLOTS = 1 + SYNC_SLOTS           # the published buffers, then one per rotated step
-SCHEMES = ("sync", "seasgd", "hybrid")  # what ParameterStore.create sizes the slots for by default
 
 
 @dataclass
@@ -127,10 +107,7 @@ class ParameterStore:
             if self.buffer_layout is not None else []
 
     # -- construction -------------------------------------------------------------
-    @staticmethod
-    def region_name(prefix: str, kind: str) -> str:
-        """The name of the store's ``kind`` region under ``prefix``."""
-        return f"{prefix}/{kind}"
+    region_name = staticmethod(store_plan.region_name)   # the name of the store's kind region under a prefix
 
     @classmethod
     def create(cls, client: Client, prefix: str, model: torch.nn.Module | FlatModel, *, scheme: str | None = None,
@@ -174,102 +151,36 @@ class ParameterStore:
         store's description (:attr:`attempt`), so that a later attempt can tell it
         resumes an earlier one's store.
         """
-        if placement not in PLACEMENTS:
-            raise InvalidArgument(f"unknown placement {placement!r}: expected one of {', '.join(PLACEMENTS)}")
-        if scheme is not None and scheme not in SCHEMES:
-            raise InvalidArgument(f"unknown scheme {scheme!r}: expected one of {', '.join(SCHEMES)}")
-        if workers < 1:
-            raise InvalidArgument(f"workers must be >= 1, got {workers}")
-        if scheme is None and grad_slots is None and delta_slots is None:
-            scheme = "sync"
+        store_plan.check_options(placement, scheme, workers)   # before the model is bound
         flat = model if isinstance(model, FlatModel) else FlatModel(model)
-        layout = flat.layout
-        if grad_slots is None:   # the slots exchange (mixed types) rotates SYNC_SLOTS of them
-            grad_slots = SYNC_SLOTS if scheme == "sync" and layout.uniform is None else 0
-        if delta_slots is None:
-            delta_slots = workers if scheme in ("seasgd", "hybrid") else 0
-        if grad_slots < 0 or delta_slots < 0:
-            raise InvalidArgument("grad_slots and delta_slots must be >= 0")
-        blayout = FlatLayout.of_buffers(flat.model) if buffers else None
-        if blayout is not None and not blayout.tensors:
-            blayout = None
+        plan = store_plan.plan_store(prefix, flat, scheme=scheme, placement=placement, grad_slots=grad_slots,
+                                     delta_slots=delta_slots, workers=workers, buffers=buffers,
+                                     stripe_unit=stripe_unit, num_servers=num_servers, lease=lease,
+                                     replicas=replicas, attempt=attempt)
         failure.clear(client, prefix)
         if replace:
             cls.destroy_prefix(client, prefix)
         else:
-            cls._check_free(client, prefix)
-        if placement == "striped" and not stripe_unit:
-            up = [s for s in client.list_servers() if s.state == "up"]
-            stripe_unit = layout.stripe_unit(num_servers or max(1, len(up)))
-        meta = {"layout": json.loads(layout.to_json()), "placement": placement,
-                "grad_slots": grad_slots, "delta_slots": delta_slots, "workers": workers,
-                "buffers": json.loads(blayout.to_json()) if blayout is not None else None}
-        if lease is not None:
-            meta["lease"] = float(lease)
-        if attempt:
-            meta["attempt"] = int(attempt)
+            store_plan.check_free(client, prefix)
+        if plan.needs_servers:
+            plan = plan.spread_over(sum(1 for s in client.list_servers() if s.state == "up"))
         regions: dict[str, Region] = {}
-
-        def create_region(name: str, size: int, **options: Any) -> Region:
-            if replicas != 1:    # as before for clients that predate replicas
-                options["replicas"] = replicas
-            return client.create_region(name, size, lease=lease, **options)
         try:
-            def make(kind: str, slots: int) -> None:
-                size = layout.slot_bytes * slots
-                name = cls.region_name(prefix, kind)
-                if placement == "layered":
-                    regions[kind] = create_region(name, size, placement="layered",
-                                                         segment_sizes=layout.segment_sizes(slots))
-                elif placement == "striped":
-                    regions[kind] = create_region(name, size, placement="striped",
-                                                         stripe_unit=stripe_unit or 0,
-                                                         num_servers=num_servers)
-                else:
-                    regions[kind] = create_region(name, size, placement="single")
-            make("params", 1)
-            if grad_slots:
-                make("grads", grad_slots)
-            if delta_slots:
-                make("deltas", delta_slots)
-            # the per-worker counts, then as many attendance words (the last ones: sync.py)
-            counters = align_up((COUNTER_WORDS + 2 * workers) * 8, ALIGN)
-            regions["counters"] = create_region(cls.region_name(prefix, "counters"), counters,
-                                                       placement="single")
-            if blayout is not None:
-                regions["buffers"] = create_region(cls.region_name(prefix, "buffers"),
-                                                          blayout.slot_bytes * BUFFER_SLOTS, placement="single")
-            store = cls(client, prefix, flat, regions, meta, master=True)
+            store_plan.make_regions(client, plan, regions)
+            store = cls(client, prefix, flat, regions, plan.meta, master=True)
             store.push_params()
             for kind in ("grads", "deltas", "counters", "buffers"):
                 if kind in regions:
                     store.zero(kind)
-            if blayout is not None:
+            if plan.buffer_layout is not None:
                 store.push_buffers()
-            doc = json.dumps(meta).encode()
-            blob = META_HEADER.pack(META_MAGIC, len(doc)) + doc
-            regions["meta"] = create_region(
-                cls.region_name(prefix, "meta"), align_up(len(blob), META_PAGE), placement="single")
-            regions["meta"].write(0, blob)
+            store_plan.make_description(client, plan, regions)
         except BaseException:
-            for r in regions.values():   # only what this call created: never another store's
-                r.close()
-                try:
-                    client.delete_region(r.name)
-                except RegionNotFound:
-                    pass
+            store_plan.discard(client, regions)
             raise
         log.info("created parameter store %s: %d tensors, %d bytes per slot, %s", prefix,
-                 len(layout.tensors), layout.slot_bytes, placement)
+                 len(flat.layout.tensors), flat.layout.slot_bytes, placement)
         return store
-
-    @classmethod
-    def _check_free(cls, client: Any, prefix: str) -> None:
-        names = {cls.region_name(prefix, kind) for kind in KINDS}
-        found = sorted(r.name for r in client.list_regions(f"{prefix}/") if r.name in names)
-        if found:
-            raise RegionExists(f"parameter store {prefix!r} already exists ({', '.join(found)}); pass "
-                               "replace=True to delete it and create a new one, or attach to it")
 
     @classmethod
     def attach(cls, client: Client, prefix: str, model: torch.nn.Module | FlatModel, *, timeout: float = 60.0,
@@ -278,37 +189,9 @@ class ParameterStore:
         seconds for it to appear), check ``model`` against its layout (InvalidArgument
         or DtypeError on a mismatch) and, with ``pull``, load the stored parameters."""
         flat = model if isinstance(model, FlatModel) else FlatModel(model)
-        deadline = time.monotonic() + timeout
-        since = time.time()
-        name = cls.region_name(prefix, "meta")
-        while True:
-            try:
-                meta_region = client.open_region(name)
-                break
-            except RegionNotFound:
-                failure.check(client, prefix, since)
-                if time.monotonic() > deadline:
-                    raise RegionNotFound(f"no parameter store {prefix!r} after {timeout:g} s: "
-                                         f"the master creates {name} (ParameterStore.create)") from None
-                time.sleep(ATTACH_POLL)
-        regions = {"meta": meta_region}
+        regions = {"meta": store_plan.wait_description(client, prefix, timeout)}
         try:
-            meta = cls._read_meta(meta_region)
-            stored = FlatLayout.from_json(json.dumps(meta["layout"]))
-            stored.check_same(flat.layout, where=f"parameter store {prefix!r}")
-            kinds = ["params", "counters"] + [k for k, n in (("grads", meta["grad_slots"]),
-                                                             ("deltas", meta["delta_slots"])) if n]
-            if meta.get("buffers"):
-                kinds.append("buffers")
-                stored_b = FlatLayout.from_json(json.dumps(meta["buffers"]), allow_empty=True)
-                stored_b.check_same(FlatLayout.of_buffers(flat.model), where=f"parameter store {prefix!r} (buffers)")
-            for kind in kinds:
-                regions[kind] = client.open_region(cls.region_name(prefix, kind))
-            counts = {"params": 1, "grads": meta["grad_slots"], "deltas": meta["delta_slots"]}
-            for kind, slots in counts.items():
-                if kind in regions and regions[kind].size != slots * stored.slot_bytes:
-                    raise InvalidArgument(f"region {regions[kind].name} holds {regions[kind].size} bytes, "
-                                          f"the layout needs {slots * stored.slot_bytes}")
+            meta = store_plan.open_regions(client, prefix, flat, regions)
         except BaseException:
             for r in regions.values():
                 r.close()
@@ -319,23 +202,10 @@ class ParameterStore:
             store.pull_buffers()
         return store
 
-    @staticmethod
-    def _read_meta(region: Any) -> dict[str, Any]:
-        head = bytes(region.read(0, META_HEADER.size))
-        magic, length = META_HEADER.unpack(head)
-        if magic != META_MAGIC or length > region.size - META_HEADER.size:
-            raise InvalidArgument(f"region {region.name} is not a parameter-store description")
-        try:
-            doc = json.loads(bytes(region.read(META_HEADER.size, length)))
-            assert isinstance(doc, dict)
-            return doc
-        except ValueError as exc:
-            raise InvalidArgument(f"region {region.name}: unreadable description: {exc}") from None
-
     @classmethod
     def destroy_prefix(cls, client: Client, prefix: str) -> None:
         """Delete every store region under ``prefix`` that exists (meta first)."""
-        for kind in reversed(KINDS + (failure.KIND,)):
+        for kind in reversed(store_plan.KINDS + (failure.KIND,)):
             try:
                 client.delete_region(cls.region_name(prefix, kind))
             except RegionNotFound:
@@ -453,8 +323,8 @@ class ParameterStore:
         if self.buffer_layout is None:
             raise InvalidArgument(f"parameter store {self.prefix!r} holds no buffers (the model has none, "
                                   "or it was created with buffers=False)")
-        if not 0 <= slot < BUFFER_SLOTS:
-            raise InvalidArgument(f"buffer slot {slot} out of range: the store has {BUFFER_SLOTS}")
+        if not 0 <= slot < store_plan.BUFFER_SLOTS:
+            raise InvalidArgument(f"buffer slot {slot} out of range: the store has {store_plan.BUFFER_SLOTS}")
         return slot * self.buffer_layout.slot_bytes
 
     def buffer_items(self, slot: int, tensors: list[torch.Tensor] | None = None,

@@ -6,14 +6,6 @@ gradients back, divides by the number of workers and runs its own (identical)
 optimizer step. All replicas stay equal to a single process training on the union of
 the workers' batches.
 
-Resetting the accumulation slot (``exchange="slots"``). The store has three gradient
-slots used in turn: step ``s`` accumulates into slot ``s % 3``. Between the barriers of
-steps ``s-1`` and ``s`` every worker zeroes its share of slot ``(s+1) % 3``. That slot was last read in
-step ``s-2``, which every worker finished before it pushed in step ``s-1`` (and so
-before barrier ``s-1`` opened); nobody accumulates into it before step ``s+1``, which
-starts only after barrier ``s`` opened, which needs every worker's zeroing done. One
-barrier per step, and the zeroing is spread over all workers.
-
 With ``overlap=True`` gradients are pushed bucket by bucket from backward hooks as
 asynchronous operations, so the communication of the last layers overlaps the backward
 pass of the first ones, and the backward pass ends with the rest of the step's
@@ -33,19 +25,14 @@ Frozen parameters (``requires_grad=False``) are neither pushed, pulled nor zeroe
 
 ``exchange="collective"`` (the default ``auto`` picks it when every parameter has one
 element type) sums the gradients with the memory box's pipelined push-pull instead
-(:class:`~smb_client.collective.Collective`, over the region ``<prefix>/allreduce``):
-each chunk is pushed as soon as its gradients are final (from the backward hooks) and
-pulled as soon as every worker's share arrived, while later chunks are still pushed;
-no gradient slot, no zeroing, and no barrier per step unless buffers are synchronized.
-Chunks that hold only frozen parameters are skipped. Aligned stopping still holds:
-every worker publishes its count before it pushes the chunk it holds back until
-:meth:`SyncDataParallel.synchronize`, and reads the stop word after the last pull, so
-everybody's count is visible to everybody by then. ``exchange="slots"`` keeps the
-accumulate, barrier and read of the three gradient slots (needed for mixed element
-types).
+(:class:`~smb_client.collective.Collective`): each chunk is pushed as soon as its
+gradients are final (from the backward hooks); no gradient slot, no zeroing, and no
+barrier per step unless buffers are synchronized. ``exchange="slots"`` keeps the
+accumulate, barrier and read of three gradient slots used in turn (needed for mixed
+element types). :mod:`.exchanges` holds both, with why each keeps the steps apart.
 
 Buffers (batch-norm statistics) are synchronized every step through the store's
-``buffers`` region, slot ``1 + s % 3`` in step ``s`` (the rotation argument above
+``buffers`` region, slot ``1 + s % 3`` in step ``s`` (the slots' rotation argument
 holds for it too): ``broadcast`` (the default, as DDP) rank 0 writes its buffers
 before the barrier and the others read them after it; ``average`` every worker
 accumulates its floating-point buffers (integer ones, such as ``num_batches_tracked``,
@@ -66,18 +53,25 @@ from concurrent.futures import Future
 from contextlib import contextmanager
 from typing import Any
 
-import torch
-
 from smb_protocol.chunk_types import ChunkTypes, wire_type
 from smb_protocol.dtypes import resolve
-from smb_protocol.errors import InvalidArgument, RegionNotFound
-from smb_protocol.hostinfo import host_id
+from smb_protocol.errors import InvalidArgument
 
-from ..collective import AllReduce, Collective
-from ..coord import Attendance, Barrier, controller_barrier
-from ..cuda_round import StagedRound
+from ..collective import Collective
+from ..coord import Attendance
 from ..futures import wait_all
-from .counters import SYNC_BARRIER_WORD, SharedCounters
+from .counters import SharedCounters
+from .exchanges import (
+    BufferSync,
+    CollectiveExchange,
+    Exchange,
+    SlotsExchange,
+    StepBarrier,
+    StepEnd,
+    StepParts,
+    Zeros,
+    gather_worker_hosts,
+)
 from .flat import GradientHooks
 from .launch import check_torchrun
 from .layout import ALIGN, Bucket
@@ -224,20 +218,25 @@ class SyncDataParallel:
         self._accumulating = False
         self._closed = False
         self._synced_in_backward = False           # the last backward pass ended synchronized
+        zeros = Zeros()
         self._hooks = GradientHooks(self.flat, bucket_bytes, self._push_bucket,
                                     after_backward=self._after_backward) if overlap else None
         self.roll = self._attendance(store.region("counters"))
-        self._barrier = Barrier(store.region("counters"), SYNC_BARRIER_WORD * 8, world,
-                                name=f"barrier {store.prefix}/step", roll=self.roll)
-        self._barrier_ready = False                # the first step zeroes the word (see _meet)
+        # the slots reset the attendance roll at the first barrier; the collective's rounds count it already
+        meeting = StepBarrier(store, rank, world, self.barrier_name, timeout=lambda: self.barrier_timeout,
+                              roll=self.roll, reset_roll=exchange == "slots")
+        parts = StepParts(counters, self.times, BufferSync(store, rank, world, self.buffers, zeros), meeting)
         self.exchange = exchange
         self._coll: Collective | None = None
-        self._round: AllReduce | StagedRound | None = None
+        self._exchange: Exchange
         if exchange == "collective":
-            self._coll = self._open_collective(self._worker_hosts(worker_hosts))
-            self._coll.roll = self.roll
-            # held back until synchronize(): see the module's notes on aligned stopping
-            self._hold = self._runs[-1][0] if self._runs else None
+            hosts = gather_worker_hosts(worker_hosts, world)
+            self._coll = CollectiveExchange.open(store, rank, world, self._runs, roll=self.roll, priority=priority,
+                                                 timeout=barrier_timeout, hosts=hosts)
+            self._exchange = CollectiveExchange(self._coll, store, world, self._runs, parts, wire=self.wire,
+                                                full_sum=self.full_sum)
+        else:
+            self._exchange = SlotsExchange(store, world, self._runs, self._share, zeros, parts)
 
     @property
     def collective(self) -> Collective | None:
@@ -256,101 +255,9 @@ class SyncDataParallel:
             return None
         return Attendance(region, offset, self.world, self.rank)
 
-    def _worker_hosts(self, given: Sequence[str] | None) -> list[str] | None:
-        """Every worker's host id: ``given``, or gathered through torch.distributed
-        (see the class); None when unknown."""
-        if given is not None:
-            if given and len(given) != self.world:
-                raise InvalidArgument(f"worker_hosts names {len(given)} hosts for {self.world} workers")
-            return list(given) or None
-        dist = torch.distributed
-        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() == self.world):
-            return None
-        hosts: list[Any] = [None] * self.world
-        dist.all_gather_object(hosts, host_id())
-        return [str(h) for h in hosts]
-
-    def _open_collective(self, worker_hosts: list[str] | None) -> Collective:
-        """Rank 0 makes ``<prefix>/allreduce`` afresh (its counts must start at zero),
-        its chunks placed by ``worker_hosts`` when known; the others open it after a
-        controller barrier (once, not per step)."""
-        store = self.store
-        name = store.region_name(store.prefix, "allreduce")
-        coll = None
-        if self.rank == 0:
-            try:
-                store.client.delete_region(name)
-            except RegionNotFound:
-                pass
-            packed = max(8, sum(n for _, n in self._runs))   # only trainable bytes travel
-            coll = Collective.create(store.client, name, packed, self.world, timeout=self.barrier_timeout,
-                                     worker_hosts=worker_hosts, priority=self.priority, lease=store.lease)
-            if self.roll is not None:   # nobody waits yet: everybody is at the barrier below
-                self.roll.reset()
-        controller_barrier(store.client, f"{store.prefix}/allreduce", self.world, timeout=self.barrier_timeout,
-                           rank=self.rank)
-        if coll is None:
-            coll = Collective.open(store.client, name, self.world, timeout=self.barrier_timeout, fresh=True,
-                                   priority=self.priority)
-        return coll
-
-    def _begin_round(self) -> AllReduce | StagedRound:
-        if self._round is None:
-            assert self._coll is not None
-            self._round = self._coll.begin(self.flat.flat_grads, runs=self._runs, hold=self._hold,
-                                           wire=self.wire, full_sum=self.full_sum)
-        return self._round
-
     # -- per step -----------------------------------------------------------------
-    def _slot(self, step: int) -> int:
-        return step % SYNC_SLOTS
-
     def _push_bucket(self, bucket: Bucket) -> list[Future[Any]]:
-        if self._coll is not None:   # the chunks whose gradients are all final go out
-            self._begin_round().ready(bucket.offset, bucket.length)
-            return []
-        base = self.store.slot_offset("grads", self._slot(self.step))
-        return self.store.accumulate_flat("grads", base, self.flat.flat_grads, bucket.offset, bucket.length)
-
-    def _push_buffers(self) -> list[Future[Any]]:
-        """Before the barrier: this step's buffer slot filled (see the module's notes)."""
-        store = self.store
-        if self.buffers == "none":
-            return []
-        slot = 1 + self._slot(self.step)
-        region = store.region("buffers")
-        out: list[Future[Any]] = []
-        sent = 0
-        if self.rank == 0:
-            written = [(off, b.detach().contiguous()) for off, b in store.buffer_items(slot)
-                       if self.buffers == "broadcast" or not b.is_floating_point()]
-            if written:
-                out.append(region.write_many_async(written))
-                sent += sum(b.numel() * b.element_size() for _, b in written)
-            if self.buffers == "average":
-                nxt = store.buffer_offset(1 + self._slot(self.step + 1))
-                assert store.buffer_layout is not None
-                out.append(region.write_async(nxt, self._zeros(store.buffer_layout.slot_bytes)))
-                sent += store.buffer_layout.slot_bytes
-        if self.buffers == "average":
-            summed = [(off, b.detach().contiguous()) for off, b in store.buffer_items(slot, floating_only=True)]
-            if summed:
-                out.append(region.accumulate_many_async(summed))
-                sent += sum(b.numel() * b.element_size() for _, b in summed)
-        if out:
-            store.count_traffic(sent=sent)
-        return out
-
-    def _pull_buffers(self) -> None:
-        """After the barrier: the synchronized buffers into the model."""
-        if self.buffers == "none" or (self.buffers == "broadcast" and self.rank == 0):
-            return
-        self.store.pull_buffers(1 + self._slot(self.step))
-        if self.buffers == "average":
-            with torch.no_grad():
-                for b in self.store.buffers:
-                    if b.is_floating_point():
-                        b.mul_(1.0 / self.world)
+        return self._exchange.bucket_ready(self.step, bucket.offset, bucket.length)
 
     def zero_grad(self) -> None:
         """Zero the local gradients (call before each step's first backward pass)."""
@@ -423,111 +330,26 @@ class SyncDataParallel:
         if self._closed:
             raise InvalidArgument("synchronize() after close()")
         self.flat.check_trainable()
-        if self._coll is not None:
-            self._synchronize_collective()
-            return
-        store = self.store
-        nxt = self.store.slot_offset("grads", self._slot(self.step + 1))
-        futures: list[Future[Any]] = []
-        for off, n in self._share:
-            futures.append(store.write_async("grads", nxt + off, self._zeros(n)))
+        end = StepEnd(self.step, self._exchange.begin_step(self.step), hooked=self._hooks is not None)
         publish = bool(self.publish_every) and self.step > self._published and \
             self.step % self.publish_every == 0
         if publish:   # the weights after `step` optimizer steps; nobody changes them before we return
-            futures.extend(self._publish_async())
+            end.pending.extend(self._publish_async())
         if self._hooks is not None:
-            for pushed in self._hooks.finish():
-                futures.extend(pushed)
+            for pushed in self._hooks.finish():   # the buckets that got no gradient go out now
+                end.pending.extend(pushed)
         else:
             self.flat.collect_grads()
-            base = store.slot_offset("grads", self._slot(self.step))
-            for off, n in self._runs:
-                futures.extend(store.accumulate_flat("grads", base, self.flat.flat_grads, off, n))
-        futures.extend(self._push_buffers())
-        t0 = time.perf_counter()
-        times = self.times
-        with times.phase("push"):
-            self._wait(futures)
-        if publish:
-            self._published = self.step
-        with times.phase("barrier"):
-            if self.counters is not None:
-                self.counters.publish()
-            self._meet()
-        with times.phase("sum"):
-            base = store.slot_offset("grads", self._slot(self.step))
-            for off, n in self._runs:
-                store.read_into("grads", base + off, self.flat.byte_range(self.flat.flat_grads, off, n))
-            self.flat.scale_(self.flat.flat_grads, 1.0 / self.world)
-            self._pull_buffers()
+        try:
+            self._exchange.finish_step(end)
+        finally:
+            if publish and end.sent:
+                self._published = self.step
         if self.counters is not None:
             self.stop = self.counters.should_stop()
-        self.comm_wait += time.perf_counter() - t0
+        self.comm_wait += time.perf_counter() - end.started
         self.step += 1
-        times.end_step()
-
-    def _synchronize_collective(self) -> None:
-        futures: list[Future[Any]] = []
-        publish = bool(self.publish_every) and self.step > self._published and \
-            self.step % self.publish_every == 0
-        if publish:
-            futures.extend(self._publish_async())
-        if self._hooks is not None:
-            self._hooks.finish()           # the buckets that got no gradient go out now
-        else:
-            self.flat.collect_grads()
-        t0 = time.perf_counter()
-        times = self.times
-        if self.counters is not None:      # before the held-back chunk: see the module's notes
-            self.counters.publish()
-        rnd = self._begin_round()
-        self._round = None
-        with times.phase("sum"):           # the last pushes and every chunk's sum
-            try:
-                if self._hooks is None:
-                    for off, n in self._runs:
-                        rnd.ready(off, n)
-            finally:
-                rnd.finish()
-        self.store.count_traffic(sent=sum(n for _, n in self._runs), received=sum(n for _, n in self._runs))
-        self.flat.scale_(self.flat.flat_grads, 1.0 / self.world)
-        futures.extend(self._push_buffers())
-        with times.phase("push"):
-            self._wait(futures)
-        if publish:
-            self._published = self.step
-        if self.buffers != "none":
-            with times.phase("barrier"):
-                self._meet()
-            with times.phase("sum"):
-                self._pull_buffers()
-        if self.counters is not None:
-            self.stop = self.counters.should_stop()
-        self.comm_wait += time.perf_counter() - t0
-        self.step += 1
-        times.end_step()
-
-    def _meet(self) -> None:
-        """Wait for every worker. The first step meets at the controller's barrier, after
-        rank 0 zeroed the memory box's barrier word; every later step meets on that word
-        (:class:`~smb_client.coord.Barrier`), so steady-state steps call no controller."""
-        if self._barrier_ready:
-            self._barrier.wait(timeout=self.barrier_timeout)
-            return
-        if self.rank == 0:
-            self.store.region("counters").write(SYNC_BARRIER_WORD * 8, bytes(8))
-            if self.roll is not None and self._coll is None:   # the collective's rounds count already
-                self.roll.reset()
-        controller_barrier(self.store.client, self.barrier_name, self.world, timeout=self.barrier_timeout,
-                           rank=self.rank)
-        self._barrier_ready = True
-
-    _zero_cache: memoryview | None = None
-
-    def _zeros(self, nbytes: int) -> memoryview:
-        if self._zero_cache is None or len(self._zero_cache) < nbytes:
-            self._zero_cache = memoryview(bytes(nbytes))
-        return self._zero_cache[:nbytes]
+        self.times.end_step()
 
     def close(self, publish: bool = True) -> None:
         """Publish the final weights (unless ``publish`` is False or they already are)
@@ -542,9 +364,7 @@ class SyncDataParallel:
             if self._hooks is not None:
                 self._hooks.remove()
                 self._hooks = None
-            self._round = None                # a backward pass without synchronize() is dropped
-            if self._coll is not None:
-                self._coll.close()
+            self._exchange.close()            # a backward pass without synchronize() is dropped
 
     def __enter__(self) -> SyncDataParallel:
         """The trainer itself."""

@@ -18,10 +18,6 @@ LONG_MODULES: dict[str, str] = {
                          "documented errors",
     "smb_client.collective": "the chunk layout, the collectives and the piecewise round share one set of "
                              "counting rules",
-    "smb_client.torch.store": "ParameterStore's construction, attachment, counted operations and whole-model "
-                              "moves share its region handles and traffic count",
-    "smb_client.torch.sync": "both exchanges (collective and slots) run under one step protocol (hooks, "
-                             "no_sync, buffers, publishing, aligned stopping)",
     "smb_client.torch.backend": "a process group's operations share one worker thread, one failure state "
                                 "and its size-class collectives",
     "smb_server.controller.repair": "the sequences of a repair pass keep their ordering rules (store before "
