@@ -35,7 +35,7 @@ def _streams(coll: Collective) -> list[object]:
     return list({id(s): s for s in (coll.region.route.stream(c.slot)[0] for c in coll.chunks)}.values())
 
 
-@pytest.mark.parametrize("parties,chunk_bytes,n", [(2, 4096, 40 * 512), (3, None, 300_000)])
+@pytest.mark.parametrize("parties,chunk_bytes,n", [(2, 4096, 40 * 512), (3, None, 100_000)])
 def test_all_reduce_over_rdma_sums_exactly_round_after_round(cluster, name, parties, chunk_bytes, n):
     def body(coll: Collective, rank: int) -> None:
         streams = _streams(coll)
@@ -45,7 +45,7 @@ def test_all_reduce_over_rdma_sums_exactly_round_after_round(cluster, name, part
     _parties(cluster, name, parties, n * 8, chunk_bytes, "rdma", body)
 
 
-@pytest.mark.parametrize("window,priority,num_servers", [(4096, True, 1), (3 * 4096, False, 2), (None, True, 2)])
+@pytest.mark.parametrize("window,priority,num_servers", [(4096, True, 1), (3 * 4096, False, 2)])
 def test_any_window_order_and_placement_sums_exactly_over_rdma(cluster, name, window, priority, num_servers):
     n = 30 * 512
     _parties(cluster, name, 3, n * 8, 4096, "rdma", _summing_body(3, n, []), num_servers=num_servers,
@@ -131,10 +131,29 @@ def test_a_round_whose_queue_pairs_break_is_sent_again_and_adds_nothing_twice(cl
     assert len(breaks) == 3
 
 
-def test_a_server_killed_mid_round_over_rdma_fails_every_party_with_a_typed_error(name):
+def test_transport_tcp_keeps_the_exchange_on_tcp(cluster, name):
+    """``transport="tcp"`` sends the chunks of a region whose data goes over rdma through
+    the servers' tcp planes; an unknown transport is refused."""
+    with cluster.client(transport="rdma") as c:
+        coll = Collective.create(c, name, 8192, 1, chunk_bytes=4096, transport="tcp")
+        try:
+            before = _tcp_requests(cluster)
+            x = np.arange(1024, dtype=np.int64)
+            coll.all_reduce(x)
+            np.testing.assert_array_equal(x, np.arange(1024, dtype=np.int64))
+            assert sum(_tcp_requests(cluster).values()) > sum(before.values())
+            with pytest.raises(errors.InvalidArgument, match="transport"):
+                Collective.open(c, name, 1, transport="udp")
+        finally:
+            coll.destroy()
+
+
+def test_a_server_killed_mid_round_over_rdma_fails_every_party_with_a_typed_error(cluster, name):
     """kill -9 of a memory server mid-round: every party gets a typed error naming the
-    server, well before the collective's timeout; none hangs."""
-    with rdma_cluster(2, "256M", "killed-") as fresh:
+    server, well before the collective's timeout; none hangs. (Last in this module: the
+    server is started again afterwards, on the module's cluster.)"""
+    fresh = cluster
+    try:
         killed = threading.Event()
         killed_at: list[float] = []
         ended: dict[int, float] = {}
@@ -166,20 +185,6 @@ def test_a_server_killed_mid_round_over_rdma_fails_every_party_with_a_typed_erro
         assert max(ended.values()) - killed_at[0] < 30, (ended, killed_at)
         server = fresh.server_id(0)
         assert all(server in str(exc) for exc in seen.values()), seen
-
-
-def test_transport_tcp_keeps_the_exchange_on_tcp(cluster, name):
-    """``transport="tcp"`` sends the chunks of a region whose data goes over rdma through
-    the servers' tcp planes; an unknown transport is refused."""
-    with cluster.client(transport="rdma") as c:
-        coll = Collective.create(c, name, 8192, 1, chunk_bytes=4096, transport="tcp")
-        try:
-            before = _tcp_requests(cluster)
-            x = np.arange(1024, dtype=np.int64)
-            coll.all_reduce(x)
-            np.testing.assert_array_equal(x, np.arange(1024, dtype=np.int64))
-            assert sum(_tcp_requests(cluster).values()) > sum(before.values())
-            with pytest.raises(errors.InvalidArgument, match="transport"):
-                Collective.open(c, name, 1, transport="udp")
-        finally:
-            coll.destroy()
+    finally:
+        cluster.start_server(0)
+        cluster.wait_servers(2)

@@ -1,8 +1,9 @@
 """Synchronous training whose gradients go over RDMA (Soft-RoCE, real verbs): the digits
 model trained through ``SyncDataParallel`` by two worker processes whose regions open
-over rdma ends with exactly the weights of the same run with the exchange forced onto
-tcp (``SMB_EXCHANGE_TRANSPORT=tcp``). Two parties' float sums do not depend on the
-order their pushes arrive in, so the weights must be equal bit for bit."""
+over rdma ends with exactly the weights of the same training with the exchange forced
+onto tcp (``SMB_EXCHANGE_TRANSPORT=tcp``), run next by the same processes. Two parties'
+float sums do not depend on the order their pushes arrive in, so the weights must be
+equal bit for bit."""
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -12,74 +13,80 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
+pytest.importorskip("sklearn")
 
 WORLD = 2
 BATCH = 16
 STEPS = 5
 
 
-def worker(address: str, token: str, prefix: str, rank: int, exchange: str, queue) -> None:
+def _train(client, prefix: str, rank: int, x, y) -> tuple[np.ndarray, bool]:
+    """Train STEPS steps; (the final weights, whether every chunk went by rdma)."""
+    from smb_client.torch import SyncDataParallel, WorkerEnv, open_store
+    from smb_client.transports.rdma.reduce import RdmaReduceStream
+    from smb_train.workers import make_model
+    env = WorkerEnv(rank=rank, world_size=WORLD, local_rank=rank, local_world_size=WORLD)
+    model = make_model(7, 64)
+    store = open_store(client, env, prefix, model, workers=WORLD)
+    dp = SyncDataParallel(store, rank, WORLD, bucket_bytes=8192)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(STEPS):
+        lo = (step * WORLD + rank) * BATCH
+        dp.zero_grad()
+        torch.nn.functional.cross_entropy(model(x[lo:lo + BATCH]), y[lo:lo + BATCH]).backward()
+        dp.synchronize()
+        opt.step()
+    coll = dp.collective
+    over_rdma = coll is not None and all(
+        isinstance(coll.region.route.stream(c.slot, coll.transport == "auto")[0], RdmaReduceStream)
+        for c in coll.chunks)
+    dp.close()
+    client.barrier(f"{prefix}/end", WORLD, timeout=120)
+    weights = store.flat.flat_params.numpy().copy()
+    if rank == 0:
+        store.destroy()
+    else:
+        store.close()
+    return weights, over_rdma
+
+
+def worker(address: str, token: str, prefix: str, rank: int, queue) -> None:
     try:
-        if exchange == "tcp":
-            os.environ["SMB_EXCHANGE_TRANSPORT"] = "tcp"
         import smb_client
-        from smb_client.torch import SyncDataParallel, WorkerEnv, open_store
-        from smb_client.transports.rdma.reduce import RdmaReduceStream
-        from smb_train.workers import load_data, make_model
+        from smb_train.workers import load_data
         torch.set_num_threads(1)
         data = load_data()
         x, y = torch.from_numpy(data["x_train"]), torch.from_numpy(data["y_train"])
-        env = WorkerEnv(rank=rank, world_size=WORLD, local_rank=rank, local_world_size=WORLD)
         with smb_client.connect(address, token, transport="rdma") as client:
-            model = make_model(7, 64)
-            store = open_store(client, env, prefix, model, workers=WORLD)
-            dp = SyncDataParallel(store, rank, WORLD, bucket_bytes=8192)
-            opt = torch.optim.SGD(model.parameters(), lr=0.1)
-            for step in range(STEPS):
-                lo = (step * WORLD + rank) * BATCH
-                dp.zero_grad()
-                torch.nn.functional.cross_entropy(model(x[lo:lo + BATCH]), y[lo:lo + BATCH]).backward()
-                dp.synchronize()
-                opt.step()
-            coll = dp.collective
-            over_rdma = coll is not None and all(
-                isinstance(coll.region.route.stream(c.slot, coll.transport == "auto")[0], RdmaReduceStream)
-                for c in coll.chunks)
-            dp.close()
-            client.barrier(f"{prefix}/end", WORLD, timeout=120)
-            queue.put((rank, store.flat.flat_params.numpy().copy(), over_rdma))
-            if rank == 0:
-                store.destroy()
-            else:
-                store.close()
+            got = [_train(client, f"{prefix}-rdma", rank, x, y)]
+            os.environ["SMB_EXCHANGE_TRANSPORT"] = "tcp"
+            got.append(_train(client, f"{prefix}-tcp", rank, x, y))
+        queue.put((rank, got))
     except BaseException as exc:
-        queue.put((rank, repr(exc), None))
+        queue.put((rank, repr(exc)))
         raise
 
 
-def train(cluster, name: str, exchange: str) -> list[tuple[int, np.ndarray, bool]]:
+@pytest.mark.timeout(600)
+def test_sync_training_over_rdma_equals_the_tcp_run(cluster, name):
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(cluster.address, cluster.token, f"{name}-{exchange}", r, exchange,
-                                               queue)) for r in range(WORLD)]
+    procs = [ctx.Process(target=worker, args=(cluster.address, cluster.token, name, r, queue))
+             for r in range(WORLD)]
     for p in procs:
         p.start()
     try:
-        got = sorted(queue.get(timeout=240) for _ in procs)
+        results = sorted(queue.get(timeout=500) for _ in procs)
     finally:
         for p in procs:
             p.join(30)
             if p.is_alive():
                 p.kill()
-    for rank, params, _ in got:
-        assert isinstance(params, np.ndarray), (rank, params)
-    return got
-
-
-def test_sync_training_over_rdma_equals_the_tcp_run(cluster, name):
-    over_rdma = train(cluster, name, "auto")
-    over_tcp = train(cluster, name, "tcp")
-    assert [r[2] for r in over_rdma] == [True, True]
-    assert [r[2] for r in over_tcp] == [False, False]
-    np.testing.assert_array_equal(over_rdma[0][1], over_rdma[1][1])
-    np.testing.assert_array_equal(over_rdma[0][1], over_tcp[0][1])
+    for rank, got in results:
+        assert isinstance(got, list), (rank, got)
+    (rdma0, on_rdma0), (tcp0, on_rdma_tcp0) = results[0][1]
+    (rdma1, on_rdma1), (tcp1, _) = results[1][1]
+    assert on_rdma0 and on_rdma1 and not on_rdma_tcp0
+    np.testing.assert_array_equal(rdma0, rdma1)
+    np.testing.assert_array_equal(tcp0, tcp1)
+    np.testing.assert_array_equal(rdma0, tcp0)

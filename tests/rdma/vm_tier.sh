@@ -5,7 +5,7 @@ OUT=$1
 rc=0
 export SMB_TEST_LOGDIR="$OUT/logs"
 rm -rf "$SMB_TEST_LOGDIR"; mkdir -p "$SMB_TEST_LOGDIR"
-.venv/bin/python -m pytest -p no:cacheprovider -q -ra tests/rdma --timeout=300 \
+.venv/bin/python -m pytest -p no:cacheprovider -q -ra --durations=15 tests/rdma --timeout=300 \
   --junitxml="$OUT/junit.xml" -o junit_family=xunit2 2>&1 | tee "$OUT/pytest.log"
 rc=${PIPESTATUS[0]}
 dmesg | tail -n 80 > "$OUT/dmesg.log"
