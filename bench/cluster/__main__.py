@@ -145,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _exit_on_signal)
+    # Ctrl-C interrupts the run (and tears the testbed down) even where it was started with
+    # SIGINT ignored, as a shell does for a background job: Python then installs no handler
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     leftovers = cleanup()
     if leftovers:
         log.warning("removed %d leftovers of earlier runs: %s", len(leftovers), " ".join(leftovers))
