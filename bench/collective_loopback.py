@@ -55,13 +55,13 @@ except ImportError:   # an older tree, for A/B runs
 
 
 def worker(rank: int, env: dict[str, str], n: int, name: str, parties: int, rounds: int,
-           out: mp.Queue, path: str = "streamed", servers: int = 2) -> None:  # type: ignore[type-arg]
+           out: mp.Queue, path: str = "streamed", servers: int = 2,  # type: ignore[type-arg]
+           chunk_bytes: int | None = None) -> None:
     os.environ.update(env)
     opts: dict[str, object] = {"pushpull": {"pipelined": False}, "rdma-tcp": {"transport": "tcp"}}.get(path, {})
     with smb_client.connect(transport="rdma" if path.startswith("rdma") else "tcp") as c:
         if rank == 0:
-            old = max(64 << 10, min(4 << 20, -(-n * 4 // (servers * 4 * 4096)) * 4096))   # the former default
-            chunk = old if path == "pushpull" else None
+            chunk = chunk_bytes or (former_chunk(n, servers) if path == "pushpull" else None)
             coll = smb_client.Collective.create(c, name, n * 4, parties, chunk_bytes=chunk, **opts)
         else:
             coll = None
@@ -89,6 +89,20 @@ def worker(rank: int, env: dict[str, str], n: int, name: str, parties: int, roun
         if rank == 0:
             c.delete_region(name)
         out.put((times, spans))
+
+
+def former_chunk(n: int, servers: int) -> int:
+    """The chunk bytes ``pushpull`` used by default, for ``n`` float32 over ``servers``."""
+    return max(64 << 10, min(4 << 20, -(-n * 4 // (servers * 4 * 4096)) * 4096))
+
+
+def fit(runs: list[dict[str, float]]) -> tuple[float, float]:
+    """Least-squares CPU seconds = a * GB served + b * chunk requests over ``runs``:
+    (a in CPU-s per GB, b in ms per chunk request, a push and its sum)."""
+    x = np.array([[r["served_GB"], r["chunk_requests"]] for r in runs])
+    y = np.array([r["server_cpu_s"] for r in runs])
+    (a, b), *_ = np.linalg.lstsq(x, y, rcond=None)
+    return float(a), float(b) * 1e3
 
 
 def cpu_seconds(pid: int) -> float:
@@ -134,12 +148,13 @@ def raw_socket_rate(nbytes: int) -> float:
 
 
 def run(lc: LocalCluster, env: dict[str, str], n: int, args: argparse.Namespace, path: str,
-        tag: str) -> dict[str, float]:
-    """One measurement of ``path``: the median round and the servers' CPU per byte."""
+        tag: str, chunk_bytes: int | None = None) -> dict[str, float]:
+    """One measurement of ``path``: the median round and the servers' CPU per byte
+    (``chunk_bytes``: the collective's chunk, None for its default)."""
     ctx = mp.get_context("spawn")
     out: mp.Queue = ctx.Queue()  # type: ignore[type-arg]
     procs = [ctx.Process(target=worker, args=(r, env, n, f"bench/coll-{tag}", args.workers, args.rounds, out,
-                                              path, args.servers))
+                                              path, args.servers, chunk_bytes))
              for r in range(args.workers)]
     pids = [lc.server_pid(i) for i in range(args.servers)]
     before = sum(cpu_seconds(p) for p in pids)
@@ -161,7 +176,11 @@ def run(lc: LocalCluster, env: dict[str, str], n: int, args: argparse.Namespace,
     per_round = [max(r[0][i] for r in results) for i in range(args.rounds)][1:]   # the first round warms up
     median = statistics.median(per_round)
     served = 2 * n * 4 * args.workers * args.rounds / 1e9   # GB in (pushes) and out (sums), all rounds
+    chunk = chunk_bytes or (former_chunk(n, args.servers) if path == "pushpull"
+                            else smb_client.Collective.default_chunk(n * 4, args.servers))
     return {"round_s": median, "worker_MBps": 2 * n * 4 / median / 1e6,
+            "server_cpu_s": after - before, "served_GB": served,
+            "chunk_requests": args.workers * args.rounds * -(-n * 4 // chunk),
             "server_cpu_s_per_GB": (after - before) / served, "server_user_s_per_GB": user / served,
             "server_GBps_per_core": served / (after - before) if after > before else float("nan")}
 
@@ -174,19 +193,25 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--paths", default="streamed", help="streamed and/or pushpull, comma-separated")
     ap.add_argument("--repeat", type=int, default=1, help="measurements of each path, alternating")
+    ap.add_argument("--chunk-kib", default="",
+                    help="chunk sizes (KiB, comma-separated) to measure each path at, and fit "
+                         "the servers' CPU to a cost per GB plus one per chunk (default: the "
+                         "collective's own chunk)")
     ap.add_argument("--perftest", action="store_true", help="ib_write_bw at the chunk size as a reference")
     ap.add_argument("--out", help="also write the results as JSON lines to this file")
     args = ap.parse_args()
     n = int(args.mbytes * 1e6) // 4
     paths = args.paths.split(",")
-    got: dict[str, list[dict[str, float]]] = {p: [] for p in paths}
+    chunks = [int(k) << 10 for k in args.chunk_kib.split(",") if k] or [None]
+    labels = {(p, c): p if c is None else f"{p}@{c >> 10}KiB" for p in paths for c in chunks}
+    got: dict[str, list[dict[str, float]]] = {label: [] for label in labels.values()}
     rdma = any(p.startswith("rdma") for p in paths)
     extra = {"transports": "tcp,rdma", "env": {"SMB_HOST_ID": "bench-server"}} if rdma else {}
     with LocalCluster(args.servers, capacity=max(1 << 30, 8 * n * 4), **extra) as lc:  # type: ignore[arg-type]
         env = {"SMB_CONTROLLER": lc.address, "SMB_TOKEN": lc.token}
         for k in range(args.repeat):
-            for path in paths:
-                got[path].append(run(lc, env, n, args, path, f"{path}{k}"))
+            for (path, chunk), label in labels.items():
+                got[label].append(run(lc, env, n, args, path, f"{path}{k}-{chunk}", chunk))
     raw = raw_socket_rate(n * 4)
     lines = []
     if args.perftest:
@@ -198,7 +223,9 @@ def main() -> int:
         print(json.dumps(lines[-1]))
     for path, runs in got.items():
         median = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
-        lines.append({"path": path, "workers": args.workers, "servers": args.servers, "mbytes": args.mbytes,
+        lines.append({"path": path, "chunk_bytes": runs[0]["chunk_requests"] and
+                      round(n * 4 * args.workers * args.rounds / runs[0]["chunk_requests"]),
+                      "workers": args.workers, "servers": args.servers, "mbytes": args.mbytes,
                       "runs": len(runs), "round_s": round(median["round_s"], 4),
                       "rounds_s": [round(r["round_s"], 4) for r in runs],
                       "worker_MBps": round(median["worker_MBps"], 1), "raw_socket_MBps": round(raw, 1),
@@ -206,6 +233,11 @@ def main() -> int:
                       "server_cpu_s_per_GB": round(median["server_cpu_s_per_GB"], 3),
                       "server_user_s_per_GB": round(median["server_user_s_per_GB"], 3),
                       "server_GBps_per_core": round(median["server_GBps_per_core"], 2)})
+        print(json.dumps(lines[-1]))
+    if len(chunks) > 1:
+        per_gb, per_chunk = fit([r for runs in got.values() for r in runs])
+        lines.append({"fit": "server CPU = a * GB in and out + b * chunk requests",
+                      "cpu_s_per_GB": round(per_gb, 3), "ms_per_chunk": round(per_chunk, 4)})
         print(json.dumps(lines[-1]))
     if args.out:
         with open(args.out, "w") as f:

@@ -159,6 +159,16 @@ def admit_pull(word: int, ref: ChunkRound) -> tuple[Step, int]:
     return Step.GO, word + 1
 
 
+def completes(old: int, ref: ChunkRound) -> bool:
+    """Whether the push of ``ref`` admitted at the count word ``old`` (the word it found)
+    made the round's sum ready: it was the last push the round waited for."""
+    try:
+        step, word = admit_push(old, ref)
+    except RoundMismatch:
+        return False
+    return step is not Step.WAIT and slot_round(word) == ref.round and arrivals(word) >= ref.parties
+
+
 def check_pulled_again(word: int, ref: ChunkRound) -> None:
     """A repeated pull (its first attempt counted) may send the sum again only while the
     slot still holds its round; RoundMismatch once a later round took the slot."""

@@ -67,6 +67,7 @@ Response: magic u16 | status u8 | kind u8 | req_id u32 | length u64
 from __future__ import annotations
 
 import enum
+import select
 import socket
 import ssl
 import struct
@@ -167,14 +168,26 @@ def pack_response(status: int, req_id: int, length: int, kind: int = FINAL) -> b
     return RESPONSE.pack(MAGIC, status, kind, req_id & 0xFFFFFFFF, length)
 
 
-def sendmsg_all(sock: socket.socket, buffers: Sequence[memoryview | bytes]) -> None:
-    """Send every buffer, in order, with as few syscalls as the kernel allows (no copies)."""
+def sendmsg_all(sock: socket.socket, buffers: Sequence[memoryview | bytes], flags: int = 0,
+                stall: float | None = None) -> None:
+    """Send every buffer, in order, with as few syscalls as the kernel allows (no copies).
+    ``flags``: for ``sendmsg`` (``socket.MSG_MORE``: more follows at once, so the kernel
+    holds these bytes for the next send's segment; not on TLS sockets). On a
+    non-blocking socket (timeout 0: one syscall a send, no poll before it) a full send
+    buffer is waited for, at most ``stall`` seconds at a time (None: no limit), then
+    TimeoutError; other sockets wait as their own timeout says."""
     if isinstance(sock, ssl.SSLSocket):   # no sendmsg on TLS sockets
         tls.send_all(sock, buffers)
         return
     views = [memoryview(b).cast("B") for b in buffers if len(b)]
     while views:
-        sent = sock.sendmsg(views[:IOV_MAX])
+        try:
+            sent = sock.sendmsg(views[:IOV_MAX], (), flags)
+        except BlockingIOError:
+            if sock.gettimeout() != 0.0:
+                raise
+            wait_ready(sock, True, stall)
+            continue
         while sent and views:
             n = len(views[0])
             if sent >= n:
@@ -185,24 +198,48 @@ def sendmsg_all(sock: socket.socket, buffers: Sequence[memoryview | bytes]) -> N
                 sent = 0
 
 
+def wait_ready(sock: socket.socket, writing: bool, timeout: float | None) -> None:
+    """Wait until a non-blocking ``sock`` has bytes to read (or room to write:
+    ``writing``), an end of file or an error, for at most ``timeout`` seconds (None: no
+    limit); TimeoutError once that passed."""
+    poller = select.poll()
+    poller.register(sock, select.POLLOUT if writing else select.POLLIN)
+    if not poller.poll(None if timeout is None else max(0.0, timeout) * 1000.0):
+        raise TimeoutError(f"the socket was not {'writable' if writing else 'readable'} "
+                           f"within {timeout:.3g} s")
+
+
 def recv_into_all(sock: socket.socket, buffers: Sequence[memoryview],
                   deadline: float | None = None) -> None:
     """Fill every buffer, in order, straight from the socket (no copies).
 
     ``deadline`` (a :func:`time.monotonic` time): raise TimeoutError once it passes,
-    however slowly the bytes trickle in (it sets the socket's timeout as it goes).
+    however slowly the bytes trickle in (a socket with a timeout gets it set as it goes;
+    a non-blocking one, timeout 0, is read with one syscall a time while bytes are
+    there, and polled only when they are not).
     """
     if isinstance(sock, ssl.SSLSocket):   # no recvmsg_into on TLS sockets
         tls.recv_into_all(sock, buffers, deadline)
         return
     views = [memoryview(b).cast("B") for b in buffers if len(b)]
+    nonblocking = sock.gettimeout() == 0.0
     while views:
-        if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError("the frame's deadline passed")
-            sock.settimeout(left)
-        got = sock.recvmsg_into(views[:IOV_MAX])[0]
+        if nonblocking:
+            try:
+                got = sock.recvmsg_into(views[:IOV_MAX])[0]
+            except BlockingIOError:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError("the frame's deadline passed") from None
+                wait_ready(sock, False, left)
+                continue
+        else:
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError("the frame's deadline passed")
+                sock.settimeout(left)
+            got = sock.recvmsg_into(views[:IOV_MAX])[0]
         if got == 0:
             raise ServerUnavailable("connection closed by peer")
         while got and views:

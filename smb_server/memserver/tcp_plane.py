@@ -45,12 +45,13 @@ from __future__ import annotations
 import logging
 import socket
 import ssl
+import struct
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 
-from smb_protocol import requests, wire
+from smb_protocol import requests, rounds, wire
 from smb_protocol.errors import (
     InvalidArgument,
     InvalidTicket,
@@ -83,6 +84,7 @@ MAX_PER_PEER = 128        # connections open at once from one peer address
 MAX_UNAUTHENTICATED = 256  # connections open at once without a valid HELLO yet (one more evicts one)
 GOODBYE_LINGER = 1.0      # seconds a dropped connection with a ticket is read (and discarded)
                           # after its parting answer, so that the close is no reset
+_WORD = struct.Struct("<q")   # a pushed REDUCE's answer: the count word it found
 _FRAME_HINT = ("a slow or stalled client: raise tcp_frame_timeout_seconds on the memory server "
                "for slow links")
 
@@ -159,8 +161,7 @@ class _Connection:
             try:
                 if left <= 0:
                     raise TimeoutError
-                self.sock.settimeout(left)
-                n = self.sock.recv_into(view[got:])
+                n = self._recv_some(view[got:], left)
             except TimeoutError:
                 if self.plane.closing:
                     return False
@@ -184,6 +185,20 @@ class _Connection:
             got += n
         return True
 
+    def _recv_some(self, view: memoryview, left: float) -> int:
+        """Bytes read into ``view`` (0 at end of file), waiting at most ``left`` seconds
+        for the first (TimeoutError). A plain socket is non-blocking: one syscall while
+        bytes are there, a poll only when none are."""
+        if self.plane.tls is not None:
+            self.sock.settimeout(left)
+            return self.sock.recv_into(view)
+        end = time.monotonic() + left
+        while True:
+            try:
+                return self.sock.recv_into(view)
+            except BlockingIOError:
+                wire.wait_ready(self.sock, False, end - time.monotonic())
+
     def _recv(self, view: memoryview) -> None:
         try:
             wire.recv_into_all(self.sock, [view], deadline=self.deadline)
@@ -202,19 +217,22 @@ class _Connection:
             while self.pending > 0:
                 self._recv(scratch[:min(self.pending, len(scratch))])
 
-    def _send(self, buffers: list[memoryview | bytes]) -> None:
+    def _send(self, buffers: list[memoryview | bytes], more: bool = False) -> None:
         """Send one whole answer frame (the reading thread and the deliveries' thread
-        both answer, one frame at a time)."""
+        both answer, one frame at a time). ``more``: another answer follows at once from
+        this thread (the kernel holds this one for that one's segment)."""
         try:
             with self._sending:
-                self.sock.settimeout(self.plane.frame_timeout)
-                wire.sendmsg_all(self.sock, buffers)
+                if self.plane.tls is not None:
+                    self.sock.settimeout(self.plane.frame_timeout)
+                wire.sendmsg_all(self.sock, buffers, socket.MSG_MORE if more else 0,
+                                 stall=self.plane.frame_timeout)
         except OSError as exc:
             raise _Drop(f"send: {exc}") from None
 
     def _reply(self, req_id: int, body: bytes = b"", status: int = Status.OK,
-               kind: int = wire.FINAL) -> None:
-        self._send([wire.pack_response(status, req_id, len(body), kind), body])
+               kind: int = wire.FINAL, more: bool = False) -> None:
+        self._send([wire.pack_response(status, req_id, len(body), kind), body], more)
 
     # -- main loop ------------------------------------------------------------------
     def serve(self) -> None:
@@ -311,8 +329,9 @@ class _Connection:
             self._drain()               # a repeat's payload: read and dropped
             if isinstance(req, requests.Reduce):   # pushed: say so; the sum follows when complete
                 self.plane.stats.add(operations=1)
-                self._reply(req_id, body or b"", kind=wire.PUSHED)
-                self._owed().put(req.pull())
+                last = body is not None and rounds.completes(_WORD.unpack(body)[0], req.ref)
+                self._reply(req_id, body or b"", kind=wire.PUSHED, more=last)
+                self._sum(req, last)
             elif body is not None:      # else already answered (and counted) by the operation
                 self.plane.stats.add(operations=1)
                 self._reply(req_id, body)
@@ -325,6 +344,21 @@ class _Connection:
         self.pending += len(buf)
         self._recv(memoryview(buf))
         return bytes(buf)
+
+    def _sum(self, req: requests.Reduce, last: bool) -> None:
+        """Owe the sum of a pushed ``REDUCE``: sent from here at once when this push was
+        the round's ``last`` (no hand-over to the deliveries' thread, which would only
+        wake to send it; its answer follows the ``PUSHED`` in one segment), else queued
+        until the round is complete."""
+        pull = req.pull()
+        if not last:
+            self._owed().put(pull)
+            return
+        try:
+            self.plane.engine.deliver(self, pull)
+        except SMBError as exc:
+            self.plane.stats.add(errors=1)
+            self._reply(pull.req_id, str(exc).encode(), error_status(exc))
 
     def _owed(self) -> Deliveries[requests.Pull]:
         """The queue of sums this connection owes (made on its first REDUCE)."""
@@ -493,7 +527,7 @@ class TcpPlane:
     def _serve(self, sock: socket.socket, peer: str) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if self.tls is None:
-            sock.settimeout(self.frame_timeout)
+            sock.settimeout(0.0)   # non-blocking: the connection polls only when it must wait
             _Connection(self, sock, peer).serve()
             return
         started = time.monotonic()

@@ -14,6 +14,7 @@ from smb_protocol.rounds import (
     admit_push,
     arrivals,
     check_pulled_again,
+    completes,
     count_word,
     slot_round,
 )
@@ -66,6 +67,18 @@ def test_the_first_push_stores_later_ones_add():
     step, word = admit_push(0, ref)
     assert (step, word) == (Step.START, count_word(0, 1))
     assert admit_push(word, ref) == (Step.JOIN, count_word(0, 2))
+
+
+@pytest.mark.parametrize("parties", [1, 2, 5])
+def test_only_the_last_push_of_a_round_completes_it(parties):
+    ref = ChunkRound(WORD, parties, 3)
+    word = count_word(1, 2 * parties)               # the slot's previous round ended
+    for k in range(parties):
+        assert completes(word, ref) is (k == parties - 1)
+        _, word = admit_push(word, ref)
+    assert admit_pull(word, ref)[0] is Step.GO
+    assert not completes(count_word(1, 1), ref)     # a push that would have to wait
+    assert not completes(count_word(7, 0), ref)     # one that is refused
 
 
 def test_a_late_party_joins_the_round_the_others_wait_in():
