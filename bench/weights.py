@@ -32,40 +32,17 @@ import os
 import platform
 import statistics
 import sys
-import time
 from typing import Any
-
-import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from bench.weights_measure import broadcast_all, now, state, time_reads  # noqa: E402
 from smb_server.commands.local_cluster import LocalCluster  # noqa: E402
 
 NAME = "bench/weights"
-COLS = 4096               # float32 columns of every matrix of the state dict
 TMPFS = "/dev/shm"
 TIMEOUT = 300.0           # seconds any one step may take
-
-
-def now() -> float:
-    return time.clock_gettime(time.CLOCK_MONOTONIC)
-
-
-def shapes(mb: int) -> dict[str, tuple[int, int]]:
-    """Matrices of COLS float32 columns, 16 MB each (the last one smaller), ``mb`` MB in all."""
-    rows_total = (mb << 20) // (COLS * 4)
-    out, k = {}, 0
-    while rows_total > 0:
-        rows = min(1024, rows_total)
-        out[f"layer{k}.weight"] = (rows, COLS)
-        rows_total -= rows
-        k += 1
-    return out
-
-
-def state(mb: int, fill: float = 0.0) -> dict[str, np.ndarray]:
-    return {k: np.full(s, fill, np.float32) for k, s in shapes(mb).items()}
 
 
 def subscriber_proc(address: str, token: str, transport: str, mb: int, rounds: int, q: Any, hq: Any,
@@ -99,10 +76,8 @@ def gloo_proc(rank: int, world: int, port: int, mb: int, rounds: int, q: Any) ->
     tensors = [torch.from_numpy(a) for a in state(mb, float(rank == 0)).values()]
     for r in range(rounds):
         dist.barrier()
-        t0 = now()
-        for t in tensors:
-            dist.broadcast(t, 0)
-        q.put((rank, r, t0, now()))
+        t0, t1 = broadcast_all(tensors)
+        q.put((rank, r, t0, t1))
     dist.destroy_process_group()
 
 
@@ -195,7 +170,7 @@ def run_load(args: argparse.Namespace) -> list[float]:
 
 def run_shards(address: str, token: str, args: argparse.Namespace) -> dict[str, float]:
     import smb_client
-    from smb_client.weights import Publisher, Shard, Subscriber
+    from smb_client.weights import Publisher, Subscriber
     with smb_client.connect(address, token, transport="tcp") as c, \
             smb_client.connect(address, token, transport=args.transport) as rc:
         weights = state(args.mb, 1.0)
@@ -203,22 +178,7 @@ def run_shards(address: str, token: str, args: argparse.Namespace) -> dict[str, 
         try:
             pub.publish(weights)
             sub = Subscriber(rc, NAME + "-shards")
-            full = state(args.mb)
-            cases: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {"full read": (full, {})}
-            for label, dim in (("row shard", 0), ("column shard", 1)):
-                shard = Shard(dim, 0, 2)
-                into = {k: np.empty((s[0] // 2, s[1]) if dim == 0 else (s[0], s[1] // 2), np.float32)
-                        for k, s in shapes(args.mb).items()}
-                cases[label] = (into, {k: shard for k in into})
-            out = {}
-            for label, (into, shards) in cases.items():
-                times = []
-                for _ in range(args.rounds):
-                    t0 = now()
-                    sub.read(into, shards=shards)
-                    times.append(now() - t0)
-                out[label] = statistics.median(times)
-            return out
+            return time_reads(sub, args.mb, args.rounds, expect=weights)
         finally:
             pub.delete()
 
