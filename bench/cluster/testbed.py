@@ -38,7 +38,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -405,10 +405,13 @@ class Testbed:
         return json.loads(out.read_text())
 
     def run_workers(self, specs: Sequence[dict[str, Any]], *, hosts: Sequence[Host] | None = None,
-                    timeout: float = WORKER_TIMEOUT, name: str = "worker") -> list[dict[str, Any]]:
+                    timeout: float = WORKER_TIMEOUT, name: str = "worker",
+                    watch: Callable[[], None] | None = None) -> list[dict[str, Any]]:
         """Run one worker per spec (spec ``i`` on ``hosts[i]``, default the worker
         hosts) and return their results in order. When one fails, the others are killed
-        and TestbedError carries the failed one's log; all are killed after ``timeout``."""
+        and TestbedError carries the failed one's log; all are killed after ``timeout``
+        seconds. ``watch`` is called at every look at the workers (for progress), and
+        once more after they all finished."""
         hosts = list(hosts or self.workers)
         if len(specs) > len(hosts):
             raise ValueError(f"{len(specs)} workers, {len(hosts)} hosts")
@@ -424,10 +427,14 @@ class Testbed:
                     raise TestbedError(f"{n} on {hosts[int(n[len(name):])].role} exited with "
                                        f"{p.returncode}:\n{self.log_tail(n)}")
                 if all(p.poll() == 0 for _, p, _ in runs):
+                    if watch is not None:
+                        watch()
                     return [self._result(n, p, o) for n, p, o in runs]
                 if time.monotonic() > deadline:
                     raise TestbedError(f"workers still running after {timeout:.0f} s:\n"
                                        + self.log_tail(runs[0][0]))
+                if watch is not None:
+                    watch()
                 time.sleep(POLL)
         finally:
             for _, p, _ in runs:
