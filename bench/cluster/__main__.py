@@ -24,7 +24,7 @@ from .testbed import ROOT, cleanup
 
 log = logging.getLogger(__name__)
 
-EXPERIMENTS = ("bandwidth", "sharding", "allreduce", "mixed", "failure", "replication", "training")
+EXPERIMENTS = ("bandwidth", "sharding", "allreduce", "mixed", "failure", "replication", "training", "weights")
 
 
 def _exit_on_signal(signum: int, frame: Any) -> None:

@@ -1,5 +1,6 @@
 """The cluster experiments: bandwidth scaling, sharding, aggregation, failure,
-replication (:mod:`.replica_failure`) and training against DDP (:mod:`.training`).
+replication (:mod:`.replica_failure`), training against DDP (:mod:`.training`) and
+weights to many readers against a gloo broadcast (:mod:`.weights`).
 
 Each experiment runs workers (:mod:`.worker`) on a :class:`~.testbed.Testbed` and
 returns a JSON-able dict; :mod:`.report` turns the dicts into tables and plots.
@@ -19,7 +20,7 @@ from typing import Any
 
 from smb_server.commands.local_cluster import wait_for_json
 
-from . import links, replica_failure, training
+from . import links, replica_failure, training, weights
 from .cpuload import CpuSampler
 from .testbed import Testbed, TestbedError, live_pids
 
@@ -78,8 +79,16 @@ class Settings:
     train_steps: int = 8
     train_warmup: int = 2
     train_timeout: float = 240.0                  # seconds the workers may take
+    # weights: a trainer publishing to readers against a gloo broadcast (:mod:`.weights`)
+    weights_mb: int = 256                         # MiB of float32
+    weights_readers: int = 8
+    weights_servers: int = 4
+    weights_rounds: int = 3                       # counted rounds (the medians), after the warm-up
+    weights_warmup: int = 1
+    weights_timeout: float = 1800.0               # seconds the workers may take
     log_level: str = "WARNING"
-    only: tuple[str, ...] = ("bandwidth", "sharding", "allreduce", "mixed", "failure", "replication", "training")
+    only: tuple[str, ...] = ("bandwidth", "sharding", "allreduce", "mixed", "failure", "replication", "training",
+                             "weights")
 
 
 QUICK = Settings(cap_mbit=200.0, clients=2, server_counts=(1, 2), op_bytes=MiB, seconds=1.0,
@@ -87,7 +96,8 @@ QUICK = Settings(cap_mbit=200.0, clients=2, server_counts=(1, 2), op_bytes=MiB, 
                  sync_sizes=(2_000_000,), sync_workers=2, syncs=2, sync_dedicated=((2, 2),),
                  sync_mixed=((3, 3, 1),),
                  repl_workers=2, repl_epochs=6, repl_hidden=512, repl_timeout=150.0,
-                 train_workers=2, train_servers=2, train_layers=(256, 256, 10), train_steps=3, train_warmup=1)
+                 train_workers=2, train_servers=2, train_layers=(256, 256, 10), train_steps=3, train_warmup=1,
+                 weights_mb=8, weights_readers=2, weights_servers=2, weights_rounds=2, weights_timeout=300.0)
 
 
 # -- experiment 1: bandwidth scaling --------------------------------------------------
@@ -392,6 +402,7 @@ def points(s: Settings) -> int:
     n += 1 if "failure" in s.only else 0
     n += 2 if "replication" in s.only else 0
     n += 1 if "training" in s.only else 0
+    n += weights.points(s) if "weights" in s.only else 0
     return n
 
 
@@ -417,6 +428,8 @@ def run_all(s: Settings, tick: Tick) -> dict[str, Any]:
             out["replication"] = replica_failure.run(s, tick)
         if "training" in s.only:
             out["training"] = training.run(s, tick, cpu)
+        if "weights" in s.only:
+            out["weights"] = weights.run(s, tick)
     return out
 
 

@@ -9,12 +9,12 @@ import logging
 import os
 from typing import Any
 
-from . import links, training
+from . import links, training, weights
 
 log = logging.getLogger(__name__)
 
 SCALING_TARGET = 0.85      # aggregate bandwidth / linear scaling, while links are the bottleneck
-EXPERIMENT_KEYS = ("bandwidth", "sharding", "allreduce", "failure", "replication", "training")
+EXPERIMENT_KEYS = ("bandwidth", "sharding", "allreduce", "failure", "replication", "training", "weights")
 REPLICATION_ACCURACY_SLACK = 0.02   # test accuracy: run with the kill vs undisturbed (asynchronous SEASGD)
 
 
@@ -281,6 +281,9 @@ def markdown(results: dict[str, Any]) -> str:
     if "training" in results:
         parts.append(training.summary(results["training"]))
         parts.append(training.table(results["training"]))
+    if "weights" in results:
+        parts.append(weights.summary(results["weights"]))
+        parts.append(weights.table(results["weights"]))
     return "\n".join(parts)
 
 
@@ -326,6 +329,8 @@ def targets(results: dict[str, Any]) -> list[str]:
                    f"{'yes' if fl.get('bytes_lost') == 0 else 'NOT shown'}")
     if results.get("training"):
         out += training.targets(results["training"])
+    if results.get("weights"):
+        out += weights.targets(results["weights"])
     return out
 
 

@@ -18,7 +18,9 @@ the result is written to ``OUT.json``. Modes:
   (:mod:`.replica_worker`);
 * ``training``: synchronous training, memory box against DDP (:mod:`.training_worker`);
 * ``elastic_sync``, ``elastic_mover``, ``elastic_check``: the elastic-pool benchmark's
-  (``bench/elastic.py``, :mod:`.elastic_worker`).
+  (``bench/elastic.py``, :mod:`.elastic_worker`);
+* ``weights``: a trainer publishing weights to readers, against a gloo broadcast
+  (:mod:`.weights_worker`).
 
 Workers of one run meet at controller barriers; times are ``time.perf_counter``
 seconds, timestamps ``time.time`` (one clock for all namespaces of the machine).
@@ -42,7 +44,7 @@ from smb_client.transports import tcp
 from smb_protocol import errors
 from smb_server.commands.local_cluster import wait_for_json
 
-from . import elastic_worker, replica_worker, training_worker
+from . import elastic_worker, replica_worker, training_worker, weights_worker
 
 log = logging.getLogger(__name__)
 
@@ -433,6 +435,7 @@ def failure(spec: dict[str, Any]) -> dict[str, Any]:
 MODES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "probe": probe, "bandwidth": bandwidth, "sharding": sharding, "allreduce": allreduce,
     "failure": failure, **replica_worker.MODES, **training_worker.MODES, **elastic_worker.MODES,
+    **weights_worker.MODES,
 }
 
 
