@@ -49,11 +49,9 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -67,15 +65,15 @@ from torch._C._distributed_c10d import (
     ReduceOp,
     ReduceScatterOptions,
     Store,
-    Work,
 )
 from torch.distributed.distributed_c10d import GroupName
 
-from smb_protocol.errors import Closed, DtypeError, InvalidArgument, SMBError, Timeout
+from smb_protocol.errors import InvalidArgument, SMBError
 
 from ..client import Client, connect
 from ..collective import Collective
-from ..cuda_region import on_caller_stream
+from .supported import REDUCIBLE, UnsupportedOperation, check_device, check_reduce
+from .work import OperationWorker, SMBWork, StoreRoll
 
 log = logging.getLogger(__name__)
 
@@ -86,13 +84,7 @@ MIN_CLASS = 64 << 10          # bytes: the smallest collective
 SHUTDOWN_WAIT = 300.0         # seconds rank 0 waits, at most, for the others to close
 POLL = 0.05                   # seconds between looks at the store while shutting down
 LEASE = 60.0                  # seconds the collectives' regions outlive rank 0's process
-REDUCIBLE = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32, torch.int64)
-AVERAGEABLE = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _registered = False
-
-
-class UnsupportedOperation(DtypeError):
-    """A reduction, dtype or device the ``smb`` backend does not do."""
 
 
 def register() -> None:
@@ -114,129 +106,9 @@ def size_class(nbytes: int) -> int:
     return max(MIN_CLASS, 1 << max(0, nbytes - 1).bit_length())
 
 
-def _reduce_name(op: Any) -> str:
-    for name in ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "PREMUL_SUM"):
-        if op == getattr(ReduceOp, name):
-            return name
-    return str(op)
-
-
-def _check_reduce(op: Any, tensors: Sequence[torch.Tensor]) -> bool:
-    """Whether ``op`` averages; raises UnsupportedOperation for what cannot be done."""
-    name = _reduce_name(op)
-    if name not in ("SUM", "AVG"):
-        raise UnsupportedOperation(f"the smb backend reduces with SUM and AVG only, not {name}")
-    for t in tensors:
-        _check_device(t)
-        allowed = AVERAGEABLE if name == "AVG" else REDUCIBLE
-        if t.dtype not in allowed:
-            raise UnsupportedOperation(
-                f"the smb backend cannot {name} {t.dtype}: it reduces "
-                f"{', '.join(str(d).removeprefix('torch.') for d in allowed)}")
-    return name == "AVG"
-
-
-def _check_device(t: torch.Tensor) -> None:
-    if t.device.type not in ("cpu", "cuda"):
-        raise UnsupportedOperation(f"the smb backend takes CPU and CUDA tensors, not {t.device}")
-
-
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     """The bytes of a contiguous tensor, flat (uint8)."""
     return t.reshape(-1).view(torch.uint8)
-
-
-class StoreRoll:
-    """Who came to a process group's waits, in its c10d ``store``: each rank counts its
-    all-reduce rounds (:meth:`arrive`) and adds them to ``<keys>/at/<rank>`` only when a
-    wait of its own stalls (:meth:`missing`), so steady steps cost no store call. A rank
-    whose key is below this one's count has not come as far (or is not waiting)."""
-
-    def __init__(self, store: Store, rank: int, size: int, keys: str = "smb") -> None:
-        self._store = store
-        self._keys = keys
-        self.rank = rank
-        self.size = size
-        self.count = 0
-        self._said = 0
-
-    def arrive(self) -> None:
-        """Count one more round of this rank."""
-        self.count += 1
-
-    def missing(self) -> list[int] | None:
-        """Say how far this rank came; the ranks whose word is below it (None when the
-        store cannot be reached)."""
-        try:
-            if self._said < self.count:
-                self._store.add(f"{self._keys}/at/{self.rank}", self.count - self._said)
-                self._said = self.count
-            return [r for r in range(self.size) if self._store.add(f"{self._keys}/at/{r}", 0) < self.count]
-        except RuntimeError as exc:
-            log.info("smb process group: the c10d store cannot say who is missing: %r", exc)
-            return None
-
-
-class OrderedFuture(torch.futures.Future[Any]):
-    """The future of an :class:`SMBProcessGroup` operation: :meth:`then` queues its
-    callback on the group's worker thread, in the order of the caller's operations
-    (module docstring)."""
-
-    def __init__(self, group: SMBProcessGroup, devices: list[int | str | torch.device] | None = None) -> None:
-        if devices:
-            super().__init__(devices=devices)
-        else:
-            super().__init__()
-        self._group = group
-        self._devices = devices
-
-    def then(self, callback: Callable[[Any], Any]) -> OrderedFuture:
-        """A future of ``callback(self)``, run on the group's worker thread once this one
-        ended, after the operations queued before this call."""
-        child = OrderedFuture(self._group, self._devices)
-
-        def run() -> None:
-            try:
-                child.set_result(callback(self))
-            except BaseException as exc:   # the chained future carries it, as torch's do
-                child.set_exception(exc)
-        if not self.done() and self._group.on_worker():
-            # chained by a callback on an operation queued behind it: run when that ends
-            super().then(lambda _: run())
-        else:
-            self._group._enqueue(run)   # behind this future's operation: it has ended by then
-        return child
-
-
-class SMBWork(Work):
-    """One operation of an :class:`SMBProcessGroup`: done when its future is."""
-
-    def __init__(self, future: torch.futures.Future[Any], what: str = "operation") -> None:
-        super().__init__()
-        self.future = future
-        self.what = what
-
-    def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
-        """Block until the operation finished (``timeout`` 0: bounded only by the
-        collectives' own timeout) and raise its error; :class:`~smb_protocol.errors.Timeout`
-        once a positive ``timeout`` passed first (the operation goes on)."""
-        seconds = timeout.total_seconds()
-        if seconds > 0 and not self.future.done():
-            ended = threading.Event()
-            self.future.add_done_callback(lambda _: ended.set())
-            if not ended.wait(seconds):
-                raise Timeout(f"smb process group: {self.what} not finished within {seconds:g} s "
-                              "(it goes on; wait again, or destroy the group)")
-        self.future.wait()
-        return True
-
-    def is_completed(self) -> bool:
-        """Whether the operation finished (successfully or not)."""
-        return self.future.done()
-
-    def get_future(self) -> torch.futures.Future[Any]:
-        """The future of the operation's output tensors."""
-        return self.future
 
 
 class SMBProcessGroup(ProcessGroup):
@@ -269,11 +141,7 @@ class SMBProcessGroup(ProcessGroup):
         else:
             self.prefix = store.get(f"{self._keys}/prefix").decode()
         self.collectives: dict[int, Collective] = {}
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="smb-pg")
-        self._running = threading.local()   # .active: this thread runs an operation (or its callbacks)
-        self._failed: BaseException | None = None
-        self._closed = False
-        self._lock = threading.Lock()
+        self._ops = OperationWorker(self.prefix)   # the worker thread and the failure state
         self.roll = StoreRoll(store, rank, size, self._keys)
 
     def getBackendName(self) -> str:  # noqa: N802 (torch's name)
@@ -286,52 +154,9 @@ class SMBProcessGroup(ProcessGroup):
         asks; a Python process group has no backend to keep it)."""
         return dist.distributed_c10d._world.pg_names.get(self, GroupName(self.prefix))
 
-    # -- the worker -----------------------------------------------------------------
-    def _submit(self, fn: Callable[[], Any], what: str, tensors: Sequence[torch.Tensor] = ()) -> SMBWork:
-        """Run ``fn`` on the worker thread; ``tensors``: the operation's tensors. With CUDA
-        ones, the worker runs on the caller's current stream (staging starts after the
-        caller's queued work) and the future is a CUDA one (its waiters' streams wait for
-        the copies back)."""
-        devices: list[int | str | torch.device] = sorted({t.device for t in tensors if t.is_cuda}, key=str)
-        future = OrderedFuture(self, devices)
-        fn = on_caller_stream(fn, list(tensors))
-
-        def run() -> None:
-            try:
-                if self._failed is not None:
-                    raise _refused(self._failed)
-                result = fn()
-            except BaseException as exc:  # every error goes to wait()
-                if self._failed is None:
-                    self._failed = exc
-                    log.error("smb process group %s: operation failed: %r", self.prefix, exc)
-                future.set_exception(exc)
-            else:
-                future.set_result(result)
-        self._enqueue(run)
-        return SMBWork(future, what)
-
-    def _enqueue(self, job: Callable[[], None]) -> None:
-        """Queue ``job`` on the worker thread; from the worker thread itself (a chained
-        callback starting an operation) run it now."""
-        with self._lock:
-            if self._closed:
-                raise Closed(f"process group {self.prefix} is shut down (destroy_process_group was called)")
-            if not self.on_worker():
-                self._worker.submit(self._run_job, job)
-                return
-        job()
-
     def on_worker(self) -> bool:
         """Whether the calling thread is the worker running an operation or callback."""
-        return bool(getattr(self._running, "active", False))
-
-    def _run_job(self, job: Callable[[], None]) -> None:
-        self._running.active = True
-        try:
-            job()
-        finally:
-            self._running.active = False
+        return self._ops.on_worker()
 
     def collective(self, nbytes: int) -> Collective:
         """The collective of ``nbytes``' size class, made (rank 0) or opened (the
@@ -376,13 +201,13 @@ class SMBProcessGroup(ProcessGroup):
     # -- collectives ----------------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts: AllreduceOptions | None = None) -> SMBWork:  # type: ignore[override]
         """Reduce each tensor over the ranks in place (SUM or AVG)."""
-        average = _check_reduce(opts.reduceOp if opts is not None else ReduceOp.SUM, tensors)
+        average = check_reduce(opts.reduceOp if opts is not None else ReduceOp.SUM, tensors)
 
         def run() -> list[torch.Tensor]:
             for t in tensors:
                 self._reduce(t, average)
             return tensors
-        return self._submit(run, "all_reduce", tensors)
+        return self._ops.submit(run, "all_reduce", tensors)
 
     allreduce_coalesced = allreduce
 
@@ -391,7 +216,7 @@ class SMBProcessGroup(ProcessGroup):
         (``"bf16"`` or ``"fp16"``) and summed in float32 on the memory servers; the sum
         comes back rounded once to ``wire``, or as float32 with ``full_sum``
         (:meth:`~smb_client.collective.Collective.all_reduce`). Every rank passes the same."""
-        _check_reduce(ReduceOp.SUM, tensors)
+        check_reduce(ReduceOp.SUM, tensors)
 
         def run() -> list[torch.Tensor]:
             for t in tensors:
@@ -400,13 +225,13 @@ class SMBProcessGroup(ProcessGroup):
                 if buf is not t:
                     t.copy_(buf)
             return tensors
-        return self._submit(run, "all_reduce", tensors)
+        return self._ops.submit(run, "all_reduce", tensors)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: BroadcastOptions | None = None) -> SMBWork:  # type: ignore[override]
         """Give every rank the root rank's tensors (any dtype)."""
         root = opts.rootRank if opts is not None else 0
         for t in tensors:
-            _check_device(t)
+            check_device(t)
 
         def run() -> list[torch.Tensor]:
             for t in tensors:
@@ -424,7 +249,7 @@ class SMBProcessGroup(ProcessGroup):
                 if buf is not t:
                     t.copy_(buf)
             return tensors
-        return self._submit(run, "broadcast", tensors)
+        return self._ops.submit(run, "broadcast", tensors)
 
     def _gather(self, outputs: list[torch.Tensor], inp: torch.Tensor) -> None:
         """Every rank's ``inp`` into ``outputs[r]`` (worker thread)."""
@@ -442,7 +267,7 @@ class SMBProcessGroup(ProcessGroup):
                   opts: AllgatherOptions | None = None) -> SMBWork:
         """``output_tensors[i][r]`` becomes rank r's ``input_tensors[i]`` (any dtype)."""
         for outs, inp in zip(output_tensors, input_tensors, strict=True):
-            _check_device(inp)
+            check_device(inp)
             if len(outs) != self._size:
                 raise InvalidArgument(f"allgather needs {self._size} output tensors, got {len(outs)}")
 
@@ -450,13 +275,13 @@ class SMBProcessGroup(ProcessGroup):
             for outs, inp in zip(output_tensors, input_tensors, strict=True):
                 self._gather(outs, inp)
             return output_tensors
-        return self._submit(run, "all_gather", [*input_tensors, *(t for outs in output_tensors for t in outs)])
+        return self._ops.submit(run, "all_gather", [*input_tensors, *(t for outs in output_tensors for t in outs)])
 
     def all_gather_single(self, output: torch.Tensor, inp: torch.Tensor,
                           opts: AllgatherOptions | None = None) -> SMBWork:
         """``output`` (``size`` times ``inp``'s elements) becomes every rank's ``inp`` in
         rank order."""
-        _check_device(inp)
+        check_device(inp)
         if output.numel() != inp.numel() * self._size:
             raise InvalidArgument(f"all_gather_into_tensor: output holds {output.numel()} elements, "
                                   f"not {self._size} x {inp.numel()}")
@@ -467,7 +292,7 @@ class SMBProcessGroup(ProcessGroup):
             if flat.data_ptr() != output.data_ptr():
                 output.copy_(flat.view(output.shape))
             return [output]
-        return self._submit(run, "all_gather_into_tensor", [inp, output])
+        return self._ops.submit(run, "all_gather_into_tensor", [inp, output])
 
     _allgather_base = all_gather_single  # type: ignore[assignment]  # the older name
 
@@ -475,7 +300,7 @@ class SMBProcessGroup(ProcessGroup):
                        input_tensors: list[list[torch.Tensor]], opts: ReduceScatterOptions | None = None) -> SMBWork:
         """``output_tensors[i]`` becomes the reduction of every rank's
         ``input_tensors[i][rank]`` (SUM or AVG)."""
-        average = _check_reduce(opts.reduceOp if opts is not None else ReduceOp.SUM,
+        average = check_reduce(opts.reduceOp if opts is not None else ReduceOp.SUM,
                                 [t for ins in input_tensors for t in ins])
 
         def run() -> list[torch.Tensor]:
@@ -485,12 +310,12 @@ class SMBProcessGroup(ProcessGroup):
                 lo = sum(t.numel() for t in ins[:self._rank])
                 out.copy_(stage[lo:lo + ins[self._rank].numel()].view(out.shape))
             return output_tensors
-        return self._submit(run, "reduce_scatter", [*output_tensors, *(t for ins in input_tensors for t in ins)])
+        return self._ops.submit(run, "reduce_scatter", [*output_tensors, *(t for ins in input_tensors for t in ins)])
 
     def reduce_scatter_single(self, output: torch.Tensor, inp: torch.Tensor,
                              opts: ReduceScatterOptions | None = None) -> SMBWork:
         """``output`` becomes this rank's ``1/size`` share of the reduced ``inp``."""
-        average = _check_reduce(opts.reduceOp if opts is not None else ReduceOp.SUM, [inp, output])
+        average = check_reduce(opts.reduceOp if opts is not None else ReduceOp.SUM, [inp, output])
         if inp.numel() != output.numel() * self._size:
             raise InvalidArgument(f"reduce_scatter_tensor: input holds {inp.numel()} elements, "
                                   f"not {self._size} x {output.numel()}")
@@ -501,7 +326,7 @@ class SMBProcessGroup(ProcessGroup):
             n = output.numel()
             output.copy_(stage[self._rank * n:(self._rank + 1) * n].view(output.shape))
             return [output]
-        return self._submit(run, "reduce_scatter_tensor", [inp, output])
+        return self._ops.submit(run, "reduce_scatter_tensor", [inp, output])
 
     _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]  # the older name
 
@@ -510,18 +335,15 @@ class SMBProcessGroup(ProcessGroup):
         def run() -> list[torch.Tensor]:
             self._sum(torch.zeros(1, dtype=torch.int64))
             return []
-        return self._submit(run, "barrier")
+        return self._ops.submit(run, "barrier")
 
     # -- the end --------------------------------------------------------------------
     def shutdown(self) -> None:
         """Finish the queued operations, close the collectives and the client; rank 0
         deletes the collectives' regions once every rank closed (``destroy_process_group``
         calls it)."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        self._worker.shutdown(wait=True)
+        if not self._ops.close():
+            return
         for coll in self.collectives.values():
             coll.close()
         try:
@@ -554,12 +376,3 @@ def _unsupported(name: str) -> Callable[..., SMBWork]:
 
 for _name in ("reduce", "gather", "scatter", "alltoall", "all_to_all_single", "send", "recv", "recv_anysource"):
     setattr(SMBProcessGroup, _name, _unsupported(_name))
-
-
-def _refused(cause: BaseException) -> BaseException:
-    """The error for an operation after ``cause`` broke the group (same type when it can)."""
-    msg = f"the smb process group failed earlier ({cause!r}); make a new one"
-    try:
-        return type(cause)(msg)
-    except Exception:
-        return RuntimeError(msg)

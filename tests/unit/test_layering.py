@@ -18,8 +18,6 @@ LONG_MODULES: dict[str, str] = {
                          "documented errors",
     "smb_client.collective": "the chunk layout, the collectives and the piecewise round share one set of "
                              "counting rules",
-    "smb_client.torch.backend": "a process group's operations share one worker thread, one failure state "
-                                "and its size-class collectives",
     "smb_server.controller.repair": "the sequences of a repair pass keep their ordering rules (store before "
                                     "servers, backups before a new primary) in one place",
     "smb_server.memserver.tcp_plane": "a connection's framing, deadlines, greeting, parting answers and TLS "
