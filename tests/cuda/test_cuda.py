@@ -10,13 +10,12 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
-import threading
 import traceback
 
 import numpy as np
 import pytest
 
-from smb_client.collective import Collective
+from tests.integration.client.parties import run_parties
 from tests.integration.daemons import free_port
 
 torch = pytest.importorskip("torch")
@@ -92,32 +91,6 @@ def test_many_forms(client, name):
         client.delete_region(name)
 
 
-def _parties(cluster, name, parties, nbytes, body):
-    clients = [cluster.client() for _ in range(parties)]
-    colls = [Collective.create(clients[0], name, nbytes, parties, timeout=60)]
-    colls += [Collective.open(c, name, parties, timeout=60) for c in clients[1:]]
-    errors: list[str] = []
-
-    def run(rank):
-        try:
-            body(colls[rank], rank)
-        except BaseException:
-            errors.append(traceback.format_exc())
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(parties)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    try:
-        assert not errors, errors[0]
-    finally:
-        for coll in colls[1:]:
-            coll.close()
-        colls[0].destroy()
-        for c in clients:
-            c.close()
-
-
 def test_collectives_match_the_cpu_path(cluster, name):
     parties, n = 3, 6 * MiB // 4
     inputs = [torch.randint(-1000, 1000, (n,), generator=torch.Generator().manual_seed(r)).float()
@@ -144,7 +117,7 @@ def test_collectives_match_the_cpu_path(cluster, name):
             b = inputs[rank].cuda()
             coll.broadcast(b, 2, rank)
             got["bcast", rank] = b.cpu()
-    _parties(cluster, name, parties, n * 4, body)
+    run_parties(cluster, name, parties, n * 4, None, None, body)
     total = inputs[0] + inputs[1] + inputs[2]
     for rank in range(parties):
         assert torch.equal(got["whole", rank], total)

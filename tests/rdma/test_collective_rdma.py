@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -19,7 +18,7 @@ import pytest
 from smb_client.collective import Collective
 from smb_client.transports.rdma.reduce import RdmaReduceStream
 from smb_protocol import errors
-from tests.integration.client.test_collective import _after_each_push, _parties, _summing_body
+from tests.integration.client.parties import after_each_push, kill_mid_round, run_parties, summing_body
 from tests.integration.daemons import scrape
 from tests.rdma.conftest import rdma_cluster
 
@@ -40,15 +39,15 @@ def test_all_reduce_over_rdma_sums_exactly_round_after_round(cluster, name, part
     def body(coll: Collective, rank: int) -> None:
         streams = _streams(coll)
         assert streams and all(isinstance(s, RdmaReduceStream) for s in streams), streams
-        _summing_body(parties, n, [])(coll, rank)
+        summing_body(parties, n, [])(coll, rank)
         assert all(s.in_flight() == 0 for s in streams)
-    _parties(cluster, name, parties, n * 8, chunk_bytes, "rdma", body)
+    run_parties(cluster, name, parties, n * 8, chunk_bytes, "rdma", body)
 
 
 @pytest.mark.parametrize("window,priority,num_servers", [(4096, True, 1), (3 * 4096, False, 2)])
 def test_any_window_order_and_placement_sums_exactly_over_rdma(cluster, name, window, priority, num_servers):
     n = 30 * 512
-    _parties(cluster, name, 3, n * 8, 4096, "rdma", _summing_body(3, n, []), num_servers=num_servers,
+    run_parties(cluster, name, 3, n * 8, 4096, "rdma", summing_body(3, n, []), num_servers=num_servers,
              window=window, priority=priority)
 
 
@@ -60,7 +59,7 @@ def test_broadcast_and_float32_over_rdma(cluster, name):
         y = np.arange(10_000, dtype=np.int64) if rank == 1 else np.zeros(10_000, np.int64)
         coll.broadcast(y, root=1, rank=rank)
         np.testing.assert_array_equal(y, np.arange(10_000, dtype=np.int64))
-    _parties(cluster, name, 3, 20_000 * 4, 4096, "rdma", body)
+    run_parties(cluster, name, 3, 20_000 * 4, 4096, "rdma", body)
 
 
 @pytest.mark.parametrize("wire,full_sum", [("bf16", False), ("fp16", True)])
@@ -71,7 +70,7 @@ def test_sixteen_bit_chunks_over_rdma_sum_in_32_bits(cluster, name, wire, full_s
         x = np.arange(8192, dtype=np.float32) % 64 * (rank + 1)
         coll.all_reduce(x, wire=wire, full_sum=full_sum)
         np.testing.assert_array_equal(x, np.arange(8192, dtype=np.float32) % 64 * 3)
-    _parties(cluster, name, 2, 8192 * 4, 4096, "rdma", body)
+    run_parties(cluster, name, 2, 8192 * 4, 4096, "rdma", body)
 
 
 def _tcp_requests(cluster) -> dict[str, float]:
@@ -108,7 +107,7 @@ def test_no_tcp_request_in_a_round_over_rdma(cluster, name):
             counts["after"] = _tcp_requests(cluster)
         tcp = coll.region.route.dataplane._sessions
         assert not [uri for uri in tcp if uri.startswith("tcp://")], tcp
-    _parties(cluster, name, parties, n * 8, 4096, "rdma", body, num_servers=2)
+    run_parties(cluster, name, parties, n * 8, 4096, "rdma", body, num_servers=2)
     assert counts["before"] == counts["after"], counts
 
 
@@ -125,9 +124,9 @@ def test_a_round_whose_queue_pairs_break_is_sent_again_and_adds_nothing_twice(cl
 
     def body(coll: Collective, rank: int) -> None:
         if rank == 0:
-            _after_each_push(coll, cut)
-        _summing_body(3, 40 * 512, [])(coll, rank)
-    _parties(cluster, name, 3, 40 * 512 * 8, 4096, "rdma", body, num_servers=2, window=4 * 4096)
+            after_each_push(coll, cut)
+        summing_body(3, 40 * 512, [])(coll, rank)
+    run_parties(cluster, name, 3, 40 * 512 * 8, 4096, "rdma", body, num_servers=2, window=4 * 4096)
     assert len(breaks) == 3
 
 
@@ -152,39 +151,8 @@ def test_a_server_killed_mid_round_over_rdma_fails_every_party_with_a_typed_erro
     """kill -9 of a memory server mid-round: every party gets a typed error naming the
     server, well before the collective's timeout; none hangs. (Last in this module: the
     server is started again afterwards, on the module's cluster.)"""
-    fresh = cluster
     try:
-        killed = threading.Event()
-        killed_at: list[float] = []
-        ended: dict[int, float] = {}
-        seen: dict[int, BaseException] = {}
-
-        def kill(task) -> None:
-            if task.chunk.index == 20 and not killed.is_set():
-                killed_at.append(time.monotonic())
-                killed.set()
-                fresh.kill_server(0)
-
-        def body(coll: Collective, rank: int) -> None:
-            if rank == 0:
-                _after_each_push(coll, kill)
-            x = np.ones(200 * 512, np.int64)
-            try:
-                for _ in range(3):
-                    coll.all_reduce(x)
-            except errors.SMBError as exc:
-                ended[rank] = time.monotonic()
-                seen[rank] = exc
-                raise
-        failures = _parties(fresh, name, 3, 200 * 512 * 8, 4096, "rdma", body, num_servers=2,
-                            window=8 * 4096, timeout=120, expect_errors=True)
-        assert killed.is_set()
-        assert len(failures) == 3 and sorted(seen) == [0, 1, 2], failures
-        for exc in seen.values():
-            assert isinstance(exc, errors.Unavailable) and not isinstance(exc, errors.Timeout), exc
-        assert max(ended.values()) - killed_at[0] < 30, (ended, killed_at)
-        server = fresh.server_id(0)
-        assert all(server in str(exc) for exc in seen.values()), seen
+        kill_mid_round(cluster, name, "rdma", within=30, refused_after=False)
     finally:
         cluster.start_server(0)
         cluster.wait_servers(2)

@@ -14,47 +14,9 @@ import pytest
 
 from smb_client.collective import TAIL, Collective
 from smb_protocol import errors
+from tests.integration.client.parties import after_each_push, kill_mid_round, run_parties, summing_body
 
 KiB = 1 << 10
-
-
-def _parties(cluster, name: str, parties: int, nbytes: int, chunk_bytes: int | None, transport: str, body,
-             num_servers: int = 0, window: int | None = None, priority: bool = True, timeout: float = 60,
-             expect_errors: bool = False, pipelined: bool = True, **options) -> list[BaseException]:
-    """Run ``body(coll, rank)`` in ``parties`` threads; the first creates the collective
-    (with ``options`` for :meth:`Collective.create`); every party's sends go through
-    ``window`` bytes, lowest chunk first with ``priority`` (or as PUSH and PULL requests
-    without ``pipelined``)."""
-    clients = [cluster.client(transport=transport) for _ in range(parties)]
-    created = Collective.create(clients[0], name, nbytes, parties, chunk_bytes=chunk_bytes,
-                                num_servers=num_servers, timeout=timeout, window=window, priority=priority,
-                                pipelined=pipelined, **options)
-    colls = [created] + [Collective.open(c, name, parties, timeout=timeout, window=window, priority=priority,
-                                         pipelined=pipelined) for c in clients[1:]]
-    errors_: list[BaseException] = []
-
-    def run(rank: int) -> None:
-        try:
-            body(colls[rank], rank)
-        except BaseException as exc:   # reported below
-            errors_.append(exc)
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(parties)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    try:
-        if errors_ and expect_errors:
-            return errors_
-        assert not errors_, errors_
-        assert not any(t.is_alive() for t in threads)
-    finally:
-        for coll in colls[1:]:
-            coll.close()
-        created.destroy()
-        for c in clients:
-            c.close()
-    return []
 
 
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
@@ -67,7 +29,7 @@ def test_all_reduce_sums_exactly_round_after_round(cluster, name, transport, par
             assert coll.all_reduce(x) is x
             expect = np.arange(n, dtype=np.int64) * (parties * (parties + 1) // 2) + k * parties
             np.testing.assert_array_equal(x, expect)
-    _parties(cluster, name, parties, n * 8, chunk_bytes, transport, body)
+    run_parties(cluster, name, parties, n * 8, chunk_bytes, transport, body)
 
 
 def test_all_reduce_float32_and_a_shorter_buffer(cluster, name):
@@ -78,7 +40,7 @@ def test_all_reduce_float32_and_a_shorter_buffer(cluster, name):
         y = np.full(100, rank, np.int32)          # fewer bytes than the collective holds
         coll.all_reduce(y)
         np.testing.assert_array_equal(y, np.full(100, 3, np.int32))
-    _parties(cluster, name, 3, 3000 * 4, 2048, "tcp", body)
+    run_parties(cluster, name, 3, 3000 * 4, 2048, "tcp", body)
 
 
 def test_broadcast_between_all_reduces(cluster, name):
@@ -91,7 +53,7 @@ def test_broadcast_between_all_reduces(cluster, name):
             x = np.full(2500, rank + k, np.int64)
             coll.all_reduce(x)
             np.testing.assert_array_equal(x, np.full(2500, 3 + 3 * k, np.int64))
-    _parties(cluster, name, 3, 2500 * 8, 4096, "tcp", body)
+    run_parties(cluster, name, 3, 2500 * 8, 4096, "tcp", body)
 
 
 def test_chunks_are_spread_over_the_servers(cluster, name):
@@ -160,32 +122,13 @@ def test_a_party_opening_after_a_faster_one_pushed_takes_fresh_counts(cluster, n
         first.destroy()
 
 
-def _chunks_per_server(coll: Collective) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for chunk in coll.chunks:
-        out[chunk.place.server_id] = out.get(chunk.place.server_id, 0) + 1
-    return out
-
-
-def _summing_body(parties: int, n: int, seen: list[dict[str, int]]):
-    def body(coll: Collective, rank: int) -> None:
-        if rank == 0:
-            seen.append(_chunks_per_server(coll))
-        for k in range(3):
-            x = np.arange(n, dtype=np.int64) * (rank + 1) + k
-            coll.all_reduce(x)
-            np.testing.assert_array_equal(
-                x, np.arange(n, dtype=np.int64) * (parties * (parties + 1) // 2) + k * parties)
-    return body
-
-
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
 def test_weighted_servers_get_their_share_of_chunks_and_sums_stay_exact(cluster, name, transport):
     with cluster.client() as c:
         a, b = sorted(s.server_id for s in c.list_servers() if s.state == "up")[:2]
     seen: list[dict[str, int]] = []
     n = 40 * 512                                  # 40 chunks of 4 KiB
-    _parties(cluster, name, 3, n * 8, 4096, transport, _summing_body(3, n, seen), servers={a: 3, b: 1})
+    run_parties(cluster, name, 3, n * 8, 4096, transport, summing_body(3, n, seen), servers={a: 3, b: 1})
     assert seen == [{a: 30, b: 10}]
 
 
@@ -196,13 +139,13 @@ def test_worker_hosts_and_explicit_servers_choose_where_the_chunks_go(cluster, n
     seen: list[dict[str, int]] = []
     n = 20 * 512
     # one server named: every chunk on it, whatever the hosts
-    _parties(cluster, name, 2, n * 8, 4096, "tcp", _summing_body(2, n, seen),
+    run_parties(cluster, name, 2, n * 8, 4096, "tcp", summing_body(2, n, seen),
              servers=[ids[1]], worker_hosts=[host_id(), "elsewhere"])
     assert seen == [{ids[1]: 20}]
     # both servers share this host, which runs one of the three workers: an even split
     # of the host's share (the default chunk size gives both several chunks)
     seen.clear()
-    _parties(cluster, name, 3, n * 8, None, "tcp", _summing_body(3, n, seen),
+    run_parties(cluster, name, 3, n * 8, None, "tcp", summing_body(3, n, seen),
              worker_hosts=[host_id(), "elsewhere-1", "elsewhere-2"])
     assert set(seen[0]) == set(ids) and max(seen[0].values()) - min(seen[0].values()) <= 1
 
@@ -230,7 +173,7 @@ def test_placement_arguments_are_checked(cluster, name):
 ])
 def test_any_window_order_and_placement_sums_exactly(cluster, name, transport, window, priority, num_servers):
     n = 25 * 512                                  # 25 chunks of 4 KiB
-    _parties(cluster, name, 3, n * 8, 4096, transport, _summing_body(3, n, []), num_servers=num_servers,
+    run_parties(cluster, name, 3, n * 8, 4096, transport, summing_body(3, n, []), num_servers=num_servers,
              window=window, priority=priority)
 
 
@@ -239,25 +182,12 @@ def test_sums_stream_back_on_pipelined_connections(cluster, name):
     server, no pushes and pulls on pooled connections."""
     def body(coll: Collective, rank: int) -> None:
         assert coll.streaming and coll.exchanger is not None
-        _summing_body(2, 16 * 512, [])(coll, rank)
+        summing_body(2, 16 * 512, [])(coll, rank)
         streams = {id(s): s for s in (coll.region.route.dataplane.coordination(c.place).reductions()
                                       for c in coll.chunks)}
         assert len(streams) == len({c.place.server_id for c in coll.chunks}) == 2
         assert all(s.in_flight() == 0 for s in streams.values())
-    _parties(cluster, name, 2, 16 * 512 * 8, 4096, "tcp", body, num_servers=2)
-
-
-def _after_each_push(coll: Collective, fn) -> None:
-    """Run ``fn(task)`` on the stream's receiving thread each time one of ``coll``'s
-    pushes took effect (mid-round, with sums still owed)."""
-    ex = coll.exchanger
-    assert ex is not None
-    pushed = ex._pushed
-
-    def after(task) -> None:
-        pushed(task)
-        fn(task)
-    ex._pushed = after   # type: ignore[method-assign]
+    run_parties(cluster, name, 2, 16 * 512 * 8, 4096, "tcp", body, num_servers=2)
 
 
 def test_a_round_whose_connections_break_is_sent_again_and_adds_nothing_twice(cluster, name):
@@ -274,9 +204,9 @@ def test_a_round_whose_connections_break_is_sent_again_and_adds_nothing_twice(cl
 
     def body(coll: Collective, rank: int) -> None:
         if rank == 0:
-            _after_each_push(coll, cut)
-        _summing_body(3, 40 * 512, [])(coll, rank)
-    _parties(cluster, name, 3, 40 * 512 * 8, 4096, "tcp", body, num_servers=2, window=4 * 4096)
+            after_each_push(coll, cut)
+        summing_body(3, 40 * 512, [])(coll, rank)
+    run_parties(cluster, name, 3, 40 * 512 * 8, 4096, "tcp", body, num_servers=2, window=4 * 4096)
     assert len(breaks) == 3
 
 
@@ -286,37 +216,4 @@ def test_a_server_killed_mid_round_fails_every_party_with_a_typed_error(fresh_cl
     error (the server is unavailable), well before the collective's own timeout, none
     hangs, and the collective refuses another round (its counts are unknown); the same
     with chunks that travel in a wire type."""
-    killed = threading.Event()
-    killed_at: list[float] = []
-    ended: dict[int, float] = {}
-    seen: dict[int, BaseException] = {}
-
-    def kill(task) -> None:
-        if task.chunk.index == 20 and not killed.is_set():
-            killed_at.append(time.monotonic())
-            killed.set()
-            fresh_cluster.kill_server(0)
-
-    def body(coll: Collective, rank: int) -> None:
-        if rank == 0:
-            _after_each_push(coll, kill)
-        x = np.ones(200 * 512, np.int64) if wire is None else np.ones(400 * 512, np.float32)
-        try:
-            for _ in range(3):
-                coll.all_reduce(x, wire=wire)
-        except errors.SMBError as exc:
-            ended[rank] = time.monotonic()
-            seen[rank] = exc
-            with pytest.raises(type(exc), match="failed in round"):
-                coll.all_reduce(x, wire=wire)
-            raise
-    failures = _parties(fresh_cluster, name, 3, 200 * 512 * 8, 4096, "tcp", body, num_servers=2,
-                        window=8 * 4096, timeout=120, expect_errors=True)
-    assert killed.is_set()
-    assert len(failures) == 3 and sorted(seen) == [0, 1, 2], failures
-    for exc in seen.values():
-        assert isinstance(exc, errors.Unavailable) and not isinstance(exc, errors.Timeout), exc
-    # the kernel closes a killed server's connections: no party waits for a timeout
-    assert max(ended.values()) - killed_at[0] < 20, (ended, killed_at)
-    server = fresh_cluster.server_id(0)
-    assert all(server in str(exc) for exc in seen.values()), seen
+    kill_mid_round(fresh_cluster, name, "tcp", within=20, wire=wire)

@@ -15,7 +15,7 @@ from smb_client.collective import Collective
 from smb_protocol import errors
 from smb_protocol.chunk_types import narrow, widen
 from smb_protocol.dtypes import DType
-from tests.integration.client.test_collective import _parties
+from tests.integration.client.parties import run_parties
 
 WIRES = {"bf16": DType.BFLOAT16, "fp16": DType.FLOAT16}
 
@@ -42,7 +42,7 @@ def test_small_integers_sum_exactly_in_every_mode(cluster, name, wire, full_sum,
             assert coll.all_reduce(x, wire=wire, full_sum=full_sum) is x
             expect = ((np.arange(n) % 20) * 6 + 3 * k).astype(np.float32)
             np.testing.assert_array_equal(x, expect)
-    _parties(cluster, name, parties, n * 4, 8192, "tcp", body, pipelined=pipelined)
+    run_parties(cluster, name, parties, n * 4, 8192, "tcp", body, pipelined=pipelined)
 
 
 @pytest.mark.parametrize("wire", ["bf16", "fp16"])
@@ -60,7 +60,7 @@ def test_the_sum_is_kept_in_float32_and_rounded_once(cluster, name, wire):
             x = grads[rank].copy()
             coll.all_reduce(x, wire=wire, full_sum=full)
             got[rank, full] = x
-    _parties(cluster, name, parties, n * 4, 16384, "tcp", body)
+    run_parties(cluster, name, parties, n * 4, 16384, "tcp", body)
     for rank in range(parties):
         np.testing.assert_array_equal(got[rank, False], got[0, False])   # every party the same bytes
         np.testing.assert_array_equal(got[rank, True], got[0, True])
@@ -82,7 +82,7 @@ def test_a_wire_type_is_refused_where_it_cannot_carry_the_buffer(cluster, name):
         x = np.ones(100, np.float32)             # and the collective goes on
         coll.all_reduce(x, wire="bf16")
         np.testing.assert_array_equal(x, np.full(100, 2, np.float32))
-    _parties(cluster, name, 2, 400, 4096, "tcp", body)
+    run_parties(cluster, name, 2, 400, 4096, "tcp", body)
 
 
 def test_the_error_benchmark_runs_and_ranks_the_exchanges(tmp_path):

@@ -4,17 +4,16 @@ piecewise collective round and the copies back are checked against the plain pat
 real local cluster (the same code moves CUDA tensors in tests/cuda)."""
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 
 from smb_client import cuda, cuda_region, cuda_round
-from smb_client.collective import Collective
+from tests.integration.client.parties import run_parties
 
 torch = pytest.importorskip("torch")
 
 CHUNK = 4096      # bytes per staging buffer: many chunks per operation
+CHUNK_BYTES = 8192   # bytes per chunk of the collectives
 
 
 def _stager() -> cuda.Stager:
@@ -67,33 +66,6 @@ def test_many_forms(client, name):
         client.delete_region(name)
 
 
-def _in_parties(cluster, name, parties, nbytes, body, chunk_bytes=8192):
-    clients = [cluster.client() for _ in range(parties)]
-    colls = [Collective.create(clients[0], name, nbytes, parties, chunk_bytes=chunk_bytes, timeout=60)]
-    colls += [Collective.open(c, name, parties, timeout=60) for c in clients[1:]]
-    errors: list[BaseException] = []
-
-    def run(rank):
-        try:
-            body(colls[rank], rank)
-        except BaseException as exc:
-            errors.append(exc)
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(parties)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    try:
-        assert not errors, errors
-        assert not any(t.is_alive() for t in threads)
-    finally:
-        for coll in colls[1:]:
-            coll.close()
-        colls[0].destroy()
-        for c in clients:
-            c.close()
-
-
 def test_all_reduce_whole_and_piecewise(cluster, name):
     parties, n = 3, 20_000
     # whole numbers: exact sums in any arrival order
@@ -117,7 +89,7 @@ def test_all_reduce_whole_and_piecewise(cluster, name):
             plain = inputs[rank].clone()
             coll.begin(plain, runs=runs, hold=0).finish()
             results["plain", rank] = plain
-    _in_parties(cluster, name, parties, n * 4, body)
+    run_parties(cluster, name, parties, n * 4, CHUNK_BYTES, None, body)
     total = inputs[0].clone()
     for t in inputs[1:]:
         total += t
@@ -139,7 +111,7 @@ def test_all_reduce_integers_exact(cluster, name):
         t = inputs[rank].clone()
         cuda_round.begin(coll, t, stager=_stager()).finish()
         got[rank] = t
-    _in_parties(cluster, name, parties, n * 8, body)
+    run_parties(cluster, name, parties, n * 8, CHUNK_BYTES, None, body)
     for rank in range(parties):
         assert torch.equal(got[rank], inputs[0] + inputs[1])
 
@@ -152,7 +124,7 @@ def test_broadcast(cluster, name):
         t = torch.arange(n, dtype=torch.float32) if rank == 1 else torch.zeros(n)
         cuda_round.broadcast(coll, t, 1, rank, stager=_stager())
         got[rank] = t
-    _in_parties(cluster, name, parties, n * 4, body)
+    run_parties(cluster, name, parties, n * 4, CHUNK_BYTES, None, body)
     for rank in range(parties):
         assert torch.equal(got[rank], torch.arange(n, dtype=torch.float32))
 
