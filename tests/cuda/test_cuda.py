@@ -8,13 +8,13 @@ on the device, and with DDP over gloo).
 from __future__ import annotations
 
 import datetime
-import multiprocessing as mp
 import os
 import traceback
 
 import numpy as np
 import pytest
 
+from smb_server.testing import spawn_ranks
 from tests.integration.client.parties import run_parties
 from tests.integration.daemons import free_port
 
@@ -138,25 +138,6 @@ def make_data():
     return torch.randn(n, 64, generator=g), torch.randint(0, 8, (n,), generator=g)
 
 
-def _spawn(target, *args, timeout=180):
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=target, args=(rank, queue, *args)) for rank in range(WORLD)]
-    for p in procs:
-        p.start()
-    try:
-        results = dict(queue.get(timeout=timeout) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-    for rank in range(WORLD):
-        if isinstance(results[rank], str):
-            pytest.fail(f"rank {rank} failed:\n{results[rank]}")
-    return [results[r] for r in range(WORLD)]
-
-
 def sync_worker(rank, queue, address, token, prefix):
     try:
         import smb_client
@@ -208,7 +189,7 @@ def _reference_sync():
 
 
 def test_sync_data_parallel_cuda(cluster, name):
-    results = _spawn(sync_worker, cluster.address, cluster.token, name)
+    results = spawn_ranks(WORLD, sync_worker, cluster.address, cluster.token, name, timeout=180)
     assert np.array_equal(results[0], results[1])
     assert np.array_equal(results[0], _reference_sync())
 
@@ -243,8 +224,10 @@ def ddp_worker(rank, queue, backend, init, address, token):
 
 
 def test_ddp_on_the_smb_backend_equals_gloo(cluster):
-    smb = _spawn(ddp_worker, "smb", f"tcp://127.0.0.1:{free_port()}", cluster.address, cluster.token)
-    gloo = _spawn(ddp_worker, "gloo", f"tcp://127.0.0.1:{free_port()}", cluster.address, cluster.token)
+    smb = spawn_ranks(WORLD, ddp_worker, "smb", f"tcp://127.0.0.1:{free_port()}", cluster.address, cluster.token,
+                      timeout=180)
+    gloo = spawn_ranks(WORLD, ddp_worker, "gloo", f"tcp://127.0.0.1:{free_port()}", cluster.address, cluster.token,
+                       timeout=180)
     assert np.array_equal(smb[0][0], smb[1][0])
     for rank in range(WORLD):
         assert np.array_equal(smb[rank][0], gloo[rank][0])

@@ -6,11 +6,12 @@ float sums do not depend on the order their pushes arrive in, so the weights mus
 equal bit for bit."""
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 
 import numpy as np
 import pytest
+
+from smb_server.testing import spawn_ranks
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("sklearn")
@@ -50,7 +51,7 @@ def _train(client, prefix: str, rank: int, x, y) -> tuple[np.ndarray, bool]:
     return weights, over_rdma
 
 
-def worker(address: str, token: str, prefix: str, rank: int, queue) -> None:
+def worker(rank: int, queue, address: str, token: str, prefix: str) -> None:
     try:
         import smb_client
         from smb_train.workers import load_data
@@ -69,23 +70,9 @@ def worker(address: str, token: str, prefix: str, rank: int, queue) -> None:
 
 @pytest.mark.timeout(600)
 def test_sync_training_over_rdma_equals_the_tcp_run(cluster, name):
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(cluster.address, cluster.token, name, r, queue))
-             for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    try:
-        results = sorted(queue.get(timeout=500) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-    for rank, got in results:
-        assert isinstance(got, list), (rank, got)
-    (rdma0, on_rdma0), (tcp0, on_rdma_tcp0) = results[0][1]
-    (rdma1, on_rdma1), (tcp1, _) = results[1][1]
+    results = spawn_ranks(WORLD, worker, cluster.address, cluster.token, name, timeout=500)
+    (rdma0, on_rdma0), (tcp0, on_rdma_tcp0) = results[0]
+    (rdma1, on_rdma1), (tcp1, _) = results[1]
     assert on_rdma0 and on_rdma1 and not on_rdma_tcp0
     np.testing.assert_array_equal(rdma0, rdma1)
     np.testing.assert_array_equal(tcp0, tcp1)

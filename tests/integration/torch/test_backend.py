@@ -12,6 +12,7 @@ import traceback
 import numpy as np
 import pytest
 
+from smb_server.testing import spawn_ranks
 from tests.integration.daemons import free_port
 
 torch = pytest.importorskip("torch")
@@ -24,27 +25,12 @@ LR = 0.1
 def run_processes(cluster, target, world, *args, timeout=120, pg_timeout=60):
     """Run ``target(rank, world, *args)`` in ``world`` processes joined by
     ``init_process_group("smb")``; its results by rank (a worker's failure fails)."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
     init = f"tcp://127.0.0.1:{free_port()}"
-    procs = [ctx.Process(target=_worker, args=(cluster.address, cluster.token, init, target, r, world,
-                                                args, pg_timeout, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    try:
-        results = dict(queue.get(timeout=timeout) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-    for rank in range(world):
-        if isinstance(results[rank], str):
-            pytest.fail(f"rank {rank} failed:\n{results[rank]}")
-    return [results[r] for r in range(world)]
+    return spawn_ranks(world, _worker, cluster.address, cluster.token, init, target, world, args, pg_timeout,
+                       timeout=timeout)
 
 
-def _worker(address, token, init, target, rank, world, args, pg_timeout, queue):
+def _worker(rank, queue, address, token, init, target, world, args, pg_timeout):
     try:
         os.environ.update(SMB_CONTROLLER=address, SMB_TOKEN=token)
         import torch.distributed as dist

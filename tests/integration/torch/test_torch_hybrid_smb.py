@@ -5,13 +5,13 @@ real local cluster; the world itself on gloo)."""
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
 import os
 import traceback
 
 import numpy as np
 import pytest
 
+from smb_server.testing import spawn_ranks
 from tests.integration.daemons import free_port
 
 torch = pytest.importorskip("torch")
@@ -78,7 +78,7 @@ def train_run(client, env, prefix, rank, ranks, groups, compression, profiled):
     return out
 
 
-def hybrid_worker(address, token, port, prefix, rank, queue):
+def hybrid_worker(rank, queue, address, token, port, prefix):
     try:
         os.environ.update(SMB_CONTROLLER=address, SMB_TOKEN=token)
         import torch.distributed as dist
@@ -102,22 +102,7 @@ def hybrid_worker(address, token, port, prefix, rank, queue):
 
 
 def test_hybrid_on_smb_node_groups_with_16_bit_sums_trains_like_float32(cluster, name):
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=hybrid_worker, args=(cluster.address, cluster.token, port, name, r, queue))
-             for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    try:
-        res = dict(queue.get(timeout=180) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-    for rank in range(WORLD):
-        assert not isinstance(res[rank], str), f"rank {rank} failed:\n{res[rank]}"
+    res = spawn_ranks(WORLD, hybrid_worker, cluster.address, cluster.token, free_port(), name, timeout=180)
     f32 = {r: res[r][None] for r in range(WORLD)}
     b16 = {r: res[r]["bf16"] for r in range(WORLD)}
     assert res[0]["backend"] == "smb"
