@@ -12,6 +12,7 @@ torch = pytest.importorskip("torch")
 from smb_client.torch import ParameterStore, SyncDataParallel  # noqa: E402
 from smb_protocol.errors import InvalidArgument  # noqa: E402
 from smb_server.testing import run_ranks  # noqa: E402
+from tests.integration.torch.ranks import rank_store, release  # noqa: E402
 
 WORLD = 2
 STEPS = 3
@@ -43,12 +44,7 @@ def train(cluster, name, mode):
         try:
             with cluster.client() as c:
                 model = cnn()
-                if rank == 0:
-                    store = ParameterStore.create(c, name, model, workers=WORLD)
-                    ready.set()
-                else:
-                    assert ready.wait(30)
-                    store = ParameterStore.attach(c, name, model)
+                store = rank_store(c, rank, name, model, ready, workers=WORLD)
                 kwargs = {} if mode is None else {"buffers": mode}
                 dp = SyncDataParallel(store, rank, WORLD, bucket_bytes=512, **kwargs)
                 opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -66,10 +62,7 @@ def train(cluster, name, mode):
                 c.barrier(f"{name}/end", WORLD, timeout=60)
                 result = (before, buffers_of(model), store.flat.flat_params.clone())
                 c.barrier(f"{name}/read", WORLD, timeout=60)
-                if rank == 0:
-                    store.destroy()
-                else:
-                    store.close()
+                release(store, rank)
                 return result
         finally:
             ready.set()              # a rank 0 that failed keeps nobody waiting

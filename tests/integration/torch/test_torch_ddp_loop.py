@@ -9,8 +9,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from smb_client.torch import ParameterStore, SyncDataParallel  # noqa: E402
+from smb_client.torch import SyncDataParallel  # noqa: E402
 from smb_server.testing import run_ranks  # noqa: E402
+from tests.integration.torch.ranks import rank_store, release  # noqa: E402
 
 WORLD = 2
 BATCH = 8       # per worker and step
@@ -49,13 +50,8 @@ def train(cluster, name, loop, exchange):
         try:
             with cluster.client() as c:
                 model = models[rank]
-                if rank == 0:
-                    slots = {"grad_slots": 3} if exchange == "slots" else {}
-                    store = ParameterStore.create(c, name, model, workers=WORLD, **slots)
-                    ready.set()
-                else:
-                    assert ready.wait(30)
-                    store = ParameterStore.attach(c, name, model)
+                slots = {"grad_slots": 3} if exchange == "slots" else {}
+                store = rank_store(c, rank, name, model, ready, workers=WORLD, **slots)
                 dp = SyncDataParallel(store, rank, WORLD, bucket_bytes=256, exchange=exchange)
                 opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
                 x, y = make_data()
@@ -71,10 +67,7 @@ def train(cluster, name, loop, exchange):
                 dp.close()
                 c.barrier(f"{name}/end", WORLD, timeout=60)
                 result = store.flat.flat_params.clone()
-                if rank == 0:
-                    store.destroy()
-                else:
-                    store.close()
+                release(store, rank)
                 return result
         finally:
             ready.set()              # a rank 0 that failed keeps nobody waiting

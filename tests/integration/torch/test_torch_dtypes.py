@@ -13,6 +13,7 @@ torch = pytest.importorskip("torch")
 from smb_client.torch import SEASGD, ParameterStore, SyncDataParallel  # noqa: E402
 from smb_protocol.errors import DtypeError  # noqa: E402
 from smb_server.testing import run_ranks  # noqa: E402
+from tests.integration.torch.ranks import rank_store, release  # noqa: E402
 
 WORLD = 2
 STEPS = 3
@@ -62,12 +63,7 @@ def test_sync_is_exact_in_every_type(cluster, name, kind, overlap):
         try:
             with cluster.client() as cl:
                 model = Heads(KINDS[kind])
-                if rank == 0:
-                    store = ParameterStore.create(cl, name, model, workers=WORLD)
-                    ready.set()
-                else:
-                    assert ready.wait(30)
-                    store = ParameterStore.attach(cl, name, model)
+                store = rank_store(cl, rank, name, model, ready, workers=WORLD)
                 assert store.flat.flat_params.dtype == (torch.uint8 if kind == "mixed" else KINDS[kind][0])
                 dp = SyncDataParallel(store, rank, WORLD, overlap=overlap, bucket_bytes=64)
                 opt = torch.optim.SGD(model.parameters(), lr=LR)
@@ -84,10 +80,7 @@ def test_sync_is_exact_in_every_type(cluster, name, kind, overlap):
                 for k, v in stored.items():
                     assert torch.equal(v, weights[k]), k        # the published weights
                 cl.barrier(f"{name}/read", WORLD, timeout=60)
-                if rank == 0:
-                    store.destroy()
-                else:
-                    store.close()
+                release(store, rank)
                 return weights
         finally:
             ready.set()              # a rank 0 that failed keeps nobody waiting

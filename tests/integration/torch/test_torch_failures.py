@@ -13,6 +13,7 @@ from smb_client.coord import PartiesMissing  # noqa: E402
 from smb_client.torch import ParameterStore, WorkerEnv, open_store  # noqa: E402
 from smb_protocol.errors import OutOfMemory  # noqa: E402
 from smb_server.testing import run_ranks  # noqa: E402
+from tests.integration.torch.ranks import release  # noqa: E402
 
 WORLD = 2
 
@@ -89,10 +90,7 @@ def test_an_old_failure_record_does_not_fail_a_new_run(cluster, name, monkeypatc
                     s = open_store(_waiting_worker(wc, waiting) if rank else wc,
                                    WorkerEnv(rank=rank, world_size=WORLD), name, big(), workers=WORLD)
                     wc.barrier(f"{name}/done", WORLD, timeout=30)
-                    if rank == 0:
-                        s.destroy()
-                    else:
-                        s.close()
+                    release(s, rank)
                     return True
             finally:
                 waiting.set()

@@ -9,6 +9,7 @@ torch = pytest.importorskip("torch")
 
 from smb_client.torch import ParameterStore, SyncDataParallel  # noqa: E402
 from smb_server.testing import run_ranks  # noqa: E402
+from tests.integration.torch.ranks import release  # noqa: E402
 
 WORLD = 2
 BATCH = 8
@@ -57,10 +58,7 @@ def test_evaluator_reads_the_trained_weights(cluster, name, placement):
             dp.close()                                              # publishes the last step
             c.barrier(f"{name}/closed", WORLD + 1, timeout=60)
             c.barrier(f"{name}/done", WORLD + 1, timeout=60)
-            if rank == 0:
-                store.destroy()
-            else:
-                store.close()
+            release(store, rank)
 
     def evaluator():
         with cluster.client() as c:

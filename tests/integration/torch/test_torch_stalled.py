@@ -14,6 +14,7 @@ torch = pytest.importorskip("torch")
 from smb_client.coord import PartiesMissing  # noqa: E402
 from smb_client.torch import ParameterStore, SyncDataParallel  # noqa: E402
 from smb_server.testing import run_ranks  # noqa: E402
+from tests.integration.torch.ranks import rank_store  # noqa: E402
 from tests.integration.torch.test_backend import run_processes  # noqa: E402
 
 WORLD = 2
@@ -41,13 +42,8 @@ def test_a_worker_that_stops_coming_is_named(cluster, name, exchange, quick_repo
         try:
             with cluster.client() as c:
                 model = models[rank]
-                if rank == 0:
-                    slots = {"grad_slots": 3} if exchange == "slots" else {}
-                    store = ParameterStore.create(c, name, model, workers=WORLD, **slots)
-                    ready.set()
-                else:
-                    assert ready.wait(30)
-                    store = ParameterStore.attach(c, name, model)
+                slots = {"grad_slots": 3} if exchange == "slots" else {}
+                store = rank_store(c, rank, name, model, ready, workers=WORLD, **slots)
                 dp = SyncDataParallel(store, rank, WORLD, exchange=exchange, barrier_timeout=60)
                 assert dp.roll is not None
                 opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -12,6 +12,7 @@ torch = pytest.importorskip("torch")
 from smb_client.torch import SEASGD, ParameterStore, SharedCounters, SyncDataParallel, WorkerEnv, open_store  # noqa: E402
 from smb_protocol.errors import DtypeError, InvalidArgument, RegionNotFound  # noqa: E402
 from smb_server.testing import run_ranks  # noqa: E402
+from tests.integration.torch.ranks import release  # noqa: E402
 
 
 def mlp(seed: int = 0, hidden: int = 24) -> torch.nn.Module:
@@ -250,10 +251,7 @@ def test_open_store_master_creates_others_attach(cluster, name):
                                name, model, grad_slots=3, workers=world)
             params = store.flat.flat_params.clone()
             c.barrier(f"{name}/done", world, timeout=30)
-            if rank == 0:
-                store.destroy()
-            else:
-                store.close()
+            release(store, rank)
             return params
 
     models = run_ranks(world, worker, timeout=60)

@@ -9,6 +9,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from tests.integration.torch.ranks import release  # noqa: E402
+
 WORLD = 3
 BATCH = 8       # per worker and step
 STEPS = 6
@@ -61,10 +63,7 @@ def sync_worker(address, token, prefix, rank, placement, overlap, queue, compres
             dp.close()
             client.barrier(f"{prefix}/end", WORLD, timeout=60)
             queue.put((rank, step, store.flat.flat_params.numpy().copy(), store.traffic.as_dict()))
-            if rank == 0:
-                store.destroy()
-            else:
-                store.close()
+            release(store, rank)
     except BaseException as exc:
         queue.put((rank, -1, repr(exc), None))
         raise
