@@ -16,6 +16,7 @@ import pytest
 
 from smb_client import Barrier, Lock
 from smb_protocol import errors
+from smb_server.testing import run_ranks
 
 MiB = 1 << 20
 LOCK = 0            # byte offset of the lock word
@@ -192,26 +193,17 @@ def test_barrier_keeps_parties_in_step(region):
     reads every slot: all must show the same round (a party running ahead would have
     overwritten its slot with the next round)."""
     parties, rounds = 4, 15
-    errors_seen: list[BaseException] = []
     generations: list[list[int]] = [[] for _ in range(parties)]
 
     def party(i: int) -> None:
         b = Barrier(region, BARRIER, parties)
-        try:
-            for k in range(rounds):
-                region.write(4096 + 8 * i, np.array([k], np.int64))
-                generations[i].append(b.wait(timeout=60))
-                seen = region.read(4096, 8 * parties, dtype="int64").tolist()
-                assert seen == [k] * parties, (k, seen)
-                generations[i].append(b.wait(timeout=60))   # nobody writes round k+1 before all read
-        except BaseException as exc:
-            errors_seen.append(exc)
-    threads = [threading.Thread(target=party, args=(i,)) for i in range(parties)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
-    assert not errors_seen, errors_seen
+        for k in range(rounds):
+            region.write(4096 + 8 * i, np.array([k], np.int64))
+            generations[i].append(b.wait(timeout=60))
+            seen = region.read(4096, 8 * parties, dtype="int64").tolist()
+            assert seen == [k] * parties, (k, seen)
+            generations[i].append(b.wait(timeout=60))   # nobody writes round k+1 before all read
+    run_ranks(parties, party, timeout=300)
     assert all(g == list(range(2 * rounds)) for g in generations)
     assert _word(region, BARRIER) == 2 * rounds * parties
 

@@ -10,7 +10,6 @@ import mmap
 import os
 import socket
 import struct
-import threading
 import time
 from types import SimpleNamespace
 
@@ -40,6 +39,7 @@ from smb_server.memserver.stats import PlaneStats
 from smb_server.memserver.tcp_plane import TcpPlane
 from smb_server.runtime.config import ServerConfig
 from smb_server.runtime.grpc_util import make_server
+from smb_server.testing import run_ranks
 
 SECRET = b"s" * 32
 UID = "region-1"
@@ -257,25 +257,15 @@ def test_concurrent_accumulate_is_exact(planes):
     extent = arena.reserve(10, UID, n * 8)
     token = ticket([10])
     rounds, workers = 3, 4
-    failures = []
 
     def work(k: int) -> None:
-        try:
-            c = Raw(tcp.port, token)
-            payload = np.full(n, k + 1, np.int64).tobytes()
-            for _ in range(rounds):
-                status, msg = c.request(Op.ACCUMULATE, 10, 0, n * 8, DType.INT64, payload=payload)
-                assert status == Status.OK, msg
-            c.close()
-        except BaseException as exc:  # reported below
-            failures.append(exc)
-
-    threads = [threading.Thread(target=work, args=(k,)) for k in range(workers)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not failures
+        c = Raw(tcp.port, token)
+        payload = np.full(n, k + 1, np.int64).tobytes()
+        for _ in range(rounds):
+            status, msg = c.request(Op.ACCUMULATE, 10, 0, n * 8, DType.INT64, payload=payload)
+            assert status == Status.OK, msg
+        c.close()
+    run_ranks(workers, work, timeout=60)
     total = rounds * sum(range(1, workers + 1))
     values = extent.array("<i8")
     assert values.min() == total and values.max() == total

@@ -25,7 +25,7 @@ from smb_protocol.errors import InvalidArgument, NotPrimary, ReadOnly, ServerUna
 from smb_protocol.wire import Op
 from smb_server.memserver import dedup, replication
 from smb_server.memserver.arena import HEADER_BYTES
-from smb_server.testing import wait_until
+from smb_server.testing import run_ranks, wait_until
 from tests.integration.memserver.planes import typed
 
 from .nodes import SECRET, SIZE, UID, Client, MiB, Node
@@ -48,22 +48,6 @@ def primary_conn(backup: Node, client_id: int = 0, view: int = 1) -> TcpConnecti
     return conn
 
 
-def run_threads(fn, n: int) -> None:
-    errors: list[BaseException] = []
-
-    def body(i: int) -> None:
-        try:
-            fn(i)
-        except BaseException as exc:   # pragma: no cover - reported below
-            errors.append(exc)
-    threads = [threading.Thread(target=body, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not errors, errors
-
-
 def test_concurrent_accumulates_are_exact_and_identical_on_every_copy(nodes):
     primary, b1, b2 = replica_set(nodes, 3)
     words = SIZE // 8
@@ -77,7 +61,7 @@ def test_concurrent_accumulates_are_exact_and_identical_on_every_copy(nodes):
                 c.accumulate(8 * (i + 1), np.arange(100, dtype=np.int64))  # small, overlapping
         finally:
             c.close()
-    run_threads(worker, 4)
+    run_ranks(4, worker)
     expect = np.full(words, rounds * (1 + 2 + 3 + 4), np.int64)
     for i in range(4):
         expect[i + 1:i + 101] += rounds * np.arange(100, dtype=np.int64)
@@ -99,7 +83,7 @@ def test_float_accumulates_leave_identical_bytes(nodes):
                 c.session.scale(c.ticket, primary.eid, 0, 1 * MiB, DType.FLOAT32, 0.5, seq=next(c.seqs))
         finally:
             c.close()
-    run_threads(worker, 3)
+    run_ranks(3, worker)
     assert primary.data() == backup.data()
     assert np.any(primary.array(np.float32) != 0)
 
@@ -115,7 +99,7 @@ def test_overlapping_writes_leave_copies_byte_identical(nodes):
                 c.write(off, bytes([i * 16 + k]) * (5 * MiB))
         finally:
             c.close()
-    run_threads(worker, 4)
+    run_ranks(4, worker)
     assert primary.data() == backup.data() and any(backup.data())
 
 
