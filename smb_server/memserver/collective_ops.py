@@ -30,7 +30,7 @@ import numpy as np
 from smb_protocol import rounds, wire
 from smb_protocol.chunk_types import ChunkTypes, narrow
 from smb_protocol.dtypes import STORAGE, itemsize
-from smb_protocol.errors import ExtentNotFound, InvalidArgument, Misaligned, Status, Timeout
+from smb_protocol.errors import ExtentNotFound, InvalidArgument, Misaligned, SMBError, Status, Timeout
 from smb_protocol.requests import Arith, Pull, Push
 from smb_protocol.rounds import Step
 from smb_protocol.wire import WaitCond
@@ -99,6 +99,9 @@ def push(node: Node, peer: Peer, extent: Extent, req: Push, entry: Entry | None)
         raise ExtentNotFound(f"extent {extent.extent_id} was released during the push")
     node.waiters.touched(extent.extent_id, req.word, 8)
     peer.stats.add(bytes_accumulated=req.length)
+    if rounds.slot_round(word) == req.ref.round and rounds.arrivals(word) >= req.ref.parties:
+        for owed in node.parked.take((extent.extent_id, req.word, req.ref.round)):
+            owed.send()   # every sum that waited for this push (parked.py)
     return _OLD.pack(old)
 
 
@@ -107,9 +110,14 @@ def _wait(node: Node, peer: Peer, extent: Extent, word: int, value: int, deadlin
     """Wait until the count word at ``word`` reaches ``value``; Timeout at ``deadline``."""
     left = deadline - time.monotonic()
     if left <= 0:
-        raise Timeout(f"the count word at byte {word} of extent {extent.extent_id} did not reach "
-                      f"{value:#x} within {timeout:.3g} s: not every party came")
+        raise absent(extent.extent_id, word, value, timeout)
     node.waiters.wait(extent, word, WaitCond.AT_LEAST, value, left, peer.cancelled)
+
+
+def absent(extent_id: int, word: int, value: int, timeout: float) -> Timeout:
+    """The error of a chunk request whose count word did not reach ``value`` in time."""
+    return Timeout(f"the count word at byte {word} of extent {extent_id} did not reach "
+                   f"{value:#x} within {timeout:.3g} s: not every party came")
 
 
 def pull(node: Node, peer: Peer, req: Pull) -> None:
@@ -147,6 +155,16 @@ def pull(node: Node, peer: Peer, req: Pull) -> None:
             return None
     node.waiters.touched(req.extent_id, req.word, 8)
     return None
+
+
+def ready(node: Node, peer: Peer, req: Pull) -> bool:
+    """Whether a pull of ``req`` would stop waiting now: its round has every push in,
+    or it would be refused (its extent or ticket went, its round is gone)."""
+    try:
+        extent = peer.tickets.check(node.arena, req.extent_id, write=True)
+        return not extent.live or rounds.admit_pull(_word(extent, req.word), req.ref)[0] is Step.GO
+    except SMBError:
+        return True
 
 
 def _word(extent: Extent, offset: int) -> int:

@@ -30,6 +30,16 @@ T = TypeVar("T")
 STOP_WAIT = 5.0   # seconds :meth:`Deliveries.stop` waits for the thread (it notices within RECHECK)
 
 
+class _Refusal(Generic[T]):
+    """A queued pull to answer with an error instead (:meth:`Deliveries.refuse`)."""
+
+    __slots__ = ("pull", "err")
+
+    def __init__(self, pull: T, err: SMBError) -> None:
+        self.pull = pull
+        self.err = err
+
+
 class Deliveries(Generic[T]):
     """A FIFO of requests (pulls; on the rdma plane also a queue pair's pushes) served
     in order by a thread of its own.
@@ -43,7 +53,7 @@ class Deliveries(Generic[T]):
         self._serve = serve
         self._fail = fail
         self._broken = broken
-        self._queue: deque[T] = deque()
+        self._queue: deque[T | _Refusal[T]] = deque()
         self._cond = threading.Condition()
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name=f"smb-deliver {name}", daemon=True)
@@ -56,6 +66,12 @@ class Deliveries(Generic[T]):
     def put(self, pull: T) -> None:
         with self._cond:
             self._queue.append(pull)
+            self._cond.notify()
+
+    def refuse(self, pull: T, err: SMBError) -> None:
+        """Answer ``pull`` with ``err``, in turn (from this queue's thread)."""
+        with self._cond:
+            self._queue.append(_Refusal(pull, err))
             self._cond.notify()
 
     def pending(self) -> int:
@@ -80,8 +96,11 @@ class Deliveries(Generic[T]):
                     self._cond.wait()
                 if self._stopped:
                     return
-                pull = self._queue.popleft()
+                item = self._queue.popleft()
+            pull = item.pull if isinstance(item, _Refusal) else item
             try:
+                if isinstance(item, _Refusal):
+                    raise item.err
                 self._serve(pull)
             except SMBError as exc:
                 if self._stopped:

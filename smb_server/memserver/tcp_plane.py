@@ -64,7 +64,7 @@ from smb_protocol.errors import (
 from smb_protocol.tickets import TicketMode, verify
 from smb_protocol.wire import Op
 
-from . import coord_ops
+from . import coord_ops, tcp_sums, tcp_tls
 from .access import TicketBook
 from .deliveries import Deliveries
 from .engine import Engine
@@ -73,6 +73,7 @@ from .node import Node
 from .peer import Repeat
 from .scratch import SCRATCH_BYTES, SCRATCH_POOL_BYTES, SMALL_SCRATCH, ScratchPool
 from .stats import PlaneStats
+from .tcp_tls import GOODBYE_LINGER
 
 log = logging.getLogger(__name__)
 
@@ -82,8 +83,6 @@ FRAME_TIMEOUT = 60.0      # seconds from a frame's first byte to its last
 MAX_CONNECTIONS = 1024    # connections open at once
 MAX_PER_PEER = 128        # connections open at once from one peer address
 MAX_UNAUTHENTICATED = 256  # connections open at once without a valid HELLO yet (one more evicts one)
-GOODBYE_LINGER = 1.0      # seconds a dropped connection with a ticket is read (and discarded)
-                          # after its parting answer, so that the close is no reset
 _WORD = struct.Struct("<q")   # a pushed REDUCE's answer: the count word it found
 _FRAME_HINT = ("a slow or stalled client: raise tcp_frame_timeout_seconds on the memory server "
                "for slow links")
@@ -117,7 +116,7 @@ class _Connection:
         self.hello_deadline = time.monotonic() + plane.hello_timeout
         self.deadline = self.hello_deadline   # monotonic time the current frame must be in by
         self._header = bytearray(wire.REQUEST.size)
-        self._sending = threading.Lock()      # one answer frame at a time (two threads send)
+        self._sending = threading.RLock()     # one answer frame at a time (several threads send)
         self._deliveries: Deliveries[requests.Pull] | None = None   # REDUCE sums owed, made on the first
         self.ended = False                    # the reading loop is over
         self._reader = 0                      # the reading thread's ident
@@ -331,7 +330,7 @@ class _Connection:
                 self.plane.stats.add(operations=1)
                 last = body is not None and rounds.completes(_WORD.unpack(body)[0], req.ref)
                 self._reply(req_id, body or b"", kind=wire.PUSHED, more=last)
-                self._sum(req, last)
+                tcp_sums.owe(self, self.plane.node, req, last)
             elif body is not None:      # else already answered (and counted) by the operation
                 self.plane.stats.add(operations=1)
                 self._reply(req_id, body)
@@ -345,22 +344,22 @@ class _Connection:
         self._recv(memoryview(buf))
         return bytes(buf)
 
-    def _sum(self, req: requests.Reduce, last: bool) -> None:
-        """Owe the sum of a pushed ``REDUCE``: sent from here at once when this push was
-        the round's ``last`` (no hand-over to the deliveries' thread, which would only
-        wake to send it; its answer follows the ``PUSHED`` in one segment), else queued
-        until the round is complete."""
-        pull = req.pull()
-        if not last:
-            self._owed().put(pull)
-            return
+    def deliver(self, pull: requests.Pull) -> None:
+        """Send the sum ``pull`` owes now, from whichever thread has it (:mod:`.tcp_sums`)."""
+        if self.ended:
+            return    # the client asks again on a new connection
         try:
             self.plane.engine.deliver(self, pull)
         except SMBError as exc:
             self.plane.stats.add(errors=1)
-            self._reply(pull.req_id, str(exc).encode(), error_status(exc))
+            try:
+                self._reply(pull.req_id, str(exc).encode(), error_status(exc))
+            except _Drop as why:
+                self._broken(why)
+        except BaseException as exc:
+            self._broken(exc)
 
-    def _owed(self) -> Deliveries[requests.Pull]:
+    def owed(self) -> Deliveries[requests.Pull]:
         """The queue of sums this connection owes (made on its first REDUCE)."""
         if self._deliveries is None:
             self._deliveries = Deliveries(
@@ -409,6 +408,11 @@ class _Connection:
     @property
     def name(self) -> str:
         return self.peer
+
+    @property
+    def sending(self) -> threading.RLock:
+        """Held while an answer frame goes out (:mod:`.tcp_sums` sends from other threads)."""
+        return self._sending
 
     @property
     def stats(self) -> PlaneStats:
@@ -531,7 +535,7 @@ class TcpPlane:
             _Connection(self, sock, peer).serve()
             return
         started = time.monotonic()
-        stream = self._handshake(sock, peer)
+        stream = tcp_tls.handshake(self.tls, sock, self.hello_timeout, self.stats, peer)
         if stream is None:
             return
         try:
@@ -541,23 +545,6 @@ class TcpPlane:
             conn.serve()
         finally:
             stream.close()
-
-    def _handshake(self, sock: socket.socket, peer: str) -> ssl.SSLSocket | None:
-        """The TLS server side of ``sock``, after a handshake that must end within
-        ``hello_timeout`` seconds; None (logged, counted) when it fails. Runs on the
-        connection's thread. The TLS socket wraps a duplicate descriptor, so that the
-        listener's shutdown of ``sock`` at close reaches it too."""
-        assert self.tls is not None
-        dup = sock.dup()
-        try:
-            dup.settimeout(self.hello_timeout)
-            return self.tls.wrap_socket(dup, server_side=True)
-        except OSError as exc:   # ssl.SSLError, a timeout, a reset
-            dup.close()
-            self.stats.add(errors=1, dropped=1)
-            log.info("tcp %s: TLS handshake failed: %s", peer, exc)
-            _linger(sock)
-            return None
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop accepting, close every connection, wait for their threads (seconds)."""
@@ -572,22 +559,6 @@ class TcpPlane:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _linger(sock: socket.socket) -> None:
-    """Stop sending, then read and discard what the peer still sends for up to
-    :data:`GOODBYE_LINGER` seconds, so that the close is a FIN behind the TLS alert that
-    refused the peer, not a reset that loses it (a TLS 1.3 client sends its first request
-    before it learns that its certificate was refused)."""
-    end = time.monotonic() + GOODBYE_LINGER
-    try:
-        sock.shutdown(socket.SHUT_WR)
-        while (left := end - time.monotonic()) > 0:
-            sock.settimeout(left)
-            if not sock.recv(1 << 16):
-                break
-    except OSError:
-        pass
 
 
 def _refusal(err: SMBError) -> bytes:

@@ -1,0 +1,120 @@
+"""The sums a tcp connection owes for its ``REDUCE`` requests (:mod:`.tcp_plane`).
+
+Where a sum is sent from, fewest threads woken first:
+
+* the push that completes the round sends its own sum from the reading thread, right
+  behind its ``PUSHED`` answer (one segment);
+* an earlier push parks its sum (:mod:`.parked`); the completing push, whichever
+  connection or plane it came on, sends it from its own thread when the owner's socket
+  has room for it at once and no other thread is sending there, else hands it to the
+  owner's deliveries thread (:mod:`.deliveries`), which sends it, blocking if it must;
+* the parking watchdog hands back a sum whose deadline passed (answered ``Timeout`` by
+  the deliveries thread), whose extent went or whose round completed unseen (served
+  by the deliveries thread as before parking existed), or whose connection ended
+  (dropped: the client asks again on a new connection).
+"""
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import logging
+import socket
+import struct
+import termios
+import threading
+import time
+from typing import TYPE_CHECKING, Protocol
+
+from smb_protocol import requests, wire
+from smb_protocol.errors import SMBError
+
+from . import collective_ops
+from .deliveries import Deliveries
+from .parked import Key
+from .peer import Peer
+
+if TYPE_CHECKING:
+    from .node import Node
+
+log = logging.getLogger(__name__)
+
+_INT = struct.Struct("i")
+
+
+class Owner(Peer, Protocol):
+    """What a parked sum needs of its connection (a :class:`.peer.Peer`)."""
+
+    sock: socket.socket
+    ended: bool
+
+    @property
+    def sending(self) -> threading.RLock: ...
+
+    def deliver(self, pull: requests.Pull) -> None: ...
+
+    def owed(self) -> Deliveries[requests.Pull]: ...
+
+
+def room(sock: socket.socket) -> int:
+    """Bytes the socket's send buffer takes now without waiting (about: its size less
+    what is queued and not yet acknowledged)."""
+    size = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+    queued = _INT.unpack(fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0" * _INT.size))[0]
+    return int(size) - int(queued)
+
+
+class OwedSum:
+    """A sum parked until its round is complete (:class:`.parked.Owed`)."""
+
+    __slots__ = ("owner", "node", "pull", "key", "deadline")
+
+    def __init__(self, owner: Owner, node: Node, pull: requests.Pull) -> None:
+        self.owner = owner
+        self.node = node
+        self.pull = pull
+        self.key: Key = (pull.extent_id, pull.ref.word, pull.ref.round)
+        self.deadline = time.monotonic() + pull.timeout
+
+    def send(self) -> None:
+        owner = self.owner
+        if owner.ended:
+            return
+        nbytes = self.pull.length + wire.RESPONSE.size
+        if owner.sending.acquire(blocking=False):
+            try:
+                if room(owner.sock) >= 2 * nbytes:   # the kernel's accounting adds overhead
+                    owner.deliver(self.pull)
+                    return
+            except OSError:   # the socket went: its reading thread ends the connection
+                return
+            finally:
+                owner.sending.release()
+        owner.owed().put(self.pull)
+
+    def overdue(self) -> bool:
+        return (self.owner.ended or time.monotonic() >= self.deadline
+                or collective_ops.ready(self.node, self.owner, self.pull))
+
+    def hand_back(self) -> None:
+        owner, pull = self.owner, self.pull
+        if owner.ended:
+            return
+        left = self.deadline - time.monotonic()
+        if left > 0 or collective_ops.ready(self.node, owner, pull):
+            owner.owed().put(dataclasses.replace(pull, timeout=max(left, 0.0)))
+            return
+        err: SMBError = collective_ops.absent(pull.extent_id, pull.word, pull.ref.ready, pull.timeout)
+        owner.owed().refuse(pull, err)
+
+
+def owe(owner: Owner, node: Node, req: requests.Reduce, last: bool) -> None:
+    """Owe the sum of the pushed ``req``: sent at once from here when its push was the
+    round's ``last``, else parked until the push that completes the round."""
+    pull = req.pull()
+    if last:
+        owner.deliver(pull)
+        return
+    owed = OwedSum(owner, node, pull)
+    node.parked.park(owed)
+    if collective_ops.ready(node, owner, pull) and node.parked.reclaim(owed):
+        owner.deliver(pull)   # completed meanwhile, and its push left this one here
