@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _INT = struct.Struct("i")
+LOCK_WAIT = 0.002   # seconds a completing push waits for another answer on the same connection to go out
 
 
 class Owner(Peer, Protocol):
@@ -80,7 +81,7 @@ class OwedSum:
         if owner.ended:
             return
         nbytes = self.pull.length + wire.RESPONSE.size
-        if owner.sending.acquire(blocking=False):
+        if owner.sending.acquire(timeout=LOCK_WAIT):
             try:
                 if room(owner.sock) >= 2 * nbytes:   # the kernel's accounting adds overhead
                     owner.deliver(self.pull)
