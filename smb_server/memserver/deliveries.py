@@ -1,17 +1,18 @@
-"""The sums a pipelining connection owes its client (``REDUCE``, see :mod:`smb_protocol.wire`).
+"""A connection's own thread for the answers it owes but cannot send from where they
+come up (``REDUCE`` sums, see :mod:`smb_protocol.wire`; on the rdma plane also a queue
+pair's pushes).
 
 A ``REDUCE`` is served in two halves. The connection's own thread receives the chunk,
-applies the push (exactly once) and answers that it did; the pull that sends the sum
-back is queued here, and one thread per connection serves the queue in order: it waits
-until the chunk's count shows every party's push, sends the sum under the request's
-``req_id`` and counts the pull (:func:`.collective_ops.pull`, exactly once under
-``seq + 1``). The reading thread is never held by a chunk whose sum is not complete,
-so a client keeps a window of pushes in flight on one connection while the sums stream
-back as they complete.
-
-In order is as soon as possible: every party sends its chunks to a server in one
-order on one connection, and the server applies them in that order, so a server's
-chunks complete in that order too.
+applies the push (exactly once) and answers that it did; the sum goes back once every
+party's push is in. On the tcp plane the push that completes the round sends it
+(:mod:`.tcp_sums`); what it cannot send at once (the socket is full, or the sum was
+handed back by the parking watchdog) is queued here, and one thread per connection
+serves the queue in order: it waits until the chunk's count shows every party's push,
+sends the sum under the request's ``req_id`` and counts the pull
+(:func:`.collective_ops.pull`, exactly once under ``seq + 1``), or answers the error it
+was queued with (:meth:`Deliveries.refuse`). The reading thread is never held by a
+chunk whose sum is not complete, so a client keeps a window of pushes in flight on one
+connection while the sums stream back as they complete.
 """
 from __future__ import annotations
 

@@ -34,11 +34,13 @@ from .parked import Key
 from .peer import Peer
 
 if TYPE_CHECKING:
+    from .arena import Extent
     from .node import Node
 
 log = logging.getLogger(__name__)
 
 _INT = struct.Struct("i")
+FULL_LOOK = 20      # the watchdog's looks at a parked sum between looks at its round
 LOCK_WAIT = 0.002   # seconds a completing push waits for another answer on the same connection to go out
 
 
@@ -67,14 +69,16 @@ def room(sock: socket.socket) -> int:
 class OwedSum:
     """A sum parked until its round is complete (:class:`.parked.Owed`)."""
 
-    __slots__ = ("owner", "node", "pull", "key", "deadline")
+    __slots__ = ("owner", "node", "extent", "pull", "key", "deadline", "looks")
 
-    def __init__(self, owner: Owner, node: Node, pull: requests.Pull) -> None:
+    def __init__(self, owner: Owner, node: Node, extent: Extent, pull: requests.Pull) -> None:
         self.owner = owner
         self.node = node
+        self.extent = extent
         self.pull = pull
         self.key: Key = (pull.extent_id, pull.ref.word, pull.ref.round)
         self.deadline = time.monotonic() + pull.timeout
+        self.looks = 0
 
     def send(self) -> None:
         owner = self.owner
@@ -93,8 +97,12 @@ class OwedSum:
         owner.owed().put(self.pull)
 
     def overdue(self) -> bool:
-        return (self.owner.ended or time.monotonic() >= self.deadline
-                or collective_ops.ready(self.node, self.owner, self.pull))
+        """Its connection ended, its deadline passed or its extent went (looked at every
+        time, as a wait does), or its round completed unseen (every FULL_LOOK-th time:
+        every completion takes its round's sums, so this is only a safety net)."""
+        self.looks += 1
+        return (self.owner.ended or time.monotonic() >= self.deadline or not self.extent.live
+                or (self.looks % FULL_LOOK == 0 and collective_ops.ready(self.node, self.owner, self.pull)))
 
     def hand_back(self) -> None:
         owner, pull = self.owner, self.pull
@@ -112,10 +120,14 @@ def owe(owner: Owner, node: Node, req: requests.Reduce, last: bool) -> None:
     """Owe the sum of the pushed ``req``: sent at once from here when its push was the
     round's ``last``, else parked until the push that completes the round."""
     pull = req.pull()
+    try:
+        extent = node.arena.get(pull.extent_id)
+    except SMBError:
+        last = True   # gone already: the pull answers why
     if last:
         owner.deliver(pull)
         return
-    owed = OwedSum(owner, node, pull)
+    owed = OwedSum(owner, node, extent, pull)
     node.parked.park(owed)
     if collective_ops.ready(node, owner, pull) and node.parked.reclaim(owed):
         owner.deliver(pull)   # completed meanwhile, and its push left this one here
