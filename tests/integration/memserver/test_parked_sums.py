@@ -14,6 +14,7 @@ from smb_protocol.dtypes import DType
 from smb_protocol.errors import Status
 from smb_protocol.rounds import ChunkRound
 from smb_protocol.wire import Op
+from smb_server.memserver.tcp_sums import room
 from tests.integration.memserver.planes import _answer, _hello, _request, _send, _ticket
 
 CHUNK = 1 << 20            # bytes of a chunk (int64)
@@ -66,3 +67,17 @@ def test_a_parked_sum_whose_round_never_completes_is_a_timeout(plane):
         assert b"not every party came" in answers[1][3]
         assert tcp.node.parked.take((1, WORDS, 0)) == []    # nothing left behind
         assert _request(sock, 99, Op.PING)[0] == Status.OK
+
+
+def test_room_counts_what_queued_bytes_take_in_the_kernel():
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        peer = socket.socket()
+        peer.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)   # reads nothing, takes little
+        peer.connect(srv.getsockname())
+        sock, _ = srv.accept()
+        with peer, sock:
+            before = room(sock)
+            sock.setblocking(False)
+            sent = sock.send(bytes(1 << 20))
+            assert sent > 0
+            assert room(sock) <= before - sent     # the payload and its buffers' overhead
