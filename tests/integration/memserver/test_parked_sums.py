@@ -81,3 +81,16 @@ def test_room_counts_what_queued_bytes_take_in_the_kernel():
             sent = sock.send(bytes(1 << 20))
             assert sent > 0
             assert room(sock) <= before - sent     # the payload and its buffers' overhead
+
+
+def test_a_parked_sum_whose_extent_is_released_is_answered_at_once(plane):
+    arena, tcp, _ = plane
+    with socket.create_connection(("127.0.0.1", tcp.port)) as sock:
+        _hello(sock, _ticket([1]))
+        sock.settimeout(20.0)                      # the sum's own deadline is 60 s
+        _reduce(sock, 5, 0, 2, 1)                  # parked: the other party has not come
+        assert _answer(sock)[:3] == (Status.OK, wire.PUSHED, 5)
+        assert arena.release(1)
+        status, kind, req_id, body = _answer(sock)
+        assert (status, kind, req_id) == (Status.EXTENT_NOT_FOUND, wire.FINAL, 5)
+        assert _request(sock, 99, Op.PING)[0] == Status.OK
