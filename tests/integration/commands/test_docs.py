@@ -87,7 +87,8 @@ def test_blocks_finds_fences_and_markers(tmp_path):
 
 @pytest.fixture
 def env(cluster):
-    env = dict(os.environ, SMB_CONTROLLER=cluster.address, SMB_TOKEN=cluster.token)
+    # a block that dies on a signal prints every thread's Python stack (faulthandler)
+    env = dict(os.environ, SMB_CONTROLLER=cluster.address, SMB_TOKEN=cluster.token, PYTHONFAULTHANDLER="1")
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     return env
 

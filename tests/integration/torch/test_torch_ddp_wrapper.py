@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 from smb_server.testing import wait_until  # noqa: E402
 
 SCRIPT = textwrap.dedent("""
-    import sys
+    import gc, sys
     import torch, torch.distributed as dist, torch.nn.functional as F
     import smb_client.torch
 
@@ -43,6 +43,7 @@ SCRIPT = textwrap.dedent("""
     torch.save({k: v for k, v in model.state_dict().items() if "running" not in k and "batches" not in k},
                f"{out}/{mode}-rank{rank}.pt")
     dist.destroy_process_group()
+    gc.collect()  # free the group DDP holds in a reference cycle before the interpreter exits
     if mode == "crash" and rank == 0:
         raise RuntimeError("a crash after training")
 """)
@@ -51,7 +52,8 @@ SCRIPT = textwrap.dedent("""
 def torchrun(cluster, tmp_path, mode):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    env = dict(os.environ, SMB_CONTROLLER=cluster.address, SMB_TOKEN=cluster.token, OMP_NUM_THREADS="1")
+    env = dict(os.environ, SMB_CONTROLLER=cluster.address, SMB_TOKEN=cluster.token, OMP_NUM_THREADS="1",
+               PYTHONFAULTHANDLER="1")   # a rank that dies on a signal prints its threads' stacks
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            "--monitor-interval", "0.2", str(script), mode, str(tmp_path)],
                           env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path)
