@@ -188,14 +188,20 @@ def sendmsg_all(sock: socket.socket, buffers: Sequence[memoryview | bytes], flag
                 raise
             wait_ready(sock, True, stall)
             continue
-        while sent and views:
-            n = len(views[0])
-            if sent >= n:
-                sent -= n
-                views.pop(0)
-            else:
-                views[0] = views[0][sent:]
-                sent = 0
+        consume(views, sent)
+
+
+def consume(views: list[memoryview], n: int) -> None:
+    """Drop the first ``n`` bytes of ``views`` (a send or a receive moved them): the
+    views they fill are removed, a view they end inside is cut at that byte."""
+    while n and views:
+        head = len(views[0])
+        if n >= head:
+            n -= head
+            views.pop(0)
+        else:
+            views[0] = views[0][n:]
+            n = 0
 
 
 def wait_ready(sock: socket.socket, writing: bool, timeout: float | None) -> None:
@@ -242,14 +248,7 @@ def recv_into_all(sock: socket.socket, buffers: Sequence[memoryview],
             got = sock.recvmsg_into(views[:IOV_MAX])[0]
         if got == 0:
             raise ServerUnavailable("connection closed by peer")
-        while got and views:
-            n = len(views[0])
-            if got >= n:
-                got -= n
-                views.pop(0)
-            else:
-                views[0] = views[0][got:]
-                got = 0
+        consume(views, got)
 
 
 def recv_exact(sock: socket.socket, n: int) -> bytearray:

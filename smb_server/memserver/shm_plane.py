@@ -50,7 +50,7 @@ from smb_protocol.errors import SMBError, Status, error_status
 from smb_protocol.tickets import verify
 
 from .access import check_access
-from .listener import Listener
+from .listener import Listener, ListeningPlane
 from .node import Node
 from .stats import PlaneStats
 
@@ -71,7 +71,7 @@ class _Drop(Exception):
     """Malformed request or peer gone: close this connection."""
 
 
-class ShmPlane:
+class ShmPlane(ListeningPlane):
     """Serves extent descriptors on the Unix socket ``socket_path`` (created here,
     removed by :meth:`close`). Borrows ``node`` (its arena; its secret verifies tickets). At most
     ``max_connections`` connections are open, ``max_per_user`` of them from one user id
@@ -107,16 +107,6 @@ class ShmPlane:
     @property
     def endpoint(self) -> str:
         return f"shm://{self.path}"
-
-    @property
-    def connections(self) -> int:
-        """Connections being served now."""
-        return self._listener.connections
-
-    @property
-    def closing(self) -> bool:
-        """True once :meth:`close` has begun."""
-        return self._listener.closing
 
     # -- one connection ---------------------------------------------------------------
     def _serve(self, sock: socket.socket, peer: str) -> None:
@@ -190,18 +180,8 @@ class ShmPlane:
             raise _Drop(str(exc)) from None
         self.stats.observe("attach", time.perf_counter() - start)
 
-    def close(self, timeout: float = 5.0) -> None:
-        """Stop accepting, close every connection, remove the socket file."""
-        if self._listener.closing:
-            return
-        self._listener.close(timeout)
-        log.info("shm data plane on %s closed", self.path)
-
-    def __enter__(self) -> ShmPlane:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def _closed(self) -> None:
+        log.info("shm data plane on %s closed", self.path)   # the listener removed the socket file
 
 
 def _refusal(err: SMBError) -> bytes:

@@ -68,7 +68,7 @@ from . import coord_ops, tcp_sums, tcp_tls
 from .access import TicketBook
 from .deliveries import Deliveries
 from .engine import Engine
-from .listener import BACKLOG, Listener
+from .listener import BACKLOG, Listener, ListeningPlane
 from .node import Node
 from .peer import Repeat
 from .scratch import SCRATCH_BYTES, SCRATCH_POOL_BYTES, SMALL_SCRATCH, ScratchPool
@@ -474,7 +474,7 @@ class _SocketPayload:
             self._scratch = self._view = None
 
 
-class TcpPlane:
+class TcpPlane(ListeningPlane):
     """Listens on ``host:port`` (0: any free port) and serves the TCP data plane.
 
     Borrows ``node`` (its arena, secret, exactly-once table, ...; not closed here) and
@@ -518,16 +518,6 @@ class TcpPlane:
         """The bound TCP port."""
         return self._port
 
-    @property
-    def connections(self) -> int:
-        """Connections being served now."""
-        return self._listener.connections
-
-    @property
-    def closing(self) -> bool:
-        """True once :meth:`close` has begun."""
-        return self._listener.closing
-
     def _serve(self, sock: socket.socket, peer: str) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if self.tls is None:
@@ -546,19 +536,9 @@ class TcpPlane:
         finally:
             stream.close()
 
-    def close(self, timeout: float = 5.0) -> None:
-        """Stop accepting, close every connection, wait for their threads (seconds)."""
-        if self._listener.closing:
-            return
-        self._listener.close(timeout)
+    def _closed(self) -> None:
         self.scratch.close()
         log.info("tcp data plane on port %d closed", self._port)
-
-    def __enter__(self) -> TcpPlane:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def _refusal(err: SMBError) -> bytes:

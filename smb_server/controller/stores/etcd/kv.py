@@ -196,20 +196,12 @@ class EtcdKV:
         self.timeout = timeout
         self.channel = grpc.insecure_channel(channel_target(self.endpoints), options=CHANNEL_OPTIONS)
         ch = self.channel
-        self._txn = ch.unary_unary("/etcdserverpb.KV/Txn", request_serializer=pb.TxnRequest.SerializeToString,
-                                   response_deserializer=pb.TxnResponse.FromString)
-        self._grant = ch.unary_unary("/etcdserverpb.Lease/LeaseGrant",
-                                     request_serializer=pb.LeaseGrantRequest.SerializeToString,
-                                     response_deserializer=pb.LeaseGrantResponse.FromString)
-        self._revoke = ch.unary_unary("/etcdserverpb.Lease/LeaseRevoke",
-                                      request_serializer=pb.LeaseRevokeRequest.SerializeToString,
-                                      response_deserializer=pb.LeaseRevokeResponse.FromString)
-        self._keepalive = ch.stream_stream("/etcdserverpb.Lease/LeaseKeepAlive",
-                                           request_serializer=pb.LeaseKeepAliveRequest.SerializeToString,
-                                           response_deserializer=pb.LeaseKeepAliveResponse.FromString)
-        self.watch_method = ch.stream_stream("/etcdserverpb.Watch/Watch",
-                                             request_serializer=pb.WatchRequest.SerializeToString,
-                                             response_deserializer=pb.WatchResponse.FromString)
+        self._txn = _method(ch.unary_unary, "KV/Txn", pb.TxnRequest, pb.TxnResponse)
+        self._grant = _method(ch.unary_unary, "Lease/LeaseGrant", pb.LeaseGrantRequest, pb.LeaseGrantResponse)
+        self._revoke = _method(ch.unary_unary, "Lease/LeaseRevoke", pb.LeaseRevokeRequest, pb.LeaseRevokeResponse)
+        self._keepalive = _method(ch.stream_stream, "Lease/LeaseKeepAlive", pb.LeaseKeepAliveRequest,
+                                  pb.LeaseKeepAliveResponse)
+        self.watch_method = _method(ch.stream_stream, "Watch/Watch", pb.WatchRequest, pb.WatchResponse)
 
     def describe(self) -> str:
         return ",".join(f"{h}:{p}" for h, p in self.endpoints)
@@ -271,7 +263,7 @@ class EtcdKV:
                     return got
                 return pb.LeaseKeepAliveResponse(TTL=0)   # the stream ended: no such lease
             finally:
-                call.cancel()  # type: ignore[no-untyped-call]  # grpc-stubs leaves it untyped
+                call.cancel()
         return int(self._call("LeaseKeepAlive", once).TTL)
 
     def revoke(self, lease: int) -> None:
@@ -334,7 +326,7 @@ class Watch:
                 with self._lock:
                     self._call = call
                 if self._stop.is_set():
-                    call.cancel()  # type: ignore[no-untyped-call]
+                    call.cancel()
                 for response in call:
                     if response.compact_revision:
                         log.warning("etcd watch on %s: revisions up to %d compacted; reading afresh",
@@ -370,3 +362,10 @@ class Watch:
             call.cancel()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join()
+
+
+def _method(kind: Callable[..., Any], name: str, request: Any, response: Any) -> Any:
+    """etcd's gRPC method ``etcdserverpb.<name>`` on a channel (``kind``: the channel's
+    ``unary_unary`` or ``stream_stream``), its messages ``request`` and ``response``."""
+    return kind(f"/etcdserverpb.{name}", request_serializer=request.SerializeToString,
+                response_deserializer=response.FromString)
