@@ -50,8 +50,9 @@ from smb_protocol.errors import SMBError, Status, error_status
 from smb_protocol.tickets import verify
 
 from .access import check_access
-from .listener import Listener, ListeningPlane
+from .listener import Listener
 from .node import Node
+from .plane import ListeningPlane
 from .stats import PlaneStats
 
 log = logging.getLogger(__name__)

@@ -68,9 +68,10 @@ from . import coord_ops, tcp_sums, tcp_tls
 from .access import TicketBook
 from .deliveries import Deliveries
 from .engine import Engine
-from .listener import BACKLOG, Listener, ListeningPlane
+from .listener import BACKLOG, Listener
 from .node import Node
 from .peer import Repeat
+from .plane import ListeningPlane
 from .scratch import SCRATCH_BYTES, SCRATCH_POOL_BYTES, SMALL_SCRATCH, ScratchPool
 from .stats import PlaneStats
 from .tcp_tls import GOODBYE_LINGER
