@@ -26,7 +26,7 @@ START_TIMEOUT = 30.0  # seconds
 class ControllerGroup:
     """``count`` controllers sharing ``store`` (an ``etcd://`` URL; a SQLite path for one
     controller); owns their processes (killed at :meth:`stop`). ``extra_args`` go to
-    every controller."""
+    every controller. As a context manager: started on entry, stopped on exit."""
 
     def __init__(self, workdir: Path, store: str, count: int = 2, leader_lease: int = 2,
                  server_lease: float = 3.0, extra_args: tuple[str, ...] = ()) -> None:
@@ -66,6 +66,16 @@ class ControllerGroup:
         for i in range(len(self.procs)):
             self.start_controller(i)
         return self
+
+    def __enter__(self) -> ControllerGroup:
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()                  # the controllers that did start
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
     def start_server(self, capacity: str = "256M") -> None:
         i = len(self.servers)

@@ -18,7 +18,7 @@ import pytest
 from smb_client.collective import Collective
 from smb_client.transports.rdma.reduce import RdmaReduceStream
 from smb_protocol import errors
-from tests.integration.client.parties import after_each_push, kill_mid_round, run_parties, summing_body
+from tests.integration.client.parties import break_mid_round, kill_mid_round, run_parties, summing_body
 from tests.integration.daemons import scrape
 from tests.rdma.conftest import rdma_cluster
 
@@ -115,19 +115,7 @@ def test_a_round_whose_queue_pairs_break_is_sent_again_and_adds_nothing_twice(cl
     """Party 0's queue pairs are cut three times mid-round, right after a push took
     effect and with sums still owed: the chunks in flight go again with their numbers
     on new queue pairs, and the servers apply none of them twice."""
-    breaks: list[int] = []
-
-    def cut(task) -> None:
-        if len(breaks) < 3 and task.chunk.index % 7 == 3 and task.stream is not None:
-            breaks.append(task.chunk.index)
-            task.stream.abandon()
-
-    def body(coll: Collective, rank: int) -> None:
-        if rank == 0:
-            after_each_push(coll, cut)
-        summing_body(3, 40 * 512, [])(coll, rank)
-    run_parties(cluster, name, 3, 40 * 512 * 8, 4096, "rdma", body, num_servers=2, window=4 * 4096)
-    assert len(breaks) == 3
+    break_mid_round(cluster, name, "rdma")
 
 
 def test_transport_tcp_keeps_the_exchange_on_tcp(cluster, name):

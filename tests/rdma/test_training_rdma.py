@@ -26,17 +26,14 @@ def _train(client, prefix: str, rank: int, x, y) -> tuple[np.ndarray, bool]:
     from smb_client.torch import SyncDataParallel, WorkerEnv, open_store
     from smb_client.transports.rdma.reduce import RdmaReduceStream
     from smb_train.workers import make_model
+    from tests.integration.torch.training import rank_batch, sync_step
     env = WorkerEnv(rank=rank, world_size=WORLD, local_rank=rank, local_world_size=WORLD)
     model = make_model(7, 64)
     store = open_store(client, env, prefix, model, workers=WORLD)
     dp = SyncDataParallel(store, rank, WORLD, bucket_bytes=8192)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(STEPS):
-        lo = (step * WORLD + rank) * BATCH
-        dp.zero_grad()
-        torch.nn.functional.cross_entropy(model(x[lo:lo + BATCH]), y[lo:lo + BATCH]).backward()
-        dp.synchronize()
-        opt.step()
+        sync_step(dp, model, opt, x, y, rank_batch(step, rank, WORLD, BATCH))
     coll = dp.collective
     over_rdma = coll is not None and all(
         isinstance(coll.region.route.stream(c.slot, coll.transport == "auto")[0], RdmaReduceStream)

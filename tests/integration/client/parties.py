@@ -78,6 +78,27 @@ def after_each_push(coll: Collective, fn) -> None:
     ex._pushed = after   # type: ignore[method-assign]
 
 
+def break_mid_round(cluster, name: str, transport: str) -> None:
+    """Party 0's stream connections (queue pairs over rdma) are cut three times mid-round
+    of three parties, right after a push took effect and with sums still owed: the
+    chunks in flight go again with their numbers, and the servers apply none of them
+    twice (the exact sums would show it: a chunk sent again after its sum came back
+    would add the sum)."""
+    breaks: list[int] = []
+
+    def cut(task) -> None:
+        if len(breaks) < 3 and task.chunk.index % 7 == 3 and task.stream is not None:
+            breaks.append(task.chunk.index)
+            task.stream.abandon()
+
+    def body(coll: Collective, rank: int) -> None:
+        if rank == 0:
+            after_each_push(coll, cut)
+        summing_body(3, 40 * 512, [])(coll, rank)
+    run_parties(cluster, name, 3, 40 * 512 * 8, 4096, transport, body, num_servers=2, window=4 * 4096)
+    assert len(breaks) == 3
+
+
 def kill_mid_round(cluster, name: str, transport: str, within: float, wire: str | None = None,
                    refused_after: bool = True) -> None:
     """kill -9 of ``cluster``'s memory server 0 in the middle of a round of three parties:

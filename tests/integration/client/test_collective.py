@@ -14,7 +14,7 @@ import pytest
 
 from smb_client.collective import TAIL, Collective
 from smb_protocol import errors
-from tests.integration.client.parties import after_each_push, kill_mid_round, run_parties, summing_body
+from tests.integration.client.parties import break_mid_round, kill_mid_round, run_parties, summing_body
 
 KiB = 1 << 10
 
@@ -195,19 +195,7 @@ def test_a_round_whose_connections_break_is_sent_again_and_adds_nothing_twice(cl
     effect and with sums still owed: the chunks in flight go again with their numbers,
     the servers apply none of them twice (the sums would show it: a chunk sent again
     after its sum came back would add the sum)."""
-    breaks: list[int] = []
-
-    def cut(task) -> None:
-        if len(breaks) < 3 and task.chunk.index % 7 == 3 and task.stream is not None:
-            breaks.append(task.chunk.index)
-            task.stream.abandon()
-
-    def body(coll: Collective, rank: int) -> None:
-        if rank == 0:
-            after_each_push(coll, cut)
-        summing_body(3, 40 * 512, [])(coll, rank)
-    run_parties(cluster, name, 3, 40 * 512 * 8, 4096, "tcp", body, num_servers=2, window=4 * 4096)
-    assert len(breaks) == 3
+    break_mid_round(cluster, name, "tcp")
 
 
 @pytest.mark.parametrize("wire", [None, "bf16"])

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -28,6 +30,20 @@ def region(client, name):
 
 def _reports(caplog, what: str) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and what in r.getMessage()]
+
+
+@contextmanager
+def rank_0_alone(client, name: str, region) -> Iterator[Collective]:
+    """A collective ``name`` of two parties (rounds time out after 1.5 s) that only rank 0
+    takes part in, its attendance kept in ``region``; destroyed afterwards."""
+    coll = Collective.create(client, name, 4 * KiB, 2, timeout=1.5)
+    try:
+        roll = Attendance(region, ROLL, 2, 0)
+        roll.reset()
+        coll.roll, coll.report_every = roll, REPORT
+        yield coll
+    finally:
+        coll.destroy()
 
 
 def test_a_barrier_names_the_rank_that_never_came(client, region, caplog):
@@ -111,11 +127,7 @@ def test_a_controller_barrier_that_opens_returns_its_generation(client, name):
 
 
 def test_a_collective_round_names_the_rank_that_never_came(client, name, region, caplog):
-    coll = Collective.create(client, f"{name}/c", 4 * KiB, 2, timeout=1.5)
-    try:
-        roll = Attendance(region, ROLL, 2, 0)
-        roll.reset()
-        coll.roll, coll.report_every = roll, REPORT
+    with rank_0_alone(client, f"{name}/c", region) as coll:
         with caplog.at_level(logging.WARNING, logger="smb_client.coord"):
             with pytest.raises(PartiesMissing) as info:
                 coll.all_reduce(np.ones(512, dtype=np.float32))
@@ -127,16 +139,10 @@ def test_a_collective_round_names_the_rank_that_never_came(client, name, region,
                    for m in _reports(caplog, f"all-reduce on {name}/c"))
         with pytest.raises(PartiesMissing, match="every party must make a new one"):
             coll.all_reduce(np.ones(512, dtype=np.float32))
-    finally:
-        coll.destroy()
 
 
 def test_a_broadcast_whose_root_never_comes_names_it(client, name, region, caplog):
-    coll = Collective.create(client, f"{name}/b", 4 * KiB, 2, timeout=1.5)
-    try:
-        roll = Attendance(region, ROLL, 2, 0)
-        roll.reset()
-        coll.roll, coll.report_every = roll, REPORT
+    with rank_0_alone(client, f"{name}/b", region) as coll:
         with caplog.at_level(logging.WARNING, logger="smb_client.coord"):
             with pytest.raises(PartiesMissing) as info:
                 coll.broadcast(np.zeros(512, dtype=np.float32), root=1, rank=0)
@@ -144,8 +150,6 @@ def test_a_broadcast_whose_root_never_comes_names_it(client, name, region, caplo
         assert f"broadcast from rank 1 on {name}/b, round 0: not every party came" in str(info.value)
         assert any("2 parties expected" in m and "missing: rank 1" in m
                    for m in _reports(caplog, f"broadcast from rank 1 on {name}/b"))
-    finally:
-        coll.destroy()
 
 
 def test_a_controller_barrier_names_the_rank_that_never_came(client, name, caplog):

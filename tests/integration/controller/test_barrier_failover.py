@@ -21,12 +21,8 @@ BARRIER_WAIT = 60  # seconds a party waits at most (the test fails rather than h
 
 @pytest.fixture
 def group(tmp_path: Path, etcd_server: EtcdServer) -> Iterator[ControllerGroup]:
-    g = ControllerGroup(tmp_path, etcd_server.url(), count=3, leader_lease=2)
-    try:
-        g.start()
+    with ControllerGroup(tmp_path, etcd_server.url(), count=3, leader_lease=2) as g:
         yield g
-    finally:
-        g.stop()
 
 
 def test_a_barrier_survives_a_leader_kill_in_the_middle_of_a_round(group: ControllerGroup) -> None:

@@ -27,12 +27,8 @@ MiB = 1 << 20
 
 @pytest.fixture
 def group(tmp_path: Path, etcd_server: EtcdServer) -> Iterator[ControllerGroup]:
-    g = ControllerGroup(tmp_path, etcd_server.url(), count=2, leader_lease=LEADER_LEASE)
-    try:
-        g.start()
+    with ControllerGroup(tmp_path, etcd_server.url(), count=2, leader_lease=LEADER_LEASE) as g:
         yield g
-    finally:
-        g.stop()
 
 
 def test_one_leads_and_the_standby_names_it(group: ControllerGroup) -> None:

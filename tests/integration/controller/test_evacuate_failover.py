@@ -20,14 +20,10 @@ SETTLE = 120.0
 
 @pytest.fixture
 def group(tmp_path: Path, etcd_server: EtcdServer) -> Iterator[ControllerGroup]:
-    g = ControllerGroup(tmp_path, etcd_server.url(), count=2, leader_lease=2)
-    try:
-        g.start()
+    with ControllerGroup(tmp_path, etcd_server.url(), count=2, leader_lease=2) as g:
         for _ in range(3):
             g.start_server()
         yield g
-    finally:
-        g.stop()
 
 
 def test_a_new_leader_finishes_an_evacuation_the_old_one_began(group: ControllerGroup) -> None:

@@ -11,11 +11,12 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import numpy as np
 import pytest
 
-from smb_client import Client
+from smb_client import Client, Region
 from smb_client.transports.tcp import TcpSession
 from smb_protocol import tickets
 from smb_protocol.addressing import parse_endpoint
@@ -95,54 +96,50 @@ def test_all_reduce_over_tls(tls_cluster):
         first.destroy()
 
 
+def refused_by_the_controller(cluster, tls: TLSConfig, match: str) -> None:
+    """A client with ``tls`` is refused by the controller: AuthenticationError matching ``match``."""
+    with Client(cluster.address, cluster.token, tls=tls) as c:
+        with pytest.raises(AuthenticationError, match=match):
+            c.list_servers()
+
+
+def refused_by_the_data_plane(cluster, tls: TLSConfig, match: str, region: str,
+                              use: Callable[[Region], object]) -> None:
+    """A client the controller trusts, whose tcp data plane has ``tls``, is refused by
+    the memory server when it does ``use`` on ``region`` (created for it by a good
+    client, deleted after): AuthenticationError matching ``match``."""
+    with cluster.client() as good:
+        good.create_region(region, MiB)
+    with cluster.client(transport="tcp", transport_options={"tls": tls}) as c:
+        r = c.open_region(region)
+        with pytest.raises(AuthenticationError, match=match):
+            use(r)
+        c.delete_region(region)
+
+
 def test_wrong_ca_is_refused_on_grpc_and_data_plane(tls_cluster, other_ca):
     start = time.monotonic()
-    with Client(tls_cluster.address, tls_cluster.token, tls=other_ca.client()) as c:
-        with pytest.raises(AuthenticationError, match="SMB_TLS_CA"):
-            c.list_servers()
+    refused_by_the_controller(tls_cluster, other_ca.client(), "SMB_TLS_CA")
     assert time.monotonic() - start < 3, "refused at once, not after the reconnect patience"
-    with tls_cluster.client() as good:
-        good.create_region("tls/ca", MiB)
     # the controller trusted, a memory server signed by another CA: the data plane refuses it
-    with tls_cluster.client(transport="tcp", transport_options={"tls": other_ca.client()}) as c:
-        r = c.open_region("tls/ca")
-        with pytest.raises(AuthenticationError, match="SMB_TLS_CA"):
-            r.read(0, 64)
-        c.delete_region("tls/ca")
+    refused_by_the_data_plane(tls_cluster, other_ca.client(), "SMB_TLS_CA", "tls/ca", lambda r: r.read(0, 64))
 
 
 def test_client_without_certificate_is_refused(tls_cluster):
     no_cert = TLSConfig(ca=tls_cluster.certs.ca)
-    with Client(tls_cluster.address, tls_cluster.token, tls=no_cert) as c:
-        with pytest.raises(AuthenticationError, match="SMB_TLS_CERT"):
-            c.list_servers()
-    with tls_cluster.client() as good:
-        good.create_region("tls/nocert", MiB)
-    with tls_cluster.client(transport="tcp", transport_options={"tls": no_cert}) as c:
-        r = c.open_region("tls/nocert")
-        with pytest.raises(AuthenticationError, match="SMB_TLS_CERT"):
-            r.write(0, b"x" * 64)
-        c.delete_region("tls/nocert")
+    refused_by_the_controller(tls_cluster, no_cert, "SMB_TLS_CERT")
+    refused_by_the_data_plane(tls_cluster, no_cert, "SMB_TLS_CERT", "tls/nocert", lambda r: r.write(0, b"x" * 64))
 
 
 def test_client_certificate_of_another_ca_is_refused(tls_cluster, other_ca):
     foreign = TLSConfig(tls_cluster.certs.ca, other_ca.client_cert, other_ca.client_key)
-    with Client(tls_cluster.address, tls_cluster.token, tls=foreign) as c:
-        with pytest.raises(AuthenticationError, match="does not accept this client's certificate"):
-            c.list_servers()
-    with tls_cluster.client() as good:
-        good.create_region("tls/foreign", MiB)
-    with tls_cluster.client(transport="tcp", transport_options={"tls": foreign}) as c:
-        r = c.open_region("tls/foreign")
-        with pytest.raises(AuthenticationError, match="does not accept this client's certificate"):
-            r.read(0, 64)
-        c.delete_region("tls/foreign")
+    refused = "does not accept this client's certificate"
+    refused_by_the_controller(tls_cluster, foreign, refused)
+    refused_by_the_data_plane(tls_cluster, foreign, refused, "tls/foreign", lambda r: r.read(0, 64))
 
 
 def test_client_with_tls_off_is_told_the_controller_serves_tls(tls_cluster):
-    with Client(tls_cluster.address, tls_cluster.token, tls=TLSConfig()) as c:
-        with pytest.raises(AuthenticationError, match="serves TLS.*SMB_TLS_CA"):
-            c.list_servers()
+    refused_by_the_controller(tls_cluster, TLSConfig(), "serves TLS.*SMB_TLS_CA")
 
 
 def test_smb_server_drain_uses_the_servers_tls_settings(tls_cluster):

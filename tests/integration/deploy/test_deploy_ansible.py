@@ -14,7 +14,6 @@ so nothing is downloaded.
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import stat
@@ -27,19 +26,9 @@ import pytest
 
 from smb_server.runtime.certs import make_cluster_certs
 from smb_server.runtime.config import ControllerConfig, ServerConfig, load
+from tests.integration.deploy.playbook import ANSIBLE, ROOT, VENV_BIN, playbook_marks, read_env_file, run_playbook
 
-ROOT = Path(__file__).resolve().parents[3]
-ANSIBLE = ROOT / "deploy" / "ansible"
-VENV_BIN = Path(sys.executable).parent
-PLAYBOOK_TIMEOUT = 300   # seconds
-
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(not (VENV_BIN / "ansible-playbook").exists(),
-                       reason="ansible-core is not installed (the dev extra pins it: make deps)"),
-    pytest.mark.skipif(os.geteuid() != 0, reason="the playbook installs packages and a user: needs root"),
-    pytest.mark.skipif(shutil.which("apt-get") is None, reason="the playbook targets Debian (apt)"),
-]
+pytestmark = playbook_marks("installs packages and a user")
 
 
 def build_wheel(tmp_path: Path) -> Path:
@@ -58,12 +47,6 @@ def build_wheel(tmp_path: Path) -> Path:
                    check=True, capture_output=True, timeout=300)
     (wheel,) = dist.glob("soft_memory_box-*.whl")
     return wheel
-
-
-def read_env_file(path: Path) -> dict[str, str]:
-    pairs = [line.split("=", 1) for line in path.read_text().splitlines()
-             if line.strip() and not line.startswith("#")]
-    return {k: v for k, v in pairs}
 
 
 @pytest.fixture(scope="module")
@@ -94,18 +77,9 @@ def deployed(tmp_path_factory):
              "data_dir": f"{root}/var/lib/smb/server-numa1/data"},
         ],
     }
-    (tmp / "vars.json").write_text(json.dumps(variables))
-    env = dict(os.environ, ANSIBLE_CONFIG=str(ANSIBLE / "ansible.cfg"), ANSIBLE_PIPELINING="1",
-               ANSIBLE_LOCAL_TEMP=str(tmp / "ansible-tmp"), ANSIBLE_NOCOLOR="1",
-               ANSIBLE_PYTHON_INTERPRETER="/usr/bin/python3",
-               PATH=f"{VENV_BIN}:{os.environ.get('PATH', '')}")
 
     def play() -> str:
-        out = subprocess.run([str(VENV_BIN / "ansible-playbook"), "-c", "local", "-i", "localhost,",
-                              str(ANSIBLE / "site.yml"), "-e", f"@{tmp / 'vars.json'}"],
-                             capture_output=True, text=True, timeout=PLAYBOOK_TIMEOUT, env=env, cwd=tmp)
-        assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-2000:]
-        return out.stdout
+        return run_playbook(tmp, variables)
 
     return {"root": root, "vars": variables, "output": play(), "play": play}
 

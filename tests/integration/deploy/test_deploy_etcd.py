@@ -5,45 +5,25 @@ environment (systemd, which would, is not PID 1 here) and talks to it, and check
 store URL the controllers are given."""
 from __future__ import annotations
 
-import json
-import os
 import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-import pytest
 import requests
 
 from smb_server.controller.stores.etcd import kv
+from tests.integration.deploy.playbook import playbook_marks, read_env_file, run_playbook
 
-ROOT = Path(__file__).resolve().parents[3]
-ANSIBLE = ROOT / "deploy" / "ansible"
-VENV_BIN = Path(sys.executable).parent
-PLAYBOOK_TIMEOUT = 300   # seconds
-
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(not (VENV_BIN / "ansible-playbook").exists(),
-                       reason="ansible-core is not installed (the dev extra pins it: make deps)"),
-    pytest.mark.skipif(os.geteuid() != 0, reason="the playbook installs packages: needs root"),
-    pytest.mark.skipif(shutil.which("apt-get") is None, reason="the playbook targets Debian (apt)"),
-]
+pytestmark = playbook_marks("installs packages")
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def read_env_file(path: Path) -> dict[str, str]:
-    pairs = [line.split("=", 1) for line in path.read_text().splitlines()
-             if line.strip() and not line.startswith("#")]
-    return {k: v.strip('"') for k, v in pairs}
 
 
 def test_etcd_play_configures_a_member_that_runs(tmp_path: Path) -> None:
@@ -57,16 +37,8 @@ def test_etcd_play_configures_a_member_that_runs(tmp_path: Path) -> None:
         "smb_etcd_env_file": str(env_file), "smb_etcd_data_dir": str(tmp_path / "etcd-data"),
         "smb_manage_services": False, "smb_apt_update_cache": False,
     }
-    (tmp_path / "vars.json").write_text(json.dumps(variables))
-    env = dict(os.environ, ANSIBLE_CONFIG=str(ANSIBLE / "ansible.cfg"), ANSIBLE_PIPELINING="1",
-               ANSIBLE_LOCAL_TEMP=str(tmp_path / "ansible-tmp"), ANSIBLE_NOCOLOR="1",
-               ANSIBLE_PYTHON_INTERPRETER="/usr/bin/python3",
-               PATH=f"{VENV_BIN}:{os.environ.get('PATH', '')}")
-    out = subprocess.run([str(VENV_BIN / "ansible-playbook"), "-c", "local", "-i", "localhost,",
-                          str(ANSIBLE / "site.yml"), "-e", f"@{tmp_path / 'vars.json'}"],
-                         capture_output=True, text=True, timeout=PLAYBOOK_TIMEOUT, env=env, cwd=tmp_path)
-    assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-2000:]
-    assert f"controllers' store: etcd://127.0.0.1:{client_port}/smb" in out.stdout
+    stdout = run_playbook(tmp_path, variables)
+    assert f"controllers' store: etcd://127.0.0.1:{client_port}/smb" in stdout
     assert shutil.which("etcd") and shutil.which("etcdctl")
 
     settings = read_env_file(env_file)

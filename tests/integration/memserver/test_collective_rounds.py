@@ -37,6 +37,12 @@ def _push(sock, req_id: int, ref: ChunkRound, value: int, seq: int, op: Op = Op.
           seq=seq, arg1=arg1, alpha=5.0)
 
 
+def _pushed(sock, req_id: int, ref: ChunkRound, value: int, seq: int) -> None:
+    """A push the server takes (answered OK)."""
+    _push(sock, req_id, ref, value, seq)
+    assert _answer(sock)[0] == Status.OK
+
+
 def _pull(sock, req_id: int, ref: ChunkRound, seq: int) -> tuple[int, bytes]:
     arg0, arg1 = ref.args()
     return _request(sock, req_id, Op.PULL, 1, 0, CHUNK, 0, arg0, seq=seq, arg1=arg1, alpha=5.0)
@@ -54,21 +60,25 @@ def _alive(sock) -> None:
     assert _request(sock, 99, Op.PING)[0] == Status.OK
 
 
+def _left(arena, sock, value: int, count: int) -> None:
+    """The chunk holds ``value`` in every element, its count word is ``count``, and the
+    connection carries on."""
+    np.testing.assert_array_equal(_chunk(arena), np.full(N, value))
+    assert _count(arena) == count
+    _alive(sock)
+
+
 def test_a_push_of_a_round_the_chunk_is_past_is_refused_and_adds_nothing(conn):
     arena, sock = conn
     first = ChunkRound(WORD, 1, 0)
-    _push(sock, 2, first, 5, seq=16)
-    assert _answer(sock)[0] == Status.OK
+    _pushed(sock, 2, first, 5, seq=16)
     assert _pull(sock, 3, first, seq=32)[0] == Status.OK
-    _push(sock, 4, ChunkRound(WORD, 1, 2), 7, seq=48)            # round 2 takes slot 0
-    assert _answer(sock)[0] == Status.OK
+    _pushed(sock, 4, ChunkRound(WORD, 1, 2), 7, seq=48)          # round 2 takes slot 0
     _push(sock, 5, first, 1000, seq=64)                          # a party still at round 0
     status, _, req_id, body = _answer(sock)
     assert (status, req_id) == (Status.ROUND_MISMATCH, 5)
     assert b"behind the others" in body
-    np.testing.assert_array_equal(_chunk(arena), np.full(N, 7))
-    assert _count(arena) == count_word(2, 1)
-    _alive(sock)
+    _left(arena, sock, 7, count_word(2, 1))
 
 
 def test_a_replayed_push_applies_once_and_a_copy_with_a_new_number_is_refused(conn):
@@ -82,9 +92,7 @@ def test_a_replayed_push_applies_once_and_a_copy_with_a_new_number_is_refused(co
     _push(sock, 4, ref, 5, seq=32)                               # replayed under a new number
     status, _, _, body = _answer(sock)
     assert status == Status.ROUND_MISMATCH and b"already has all its pushes" in body
-    np.testing.assert_array_equal(_chunk(arena), np.full(N, 5))
-    assert _count(arena) == count_word(0, 1)
-    _alive(sock)
+    _left(arena, sock, 5, count_word(0, 1))
 
 
 def test_a_reduce_of_a_wrong_round_gets_one_error_answer_and_no_sum(conn):
@@ -110,8 +118,7 @@ def test_a_pull_of_a_round_that_is_gone_is_refused(conn):
     arena, sock = conn
     for r in (0, 2):
         ref = ChunkRound(WORD, 1, r)
-        _push(sock, 2, ref, r + 1, seq=16 * (r + 1))
-        assert _answer(sock)[0] == Status.OK
+        _pushed(sock, 2, ref, r + 1, seq=16 * (r + 1))
         if r == 0:
             assert _pull(sock, 3, ref, seq=24)[0] == Status.OK
     status, body = _pull(sock, 4, ChunkRound(WORD, 1, 0), seq=80)
@@ -122,13 +129,11 @@ def test_a_pull_of_a_round_that_is_gone_is_refused(conn):
 def test_a_repeated_pull_after_a_later_round_overwrote_its_sum_is_refused(conn):
     arena, sock = conn
     ref = ChunkRound(WORD, 1, 0)
-    _push(sock, 2, ref, 5, seq=16)
-    assert _answer(sock)[0] == Status.OK
+    _pushed(sock, 2, ref, 5, seq=16)
     status, body = _pull(sock, 3, ref, seq=32)
     assert status == Status.OK and np.frombuffer(body, np.int64)[0] == 5
     assert _pull(sock, 4, ref, seq=32) == (status, body)         # a repeat while the sum is there
-    _push(sock, 5, ChunkRound(WORD, 1, 2), 8, seq=48)
-    assert _answer(sock)[0] == Status.OK
+    _pushed(sock, 5, ChunkRound(WORD, 1, 2), 8, seq=48)
     status, body = _pull(sock, 6, ref, seq=32)                   # the repeat would now read round 2's bytes
     assert status == Status.ROUND_MISMATCH and b"overwritten" in body
 
@@ -142,8 +147,7 @@ def test_chunk_requests_through_a_read_only_ticket_are_refused(plane):
             _push(sock, 2, ref, 5, seq=16, op=op)
             assert _answer(sock)[0] == Status.READ_ONLY
         assert _pull(sock, 3, ref, seq=32)[0] == Status.READ_ONLY
-        assert _count(arena) == 0 and not _chunk(arena).any()
-        _alive(sock)
+        _left(arena, sock, 0, 0)
 
 
 def test_chunk_request_fields_that_name_no_round_are_refused(conn):

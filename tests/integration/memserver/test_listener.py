@@ -112,44 +112,43 @@ def test_unix_socket_file_is_private_replaces_a_stale_one_and_is_removed(tmp_pat
     assert not path.exists()
 
 
-def test_full_listener_refuses_with_the_planes_answer_then_admits_again(address):
-    stats = PlaneStats("test")
-    with Listener(address, echo, name="test", stats=stats, max_connections=2,
-                  refusal=refusal, max_setting="test_connections_max") as listener:
-        held = [connect(listener.address) for _ in range(2)]
+def refuses_a_third(listener: Listener, stats: PlaneStats) -> str:
+    """Two connections to ``listener`` are served, a third is refused (counted once in
+    ``stats``) while the two keep working, and once one of them closes a new one is
+    served again. Returns the refused connection's answer."""
+    held = [connect(listener.address) for _ in range(2)]
+    try:
         for sock in held:
             assert round_trip(sock) == b"ping"
         with connect(listener.address) as extra:
             answer = read_all(extra).decode()
-        assert answer.startswith("BUSY ") and "full" in answer
-        assert "test_connections_max" in answer
         assert stats.limits()["refused"] == 1
         assert round_trip(held[0]) == b"ping"           # the others keep working
         held.pop().close()
         wait_until(lambda: listener.connections == 1, "the closed connection to go", WAIT)
         with connect(listener.address) as again:
             assert round_trip(again) == b"ping"
+    finally:
         for sock in held:
             sock.close()
+    return answer
+
+
+def test_full_listener_refuses_with_the_planes_answer_then_admits_again(address):
+    stats = PlaneStats("test")
+    with Listener(address, echo, name="test", stats=stats, max_connections=2,
+                  refusal=refusal, max_setting="test_connections_max") as listener:
+        answer = refuses_a_third(listener, stats)
+    assert answer.startswith("BUSY ") and "full" in answer
+    assert "test_connections_max" in answer
 
 
 def test_per_peer_limit_counts_connections_from_one_address():
     stats = PlaneStats("test")
     with Listener(("127.0.0.1", 0), echo, name="test", stats=stats, max_per_peer=2,
                   refusal=refusal, per_peer_setting="test_connections_per_peer") as listener:
-        held = [connect(listener.address) for _ in range(2)]
-        for sock in held:
-            assert round_trip(sock) == b"ping"
-        with connect(listener.address) as extra:
-            answer = read_all(extra).decode()
-        assert "127.0.0.1" in answer and "test_connections_per_peer" in answer
-        assert stats.limits()["refused"] == 1
-        held.pop().close()
-        wait_until(lambda: listener.connections == 1, "the closed connection to go", WAIT)
-        with connect(listener.address) as again:
-            assert round_trip(again) == b"ping"
-        for sock in held:
-            sock.close()
+        answer = refuses_a_third(listener, stats)
+    assert "127.0.0.1" in answer and "test_connections_per_peer" in answer
 
 
 def test_admission_callback_can_refuse(address):

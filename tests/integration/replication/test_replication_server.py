@@ -40,6 +40,24 @@ def replica_set(make, n: int = 2) -> list[Node]:
     return [primary, *backups]
 
 
+def accumulate_in_background(client: Client) -> tuple[threading.Event, list[object]]:
+    """Start adding one to each of the first 1000 int64s through ``client`` on a thread of
+    its own. The event is set when the request ended; the list then holds "ok", or the
+    exception it raised."""
+    done = threading.Event()
+    result: list[object] = []
+
+    def mutate() -> None:
+        try:
+            client.accumulate(0, np.ones(1000, np.int64))
+            result.append("ok")
+        except Exception as exc:   # reported to the test through result
+            result.append(exc)
+        done.set()
+    threading.Thread(target=mutate).start()
+    return done, result
+
+
 def primary_conn(backup: Node, client_id: int = 0, view: int = 1) -> TcpConnection:
     """A connection that speaks to ``backup`` as a primary of ``view`` does (a replica
     ticket), with the pieces numbered for ``client_id``."""
@@ -312,17 +330,7 @@ def test_failed_backup_holds_acknowledgement_until_it_is_dropped(nodes):
     primary, backup = replica_set(nodes)
     backup.tcp.close()                                    # the backup dies
     c = Client(primary)
-    done = threading.Event()
-    result: list[object] = []
-
-    def mutate() -> None:
-        try:
-            c.accumulate(0, np.ones(1000, np.int64))
-            result.append("ok")
-        except Exception as exc:   # reported below
-            result.append(exc)
-        done.set()
-    threading.Thread(target=mutate).start()
+    done, result = accumulate_in_background(c)
     assert not done.wait(1.0), result                     # waits: not acknowledged
     assert primary.repl.counts["failures"] == 1
     primary.configure(2, "primary", [])                  # the controller drops the backup
@@ -350,8 +358,7 @@ def test_a_failed_backup_is_reported_at_once_until_it_is_dropped(nodes):
     assert primary.repl.failed_backups() == []
     backup.tcp.close()                                    # the backup's data plane goes
     c = Client(primary)
-    done = threading.Event()
-    threading.Thread(target=lambda: (c.accumulate(0, np.ones(1000, np.int64)), done.set())).start()
+    done, result = accumulate_in_background(c)
     deadline = time.monotonic() + 10
     while not asked and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -360,7 +367,7 @@ def test_a_failed_backup_is_reported_at_once_until_it_is_dropped(nodes):
     assert (failed.primary_extent_id, failed.backup_extent_id, failed.view) == (primary.eid, backup.eid, 1)
     assert failed.reason
     primary.configure(2, "primary", [])                  # what the controller does with it
-    assert done.wait(10)
+    assert done.wait(10) and result == ["ok"]
     assert primary.repl.failed_backups() == [] and len(asked) == 1
     c.close()
 

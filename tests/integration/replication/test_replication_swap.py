@@ -14,7 +14,7 @@ import pytest
 from smb_protocol.errors import NotPrimary, ServerUnavailable
 
 from .nodes import SIZE, Client
-from .test_replication_server import replica_set
+from .test_replication_server import accumulate_in_background, replica_set
 
 FOLLOW = 50   # times a request follows NotPrimary to the other copy before the test gives up
 
@@ -87,17 +87,7 @@ def test_a_primary_with_a_failed_backup_is_demoted_but_says_that_copy_missed_mut
     primary, backup = replica_set(nodes)
     backup.tcp.close()                                  # the backup misses a piece
     client = Client(primary)
-    result: list[object] = []
-    done = threading.Event()
-
-    def mutate() -> None:
-        try:
-            client.accumulate(0, np.ones(1000, np.int64))
-            result.append("ok")
-        except Exception as exc:   # reported below
-            result.append(exc)
-        done.set()
-    threading.Thread(target=mutate).start()
+    done, result = accumulate_in_background(client)
     while not primary.repl.failed_backups():
         assert not done.wait(0.01), result
     with pytest.raises(ServerUnavailable, match=f"backup {backup.eid} .*failed.*copy it again"):

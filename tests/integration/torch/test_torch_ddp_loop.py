@@ -12,6 +12,7 @@ torch = pytest.importorskip("torch")
 from smb_client.torch import SyncDataParallel  # noqa: E402
 from smb_server.testing import run_ranks  # noqa: E402
 from tests.integration.torch.ranks import rank_store, release  # noqa: E402
+from tests.integration.torch.training import train_on_the_union  # noqa: E402
 
 WORLD = 2
 BATCH = 8       # per worker and step
@@ -33,12 +34,7 @@ def make_data():
 def reference() -> torch.nn.Module:
     model = make_model()
     x, y = make_data()
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-    for step in range(STEPS):
-        lo, hi = step * WORLD * BATCH, (step + 1) * WORLD * BATCH
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(x[lo:hi]), y[lo:hi]).backward()
-        opt.step()
+    train_on_the_union(model, torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9), x, y, STEPS, WORLD * BATCH)
     return model
 
 

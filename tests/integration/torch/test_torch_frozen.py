@@ -9,6 +9,7 @@ torch = pytest.importorskip("torch")
 
 from smb_client.torch import FlatModel, ParameterStore, SyncDataParallel  # noqa: E402
 from smb_server.testing import run_ranks  # noqa: E402
+from tests.integration.torch.training import train_on_the_union  # noqa: E402
 
 WORLD = 2
 BATCH = 8
@@ -82,12 +83,7 @@ def test_frozen_parameters_stay_untouched_and_cost_no_traffic(cluster, name, ove
         assert all(r[0]["received"] == STEPS * trainable_bytes for r in results)
 
         ref = make_model()
-        opt = optimizer(ref)
-        for step in range(STEPS):
-            lo, hi = step * WORLD * BATCH, (step + 1) * WORLD * BATCH
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(ref(x[lo:hi]), y[lo:hi]).backward()
-            opt.step()
+        train_on_the_union(ref, optimizer(ref), x, y, STEPS, WORLD * BATCH)
         for rank, model in enumerate(models):
             assert torch.equal(results[rank][1], results[0][1])
             for n, p in model.named_parameters():

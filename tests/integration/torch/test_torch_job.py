@@ -18,6 +18,7 @@ torch = pytest.importorskip("torch")
 from smb_client.torch import Job, ParameterStore, WorkerEnv, job  # noqa: E402
 from smb_protocol.errors import InvalidArgument  # noqa: E402
 from smb_server.testing import run_ranks, wait_until  # noqa: E402
+from tests.integration.torch.training import local_step, rank_batch  # noqa: E402
 
 WORLD = 2
 BATCH = 8
@@ -51,10 +52,7 @@ def run_workers(cluster, name, steps, checkpoint=None, save=False):
                 j.sync()
                 started = (j.resumed, j.step)
                 for step in range(j.step, steps):
-                    lo = (step * WORLD + rank) * BATCH
-                    opt.zero_grad()
-                    torch.nn.functional.cross_entropy(model(x[lo:lo + BATCH]), y[lo:lo + BATCH]).backward()
-                    opt.step()
+                    local_step(model, opt, x, y, rank_batch(step, rank, WORLD, BATCH))
                 if save:
                     j.save(step=steps)
             momentum = [opt.state[p]["momentum_buffer"].clone() for p in model.parameters()]
@@ -100,10 +98,7 @@ def test_seasgd_workers_save_and_resume_the_global_weights(cluster, client, name
                 c.barrier(f"{name}/started", WORLD)   # nobody pushes before everybody attached
                 w = j.seasgd(update_interval=1)
                 for step in range(4):
-                    lo = (step * WORLD + rank) * BATCH
-                    opt.zero_grad()
-                    torch.nn.functional.cross_entropy(model(x[lo:lo + BATCH]), y[lo:lo + BATCH]).backward()
-                    opt.step()
+                    local_step(model, opt, x, y, rank_batch(step, rank, WORLD, BATCH))
                     w.after_step()
                 w.finish()                            # every delta in the global weights
                 c.barrier(f"{name}/trained", WORLD)   # both finished: the store is final
@@ -153,10 +148,7 @@ def test_seasgd_trains_with_the_job_defaults_and_keeps_deltas_with_its_scheme(cl
             with job(name, model, client=c, env=WorkerEnv(rank, WORLD), scheme=scheme) as j:
                 w = j.seasgd(update_interval=1)
                 for step in range(2):
-                    lo = (step * WORLD + rank) * BATCH
-                    opt.zero_grad()
-                    torch.nn.functional.cross_entropy(model(x[lo:lo + BATCH]), y[lo:lo + BATCH]).backward()
-                    opt.step()
+                    local_step(model, opt, x, y, rank_batch(step, rank, WORLD, BATCH))
                     w.after_step()
                 w.finish()
                 kept = 0.0

@@ -9,7 +9,8 @@ torch = pytest.importorskip("torch")
 
 from smb_client.torch import ParameterStore, SyncDataParallel  # noqa: E402
 from smb_protocol.errors import InvalidArgument  # noqa: E402
-from smb_server.testing import run_ranks  # noqa: E402
+from tests.integration.torch.ranks import run_on_one_store  # noqa: E402
+from tests.integration.torch.training import train_on_the_union  # noqa: E402
 
 WORLD = 2
 MICRO = 3       # micro-batches per step
@@ -37,41 +38,28 @@ def loss_fn(out, y):
 def test_accumulation_under_no_sync_equals_union_of_micro_batches(cluster, name, overlap):
     x, y = data()
     models = [make_model() for _ in range(WORLD)]
-    with cluster.client() as master:
-        store0 = ParameterStore.create(master, name, models[0], grad_slots=3, workers=WORLD)
-        try:
-            def worker(rank):
-                with cluster.client() as c:
-                    model = models[rank]
-                    store = store0 if rank == 0 else ParameterStore.attach(c, name, model)
-                    dp = SyncDataParallel(store, rank, WORLD, overlap=overlap, bucket_bytes=512)
-                    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.5)
-                    for step in range(STEPS):
-                        def micro(j, step=step):
-                            lo = ((step * WORLD + rank) * MICRO + j) * BATCH
-                            loss_fn(model(x[lo:lo + BATCH]), y[lo:lo + BATCH]).backward()
-                        opt.zero_grad()        # set_to_none: the hooks bring .grad back
-                        with dp.no_sync():
-                            for j in range(MICRO - 1):
-                                micro(j)
-                        micro(MICRO - 1)
-                        dp.synchronize()
-                        opt.step()
-                    dp.close()
-                    if rank:
-                        store.close()
 
-            run_ranks(WORLD, worker)
-        finally:
-            store0.destroy()
+    def worker(rank, c, store):
+        model = models[rank]
+        dp = SyncDataParallel(store, rank, WORLD, overlap=overlap, bucket_bytes=512)
+        opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.5)
+        for step in range(STEPS):
+            def micro(j, step=step):
+                lo = ((step * WORLD + rank) * MICRO + j) * BATCH
+                loss_fn(model(x[lo:lo + BATCH]), y[lo:lo + BATCH]).backward()
+            opt.zero_grad()        # set_to_none: the hooks bring .grad back
+            with dp.no_sync():
+                for j in range(MICRO - 1):
+                    micro(j)
+            micro(MICRO - 1)
+            dp.synchronize()
+            opt.step()
+        dp.close()
+
+    run_on_one_store(cluster, name, models, worker, grad_slots=3, workers=WORLD)
     ref = make_model()
-    opt = torch.optim.SGD(ref.parameters(), lr=0.2, momentum=0.5)
-    per_step = WORLD * MICRO * BATCH
-    for step in range(STEPS):
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(ref(x[step * per_step:(step + 1) * per_step]),
-                                          y[step * per_step:(step + 1) * per_step]).backward()
-        opt.step()
+    train_on_the_union(ref, torch.optim.SGD(ref.parameters(), lr=0.2, momentum=0.5), x, y, STEPS,
+                       WORLD * MICRO * BATCH)
     start = make_model()
     for model in models:
         for p, q, s in zip(model.parameters(), ref.parameters(), start.parameters(), strict=True):

@@ -10,6 +10,7 @@ torch = pytest.importorskip("torch")
 from smb_client.torch import ParameterStore, SyncDataParallel  # noqa: E402
 from smb_server.testing import run_ranks  # noqa: E402
 from tests.integration.torch.ranks import release  # noqa: E402
+from tests.integration.torch.training import rank_batch, sync_step  # noqa: E402
 
 WORLD = 2
 BATCH = 8
@@ -47,11 +48,7 @@ def test_evaluator_reads_the_trained_weights(cluster, name, placement):
             opt = torch.optim.Adam(model.parameters(), lr=0.01)
             snaps = snapshots.setdefault(rank, [flat_of(model).clone()])
             for step in range(STEPS):
-                lo = (step * WORLD + rank) * BATCH
-                dp.zero_grad()
-                torch.nn.functional.cross_entropy(model(x[lo:lo + BATCH]), y[lo:lo + BATCH]).backward()
-                dp.synchronize()
-                opt.step()
+                sync_step(dp, model, opt, x, y, rank_batch(step, rank, WORLD, BATCH))
                 snaps.append(flat_of(model).clone())
             c.barrier(f"{name}/trained", WORLD + 1, timeout=60)    # the evaluator looks
             c.barrier(f"{name}/looked", WORLD + 1, timeout=60)

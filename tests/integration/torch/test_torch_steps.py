@@ -14,7 +14,7 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from smb_client.torch import SEASGD, ParameterStore, SyncDataParallel  # noqa: E402
 from smb_client.torch.steps import PHASES, StepTimes  # noqa: E402
-from smb_server.testing import run_ranks  # noqa: E402
+from tests.integration.torch.ranks import run_on_one_store  # noqa: E402
 
 WORLD = 2
 STEPS = 4
@@ -56,28 +56,21 @@ def test_a_sync_step_shows_its_waits_in_a_profiler_trace_and_in_its_times(cluste
     seen: dict[int, set[str]] = {}
     times: dict[int, StepTimes] = {}
     caplog.set_level(logging.INFO, logger="smb_client.torch.steps")
-    with cluster.client() as master:
-        store0 = ParameterStore.create(master, name, models[0], grad_slots=3, workers=WORLD)
-        try:
-            def worker(rank: int) -> None:
-                with cluster.client() as c:
-                    store = store0 if rank == 0 else ParameterStore.attach(c, name, models[rank])
-                    dp = SyncDataParallel(store, rank, WORLD, exchange=exchange, check_env=False,
-                                          log_every=2 if rank == 0 else 0, writer=writer if rank == 0 else None)
-                    opt = torch.optim.SGD(models[rank].parameters(), lr=0.1)
-                    if rank == 0:    # one profiler per process
-                        with profile(activities=[ProfilerActivity.CPU]) as prof:
-                            train(dp.synchronize, models[rank], opt, rank)
-                        seen[rank] = names(prof)
-                    else:
-                        train(dp.synchronize, models[rank], opt, rank)
-                    times[rank] = dp.times
-                    dp.close()
-                    if rank:
-                        store.close()
-            run_ranks(WORLD, worker)
-        finally:
-            store0.destroy()
+
+    def worker(rank: int, c, store) -> None:
+        dp = SyncDataParallel(store, rank, WORLD, exchange=exchange, check_env=False,
+                              log_every=2 if rank == 0 else 0, writer=writer if rank == 0 else None)
+        opt = torch.optim.SGD(models[rank].parameters(), lr=0.1)
+        if rank == 0:    # one profiler per process
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                train(dp.synchronize, models[rank], opt, rank)
+            seen[rank] = names(prof)
+        else:
+            train(dp.synchronize, models[rank], opt, rank)
+        times[rank] = dp.times
+        dp.close()
+
+    run_on_one_store(cluster, name, models, worker, grad_slots=3, workers=WORLD)
     assert {"smb::sync.push", "smb::sync.sum"} <= seen[0], sorted(n for n in seen[0] if "smb" in n)
     if exchange == "slots":
         assert "smb::sync.barrier" in seen[0]
@@ -144,6 +137,22 @@ def test_a_nested_phase_is_counted_once(monkeypatch):
     assert sum(t.last.values()) == 15.5      # the step's wall time, nothing twice
 
 
+def known_clock(monkeypatch) -> Clock:
+    """A Clock that the step timers and SEASGD read in place of ``time``."""
+    from smb_client.torch import seasgd as seasgd_module
+    from smb_client.torch import steps
+    clock = Clock()
+    monkeypatch.setattr(steps, "time", clock)
+    monkeypatch.setattr(seasgd_module, "time", clock)
+    return clock
+
+
+# a SEASGD worker's phases, step by step, of 1 s computing a step and waits made 5 s
+# (push) and 3 s (read) long by seasgd_clock: with update_interval=2, every second step updates
+SEASGD_STEPS = [{"compute": 1.0, "push": 0.0, "sum": 0.0, "barrier": 0.0},
+                {"compute": 1.0, "push": 5.0, "sum": 3.0, "barrier": 0.0}] * (STEPS // 2)
+
+
 def seasgd_clock(monkeypatch, worker, clock: Clock, push: float, read: float) -> None:
     """Make ``worker``'s waits take ``push`` and ``read`` seconds of ``clock``."""
     wait_push, pull = worker._wait_push, worker.store.pull_params
@@ -164,11 +173,7 @@ def test_seasgd_counts_each_wait_once(cluster, name, monkeypatch):
     waiting for the last push, 3 s reading the global weights), every step's phases
     are exactly those: no interval lands in two phases or twice in one, and over all
     steps they add up to the wall time."""
-    from smb_client.torch import seasgd as seasgd_module
-    from smb_client.torch import steps
-    clock = Clock()
-    monkeypatch.setattr(steps, "time", clock)
-    monkeypatch.setattr(seasgd_module, "time", clock)
+    clock = known_clock(monkeypatch)
     start = clock.now
     model = make_model()
     with cluster.client() as c:
@@ -184,9 +189,7 @@ def test_seasgd_counts_each_wait_once(cluster, name, monkeypatch):
             worker.close()
         finally:
             store.destroy()
-    idle = {"compute": 1.0, "push": 0.0, "sum": 0.0, "barrier": 0.0}
-    update = {"compute": 1.0, "push": 5.0, "sum": 3.0, "barrier": 0.0}
-    assert lasts == [idle, update] * (STEPS // 2)
+    assert lasts == SEASGD_STEPS
     assert sum(worker.times.total.values()) == clock.now - start - 5.0   # close()'s wait is no step's
     assert (worker.push_wait, worker.read_wait) == (5.0 * 3, 3.0 * 2)    # close() waited once more
 
@@ -196,12 +199,9 @@ def test_hybrid_counts_its_leaders_waits_once(cluster, name, monkeypatch):
     each once (one node of one worker; the clock moves only by known amounts)."""
     import torch.distributed as dist
 
-    from smb_client.torch import HybridSEASGD, new_node_groups, steps
-    from smb_client.torch import seasgd as seasgd_module
+    from smb_client.torch import HybridSEASGD, new_node_groups
     from tests.integration.daemons import free_port
-    clock = Clock()
-    monkeypatch.setattr(steps, "time", clock)
-    monkeypatch.setattr(seasgd_module, "time", clock)
+    clock = known_clock(monkeypatch)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         ranks, groups = new_node_groups(1, 1)
@@ -225,6 +225,4 @@ def test_hybrid_counts_its_leaders_waits_once(cluster, name, monkeypatch):
                 store.destroy()
     finally:
         dist.destroy_process_group()
-    idle = {"compute": 1.0, "push": 0.0, "sum": 0.0, "barrier": 0.0}
-    update = {"compute": 1.0, "push": 5.0, "sum": 3.0, "barrier": 0.0}
-    assert lasts == [idle, update] * (STEPS // 2)
+    assert lasts == SEASGD_STEPS

@@ -10,6 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from tests.integration.torch.ranks import release  # noqa: E402
+from tests.integration.torch.training import rank_batch, sync_step, train_on_the_union  # noqa: E402
 
 WORLD = 3
 BATCH = 8       # per worker and step
@@ -54,11 +55,7 @@ def sync_worker(address, token, prefix, rank, placement, overlap, queue, compres
             while not dp.stop:
                 if step >= 2 * STEPS:
                     raise AssertionError("the stopping rule never fired")
-                lo = (step * WORLD + rank) * BATCH
-                dp.zero_grad()
-                torch.nn.functional.cross_entropy(model(x[lo:lo + BATCH]), y[lo:lo + BATCH]).backward()
-                dp.synchronize()
-                opt.step()
+                sync_step(dp, model, opt, x, y, rank_batch(step, rank, WORLD, BATCH))
                 step += 1
             dp.close()
             client.barrier(f"{prefix}/end", WORLD, timeout=60)
@@ -72,12 +69,7 @@ def sync_worker(address, token, prefix, rank, placement, overlap, queue, compres
 def reference():
     model = make_model()
     x, y = make_data()
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    for step in range(STEPS):
-        lo, hi = step * WORLD * BATCH, (step + 1) * WORLD * BATCH
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(x[lo:hi]), y[lo:hi]).backward()
-        opt.step()
+    train_on_the_union(model, torch.optim.SGD(model.parameters(), lr=LR), x, y, STEPS, WORLD * BATCH)
     return model
 
 

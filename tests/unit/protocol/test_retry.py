@@ -71,25 +71,18 @@ def test_retry_gives_up_at_the_deadline_with_the_last_error() -> None:
     assert clock.now <= 1.0
 
 
-def test_retry_does_not_retry_other_errors() -> None:
+@pytest.mark.parametrize("error, options", [
+    (ValueError("no"), dict(sleep=lambda s: None)),                     # not an error it retries
+    (ConnectionError("down"), dict(timeout=None, sleep=lambda s: True)),   # the sleep says stop
+], ids=["other-errors", "sleep-says-stop"])
+def test_retry_calls_once_and_raises(error: Exception, options: dict) -> None:
     n = [0]
 
-    def bad() -> None:
+    def fail() -> None:
         n[0] += 1
-        raise ValueError("no")
-    with pytest.raises(ValueError):
-        Retry(on=(ConnectionError,), sleep=lambda s: None)(bad)
-    assert n[0] == 1
-
-
-def test_retry_stops_when_the_sleep_says_stop() -> None:
-    n = [0]
-
-    def down() -> None:
-        n[0] += 1
-        raise ConnectionError("down")
-    with pytest.raises(ConnectionError):
-        Retry(on=(ConnectionError,), timeout=None, sleep=lambda s: True)(down)
+        raise error
+    with pytest.raises(type(error)):
+        Retry(on=(ConnectionError,), **options)(fail)
     assert n[0] == 1
 
 

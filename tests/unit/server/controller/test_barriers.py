@@ -68,6 +68,10 @@ class _Generations:
 
 
 def _arrive(barriers: Barriers, n: int, out: list[object]) -> list[threading.Thread]:
+    """Start ``n`` callers of barrier "b" of ``n + 1`` parties, each adding what its wait
+    returned or raised to ``out``; returns once they all wait."""
+    target = barriers._waiting + n  # noqa: SLF001
+
     def one() -> None:
         try:
             out.append(barriers.wait("b", n + 1, timeout=30))
@@ -76,6 +80,7 @@ def _arrive(barriers: Barriers, n: int, out: list[object]) -> list[threading.Thr
     threads = [threading.Thread(target=one) for _ in range(n)]
     for t in threads:
         t.start()
+    _until_waiting(barriers, target)
     return threads
 
 
@@ -92,7 +97,6 @@ def test_generations_come_from_the_store_and_are_written_before_opening() -> Non
     barriers = Barriers(store=store)
     out: list[object] = []
     threads = _arrive(barriers, 2, out)
-    _until_waiting(barriers, 2)
     assert barriers.wait("b", 3) == (6, 2)
     for t in threads:
         t.join()
@@ -104,7 +108,6 @@ def test_an_opening_the_store_refuses_fails_every_waiter() -> None:
     barriers = Barriers(store=store)
     out: list[object] = []
     threads = _arrive(barriers, 2, out)
-    _until_waiting(barriers, 2)
     store.refuse = True
     with pytest.raises(errors.ControllerUnavailable):
         barriers.wait("b", 3)
@@ -113,7 +116,6 @@ def test_an_opening_the_store_refuses_fails_every_waiter() -> None:
     assert all(isinstance(x, errors.ControllerUnavailable) for x in out) and len(out) == 2
     store.refuse = False   # the callers retry: all of them arrive again, in the same generation
     threads = _arrive(barriers, 2, out)
-    _until_waiting(barriers, 2)
     assert barriers.wait("b", 3) == (6, 2)
     for t in threads:
         t.join()
@@ -123,7 +125,6 @@ def test_a_reset_fails_the_waiters_of_a_controller_that_stops_leading() -> None:
     barriers = Barriers(store=_Generations())
     out: list[object] = []
     threads = _arrive(barriers, 3, out)
-    _until_waiting(barriers, 3)
     barriers.reset("no longer leads")
     for t in threads:
         t.join()

@@ -11,7 +11,6 @@ from collections.abc import Sequence
 
 from smb_protocol import errors
 from smb_protocol.replicas import ReplicaRole
-from smb_server.controller.creation import RegionCreator
 from smb_server.controller.heads import Swap, head_cap, plan_heads
 from smb_server.controller.memservers import Backup
 from smb_server.controller.moves import head_bytes, head_of, plan_rebalance
@@ -20,7 +19,7 @@ from smb_server.controller.records import CreateRequest, ExtentRecord, RegionRec
 from smb_server.controller.repair import RepairManager
 from smb_server.controller.stores.sqlite.state import ControllerState
 from tests.unit.server.controller.test_moves import add_servers_more, rebalance_all
-from tests.unit.server.controller.test_repair import MiB, ReplicaServers, add_servers, settle
+from tests.unit.server.controller.test_repair import MiB, ReplicaServers, add_servers, create_all, settle
 
 SLOT = 4 * MiB
 _ids = itertools.count(1)
@@ -197,11 +196,7 @@ def two_slots_headed_by_s0(state: ControllerState, servers: ReplicaServers, mana
     """A striped region of two 1 MiB slots, two copies each on s0 and s1, both headed by
     s0 (as a handover may leave them), its views pushed."""
     add_servers(state, 2, capacity=256 * MiB)
-    creator = RegionCreator(state, servers, threads=2)
-    try:
-        created = creator.create(CreateRequest("job/a", 2 * MiB, stripe_unit=MiB, replicas=2))
-    finally:
-        creator.close()
+    (created,) = create_all(state, servers, CreateRequest("job/a", 2 * MiB, stripe_unit=MiB, replicas=2))
     for index in range(2):
         head = head_of(created.copies_of(index))
         assert head is not None
@@ -259,12 +254,8 @@ def test_the_issues_scenario_gets_even_heads_and_one_copy_per_moved_copy(state, 
     joins, a rebalance: each region heads one slot per live server, every server heads
     two, and every byte copied is a copy that moved (no staying copy synced again)."""
     add_servers(state, 4, capacity=256 * MiB)
-    creator = RegionCreator(state, servers, threads=2)
-    try:
-        for name in ("job/a", "job/b"):
-            creator.create(CreateRequest(name, 4 * SLOT, stripe_unit=SLOT, replicas=2))
-    finally:
-        creator.close()
+    create_all(state, servers, *(CreateRequest(name, 4 * SLOT, stripe_unit=SLOT, replicas=2)
+                                 for name in ("job/a", "job/b")))
     settle(manager)
     state.drain("s0", evacuate=True)
     settle(manager, 12)

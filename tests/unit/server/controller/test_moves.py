@@ -8,10 +8,9 @@ import dataclasses
 import pytest
 
 from smb_protocol import errors
-from smb_server.controller.creation import RegionCreator
 from smb_server.controller.moves import head_bytes, head_of, leaving, plan_rebalance
 from smb_server.controller.rebalancer import Rebalancer
-from smb_server.controller.records import CreateRequest, NewCopy, SlotChange
+from smb_server.controller.records import CreateRequest, ExtentRecord, NewCopy, SlotChange
 from smb_server.controller.repair import RETRY_SECONDS, RepairManager, RepairMetrics
 from smb_server.controller.stores.sqlite.state import ControllerState
 from smb_server.runtime.metrics import Registry
@@ -19,9 +18,11 @@ from tests.unit.server.controller.test_repair import (
     MiB,
     add_servers,
     create,
+    create_all,
     kill,
     roles,
     settle,
+    with_a_spare,
 )
 
 
@@ -35,16 +36,13 @@ def evacuate_all(manager: RepairManager, passes: int = 6) -> None:
 
 # -- the rules -----------------------------------------------------------------------------
 def test_an_evacuating_servers_copies_leave_and_extra_copies_on_the_fullest_servers_go(state, servers) -> None:
-    add_servers(state, 3)
-    region = create(state, servers, replicas=2)
-    primary, backup = region.copies_of(0)
+    region, primary, backup, spare = with_a_spare(state, servers)
     assert leaving(region, 0, servers_by_id(state)) == frozenset()
     state.drain(backup.server_id, evacuate=True)
     assert leaving(region, 0, servers_by_id(state)) == {backup.copy}
     assert leaving(region, 0, servers_by_id(state), {primary.extent_id: "s9"}) == {primary.copy, backup.copy}
     state.drain(backup.server_id, undrain=True)
     # a third in-step copy (a move's, its old copy not dropped yet): the fullest server's goes
-    spare = ({"s0", "s1", "s2"} - {primary.server_id, backup.server_id}).pop()
     result = state.change_slot("job/r", region.uid, SlotChange(0, 1, add=NewCopy(2, spare, "backup")))
     assert result is not None
     after = result[0]
@@ -80,12 +78,8 @@ def test_drain_flags_exclude_each_other_and_removal_needs_an_empty_drained_serve
 
 def test_a_rebalance_evens_bytes_out_and_spreads_a_striped_regions_slots(state, servers) -> None:
     add_servers(state, 2, capacity=256 * MiB)
-    creator = RegionCreator(state, servers, threads=2)
-    try:
-        creator.create(CreateRequest("job/a", 8 * MiB, stripe_unit=MiB))
-        creator.create(CreateRequest("job/b", 4 * MiB, stripe_unit=MiB))
-    finally:
-        creator.close()
+    create_all(state, servers, CreateRequest("job/a", 8 * MiB, stripe_unit=MiB),
+               CreateRequest("job/b", 4 * MiB, stripe_unit=MiB))
     add_servers_more(state, 2)
     moves = plan_rebalance(state.list_servers(), state.list_regions())
     used = {s.server_id: s.used for s in state.list_servers()}
@@ -109,12 +103,7 @@ def add_servers_more(state: ControllerState, n: int) -> None:
 def test_a_rebalance_paces_its_moves_by_the_rate(state, servers) -> None:
     r = Rebalancer()
     add_servers(state, 1, capacity=256 * MiB)
-    creator = RegionCreator(state, servers, threads=2)
-    try:
-        for k in range(4):
-            creator.create(CreateRequest(f"job/{k}", MiB, placement="single"))
-    finally:
-        creator.close()
+    create_all(state, servers, *(CreateRequest(f"job/{k}", MiB, placement="single") for k in range(4)))
     add_servers_more(state, 1)
     r.start(bytes_per_second=MiB, now=0.0)
     first = r.update(state.list_regions(), state.list_servers(), now=0.0)
@@ -159,10 +148,7 @@ def test_an_unreplicated_extent_moves_through_a_replica_set_of_two(state, server
 
 
 def test_an_evacuated_primary_is_replaced_by_a_copy_that_stays(state, servers, manager) -> None:
-    add_servers(state, 3)
-    region = create(state, servers, replicas=2)
-    primary, backup = region.copies_of(0)
-    spare = ({"s0", "s1", "s2"} - {primary.server_id, backup.server_id}).pop()
+    _, primary, backup, spare = with_a_spare(state, servers)
     settle(manager)
     state.drain(primary.server_id, evacuate=True)
     evacuate_all(manager)
@@ -174,14 +160,22 @@ def test_an_evacuated_primary_is_replaced_by_a_copy_that_stays(state, servers, m
     assert "handover" in manager.metrics.by_kind
 
 
-def test_a_target_that_dies_mid_copy_is_replaced_by_another(state, servers, manager, clock) -> None:
+def evacuated_and_cut_mid_copy(state: ControllerState, servers, manager: RepairManager, why: str) -> ExtentRecord:
+    """A region of one copy on three servers whose server is evacuated; the sync of the
+    copy that is to replace it fails (ServerUnavailable ``why``) in the repair pass run
+    here. Returns the source copy."""
     add_servers(state, 3)
     region = create(state, servers, replicas=1)
     (source,) = region.copies_of(0)
     state.drain(source.server_id, evacuate=True)
-    servers.sync_fails_once = errors.ServerUnavailable("the target died mid-copy")
+    servers.sync_fails_once = errors.ServerUnavailable(why)
     manager.run_pass()
     manager.wait(10)
+    return source
+
+
+def test_a_target_that_dies_mid_copy_is_replaced_by_another(state, servers, manager, clock) -> None:
+    source = evacuated_and_cut_mid_copy(state, servers, manager, "the target died mid-copy")
     mid = state.get_region("job/r")
     (target,) = [c for c in mid.copies_of(0) if c.role == "syncing"]
     kill(state, servers, target.server_id)
@@ -215,13 +209,7 @@ def test_a_new_leader_finishes_a_move_whose_copy_is_in_step(state, servers, cloc
 
 
 def test_a_source_that_dies_mid_move_follows_the_usual_rules(state, servers, manager) -> None:
-    add_servers(state, 3)
-    region = create(state, servers, replicas=1)
-    (source,) = region.copies_of(0)
-    state.drain(source.server_id, evacuate=True)
-    servers.sync_fails_once = errors.ServerUnavailable("the source died mid-copy")
-    manager.run_pass()
-    manager.wait(10)
+    source = evacuated_and_cut_mid_copy(state, servers, manager, "the source died mid-copy")
     kill(state, servers, source.server_id)
     evacuate_all(manager, 4)
     after = state.get_region("job/r")
@@ -251,12 +239,8 @@ def striped_on_three(state: ControllerState, servers) -> None:
     """Three regions of three 1 MiB slots with two copies each on s0-s2 (each server
     heads three slots and holds 6 MiB), then a spare s3."""
     add_servers(state, 3, capacity=256 * MiB)
-    creator = RegionCreator(state, servers, threads=2)
-    try:
-        for k in range(3):
-            creator.create(CreateRequest(f"job/{k}", 3 * MiB, stripe_unit=MiB, num_servers=3, replicas=2))
-    finally:
-        creator.close()
+    create_all(state, servers, *(CreateRequest(f"job/{k}", 3 * MiB, stripe_unit=MiB, num_servers=3, replicas=2)
+                                 for k in range(3)))
     assert sorted(head_bytes(state.list_regions()).values()) == [3 * MiB] * 3
     add_servers_more(state, 1)
 
@@ -300,14 +284,9 @@ def test_a_rebalance_keeps_a_small_striped_region_spread(state, servers, manager
     bytes out onto a fourth server must not gather the weights' copies onto fewer
     servers: their reads would then share fewer links."""
     add_servers(state, 3, capacity=256 * MiB)
-    creator = RegionCreator(state, servers, threads=2)
-    try:
-        creator.create(CreateRequest("job/params", 4505664, stripe_unit=MiB, num_servers=3, replicas=2))
-        creator.create(CreateRequest("job/deltas", 4 * 4505664, stripe_unit=MiB, num_servers=3, replicas=2))
-        for small in ("job/counters", "job/meta"):
-            creator.create(CreateRequest(small, 4096, placement="single", replicas=2))
-    finally:
-        creator.close()
+    create_all(state, servers, CreateRequest("job/params", 4505664, stripe_unit=MiB, num_servers=3, replicas=2),
+               CreateRequest("job/deltas", 4 * 4505664, stripe_unit=MiB, num_servers=3, replicas=2),
+               *(CreateRequest(small, 4096, placement="single", replicas=2) for small in ("job/counters", "job/meta")))
     small_before = {r.name: sorted(c.server_id for c in r.extents) for r in state.list_regions()
                     if r.size == 4096}
     add_servers_more(state, 1)
@@ -330,12 +309,7 @@ def test_many_small_regions_still_even_out(state, servers) -> None:
     """Copies each far below the gap move where together they close it."""
     small = 4096
     add_servers(state, 3, capacity=256 * MiB)
-    creator = RegionCreator(state, servers, threads=2)
-    try:
-        for k in range(240):
-            creator.create(CreateRequest(f"job/small-{k}", small, placement="single"))
-    finally:
-        creator.close()
+    create_all(state, servers, *(CreateRequest(f"job/small-{k}", small, placement="single") for k in range(240)))
     add_servers_more(state, 1)
     used = {s.server_id: s.used for s in state.list_servers()}
     assert used["s3"] == 0 and small * 64 < max(used.values())   # each copy below 1/64 of the gap

@@ -103,12 +103,19 @@ def add_servers(state: ControllerState, n: int, capacity: int = 64 * MiB) -> Non
         state.register_server(f"s{i}", f"h{i}", f"mem{i}:1", [f"tcp://mem{i}:2"], capacity)
 
 
-def create(state: ControllerState, servers: ReplicaServers, replicas: int = 2, **kw: object) -> RegionRecord:
+def create_all(state: ControllerState, servers: ReplicaServers, *requests: CreateRequest) -> list[RegionRecord]:
+    """Create the regions of ``requests`` in turn, through one RegionCreator."""
     creator = RegionCreator(state, servers, threads=2)
     try:
-        return creator.create(CreateRequest("job/r", MiB, placement="single", replicas=replicas, **kw))  # type: ignore[arg-type]
+        return [creator.create(request) for request in requests]
     finally:
         creator.close()
+
+
+def create(state: ControllerState, servers: ReplicaServers, replicas: int = 2, **kw: object) -> RegionRecord:
+    request = CreateRequest("job/r", MiB, placement="single", replicas=replicas, **kw)  # type: ignore[arg-type]
+    (region,) = create_all(state, servers, request)
+    return region
 
 
 def settle(manager: RepairManager, passes: int = 1) -> None:
@@ -120,6 +127,51 @@ def settle(manager: RepairManager, passes: int = 1) -> None:
 def kill(state: ControllerState, servers: ReplicaServers, sid: str) -> None:
     servers.dead.add(f"mem{sid[1:]}:1")
     state.unregister(sid, "killed")
+
+
+def with_a_spare(state: ControllerState,
+                 servers: ReplicaServers) -> tuple[RegionRecord, ExtentRecord, ExtentRecord, str]:
+    """A region of two copies on three servers: the region, its primary, its backup, and
+    the server that holds neither (the spare)."""
+    add_servers(state, 3)
+    region = create(state, servers)
+    primary, backup = region.copies_of(0)
+    spare = ({"s0", "s1", "s2"} - {primary.server_id, backup.server_id}).pop()
+    return region, primary, backup, spare
+
+
+def two_copies(state: ControllerState, servers: ReplicaServers, manager: RepairManager,
+               on: int = 2) -> tuple[RegionRecord, ExtentRecord, ExtentRecord]:
+    """A region of two copies placed among ``on`` servers, its views pushed (one repair
+    pass): the region as created, its primary, its backup."""
+    add_servers(state, on)
+    region = create(state, servers)
+    primary, backup = region.copies_of(0)
+    settle(manager)
+    return region, primary, backup
+
+
+def with_a_dead_backup(state: ControllerState, servers: ReplicaServers,
+                       manager: RepairManager) -> tuple[RegionRecord, ExtentRecord, ExtentRecord]:
+    """A region of two copies on two servers whose backup's server died, one repair pass
+    later (no spare: the region is degraded): the region as created, its primary, its backup."""
+    region, primary, backup = two_copies(state, servers, manager)
+    kill(state, servers, backup.server_id)
+    settle(manager)
+    return region, primary, backup
+
+
+def with_a_dead_primary_of_three(
+        state: ControllerState, servers: ReplicaServers,
+        manager: RepairManager) -> tuple[RegionRecord, ExtentRecord, ExtentRecord, ExtentRecord]:
+    """A region of three copies on four servers, its views pushed, whose primary's server
+    has just died (no repair pass since): the region as created, its primary, its backups."""
+    add_servers(state, 4)
+    region = create(state, servers, replicas=3)
+    primary, b1, b2 = region.copies_of(0)
+    settle(manager)
+    kill(state, servers, primary.server_id)
+    return region, primary, b1, b2
 
 
 def roles(region: RegionRecord, index: int = 0) -> list[tuple[str, str]]:
@@ -151,10 +203,7 @@ def test_a_new_controller_pushes_changed_slots_once(state, servers, clock) -> No
 
 
 def test_a_dead_primary_is_replaced_by_its_backup_then_repaired_onto_a_spare(state, servers, manager) -> None:
-    add_servers(state, 3)
-    region = create(state, servers)
-    primary, backup = region.copies_of(0)
-    spare = ({"s0", "s1", "s2"} - {primary.server_id, backup.server_id}).pop()
+    region, primary, backup, spare = with_a_spare(state, servers)
     settle(manager)
     kill(state, servers, primary.server_id)
     servers.calls.clear()
@@ -180,11 +229,7 @@ def test_a_dead_primary_is_replaced_by_its_backup_then_repaired_onto_a_spare(sta
 
 
 def test_with_three_copies_the_other_backup_is_fenced_first_and_synced_again(state, servers, manager) -> None:
-    add_servers(state, 4)
-    region = create(state, servers, replicas=3)
-    primary, b1, b2 = region.copies_of(0)
-    settle(manager)
-    kill(state, servers, primary.server_id)
+    _, primary, b1, b2 = with_a_dead_primary_of_three(state, servers, manager)
     servers.configured.clear()
     manager.run_pass()
     manager.wait(10)
@@ -202,10 +247,7 @@ def test_with_three_copies_the_other_backup_is_fenced_first_and_synced_again(sta
 
 def test_a_dead_backup_is_dropped_and_without_a_spare_the_region_stays_degraded(
         state, servers, manager, caplog) -> None:
-    add_servers(state, 2)
-    region = create(state, servers)
-    primary, backup = region.copies_of(0)
-    settle(manager)
+    region, primary, backup = two_copies(state, servers, manager)
     servers.configured.clear()
     kill(state, servers, backup.server_id)
     with caplog.at_level(logging.WARNING):
@@ -219,12 +261,7 @@ def test_a_dead_backup_is_dropped_and_without_a_spare_the_region_stays_degraded(
 
 
 def test_a_returning_server_is_resynced_not_trusted(state, servers, manager) -> None:
-    add_servers(state, 2)
-    region = create(state, servers)
-    primary, backup = region.copies_of(0)
-    settle(manager)
-    kill(state, servers, backup.server_id)
-    settle(manager)
+    region, primary, backup = with_a_dead_backup(state, servers, manager)
     assert state.get_region("job/r").state == "degraded"
     servers.dead.clear()
     state.heartbeat(backup.server_id, [HeldExtent(backup.extent_id, region.uid, MiB, 1.0)])
@@ -238,10 +275,7 @@ def test_a_returning_server_is_resynced_not_trusted(state, servers, manager) -> 
 
 
 def test_a_lost_backup_is_replaced(state, servers, manager) -> None:
-    add_servers(state, 3)
-    region = create(state, servers)
-    primary, backup = region.copies_of(0)
-    settle(manager)
+    region, primary, backup = two_copies(state, servers, manager, on=3)
     # its server restarted without its memory
     sid = backup.server_id
     state.register_server(sid, f"h{sid[1:]}", backup.grpc_address, list(backup.endpoints), 64 * MiB, held=[])
@@ -253,10 +287,7 @@ def test_a_lost_backup_is_replaced(state, servers, manager) -> None:
 
 
 def test_a_server_that_registers_again_is_resynced(state, servers, manager) -> None:
-    add_servers(state, 2)
-    region = create(state, servers)
-    primary, backup = region.copies_of(0)
-    settle(manager)
+    region, primary, backup = two_copies(state, servers, manager)
     # a restart with its (persistent) extents: its replica settings are gone
     state.register_server(backup.server_id, "h", backup.grpc_address, [], 64 * MiB,
                           held=[HeldExtent(backup.extent_id, region.uid, MiB, 1.0)], now=2e9)
@@ -280,10 +311,7 @@ def test_no_live_copy_to_promote_waits(state, servers, manager) -> None:
 
 
 def test_a_failed_sync_is_driven_again_at_a_fresh_view(state, servers, manager, clock) -> None:
-    add_servers(state, 3)
-    region = create(state, servers)
-    primary, backup = region.copies_of(0)
-    settle(manager)
+    region, primary, backup = two_copies(state, servers, manager, on=3)
     kill(state, servers, backup.server_id)
     servers.sync_fails_once = errors.ServerUnavailable("the primary went away mid-copy")
     settle(manager)
@@ -301,11 +329,8 @@ def test_a_failed_sync_is_driven_again_at_a_fresh_view(state, servers, manager, 
 
 
 def test_a_syncing_copy_recorded_before_a_crash_is_reserved_and_synced(state, servers, clock) -> None:
-    add_servers(state, 3)
-    region = create(state, servers)
-    primary, backup = region.copies_of(0)
+    region, primary, backup, spare = with_a_spare(state, servers)
     kill(state, servers, backup.server_id)
-    spare = ({"s0", "s1", "s2"} - {primary.server_id, backup.server_id}).pop()
     # what a controller did before it died: the backup fenced, a copy recorded on the
     # spare (not reserved, nothing configured)
     state.change_slot("job/r", region.uid, SlotChange(0, 1, {1: "stale"}))
@@ -323,10 +348,7 @@ def test_a_syncing_copy_recorded_before_a_crash_is_reserved_and_synced(state, se
 
 
 def test_a_spare_that_cannot_take_the_copy_is_avoided(state, servers, manager, clock) -> None:
-    add_servers(state, 4)
-    region = create(state, servers)
-    primary, backup = region.copies_of(0)
-    settle(manager)
+    region, primary, backup = two_copies(state, servers, manager, on=4)
     spares = sorted({"s0", "s1", "s2", "s3"} - {primary.server_id, backup.server_id})
     kill(state, servers, backup.server_id)
     for sid in spares:    # the first one tried fails
@@ -348,9 +370,7 @@ def test_plan_fence_on_a_healthy_slot_is_nothing(state, servers) -> None:
 
 def test_spares_of_one_pass_count_what_earlier_slots_took(state, servers, manager) -> None:
     add_servers(state, 2)
-    creator = RegionCreator(state, servers, threads=2)
-    region = creator.create(CreateRequest("job/r", 2 * MiB, stripe_unit=MiB, replicas=2))
-    creator.close()
+    (region,) = create_all(state, servers, CreateRequest("job/r", 2 * MiB, stripe_unit=MiB, replicas=2))
     state.register_server("s2", "h2", "mem2:1", [], 3 * MiB // 2)
     state.register_server("s3", "h3", "mem3:1", [], 5 * MiB // 4)
     settle(manager)
@@ -372,10 +392,7 @@ def report(copy_of_primary: ExtentRecord, backup: ExtentRecord, view: int = 1,
 
 
 def test_a_reported_backup_is_dropped_and_repaired_onto_a_spare(state, servers, manager) -> None:
-    add_servers(state, 3)
-    region = create(state, servers)
-    primary, backup = region.copies_of(0)
-    spare = ({"s0", "s1", "s2"} - {primary.server_id, backup.server_id}).pop()
+    region, primary, backup, spare = with_a_spare(state, servers)
     settle(manager)
     servers.configured.clear()
     manager.report([report(primary, backup)])
@@ -395,10 +412,7 @@ def test_a_reported_backup_is_dropped_and_repaired_onto_a_spare(state, servers, 
 
 def test_a_reported_backup_without_a_spare_is_resynced_after_the_avoid_time(
         state, servers, manager, clock) -> None:
-    add_servers(state, 2)
-    region = create(state, servers)
-    primary, backup = region.copies_of(0)
-    settle(manager)
+    region, primary, backup = two_copies(state, servers, manager)
     manager.report([report(primary, backup)])
     settle(manager, 3)
     after = state.get_region("job/r")
@@ -442,11 +456,7 @@ def test_a_report_not_from_the_primary_at_its_view_is_ignored(state, servers, ma
 
 
 def test_a_deposed_primary_cannot_drop_a_healthy_backup(state, servers, manager) -> None:
-    add_servers(state, 4)
-    region = create(state, servers, replicas=3)
-    primary, b1, b2 = region.copies_of(0)
-    settle(manager)
-    kill(state, servers, primary.server_id)
+    _, primary, _, b2 = with_a_dead_primary_of_three(state, servers, manager)
     settle(manager, 3)                                   # b1 leads, b2 resynced, a new copy
     before = state.get_region("job/r")
     assert before.state == "ready"
@@ -460,12 +470,7 @@ def test_a_deposed_primary_cannot_drop_a_healthy_backup(state, servers, manager)
 
 
 def test_a_report_for_a_copy_already_stale_is_a_no_op(state, servers, manager) -> None:
-    add_servers(state, 2)
-    region = create(state, servers)
-    primary, backup = region.copies_of(0)
-    settle(manager)
-    kill(state, servers, backup.server_id)
-    settle(manager)
+    _, primary, backup = with_a_dead_backup(state, servers, manager)
     after = state.get_region("job/r")
     assert roles(after)[1] == (backup.server_id, "stale") and after.view_of(0) == 2
     servers.configured.clear()

@@ -6,12 +6,15 @@ import mmap
 import os
 import struct
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
 
 from smb_protocol.errors import ExtentNotFound, InvalidArgument, OutOfMemory, OutOfRange
 from smb_server.memserver.arena import HEADER, HEADER_BYTES, HEADER_MAGIC, LIVE_OFFSET, Arena
+from smb_server.memserver.extent import Extent
 from smb_server.memserver.memmap import data_ranges, punch_hole
 
 MiB = 1 << 20
@@ -248,13 +251,24 @@ def test_file_backed_extent_is_written_back_and_adopted_sparse(tmp_path):
         again.close()
 
 
-def test_write_back_runs_on_its_interval(tmp_path):
+@contextmanager
+def persistent_extent(tmp_path, extent_id: int, length: int,
+                      writeback_seconds: float) -> Iterator[tuple[Arena, Extent, str]]:
+    """A 16 MiB arena that writes back to a data directory in ``tmp_path`` every
+    ``writeback_seconds``, holding persistent extent ``extent_id`` of ``length`` bytes:
+    the arena, the extent and the extent's file. The arena is closed afterwards."""
     data_dir = str(tmp_path / "data")
-    arena = Arena(16 * MiB, data_dir, writeback_seconds=0.05)
+    arena = Arena(16 * MiB, data_dir, writeback_seconds=writeback_seconds)
     try:
-        e = arena.reserve(41, "uid", 8192, persistent=True)
+        e = arena.reserve(extent_id, "uid", length, persistent=True)
+        yield arena, e, os.path.join(data_dir, f"{extent_id}.extent")
+    finally:
+        arena.close()
+
+
+def test_write_back_runs_on_its_interval(tmp_path):
+    with persistent_extent(tmp_path, 41, 8192, writeback_seconds=0.05) as (arena, e, path):
         e.data[:5] = b"later"
-        path = os.path.join(data_dir, "41.extent")
         deadline = time.monotonic() + 10
         while _file_bytes(path, HEADER_BYTES, 5) != b"later":
             assert time.monotonic() < deadline, "never written back"
@@ -265,23 +279,15 @@ def test_write_back_runs_on_its_interval(tmp_path):
             time.sleep(0.02)
         time.sleep(0.2)                                   # and no later write-back brings it back
         assert not os.path.exists(path)
-    finally:
-        arena.close()
 
 
 def test_write_back_turns_memory_holes_into_zeros_in_the_file(tmp_path):
-    data_dir = str(tmp_path / "data")
-    arena = Arena(16 * MiB, data_dir, writeback_seconds=0)
-    try:
-        e = arena.reserve(51, "uid", 2 * MiB, persistent=True)
+    with persistent_extent(tmp_path, 51, 2 * MiB, writeback_seconds=0) as (arena, e, path):
         np.frombuffer(e.data, np.uint8)[:] = 9
         arena.write_back()
-        path = os.path.join(data_dir, "51.extent")
         assert _file_bytes(path, HEADER_BYTES + MiB, 4) == b"\x09" * 4
         punch_hole(e.fd, HEADER_BYTES + MiB, MiB)          # what a rw client may do
         arena.write_back()
         assert _file_bytes(path, HEADER_BYTES + MiB, 4) == bytes(4)
         assert _file_bytes(path, HEADER_BYTES, 4) == b"\x09" * 4
         assert data_ranges(os.open(path, os.O_RDONLY), HEADER_BYTES + MiB, HEADER_BYTES + 2 * MiB) == []
-    finally:
-        arena.close()

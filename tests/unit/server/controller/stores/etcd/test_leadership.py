@@ -24,6 +24,15 @@ def _pair(url: str) -> tuple[EtcdState, EtcdState, Election, Election]:
     return a, b, a.election("10.0.0.1:7700", 2), b.election("10.0.0.2:7700", 2)
 
 
+def lead(state: EtcdState, election: Election) -> Fence:
+    """``election`` wins its campaign and ``state`` takes over as the leader; returns the
+    fence its writes go under."""
+    fence = election.campaign()
+    assert fence is not None
+    state.take_over(fence)
+    return fence
+
+
 def test_one_leader_at_a_time_and_epochs_grow(etcd_store: str) -> None:
     a, b, ea, eb = _pair(etcd_store)
     fence = ea.campaign()
@@ -48,9 +57,7 @@ def test_a_standby_writes_nothing(etcd_store: str) -> None:
 def test_a_leader_that_steps_down_writes_nothing(etcd_store: str) -> None:
     a, _, ea, _ = _pair(etcd_store)
     assert a.leadership is a                    # the store interface's side of the election
-    fence = ea.campaign()
-    assert fence is not None
-    a.take_over(fence)
+    lead(a, ea)
     a.register_server("s1", "h", "127.0.0.1:1", [], 64 * MiB)
     a.step_down()
     with pytest.raises(errors.ControllerUnavailable, match="stands by"):
@@ -60,16 +67,13 @@ def test_a_leader_that_steps_down_writes_nothing(etcd_store: str) -> None:
 
 def test_a_deposed_leader_cannot_write(etcd_store: str) -> None:
     a, b, ea, eb = _pair(etcd_store)
-    fence_a = ea.campaign()
-    assert fence_a is not None
-    a.take_over(fence_a)
+    fence_a = lead(a, ea)
     a.register_server("s1", "h", "127.0.0.1:1", [], 64 * MiB)
     a.commit_region("job/x", a.begin_create_region(CreateRequest("job/x", MiB)).uid)
     # a's lease runs out while it is paused (its process does not renew), b takes over
     a.kv.revoke(ea.lease)
-    fence_b = eb.campaign()
-    assert fence_b is not None and fence_b.epoch == fence_a.epoch + 1
-    b.take_over(fence_b)
+    fence_b = lead(b, eb)
+    assert fence_b.epoch == fence_a.epoch + 1
     # a still believes it leads: every kind of write fails in etcd, nothing applied
     with pytest.raises(errors.ControllerUnavailable, match="no longer leads.*10.0.0.2:7700"):
         a.begin_create_region(CreateRequest("job/y", MiB))
@@ -87,15 +91,11 @@ def test_a_deposed_leader_cannot_write(etcd_store: str) -> None:
 
 def test_a_new_leader_removes_half_created_regions(etcd_store: str) -> None:
     a, b, ea, eb = _pair(etcd_store)
-    fence_a = ea.campaign()
-    assert fence_a is not None
-    a.take_over(fence_a)
+    lead(a, ea)
     a.register_server("s1", "h", "127.0.0.1:1", [], 64 * MiB)
     a.begin_create_region(CreateRequest("job/half", MiB))   # the leader dies here
     ea.step_down("died")
-    fence_b = eb.campaign()
-    assert fence_b is not None
-    b.take_over(fence_b)
+    lead(b, eb)
     with pytest.raises(errors.RegionNotFound):
         b.get_region("job/half")
     b.commit_region("job/half", b.begin_create_region(CreateRequest("job/half", MiB)).uid)  # the name is free again
@@ -103,9 +103,7 @@ def test_a_new_leader_removes_half_created_regions(etcd_store: str) -> None:
 
 def test_a_new_leader_repairs_the_placed_extent_index(etcd_store: str) -> None:
     a, b, ea, eb = _pair(etcd_store)
-    fence_a = ea.campaign()
-    assert fence_a is not None
-    a.take_over(fence_a)
+    lead(a, ea)
     a.register_server("s1", "h", "127.0.0.1:1", [], 64 * MiB)
     region = a.commit_region("job/x", a.begin_create_region(CreateRequest("job/x", MiB)).uid)
     (extent,) = region.extents
@@ -113,9 +111,7 @@ def test_a_new_leader_repairs_the_placed_extent_index(etcd_store: str) -> None:
     a.kv.txn([], [kv.delete(f"{a.prefix}/placed/s1/{extent.extent_id}"),
                   kv.put(f"{a.prefix}/placed/s1/12345", '{"uid": "gone", "name": "x", "length": 1}')])
     ea.step_down("test")
-    fence_b = eb.campaign()
-    assert fence_b is not None
-    b.take_over(fence_b)
+    lead(b, eb)
     held = [HeldExtent(extent.extent_id, region.uid, MiB, 1e6), HeldExtent(12345, "gone", 1, 1e6)]
     assert b.heartbeat("s1", held) == [12345]   # its own extent is known again, the stray one is not
 
@@ -159,9 +155,7 @@ def test_a_create_arriving_during_take_over_is_not_taken_for_a_dead_leaders(etcd
     state = _CreateDuringTakeOver(etcd_store, recover=False)
     state.fenced = True
     election = Election(state.kv, state.prefix, "10.0.0.9:7700", 2)
-    fence = election.campaign()
-    assert fence is not None
-    state.take_over(fence)
+    lead(state, election)
     state.racer.join(30)
     (early,) = state.created
     assert state.commit_region("job/early", early.uid).state == "ready"
@@ -216,9 +210,7 @@ def test_a_leader_whose_key_is_deleted_steps_down_at_once(etcd_store: str) -> No
 
 def test_a_barrier_opening_is_kept_with_its_arrivals_and_fenced(etcd_store: str) -> None:
     a, b, ea, eb = _pair(etcd_store)
-    fence = ea.campaign()
-    assert fence is not None
-    a.take_over(fence)
+    lead(a, ea)
     assert b.barrier_generation("train/step") == (0, ())
     a.open_barrier("train/step", 1, ["a" * 32, ""])
     a.open_barrier("train/step", 2, ["b" * 32, "c" * 32])
