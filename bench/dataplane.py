@@ -25,19 +25,14 @@ Throughput is bytes / seconds in MB/s (1e6 bytes). Results go to
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
 import multiprocessing as mp
 import os
-import platform
 import shutil
 import socket
 import struct
 import sys
 import tempfile
-import time
-from collections.abc import Callable
 
 import numpy as np
 
@@ -47,6 +42,7 @@ sys.path.insert(0, ROOT)
 import grpc  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from bench.throughput import arguments, machine, save, timed  # noqa: E402
 from smb_protocol.units import format_bytes  # noqa: E402
 from smb_server.commands.local_cluster import LocalCluster  # noqa: E402
 from smb_server.runtime.certs import ClusterCerts, make_cluster_certs  # noqa: E402
@@ -60,22 +56,6 @@ TRANSPORTS = ("tcp", "shm", "tcp+tls")   # series measured on the local clusters
 GRPC_MAX = 128 * MiB
 GRPC_OPTIONS = [("grpc.max_send_message_length", GRPC_MAX),
                 ("grpc.max_receive_message_length", GRPC_MAX)]
-
-
-def timed(fn: Callable[[], None], size: int, seconds: float, repeats: int) -> float:
-    """Best throughput (MB/s) of ``repeats`` runs of ``fn``, each at least ``seconds``."""
-    fn()  # warm up: connections, page faults, registrations
-    best = 0.0
-    for _ in range(repeats):
-        n, t0 = 0, time.perf_counter()
-        while True:
-            fn()
-            n += 1
-            elapsed = time.perf_counter() - t0
-            if elapsed >= seconds and n >= 2:
-                break
-        best = max(best, n * size / elapsed / 1e6)
-    return best
 
 
 # -- raw socket reference -----------------------------------------------------------
@@ -330,23 +310,10 @@ def plot(rows: dict, sizes: list[int], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def save(result: dict, table: str, out: str) -> None:
-    """Write ``result`` as JSON to ``out`` and ``table`` beside it (``.md``)."""
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(result, f, indent=2)
-    with open(os.path.splitext(out)[0] + ".md", "w") as f:
-        f.write(table)
-
-
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="fewer sizes, shorter points")
-    ap.add_argument("--seconds", type=float, default=0.5, help="minimum length of one run")
-    ap.add_argument("--repeats", type=int, default=3, help="runs per point (best kept)")
+    ap = arguments(__doc__.split("\n")[0], "dataplane")
     ap.add_argument("--transports", default=",".join(TRANSPORTS),
                     help=f"data planes to measure, of {', '.join(TRANSPORTS)} (default all)")
-    ap.add_argument("--out", default=os.path.join(ROOT, "bench/results/dataplane.json"))
     ap.add_argument("--png", default=os.path.join(ROOT, "docs/img/dataplane.png"))
     args = ap.parse_args()
     sizes = QUICK_SIZES if args.quick else SIZES
@@ -357,8 +324,7 @@ def main() -> int:
         ap.error(f"unknown transports {sorted(unknown)}; known: {', '.join(TRANSPORTS)}")
     rows = measure(sizes, seconds, args.repeats, transports)
     target = ratios(rows, TARGET_SIZE)
-    result = {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
-              "sizes": sizes, "seconds": seconds, "repeats": args.repeats, "MBps": rows,
+    result = {**machine(), "sizes": sizes, "seconds": seconds, "repeats": args.repeats, "MBps": rows,
               "at_16MiB": target, "targets": TARGETS}
     table = markdown(rows, sizes, target)
     save(result, table, args.out)

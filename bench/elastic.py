@@ -51,9 +51,9 @@ from typing import Any
 if __package__ in (None, ""):   # run as a file: bench/elastic.py
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.cluster import links, netns  # noqa: E402
+from bench.cluster import links, netns, signal_files  # noqa: E402
 from bench.cluster.cpuload import CpuSampler  # noqa: E402
-from bench.cluster.testbed import POLL, ROOT, Testbed, TestbedError, cleanup  # noqa: E402
+from bench.cluster.testbed import ROOT, Testbed, TestbedError, cleanup, kill_process  # noqa: E402
 
 log = logging.getLogger("bench.elastic")
 
@@ -102,18 +102,6 @@ def _digits_argv(s: Settings, job: str, data: Path, result_dir: Path) -> list[st
             "--quiet", "--result-dir", str(result_dir)]
 
 
-def _write_json(path: Path, doc: dict[str, Any]) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(doc))
-    tmp.replace(path)
-
-
-def _stop(proc: Any) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-
-
 def target_total(s: Settings, scheme: str, train_size: int) -> int:
     """Steps of all workers together at the end of a run."""
     if scheme == "sync":
@@ -155,52 +143,38 @@ def training_run(tb: Testbed, s: Settings, scheme: str, name: str, spare: int | 
         workers = [(f"{job}-w{r}", *tb.start_worker(tb.workers[r], f"{job}-w{r}", {**wspec, "rank": r}))
                    for r in range(world)]
         groups["workers"] = [n for n, _, _ in workers]
-        deadline = time.monotonic() + s.timeout
         joined = removed = False
-        try:
-            while True:
-                if not joined and spare is not None and (sig / "join.json").exists():
-                    info = tb.start_server(spare)
-                    groups["servers"].append(f"srv{spare}")
-                    _write_json(sig / "joined.json", {"time": time.time(), "server": info["server_id"],
-                                                      "host": tb.servers[spare].role})
-                    joined = True
-                if not removed and (sig / "removed.json").exists():
-                    gone = json.loads((sig / "removed.json").read_text())["server"]
-                    index = tb.servers.index(tb.server_host(gone))
-                    try:
-                        tb.kill_server(index, signal.SIGTERM)
-                    except Exception:   # not gone after the grace: as kill -9
-                        tb.kill_server(index)
-                    run["stopped_daemon"] = {"time": time.time(), "host": tb.servers[index].role}
-                    removed = True
-                failed = [(n, p) for n, p, _ in workers if p.poll() not in (None, 0)]
-                if failed:
-                    n, p = failed[0]
-                    run["error"] = f"{n} exited with {p.returncode}:\n{tb.log_tail(n, 40)}"
-                    break
-                if mover.poll() not in (None, 0):
-                    run["error"] = f"the mover exited with {mover.returncode}:\n{tb.log_tail(f'{job}-mover', 15)}"
-                    break
-                if all(p.poll() == 0 for _, p, _ in workers):
-                    break
-                if time.monotonic() > deadline:
-                    run["error"] = f"workers still running after {s.timeout:.0f} s:\n{tb.log_tail(workers[0][0], 15)}"
-                    break
-                time.sleep(POLL)
-        finally:
-            for _, p, _ in workers:
-                _stop(p)
-        run["workers"] = [json.loads(out.read_text()) for _, p, out in workers if p.returncode == 0 and out.exists()]
+
+        def join_remove_mover() -> str | None:
+            nonlocal joined, removed
+            if not joined and spare is not None and (sig / "join.json").exists():
+                info = tb.start_server(spare)
+                groups["servers"].append(f"srv{spare}")
+                signal_files.write(sig / "joined.json", {"time": time.time(), "server": info["server_id"],
+                                                         "host": tb.servers[spare].role})
+                joined = True
+            if not removed and (sig / "removed.json").exists():
+                gone = json.loads((sig / "removed.json").read_text())["server"]
+                index = tb.servers.index(tb.server_host(gone))
+                try:
+                    tb.kill_server(index, signal.SIGTERM)
+                except Exception:   # not gone after the grace: as kill -9
+                    tb.kill_server(index)
+                run["stopped_daemon"] = {"time": time.time(), "host": tb.servers[index].role}
+                removed = True
+            if mover.poll() not in (None, 0):
+                return f"the mover exited with {mover.returncode}:\n{tb.log_tail(f'{job}-mover', 15)}"
+            return None
+        run["workers"], run["error"] = tb.watch_workers(workers, s.timeout, join_remove_mover, tail=40)
         if run["error"]:
-            _write_json(sig / "stop.json", {"time": time.time()})
+            signal_files.write(sig / "stop.json", {"time": time.time()})
         try:
             run["mover"] = tb.wait_worker(f"{job}-mover", mover, mover_out, timeout=s.timeout)
         except TestbedError as exc:
             run["mover"] = {}
             run["error"] = run["error"] or f"mover: {exc}"
         finally:
-            _stop(mover)
+            kill_process(mover)
     for sampler in samplers.values():
         sampler.stop()
     ports, _, times, counters = links.load(sig / "links.jsonl")

@@ -20,12 +20,8 @@ kinds in turns; the ratio persistent / memory-only is reported (1.0: no cost). R
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import platform
 import sys
-import time
 from collections.abc import Callable
 
 import numpy as np
@@ -33,6 +29,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from bench.throughput import arguments, machine, run, save  # noqa: E402
 from smb_client.region import Region  # noqa: E402
 from smb_protocol.units import format_bytes  # noqa: E402
 from smb_server.commands.local_cluster import LocalCluster  # noqa: E402
@@ -42,17 +39,6 @@ SIZES = [4 * KiB, 64 * KiB, MiB, 16 * MiB]
 QUICK_SIZES = [4 * KiB, MiB, 16 * MiB]
 KINDS = ("memory-only", "persistent")
 SERIES = (("write", "tcp"), ("write", "shm"), ("accumulate", "tcp"))
-
-
-def run(fn: Callable[[], None], size: int, seconds: float) -> float:
-    """Throughput (MB/s) of one run of ``fn``, at least ``seconds`` long."""
-    n, t0 = 0, time.perf_counter()
-    while True:
-        fn()
-        n += 1
-        elapsed = time.perf_counter() - t0
-        if elapsed >= seconds and n >= 2:
-            return n * size / elapsed / 1e6
 
 
 def operation(op: str, region: Region, data: np.ndarray) -> Callable[[], None]:
@@ -105,23 +91,14 @@ def markdown(rows: dict[str, dict[str, dict[str, float]]], sizes: list[int]) -> 
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="fewer sizes, shorter points")
-    ap.add_argument("--seconds", type=float, default=0.5, help="minimum length of one run")
-    ap.add_argument("--repeats", type=int, default=3, help="runs per point (best kept)")
-    ap.add_argument("--out", default=os.path.join(ROOT, "bench/results/persistence.json"))
+    ap = arguments(__doc__.split("\n")[0], "persistence")
     args = ap.parse_args()
     sizes = QUICK_SIZES if args.quick else SIZES
     seconds = 0.2 if args.quick else args.seconds
     repeats = 2 if args.quick else args.repeats
     rows = measure(sizes, seconds, repeats)
     table = markdown(rows, sizes)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
-                   "sizes": sizes, "seconds": seconds, "repeats": repeats, "MBps": rows}, f, indent=2)
-    with open(os.path.splitext(args.out)[0] + ".md", "w") as f:
-        f.write(table)
+    save({**machine(), "sizes": sizes, "seconds": seconds, "repeats": repeats, "MBps": rows}, table, args.out)
     print(table)
     print(f"results: {args.out}")
     return 0

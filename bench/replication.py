@@ -22,9 +22,7 @@ Each point is the best of ``--repeats`` runs, each at least ``--seconds`` long (
 """
 from __future__ import annotations
 
-import argparse
 import os
-import platform
 import sys
 
 import numpy as np
@@ -34,7 +32,7 @@ sys.path.insert(0, ROOT)
 
 from tqdm import tqdm  # noqa: E402
 
-from bench.dataplane import save, timed  # noqa: E402
+from bench.throughput import arguments, machine, save, timed  # noqa: E402
 from smb_protocol.units import format_bytes  # noqa: E402
 from smb_server.commands.local_cluster import LocalCluster  # noqa: E402
 
@@ -118,19 +116,14 @@ def plot(ratio: dict[str, dict[str, float]], sizes: list[int], path: str) -> Non
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="fewer sizes, shorter points")
-    ap.add_argument("--seconds", type=float, default=0.5, help="minimum length of one run")
-    ap.add_argument("--repeats", type=int, default=3, help="runs per point (best kept)")
-    ap.add_argument("--out", default=os.path.join(ROOT, "bench/results/replication.json"))
+    ap = arguments(__doc__.split("\n")[0], "replication")
     ap.add_argument("--png", default=os.path.join(ROOT, "docs/img/replication.png"))
     args = ap.parse_args()
     sizes = QUICK_SIZES if args.quick else SIZES
     seconds = 0.2 if args.quick else args.seconds
     rows = measure(sizes, seconds, args.repeats)
     ratio = ratios(rows, sizes)
-    result = {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
-              "sizes": sizes, "seconds": seconds, "repeats": args.repeats, "MBps": rows,
+    result = {**machine(), "sizes": sizes, "seconds": seconds, "repeats": args.repeats, "MBps": rows,
               "ratio": ratio, "targets": TARGETS}
     table = markdown(rows, sizes, ratio)
     save(result, table, args.out)

@@ -18,9 +18,7 @@ Results go to ``bench/results/tracing.json`` and a Markdown table beside it.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import sys
 
 import numpy as np
@@ -34,7 +32,7 @@ from opentelemetry.sdk.trace import TracerProvider  # noqa: E402
 from opentelemetry.sdk.trace.export import BatchSpanProcessor  # noqa: E402
 from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased  # noqa: E402
 
-from bench.dataplane import timed  # noqa: E402
+from bench.throughput import machine, save, timed  # noqa: E402
 from smb_protocol import tracing  # noqa: E402
 from smb_protocol.units import format_bytes  # noqa: E402
 from smb_server.commands.local_cluster import LocalCluster  # noqa: E402
@@ -127,13 +125,8 @@ def main() -> int:
     rounds, seconds = (2, 0.3) if args.quick else (args.rounds, args.seconds)
     rows, spans = measure(ratios, rounds, seconds, args.repeats)
     table = markdown(rows, ratios)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
-                   "rounds": rounds, "seconds": seconds, "repeats": args.repeats, "ratios": ratios,
-                   "MBps": rows, "spans_received": spans}, f, indent=2)
-    with open(os.path.splitext(args.out)[0] + ".md", "w") as f:
-        f.write(table)
+    save({**machine(), "rounds": rounds, "seconds": seconds, "repeats": args.repeats, "ratios": ratios,
+          "MBps": rows, "spans_received": spans}, table, args.out)
     print(table)
     print(f"spans received: {spans}; results: {args.out}")
     return 0

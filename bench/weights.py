@@ -90,6 +90,19 @@ def load_proc(path: str, q: Any, go: Any) -> None:
     q.put(("loaded", 0, now() - t0))
 
 
+def _all_at_once(procs: list[Any], q: Any, go: Any) -> list[float]:
+    """Wait until every reader process is ready (its first message on ``q``), let them
+    all go at once (``go``), and return the seconds each one reports (the third item
+    of its next message) after they exited."""
+    for _ in procs:
+        q.get(timeout=TIMEOUT)
+    go.set()
+    out = [q.get(timeout=TIMEOUT)[2] for _ in procs]
+    for p in procs:
+        p.join(TIMEOUT)
+    return out
+
+
 def run_publish(address: str, token: str, args: argparse.Namespace) -> tuple[list[float], list[float]]:
     """Publish rounds to the reader processes; then the shm round. Returns (publish->all
     hold times, the shm readers' read times of the last round)."""
@@ -115,13 +128,7 @@ def run_publish(address: str, token: str, args: argparse.Namespace) -> tuple[lis
                 pub.publish(weights, version=r)
                 done = [hq.get(timeout=TIMEOUT) for _ in procs]
                 times.append(max(t for _, _, t in done) - t0)
-            for _ in procs:
-                q.get(timeout=TIMEOUT)
-            go.set()
-            reads = [q.get(timeout=TIMEOUT)[2] for _ in procs]
-            for p in procs:
-                p.join(TIMEOUT)
-            return times, reads
+            return times, _all_at_once(procs, q, go)
         finally:
             pub.delete()
 
@@ -157,13 +164,7 @@ def run_load(args: argparse.Namespace) -> list[float]:
         procs = [ctx.Process(target=load_proc, args=(path, q, go)) for _ in range(args.readers)]
         for p in procs:
             p.start()
-        for _ in procs:
-            q.get(timeout=TIMEOUT)
-        go.set()
-        out = [q.get(timeout=TIMEOUT)[2] for _ in procs]
-        for p in procs:
-            p.join(TIMEOUT)
-        return out
+        return _all_at_once(procs, q, go)
     finally:
         os.unlink(path)
 

@@ -24,6 +24,7 @@ Results in ``bench/results/wire_error.json`` and a table on stdout (docs/benchma
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import multiprocessing as mp
@@ -31,13 +32,13 @@ import os
 import socket
 import sys
 import tempfile
-import threading
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 LAYERS = 12
+RANKS_TIMEOUT = 600.0   # seconds the memory box's workers get for all their sums together
 
 
 def gradient(rank: int, n: int, seed: int = 0) -> np.ndarray:
@@ -69,45 +70,30 @@ def box_sums(workers: int, n: int, workdir: str) -> dict[str, np.ndarray]:
     """Rank 0's sum for every memory-box mode (every rank's is checked equal)."""
     from smb_client.collective import Collective
     from smb_server.commands.local_cluster import LocalCluster
+    from smb_server.testing import run_ranks
     modes = {"collective float32": (None, False), "collective bf16 wire": ("bf16", False),
              "collective bf16 wire, full sum": ("bf16", True), "collective fp16 wire": ("fp16", False),
              "collective fp16 wire, full sum": ("fp16", True)}
-    out: dict[str, np.ndarray] = {}
-    with LocalCluster(servers=2, capacity=f"{max(256, 8 * n * 4 // (1 << 20) + 64)}M", workdir=workdir) as cluster:
-        clients = [cluster.client(transport="tcp") for _ in range(workers)]
+    with LocalCluster(servers=2, capacity=f"{max(256, 8 * n * 4 // (1 << 20) + 64)}M", workdir=workdir) as cluster, \
+            contextlib.ExitStack() as parties:
+        clients = [parties.enter_context(cluster.client(transport="tcp")) for _ in range(workers)]
         coll0 = Collective.create(clients[0], "bench/wire", n * 4, workers)
-        colls = [coll0] + [Collective.open(c, "bench/wire", workers) for c in clients[1:]]
-        results: dict[tuple[str, int], np.ndarray] = {}
-        failures: list[BaseException] = []
+        parties.callback(coll0.destroy)
+        colls = [coll0] + [parties.enter_context(Collective.open(c, "bench/wire", workers)) for c in clients[1:]]
 
-        def run(rank: int) -> None:
-            try:
-                for mode, (wire, full) in modes.items():
-                    x = gradient(rank, n)
-                    colls[rank].all_reduce(x, wire=wire, full_sum=full)
-                    results[mode, rank] = x
-            except BaseException as exc:   # reported below
-                failures.append(exc)
-        threads = [threading.Thread(target=run, args=(r,)) for r in range(workers)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        try:
-            if failures:
-                raise failures[0]
-            for mode in modes:
-                for rank in range(1, workers):
-                    if not np.array_equal(results[mode, rank], results[mode, 0]):
-                        raise AssertionError(f"{mode}: rank {rank}'s sum differs from rank 0's")
-                out[mode] = results[mode, 0]
-        finally:
-            for coll in colls[1:]:
-                coll.close()
-            coll0.destroy()
-            for c in clients:
-                c.close()
-    return out
+        def run(rank: int) -> dict[str, np.ndarray]:
+            sums: dict[str, np.ndarray] = {}
+            for mode, (wire, full) in modes.items():
+                x = gradient(rank, n)
+                colls[rank].all_reduce(x, wire=wire, full_sum=full)
+                sums[mode] = x
+            return sums
+        results = run_ranks(workers, run, timeout=RANKS_TIMEOUT)
+    for mode in modes:
+        for rank in range(1, workers):
+            if not np.array_equal(results[rank][mode], results[0][mode]):
+                raise AssertionError(f"{mode}: rank {rank}'s sum differs from rank 0's")
+    return results[0]
 
 
 # -- gloo ---------------------------------------------------------------------------

@@ -81,7 +81,6 @@ class Progress:
 
 def run_worker(args: argparse.Namespace) -> dict[str, Any]:
     import torch
-    import torch.nn.functional as F
 
     from smb_client.torch import WorkerEnv
 
@@ -89,7 +88,7 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
     env = WorkerEnv.from_env()
     data = load_data(args.data)
     tensors = {k: torch.from_numpy(v) for k, v in data.items()}
-    ctx = {"env": env, "args": args, "t": tensors, "F": F, "torch": torch}
+    ctx = {"env": env, "args": args, "t": tensors, "torch": torch}
     fn = {"sync": _sync, "seasgd": _seasgd, "hybrid": _hybrid, "ddp": _ddp}[args.scheme]
     result = fn(ctx)
     # DDP holds its process group in a reference cycle: the group outlives
@@ -103,6 +102,21 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def train_step(model: Any, opt: Any, x: Any, y: Any, wrapper: Any = None) -> Any:
+    """One optimizer step of ``model`` on the samples ``x`` (labels ``y``): the
+    gradients zeroed (``wrapper``'s, else the optimizer's), the cross-entropy loss
+    backward, ``wrapper.synchronize()`` (the gradients exchanged), ``opt.step()``.
+    ``wrapper``: a SyncDataParallel or HybridSEASGD, or None. Returns the loss."""
+    import torch.nn.functional as F
+    (opt if wrapper is None else wrapper).zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()  # type: ignore[no-untyped-call]
+    if wrapper is not None:
+        wrapper.synchronize()
+    opt.step()
+    return loss
+
+
 def _epoch_batches(torch: Any, n: int, per_step: int, seed: int, epoch: int) -> Any:
     g = torch.Generator().manual_seed(seed * 1000 + epoch)
     return torch.randperm(n, generator=g)[: (n // per_step) * per_step].view(-1, per_step)
@@ -111,7 +125,7 @@ def _epoch_batches(torch: Any, n: int, per_step: int, seed: int, epoch: int) -> 
 def _sync(ctx: dict[str, Any]) -> dict[str, Any]:
     import smb_client
     from smb_client.torch import SharedCounters, SyncDataParallel, open_store
-    env, args, t, F, torch = ctx["env"], ctx["args"], ctx["t"], ctx["F"], ctx["torch"]
+    env, args, t, torch = ctx["env"], ctx["args"], ctx["t"], ctx["torch"]
     rank, world, b = env.rank, env.world_size, args.batch
     prefix = f"{args.job}/sync"
     with smb_client.connect() as client:
@@ -132,11 +146,7 @@ def _sync(ctx: dict[str, Any]) -> dict[str, Any]:
         while not dp.stop:
             for batch in _epoch_batches(torch, len(t["y_train"]), world * b, args.seed, epoch):
                 idx = batch[rank * b:(rank + 1) * b]
-                dp.zero_grad()
-                loss = F.cross_entropy(model(t["x_train"][idx]), t["y_train"][idx])
-                loss.backward()
-                dp.synchronize()
-                opt.step()
+                loss = train_step(model, opt, t["x_train"][idx], t["y_train"][idx], dp)
                 progress.update(loss=f"{loss.item():.3f}")
                 if dp.stop:
                     break
@@ -153,17 +163,14 @@ def _sync(ctx: dict[str, Any]) -> dict[str, Any]:
                   "traffic": store.traffic.as_dict(), "comm_wait": dp.comm_wait, "curve": curve,
                   "accuracy": accuracy(model, t["x_test"], t["y_test"]),
                   "overlap": not args.no_overlap}
-        if rank == 0:
-            store.destroy()
-        else:
-            store.close()
+        _release_store(store, destroy=rank == 0)
     return result
 
 
 def _seasgd(ctx: dict[str, Any]) -> dict[str, Any]:
     import smb_client
     from smb_client.torch import SEASGD, SharedCounters, open_store
-    env, args, t, F, torch = ctx["env"], ctx["args"], ctx["t"], ctx["F"], ctx["torch"]
+    env, args, t, torch = ctx["env"], ctx["args"], ctx["t"], ctx["torch"]
     rank, world, b = env.rank, env.world_size, args.batch
     prefix = f"{args.job}/seasgd"
     shard = torch.arange(rank, len(t["y_train"]), world)
@@ -201,10 +208,7 @@ def _seasgd(ctx: dict[str, Any]) -> dict[str, Any]:
             for batch in _epoch_batches(torch, len(shard), b, args.seed + rank, epoch):
                 s0 = time.perf_counter()
                 idx = shard[batch]
-                opt.zero_grad()
-                loss = F.cross_entropy(model(t["x_train"][idx]), t["y_train"][idx])
-                loss.backward()
-                opt.step()
+                loss = train_step(model, opt, t["x_train"][idx], t["y_train"][idx])
                 u0 = time.perf_counter()
                 if ea.after_step() and pushed is not None:
                     pushed += ea.delta.double()   # being pushed in the background, not changed
@@ -246,11 +250,18 @@ def _seasgd(ctx: dict[str, Any]) -> dict[str, Any]:
         if record:
             result.update(step_log=step_log, smallest_delta=smallest if ea.updates else None)
         client.barrier(f"{prefix}/read", world, timeout=120)
-        if rank == 0 and not getattr(args, "keep_store", False):
-            store.destroy()
-        else:
-            store.close()
+        _release_store(store, destroy=rank == 0 and not getattr(args, "keep_store", False))
     return result
+
+
+def _release_store(store: Any, destroy: bool) -> None:
+    """Done with ``store``: ``destroy`` (one worker, after a barrier every worker passes
+    once it no longer needs the store) deletes its regions, else this worker's handle
+    is closed and the regions stay."""
+    if destroy:
+        store.destroy()
+    else:
+        store.close()
 
 
 def _replicas(args: argparse.Namespace) -> dict[str, Any]:
@@ -270,7 +281,7 @@ def _hybrid(ctx: dict[str, Any]) -> dict[str, Any]:
 
     import smb_client
     from smb_client.torch import SEASGD, FlatModel, HybridSEASGD, SharedCounters, new_node_groups, open_store
-    env, args, t, F, torch = ctx["env"], ctx["args"], ctx["t"], ctx["F"], ctx["torch"]
+    env, args, t, torch = ctx["env"], ctx["args"], ctx["t"], ctx["torch"]
     rank, world, b = env.rank, env.world_size, args.batch
     _init_dist(env)
     local = args.node_size or env.local_world_size
@@ -306,11 +317,7 @@ def _hybrid(ctx: dict[str, Any]) -> dict[str, Any]:
     while not stop:
         for batch in _epoch_batches(torch, len(shard), local * b, args.seed + node, epoch):
             idx = shard[batch[local_rank * b:(local_rank + 1) * b]]
-            hy.zero_grad()
-            loss = F.cross_entropy(model(t["x_train"][idx]), t["y_train"][idx])
-            loss.backward()
-            hy.synchronize()
-            opt.step()
+            loss = train_step(model, opt, t["x_train"][idx], t["y_train"][idx], hy)
             hy.after_step()
             steps += 1
             progress.update(loss=f"{loss.item():.3f}")
@@ -337,10 +344,7 @@ def _hybrid(ctx: dict[str, Any]) -> dict[str, Any]:
         store.load_into(evaluator)
         result.update(traffic=store.traffic.as_dict(), updates=seasgd.updates if seasgd else 0)
         client.barrier(f"{prefix}/read", nodes, timeout=120)
-        if rank == 0:
-            store.destroy()
-        else:
-            store.close()
+        _release_store(store, destroy=rank == 0)
         client.close()
     dist.barrier()
     if rank == 0:
@@ -353,7 +357,7 @@ def _hybrid(ctx: dict[str, Any]) -> dict[str, Any]:
 def _ddp(ctx: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
-    env, args, t, F, torch = ctx["env"], ctx["args"], ctx["t"], ctx["F"], ctx["torch"]
+    env, args, t, torch = ctx["env"], ctx["args"], ctx["t"], ctx["torch"]
     rank, world, b = env.rank, env.world_size, args.batch
     _init_dist(env)
     model = make_model(args.seed, args.hidden)
@@ -369,10 +373,7 @@ def _ddp(ctx: dict[str, Any]) -> dict[str, Any]:
     for epoch in range(args.epochs):
         for batch in _epoch_batches(torch, len(t["y_train"]), world * b, args.seed, epoch):
             idx = batch[rank * b:(rank + 1) * b]
-            opt.zero_grad()
-            loss = F.cross_entropy(ddp(t["x_train"][idx]), t["y_train"][idx])
-            loss.backward()
-            opt.step()
+            loss = train_step(ddp, opt, t["x_train"][idx], t["y_train"][idx])
             steps += 1
             progress.update(loss=f"{loss.item():.3f}")
         if rank == 0:

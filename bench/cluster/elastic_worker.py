@@ -23,7 +23,6 @@
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -37,12 +36,10 @@ from smb_protocol import errors
 from smb_protocol.placement import ExtentPlace
 from smb_server.testing import copies
 
-from . import replica_worker
+from . import replica_worker, signal_files
 
 log = logging.getLogger(__name__)
 
-COUNTER_WORDS = replica_worker.COUNTER_WORDS
-FINISHED_WORD = replica_worker.FINISHED_WORD
 BARRIER_TIMEOUT = 300.0    # seconds
 FILE_WAIT = 120.0          # seconds the mover waits for the spare server to join
 
@@ -55,10 +52,9 @@ def _client(spec: dict[str, Any], token: str | None = None) -> Client:
 def train_sync(spec: dict[str, Any]) -> dict[str, Any]:
     """One SyncDataParallel worker of the digits model (see the module docstring)."""
     import torch
-    import torch.nn.functional as F
 
     from smb_client.torch import FlatModel, SharedCounters, SyncDataParallel, WorkerEnv, open_store
-    from smb_train.workers import _epoch_batches, accuracy, load_data, make_model
+    from smb_train.workers import _epoch_batches, accuracy, load_data, make_model, train_step
     torch.set_num_threads(1)
     rank, world, b = spec["rank"], spec["world"], spec["batch"]
     data = load_data(spec["data"])
@@ -83,11 +79,7 @@ def train_sync(spec: dict[str, Any]) -> dict[str, Any]:
             for batch in _epoch_batches(torch, len(t["y_train"]), world * b, spec["seed"], epoch):
                 s0, w0 = time.perf_counter(), dp.comm_wait
                 idx = batch[rank * b:(rank + 1) * b]
-                dp.zero_grad()
-                loss = F.cross_entropy(model(t["x_train"][idx]), t["y_train"][idx])
-                loss.backward()
-                dp.synchronize()
-                opt.step()
+                loss = train_step(model, opt, t["x_train"][idx], t["y_train"][idx], dp)
                 steps.append((time.time(), time.perf_counter() - s0, dp.comm_wait - w0, loss.item()))
                 if dp.stop:
                     break
@@ -105,19 +97,6 @@ def train_sync(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 # -- mover ------------------------------------------------------------------------------
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def _write_json(path: Path, doc: dict[str, Any]) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(doc))
-    os.replace(tmp, path)
-
-
 def store_bytes(c: Client, prefix: str, *, primaries: bool = False) -> dict[str, dict[str, int]]:
     """Bytes of every copy of the store's regions, per region and memory server; with
     ``primaries``, of the primaries alone (the copies that serve reads and order
@@ -163,43 +142,32 @@ def mover(spec: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"action": action, "trigger_total": trigger, "progress": [], "servers": [],
                            "states": [], "not_ready_seen": [], "errors": []}
     with _client(spec) as c, _client(spec, admin_token(spec["secret_file"])) as admin:
-        counters_name = f"{prefix}/counters"
-        while not {counters_name, f"{prefix}/meta"} <= {r.name for r in c.list_regions(f"{prefix}/")}:
-            if time.monotonic() > deadline:
-                raise errors.Timeout(f"no parameter store {prefix} within {spec['timeout']:g} s")
-            time.sleep(poll)
-        counters = c.open_region(counters_name)
+        replica_worker.wait_for_store(c, spec, deadline, ("counters", "meta"))
+        counters = c.open_region(f"{prefix}/counters")
         phase = "start" if action != "none" else "none"
         source = ""
         base_moved = 0
-        last_servers: dict[str, Any] = {}
-        last_states: dict[str, str] = {}
         while time.monotonic() < deadline:
             now = time.time()
             try:
-                words = np.asarray(counters.read(0, (COUNTER_WORDS + world) * 8, dtype="int64"))
-                total, finished = int(words[COUNTER_WORDS:].sum()), int(words[FINISHED_WORD])
+                total, finished = replica_worker.progress(counters, world)
                 out["progress"].append([now, total])
                 servers = _servers(admin)
-                states = {r.name.rpartition("/")[2]: r.state for r in c.list_regions(f"{prefix}/")}
+                states = replica_worker.region_states(c, prefix)
             except errors.SMBError as exc:   # reported; the run's check decides
                 out["errors"].append([now, f"{type(exc).__name__}: {exc}"])
                 time.sleep(poll)
                 continue
-            if servers != last_servers:
-                out["servers"].append([now, servers])
-                last_servers = servers
-            if states != last_states:
-                out["states"].append([now, states])
-                last_states = states
+            replica_worker.record_change(out["servers"], now, servers)
+            replica_worker.record_change(out["states"], now, states)
             bad = {k: v for k, v in states.items() if v != "ready"}
             if bad:
                 out["not_ready_seen"].append([now, bad])
             if phase == "start" and total >= 1:   # every region of the job exists: the spare joins
                 out["join_asked"] = now
-                _write_json(sig / "join.json", {"time": now})
+                signal_files.write(sig / "join.json", {"time": now})
                 phase = "joining"
-            elif phase == "joining" and (joined := _read_json(sig / "joined.json")) is not None:
+            elif phase == "joining" and (joined := signal_files.read(sig / "joined.json")) is not None:
                 out["joined"] = joined
                 phase = "before"
             elif phase == "before" and total >= trigger:
@@ -241,7 +209,7 @@ def mover(spec: dict[str, Any]) -> dict[str, Any]:
                     out["head_slots_after"] = store_heads(c, prefix)
                     if action == "evacuate":
                         out["removed"] = admin.remove_server(source).server_id
-                        _write_json(sig / "removed.json", {"time": time.time(), "server": source})
+                        signal_files.write(sig / "removed.json", {"time": time.time(), "server": source})
                     phase = "after"
             if (sig / "stop.json").exists():
                 out["stopped"] = True

@@ -8,7 +8,6 @@ Bandwidths are MB/s (1e6 bytes per second), times seconds, link caps Mbit/s.
 """
 from __future__ import annotations
 
-import json
 import logging
 import statistics
 import subprocess
@@ -20,7 +19,7 @@ from typing import Any
 
 from smb_server.commands.local_cluster import wait_for_json
 
-from . import links, replica_failure, training, weights
+from . import links, replica_failure, signal_files, training, weights
 from .cpuload import CpuSampler
 from .testbed import Testbed, TestbedError, live_pids
 
@@ -332,12 +331,6 @@ def _wait_file(path: Path, timeout: float, proc: subprocess.Popen, tb: Testbed, 
         raise TestbedError(f"no {path.name} from {name} within {timeout:.0f} s:\n" + tb.log_tail(name)) from None
 
 
-def _signal_file(path: Path, doc: dict[str, Any]) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(doc))
-    tmp.replace(path)
-
-
 def link_failure(tb: Testbed, *, io_timeout: float | None = None, size: int = MiB, max_wait: float = 30.0,
                  rejoin_timeout: float = 30.0, log_level: str = "WARNING") -> dict[str, Any]:
     """A worker reads region ``a`` in a loop; the link of ``a``'s memory server goes down
@@ -360,11 +353,11 @@ def link_failure(tb: Testbed, *, io_timeout: float | None = None, size: int = Mi
         time.sleep(1.0)                       # let the reads run
         down = time.time()
         tb.link_down(host)
-        _signal_file(sig / "down.json", {"time": down})
+        signal_files.write(sig / "down.json", {"time": down})
         _wait_file(sig / "error.json", max_wait + 3 * tb.lease_seconds + 10, proc, tb, "failure")
         up = time.time()
         tb.link_up(host)
-        _signal_file(sig / "up.json", {"time": up})
+        signal_files.write(sig / "up.json", {"time": up})
         result = tb.wait_worker("failure", proc, out, timeout=2 * rejoin_timeout + 30)
     finally:
         if proc.poll() is None:

@@ -24,6 +24,8 @@ import signal
 import subprocess
 import time
 
+from smb_server.commands.up import alive
+
 log = logging.getLogger(__name__)
 
 PREFIX = "smbc-"            # every namespace this module creates starts with it
@@ -117,22 +119,6 @@ def delete_namespace(name: str, kill_timeout: float = 5.0) -> None:
         pids = [p for p in pids if alive(p)]
         time.sleep(0.05)
     run([IP, "netns", "delete", name], check=False)
-
-
-def alive(pid: int) -> bool:
-    """Whether process ``pid`` exists and is not a zombie."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # a zombie child of ours is dead for this purpose
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def owner_pid(name: str) -> int | None:

@@ -26,30 +26,18 @@ import datetime
 import json
 import logging
 import re
-import signal
 import time
 from pathlib import Path
 from typing import Any
 
-from .testbed import POLL, Testbed, TestbedError
+from . import signal_files
+from .testbed import Testbed, TestbedError, kill_process
 
 log = logging.getLogger(__name__)
 
 METRICS_PORT = 9464        # the daemons' /metrics, on their own namespace address
 LOG_WORDS = ("promot", "repair", "degraded", "syncing", "replica")   # controller log lines kept
 RUNS = ("undisturbed", "kill")
-
-
-def _signal_file(path: Path, doc: dict[str, Any]) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(doc))
-    tmp.replace(path)
-
-
-def _stop(proc: Any) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
 
 
 def _trainer_argv(s: Any, job: str, data: Path, result_dir: Path) -> list[str]:
@@ -85,36 +73,21 @@ def training_run(tb: Testbed, s: Any, name: str, kill: bool, data: Path, train_s
                for r in range(world)]
     deadline = time.monotonic() + s.repl_timeout
     killed: dict[str, Any] | None = None
-    try:
-        while True:
-            if kill and killed is None and (sig / "kill.json").exists():
-                victim = json.loads((sig / "placement.json").read_text())["victim"]
-                host = tb.server_host(victim)
-                when = tb.kill_server(tb.servers.index(host))
-                killed = {"time": when, "server": victim, "role": host.role, "address": host.address}
-                _signal_file(sig / "killed.json", killed)
-                log.info("killed %s (%s) at %.3f", host.role, victim, when)
-            failed = [(n, p) for n, p, _ in workers if p.poll() not in (None, 0)]
-            if failed:
-                n, p = failed[0]
-                run["error"] = f"{n} exited with {p.returncode}:\n{tb.log_tail(n, 15)}"
-                break
-            if all(p.poll() == 0 for _, p, _ in workers):
-                break
-            if time.monotonic() > deadline:
-                run["error"] = f"workers still running after {s.repl_timeout:.0f} s:\n{tb.log_tail(workers[0][0], 15)}"
-                break
-            time.sleep(POLL)
-    finally:
-        for _, p, _ in workers:
-            _stop(p)
+
+    def kill_when_asked() -> None:
+        nonlocal killed
+        if kill and killed is None and (sig / "kill.json").exists():
+            victim = json.loads((sig / "placement.json").read_text())["victim"]
+            host = tb.server_host(victim)
+            when = tb.kill_server(tb.servers.index(host))
+            killed = {"time": when, "server": victim, "role": host.role, "address": host.address}
+            signal_files.write(sig / "killed.json", killed)
+            log.info("killed %s (%s) at %.3f", host.role, victim, when)
+    finished, run["error"] = tb.watch_workers(workers, s.repl_timeout, kill_when_asked)
     run["killed"] = killed
-    run["workers"] = []
-    for _, p, out in workers:
-        if p.returncode == 0 and out.exists():
-            run["workers"].append(json.loads(out.read_text()))
+    run["workers"] = finished
     if run["error"]:
-        _signal_file(sig / "stop.json", {"time": time.time()})
+        signal_files.write(sig / "stop.json", {"time": time.time()})
     try:
         run["monitor"] = tb.wait_worker(f"{job}-monitor", mon, mon_out,
                                         timeout=max(5.0, deadline - time.monotonic()) + 40.0)
@@ -122,7 +95,7 @@ def training_run(tb: Testbed, s: Any, name: str, kill: bool, data: Path, train_s
         run["monitor"] = None
         run["monitor_error"] = str(exc)
     finally:
-        _stop(mon)
+        kill_process(mon)
     spec = {**common, "prefix": prefix, "world": world, "seed": s.repl_seed, "hidden": s.repl_hidden,
             "result_dir": str(results), "local_steps": [w["local_steps"] for w in
                                                          sorted(run["workers"], key=lambda w: w["rank"])]}

@@ -17,7 +17,6 @@ Timestamps are ``time.time()`` (one clock for every namespace of the machine).
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -33,6 +32,8 @@ from smb_protocol import errors
 from smb_protocol.placement import ExtentPlace
 from smb_server.testing import copies
 
+from . import signal_files
+
 log = logging.getLogger(__name__)
 
 STORE_KINDS = ("params", "deltas", "counters", "meta")   # what a SEASGD store holds
@@ -44,19 +45,6 @@ PROBE_PATIENCE = 40.0       # seconds the monitor waits for its probe (failover 
 
 def _client(spec: dict[str, Any]) -> Client:
     return Client(spec["controller"], os.environ.get("SMB_TOKEN", ""))
-
-
-def _write_file(path: Path, doc: dict[str, Any]) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(doc))
-    os.replace(tmp, path)
-
-
-def _read_file(path: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
 
 
 # -- train ------------------------------------------------------------------------------
@@ -73,6 +61,34 @@ def train(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 # -- monitor ----------------------------------------------------------------------------
+def wait_for_store(c: Client, spec: dict[str, Any], deadline: float, kinds: tuple[str, ...] = ("meta",)) -> None:
+    """Wait until the regions ``kinds`` of the store ``spec["prefix"]`` exist, looking
+    every ``spec["poll"]`` seconds; errors.Timeout after ``deadline`` (time.monotonic())."""
+    prefix = spec["prefix"]
+    names = {f"{prefix}/{kind}" for kind in kinds}
+    while not names <= {r.name for r in c.list_regions(f"{prefix}/")}:
+        if time.monotonic() > deadline:
+            raise errors.Timeout(f"no parameter store {prefix} within {spec['timeout']:g} s")
+        time.sleep(spec.get("poll", 0.1))
+
+
+def region_states(c: Client, prefix: str) -> dict[str, str]:
+    """The state of every region of the store ``prefix``, by kind (``params``, ...)."""
+    return {r.name.rpartition("/")[2]: r.state for r in c.list_regions(f"{prefix}/")}
+
+
+def progress(counters: Any, world: int) -> tuple[int, int]:
+    """(steps of all workers together, workers finished) from the store's counters region."""
+    words = np.asarray(counters.read(0, (COUNTER_WORDS + world) * 8, dtype="int64"))
+    return int(words[COUNTER_WORDS:].sum()), int(words[FINISHED_WORD])
+
+
+def record_change(series: list[list[Any]], now: float, value: Any) -> None:
+    """Append ``[now, value]`` to ``series`` unless ``value`` is the last one appended."""
+    if not series or series[-1][1] != value:
+        series.append([now, value])
+
+
 def placement(c: Client, prefix: str) -> dict[str, Any]:
     """Where every copy of every slot of the store's regions lives."""
     out: dict[str, Any] = {}
@@ -152,22 +168,16 @@ def monitor(spec: dict[str, Any]) -> dict[str, Any]:
     deadline = time.monotonic() + spec["timeout"]
     result: dict[str, Any] = {"states": [], "servers": [], "progress": [], "roles": []}
     with _client(spec) as c:
-        meta = f"{prefix}/meta"
-        while not any(r.name == meta for r in c.list_regions(f"{prefix}/")):
-            if time.monotonic() > deadline:
-                raise errors.Timeout(f"no parameter store {prefix} within {spec['timeout']:g} s")
-            time.sleep(poll)
+        wait_for_store(c, spec, deadline)
         places = placement(c, prefix)
         result["placement"] = places
         server, kind, slot = victim(places)
         counters = c.open_region(f"{prefix}/counters")
         probe_region = c.open_region(f"{prefix}/{kind}")
         probe_offset = sum(places[kind]["slot_bytes"][:slot]) if kind == "params" else 0
-        _write_file(sig / "placement.json", {"victim": server, "victim_region": kind, "placement": places})
+        signal_files.write(sig / "placement.json", {"victim": server, "victim_region": kind, "placement": places})
         result["victim"] = {"server": server, "region": kind, "slot": slot}
         result["metrics_before"] = scrape(urls)
-        last_states: dict[str, str] = {}
-        last_servers: dict[str, str] = {}
         probe: _Probe | None = None
         killed: dict[str, Any] | None = None
         asked = False
@@ -175,30 +185,25 @@ def monitor(spec: dict[str, Any]) -> dict[str, Any]:
         while time.monotonic() < deadline:
             now = time.time()
             try:
-                states = {r.name.rpartition("/")[2]: r.state for r in c.list_regions(f"{prefix}/")}
+                states = region_states(c, prefix)
                 servers = {s.server_id: s.state for s in c.list_servers()}
             except errors.SMBError as exc:   # the controller is busy: look again
                 log.debug("monitor: %s", exc)
                 time.sleep(poll)
                 continue
-            if states != last_states:
-                result["states"].append([now, states])
-                last_states = states
-            if servers != last_servers:
-                result["servers"].append([now, servers])
-                last_servers = servers
+            record_change(result["states"], now, states)
+            record_change(result["servers"], now, servers)
             try:
-                words = np.asarray(counters.read(0, (COUNTER_WORDS + world) * 8, dtype="int64"))
-                total, finished = int(words[COUNTER_WORDS:].sum()), int(words[FINISHED_WORD])
+                total, finished = progress(counters, world)
                 result["progress"].append([now, total])
             except errors.SMBError as exc:   # unreplicated counters on the killed server
                 result.setdefault("counter_errors", []).append([now, f"{type(exc).__name__}: {exc}"])
                 total, finished = -1, 0
             if kill_at_total is not None and not asked and total >= kill_at_total:
-                _write_file(sig / "kill.json", {"time": now, "total": total})
+                signal_files.write(sig / "kill.json", {"time": now, "total": total})
                 asked = True
             if asked and killed is None:
-                killed = _read_file(sig / "killed.json")
+                killed = signal_files.read(sig / "killed.json")
                 if killed is not None:
                     result["killed"] = killed
                     result["metrics_at_kill"] = scrape({k: u for k, u in urls.items() if k != killed["role"]})
@@ -209,8 +214,7 @@ def monitor(spec: dict[str, Any]) -> dict[str, Any]:
                     roles = {k: [(p["slot"], p["server"], p["role"]) for p in v["copies"]]
                              + [(i, s, "primary") for i, s in enumerate(v["primaries"])]
                              for k, v in placement(c, prefix).items()}
-                    if not result["roles"] or result["roles"][-1][1] != roles:
-                        result["roles"].append([now, roles])
+                    record_change(result["roles"], now, roles)
                     # repaired: every region ready and no copy left on the killed server
                     # (a repair can be over between two looks at the states: polling
                     # them alone may never see ``degraded``)

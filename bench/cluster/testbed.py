@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from smb_server.commands.local_cluster import wait_for_json
+from smb_server.commands.up import alive
 
 from . import netns
 
@@ -67,6 +68,9 @@ _live_lock = threading.Lock()
 # run a child under `setpriv --pdeathsig TERM` (util-linux) where it exists, so that the
 # daemons die with the testbed even when it is killed outright
 SETPRIV = shutil.which("setpriv")
+
+
+Started = tuple[str, subprocess.Popen, Path]   # a worker's name, process and result path
 
 
 class TestbedError(RuntimeError):
@@ -438,9 +442,39 @@ class Testbed:
                 time.sleep(POLL)
         finally:
             for _, p, _ in runs:
-                if p.poll() is None:
-                    _signal(p, signal.SIGKILL)
-                    p.wait()
+                kill_process(p)
+
+    def watch_workers(self, workers: Sequence[Started], timeout: float,
+                      look: Callable[[], str | None] = lambda: None,
+                      tail: int = 15) -> tuple[list[dict[str, Any]], str | None]:
+        """Look at ``workers`` (as :meth:`start_worker` started them, with their names)
+        every ``POLL`` seconds until every one exited 0, one failed, ``look`` (the
+        experiment's own step, first at every look) returned an error or ``timeout``
+        seconds passed; then kill those still running. Returns the results of the
+        workers that finished and the error (None: none), a failed worker's with the
+        last ``tail`` lines of its log."""
+        deadline = time.monotonic() + timeout
+        error = None
+        try:
+            while True:
+                error = look()
+                if error is not None:
+                    break
+                failed = [(n, p) for n, p, _ in workers if p.poll() not in (None, 0)]
+                if failed:
+                    n, p = failed[0]
+                    error = f"{n} exited with {p.returncode}:\n{self.log_tail(n, tail)}"
+                    break
+                if all(p.poll() == 0 for _, p, _ in workers):
+                    break
+                if time.monotonic() > deadline:
+                    error = f"workers still running after {timeout:.0f} s:\n{self.log_tail(workers[0][0], 15)}"
+                    break
+                time.sleep(POLL)
+        finally:
+            for _, p, _ in workers:
+                kill_process(p)
+        return [json.loads(out.read_text()) for _, p, out in workers if p.returncode == 0 and out.exists()], error
 
     def list_servers(self, timeout: float = 60.0) -> list[dict[str, Any]]:
         """The controller's view of the memory servers (asked from the controller's host)."""
@@ -454,7 +488,7 @@ def cleanup(force: bool = False) -> list[str]:
     removed = netns.cleanup(force)
     for path in Path(tempfile.gettempdir()).glob(f"{netns.PREFIX}*"):
         pid = netns.owner_pid(path.name)
-        if path.is_dir() and pid is not None and (force or not netns.alive(pid)):
+        if path.is_dir() and pid is not None and (force or not alive(pid)):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(str(path))
     return removed
@@ -465,6 +499,13 @@ def live_pids() -> list[int]:
     with _live_lock:
         beds = list(_live)
     return [p.pid for bed in beds for p in list(bed._procs.values()) if p.poll() is None]
+
+
+def kill_process(proc: subprocess.Popen) -> None:
+    """SIGKILL ``proc`` if it still runs, and reap it."""
+    if proc.poll() is None:
+        _signal(proc, signal.SIGKILL)
+        proc.wait()
 
 
 def _signal(proc: subprocess.Popen, sig: int) -> None:

@@ -44,7 +44,7 @@ from smb_client.transports import tcp
 from smb_protocol import errors
 from smb_server.commands.local_cluster import wait_for_json
 
-from . import elastic_worker, replica_worker, training_worker, weights_worker
+from . import elastic_worker, replica_worker, signal_files, training_worker, weights_worker
 
 log = logging.getLogger(__name__)
 
@@ -245,21 +245,12 @@ def _smb_collective(c: Client, spec: dict[str, Any], size: int, weighted: bool =
     c.barrier(f"{name}/created", world, timeout=BARRIER_TIMEOUT)
     if rank != 0:
         coll = Collective.open(c, name, world, timeout=BARRIER_TIMEOUT, pipelined=pipelined)
-    times, ok, window = [], True, [0.0, 0.0]
-    spans: list[list[float]] = []
-    for s in range(spec["warmup"] + spec["syncs"]):
-        if s == spec["warmup"]:
-            window[0] = time.time()
+
+    def align(s: int) -> None:
         grads.fill(rank + 1)
         c.barrier(f"{name}/align{s}", world, timeout=BARRIER_TIMEOUT)
-        w0, t0 = time.time(), time.perf_counter()
-        coll.all_reduce(grads, wire=wire)
-        t1 = time.perf_counter()
-        ok = ok and bool(np.all(grads == world * (world + 1) / 2))
-        if s >= spec["warmup"]:
-            times.append(t1 - t0)
-            spans.append([w0, w0 + t1 - t0])
-    window[1] = time.time()
+    timed = _time_syncs(spec, align, lambda: coll.all_reduce(grads, wire=wire),
+                        lambda: bool(np.all(grads == world * (world + 1) / 2)))
     c.barrier(f"{name}/done", world, timeout=BARRIER_TIMEOUT)
     servers = sorted({chunk.place.server_id for chunk in coll.chunks})
     per_server = {sid: sum(chunk.length for chunk in coll.chunks if chunk.place.server_id == sid)
@@ -268,8 +259,7 @@ def _smb_collective(c: Client, spec: dict[str, Any], size: int, weighted: bool =
         coll.destroy()
     else:
         coll.close()
-    return {"times": times, "verified": ok, "window": window, "servers": len(servers),
-            "bytes_per_server": per_server, "spans": spans, "chunk_bytes": coll.chunks[0].length}
+    return {**timed, "servers": len(servers), "bytes_per_server": per_server, "chunk_bytes": coll.chunks[0].length}
 
 
 def _gloo_allreduce(spec: dict[str, Any], size: int) -> dict[str, Any]:
@@ -277,17 +267,29 @@ def _gloo_allreduce(spec: dict[str, Any], size: int) -> dict[str, Any]:
     import torch.distributed as dist
     rank, world = spec["rank"], spec["world"]
     t = torch.empty(size // 4, dtype=torch.float32)
+
+    def align(s: int) -> None:
+        t.fill_(rank + 1)
+        dist.barrier()
+    return _time_syncs(spec, align, lambda: dist.all_reduce(t), lambda: bool(torch.all(t == world * (world + 1) / 2)))
+
+
+def _time_syncs(spec: dict[str, Any], align: Callable[[int], None], sync: Callable[[], object],
+                right: Callable[[], bool]) -> dict[str, Any]:
+    """``spec["warmup"]`` syncs, then ``spec["syncs"]`` measured ones: ``align(s)``
+    (fill the gradient, meet the others) untimed, ``sync()`` timed, ``right()`` (the sum
+    is right) after each. The measured syncs' seconds and their ``time.time()`` spans,
+    whether every sum was right, and the window they ran in."""
     times, ok, window = [], True, [0.0, 0.0]
     spans: list[list[float]] = []
     for s in range(spec["warmup"] + spec["syncs"]):
         if s == spec["warmup"]:
             window[0] = time.time()
-        t.fill_(rank + 1)
-        dist.barrier()
+        align(s)
         w0, t0 = time.time(), time.perf_counter()
-        dist.all_reduce(t)
+        sync()
         t1 = time.perf_counter()
-        ok = ok and bool(torch.all(t == world * (world + 1) / 2))
+        ok = ok and right()
         if s >= spec["warmup"]:
             times.append(t1 - t0)
             spans.append([w0, w0 + t1 - t0])
@@ -321,12 +323,6 @@ def _wait_file(path: Path, timeout: float) -> dict[str, Any]:
         return wait_for_json(path, timeout, poll=0.02)
     except TimeoutError:
         raise errors.Timeout(f"{path.name} did not appear within {timeout:.0f} s") from None
-
-
-def _write_file(path: Path, doc: dict[str, Any]) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(doc))
-    os.replace(tmp, path)
 
 
 def _server_state(c: Client, server_id: str) -> str:
@@ -365,7 +361,7 @@ def failure(spec: dict[str, Any]) -> dict[str, Any]:
             raise RuntimeError(f"both regions landed on server {sa}")
         ra.write(0, pattern["a"])
         rb.write(0, pattern["b"])
-        _write_file(sig / "ready.json", {"a": sa, "b": sb})
+        signal_files.write(sig / "ready.json", {"a": sa, "b": sb})
         down = None
         reads_before = 0
         deadline = time.monotonic() + spec["max_wait"]
@@ -408,7 +404,7 @@ def failure(spec: dict[str, Any]) -> dict[str, Any]:
         result["other_region"] = {"ok": b_ok, "ops": spec["b_ops"], "seconds": time.perf_counter() - t0}
         marked = _until(lambda: _server_state(c, sa) == "down", 3 * lease)
         result["marked_down_after_seconds"] = None if marked is None or down is None else marked - down
-        _write_file(sig / "error.json", {"time": time.time()})
+        signal_files.write(sig / "error.json", {"time": time.time()})
         up = _wait_file(sig / "up.json", spec["max_wait"])["time"]
         result["up_at"] = up
         rejoined = _until(lambda: _server_state(c, sa) == "up", spec["rejoin_timeout"])

@@ -114,8 +114,9 @@ def _remove_if_ours(path: Path) -> None:
         pass
 
 
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` runs (a zombie, exited but not yet reaped, does not)."""
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, exited but not yet reaped, does not); True
+    where /proc cannot tell (the signal check found it)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -157,13 +158,13 @@ def cmd_down(args: argparse.Namespace) -> int:
         raise ClusterError(f"{path} is not a pid file of `smb up` ({exc}); remove it, or name "
                            "another with --pid-file") from None
     where = state.get("address", "?")
-    if not _alive(pid) or not _is_smb_up(pid):
+    if not alive(pid) or not _is_smb_up(pid):
         path.unlink(missing_ok=True)
         print(f"the local cluster at {where} is not running (pid {pid} is gone); removed {path}")
         return 0
     os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + STOP_TIMEOUT + DOWN_GRACE
-    while _alive(pid) and path.exists():
+    while alive(pid) and path.exists():
         if time.monotonic() > deadline:
             raise ClusterError(f"`smb up` (pid {pid}) still runs {STOP_TIMEOUT + DOWN_GRACE:g} s "
                                f"after SIGTERM; see its output, or end it with `kill -9 {pid}`")
