@@ -15,6 +15,7 @@ from smb_protocol.errors import Status
 from smb_protocol.rounds import ChunkRound
 from smb_protocol.wire import Op
 from smb_server.memserver.tcp_sums import room
+from smb_server.testing import wait_until
 from tests.integration.memserver.planes import _answer, _hello, _request, _send, _ticket
 
 CHUNK = 1 << 20            # bytes of a chunk (int64)
@@ -40,6 +41,10 @@ def test_a_party_that_stopped_reading_does_not_hold_up_the_one_completing_the_ro
         _hello(sock, _ticket([1]))
         for c in range(CHUNKS):            # the stalled party pushes everything, then reads nothing
             _reduce(stalled, 10 + c, c, 2, 1)
+        # every push of it taken (its sum parked) before the rounds complete: a frame the
+        # server has not read yet waits behind the answers it cannot send (backpressure,
+        # as for any client that stops reading); this test is about the other party
+        wait_until(lambda: len(tcp.node.parked) == CHUNKS, "the stalled party's pushes parked")
         sock.settimeout(20.0)              # far below the plane's frame timeout (60 s)
         sums = {}
         for c in range(CHUNKS):
