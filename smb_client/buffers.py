@@ -6,8 +6,8 @@ from typing import Any
 
 import numpy as np
 
-from smb_protocol.dtypes import DType, lookup, resolve
-from smb_protocol.errors import InvalidArgument
+from smb_protocol.dtypes import DType, itemsize, lookup, resolve
+from smb_protocol.errors import DtypeError, InvalidArgument, Misaligned
 
 
 def _torch_view(t: Any, writable: bool) -> tuple[memoryview, DType]:
@@ -50,3 +50,18 @@ def as_view(data: Any, writable: bool = False) -> tuple[memoryview, DType | None
     if not view.c_contiguous:
         raise InvalidArgument("buffer must be contiguous")
     return view.cast("B"), None
+
+
+def typed_view(data: Any, dtype: Any = None, writable: bool = False) -> tuple[memoryview, DType]:
+    """:func:`as_view` of ``data`` with its element type: ``dtype``, or the one the buffer
+    holds. DtypeError for an untyped buffer without ``dtype`` or one that holds another
+    type; Misaligned unless it is a whole number of elements."""
+    view, inferred = as_view(data, writable)
+    dt = resolve(dtype) if dtype is not None else inferred
+    if dt is None:
+        raise DtypeError("pass dtype= for untyped buffers (float32, float16, bfloat16, float64, int32, int64)")
+    if inferred is not None and inferred != dt:
+        raise DtypeError(f"buffer holds {inferred.name.lower()}, dtype {dt.name.lower()} asked for")
+    if len(view) % itemsize(dt):
+        raise Misaligned(f"{len(view)} bytes is not a whole number of {dt.name.lower()} elements")
+    return view, dt

@@ -2,11 +2,9 @@
 
 A :class:`Collective` lays a buffer of ``nbytes`` out as chunks of at most
 :data:`~smb_protocol.wire.MAX_CHUNK` bytes, each a segment of a ``layered`` region, whole
-on one memory server (segments are dealt to the servers evenly, or in proportion to
-weights derived from where the workers run: :meth:`Collective.create`), so the
-summation is spread over the servers and each chunk's requests stay on one server::
-
-    chunk i:  slot 0 (chunk bytes) | slot 1 (chunk bytes) | count 0 | count 1 | members | padding to 64 bytes
+on one memory server (:mod:`.collective_layout`), so the summation is spread over the
+servers and each chunk's requests stay on one server. A round whose bytes become final
+piece by piece is a :class:`~smb_client.collective_round.AllReduce`.
 
 Round ``k`` (every ``all_reduce`` and ``broadcast`` is one, numbered from 0 by every
 party alike) uses slot ``k % 2``. Every party *pushes* each chunk (the server stores the
@@ -47,16 +45,11 @@ leaves the collective unusable (:attr:`Collective.failed`). A round that waits l
 than :data:`~smb_client.coord.REPORT_EVERY` seconds logs how many parties arrived (and,
 with a :attr:`Collective.roll`, which ranks did not), and one that times out raises
 :class:`~smb_client.coord.PartiesMissing`. See docs/api.md and docs/architecture.md.
-
-The module is longer than 400 lines on purpose: the layout of the chunks, the
-collectives and the piecewise round share one set of counting rules and read best
-together.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -64,19 +57,19 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from typing import Any, TypeVar
 
-from smb_protocol import wire
 from smb_protocol.chunk_types import ChunkTypes, wire_type
-from smb_protocol.dtypes import DType, itemsize, resolve
-from smb_protocol.errors import DtypeError, InvalidArgument, Misaligned, RoundMismatch, SMBError, Timeout
-from smb_protocol.placement import check_weights, chunk_shares
-from smb_protocol.rounds import ChunkRound, arrivals, slot_round
+from smb_protocol.errors import InvalidArgument, RoundMismatch, SMBError, Timeout
+from smb_protocol.rounds import ChunkRound
 
+from . import collective_layout as chunking
 from . import cuda, cuda_round
-from .buffers import as_view
+from .buffers import typed_view
 from .client import Client
+from .collective_layout import CHUNK_BYTES, MEMBERS, TAIL, check_parties
+from .collective_round import AllReduce
 from .coord import REPORT_EVERY, PartiesMissing, Roll, ranks_text, report_waiting
 from .exchange import Chunk, Exchanger, exchange_transport
-from .futures import wait_all, wait_failing_fast, watch
+from .futures import wait_all, watch
 from .metrics import timed_method
 from .region import Region
 from .wire_chunk import WireChunk
@@ -87,20 +80,9 @@ __all__ = ["Collective", "CHUNK_BYTES"]
 
 B = TypeVar("B")    # the caller's buffer (numpy array, torch CPU tensor, writable buffer), returned as given
 
-CHUNK_BYTES = 512 << 10        # largest default chunk, bytes: see default_chunk
-MIN_CHUNK = 64 << 10           # smallest default chunk, bytes
-CHUNKS_PER_SERVER = 4          # default chunks per server at least, for overlap and balance
 WINDOW_CHUNKS = 4              # default window: bytes in flight, in chunks
-TAIL = 64                      # bytes after a chunk's two slots: two count words, the members word, padding
-MEMBERS = 16                   # offset in chunk 0's tail of the word that counts the parties that joined
 DEFAULT_TIMEOUT = 300.0        # seconds a push or pull waits for the other parties
 MAX_THREADS = 8                # pushes (and pulls) in flight per collective
-MAX_SHARE_SERVERS = 64         # weighted default chunks: as for at most this many even servers
-
-
-def _check_parties(parties: object) -> None:
-    if not isinstance(parties, int) or parties < 1:
-        raise InvalidArgument(f"parties must be a positive number, not {parties!r}")
 
 
 class Collective:
@@ -118,7 +100,7 @@ class Collective:
     def __init__(self, region: Region, parties: int, *, timeout: float = DEFAULT_TIMEOUT,
                  fresh: bool = True, window: int | None = None, priority: bool = True,
                  pipelined: bool = True, transport: str | None = None) -> None:
-        _check_parties(parties)
+        check_parties(parties)
         layout = region.layout
         if layout.kind != "layered" or any(s <= TAIL or (s - TAIL) % 2 for s in layout.segment_sizes):
             raise InvalidArgument(f"region {region.name} is not a collective's (made by Collective.create)")
@@ -159,29 +141,9 @@ class Collective:
         self.report_every = REPORT_EVERY
 
     # -- making and opening -----------------------------------------------------------
-    @staticmethod
-    def segment_sizes(nbytes: int, chunk_bytes: int = CHUNK_BYTES) -> list[int]:
-        """The segments of a collective of ``nbytes`` with chunks of ``chunk_bytes``."""
-        if not isinstance(nbytes, int) or nbytes < 1:
-            raise InvalidArgument(f"nbytes must be a positive number of bytes, not {nbytes!r}")
-        if not isinstance(chunk_bytes, int) or not 8 <= chunk_bytes <= wire.MAX_CHUNK or chunk_bytes % 8:
-            raise InvalidArgument(f"chunk_bytes must be a multiple of 8 from 8 to {wire.MAX_CHUNK}, "
-                                  f"not {chunk_bytes!r}")
-        sizes, left = [], nbytes
-        while left:
-            n = min(chunk_bytes, left)
-            sizes.append(2 * n + TAIL)
-            left -= n
-        return sizes
-
-    @staticmethod
-    def default_chunk(nbytes: int, servers: int) -> int:
-        """Chunk bytes for ``nbytes`` over ``servers``: at most :data:`CHUNK_BYTES`, and
-        small enough that every server gets :data:`CHUNKS_PER_SERVER` chunks (so that
-        pushes and pulls overlap and the servers share the work), at least
-        :data:`MIN_CHUNK`."""
-        want = -(-nbytes // (max(1, servers) * CHUNKS_PER_SERVER))
-        return max(MIN_CHUNK, min(CHUNK_BYTES, -(-want // 4096) * 4096))
+    segment_sizes = staticmethod(chunking.segment_sizes)
+    default_chunk = staticmethod(chunking.default_chunk)
+    server_weights = staticmethod(chunking.server_weights)
 
     @classmethod
     def create(cls, client: Client, name: str, nbytes: int, parties: int, *,
@@ -203,18 +165,13 @@ class Collective:
         fixes the shares. Either excludes ``num_servers``. ``lease`` (seconds): the
         region goes with ``client`` (see :meth:`Client.create_region
         <smb_client.client.Client.create_region>`)."""
-        weights = cls.server_weights(client, worker_hosts, servers)
+        weights = chunking.server_weights(client, worker_hosts, servers)
         if weights is not None and num_servers:
             raise InvalidArgument("num_servers excludes worker_hosts and servers: those choose the servers")
         if chunk_bytes is None:
-            if weights is not None:    # enough chunks that the smallest share gets CHUNKS_PER_SERVER
-                share = min(weights.values()) / sum(weights.values())
-                count = min(MAX_SHARE_SERVERS, math.ceil(1 / share - 1e-9))
-            else:
-                count = num_servers or sum(1 for s in client.list_servers() if s.state == "up")
-            chunk_bytes = cls.default_chunk(nbytes if isinstance(nbytes, int) else 0, count)
+            chunk_bytes = chunking.chunk_bytes_for(client, nbytes, weights, num_servers)
         sizes = cls.segment_sizes(nbytes, chunk_bytes)
-        _check_parties(parties)
+        check_parties(parties)
         region = client.create_region(name, sum(sizes), placement="layered", segment_sizes=sizes,
                                       num_servers=num_servers, server_weights=weights, lease=lease)
         try:
@@ -223,31 +180,6 @@ class Collective:
         except BaseException:
             client.delete_region(name)
             raise
-
-    @staticmethod
-    def server_weights(client: Client, worker_hosts: Sequence[str] | None = None,
-                       servers: Sequence[str] | Mapping[str, float] | None = None
-                       ) -> dict[str, float] | None:
-        """The server weights :meth:`create` asks for (positive ones only), or None for
-        the default placement (neither argument given)."""
-        if isinstance(servers, Mapping):
-            weights = check_weights(servers)
-        elif worker_hosts is None and servers is None:
-            return None
-        else:
-            up = {s.server_id: s.host_id for s in client.list_servers() if s.state == "up"}
-            if servers is not None:
-                if isinstance(servers, str) or not servers:
-                    raise InvalidArgument(f"servers must be server ids, not {servers!r}")
-                missing = sorted(set(servers) - set(up))
-                if missing:
-                    raise InvalidArgument(f"server(s) {', '.join(missing)} are not up (up: {', '.join(sorted(up))})")
-                up = {sid: up[sid] for sid in servers}
-            if worker_hosts is None:
-                weights = {sid: 1.0 for sid in up}
-            else:
-                weights = chunk_shares(up, list(worker_hosts))
-        return {sid: w for sid, w in weights.items() if w > 0}
 
     @classmethod
     def open(cls, client: Client, name: str, parties: int, *, timeout: float = DEFAULT_TIMEOUT,
@@ -322,17 +254,6 @@ class Collective:
                 "object of one party, cannot join it; every party must make a new collective "
                 "(a new name) to start over")
         self._joined = True
-
-    def _typed(self, data: Any, dtype: Any) -> tuple[memoryview, DType]:
-        view, inferred = as_view(data, writable=True)
-        dt = resolve(dtype) if dtype is not None else inferred
-        if dt is None:
-            raise DtypeError("pass dtype= for untyped buffers")
-        if inferred is not None and inferred != dt:
-            raise DtypeError(f"buffer holds {inferred.name.lower()}, dtype {dt.name.lower()} asked for")
-        if len(view) % itemsize(dt):
-            raise Misaligned(f"{len(view)} bytes is not a whole number of {dt.name.lower()} elements")
-        return view, dt
 
     def _run(self, jobs: list[tuple[ThreadPoolExecutor, Callable[[], None]]], what: str) -> None:
         """Submit every job in order (pushes before the pull of the same chunk); wait for
@@ -415,7 +336,7 @@ class Collective:
         ``wire``, ``full_sum``: as for :meth:`all_reduce`."""
         if cuda.is_cuda(data):
             return cuda_round.begin(self, data, dtype, runs, hold, wire, full_sum)
-        view, dt = self._typed(data, dtype)
+        view, dt = typed_view(data, dtype, writable=True)
         types = ChunkTypes(dt, wire_type(wire), full_sum)
         self.lock.acquire()
         try:
@@ -433,7 +354,7 @@ class Collective:
             raise InvalidArgument(f"root {root} and rank {rank} must lie in 0..{self.parties - 1}")
         if cuda.is_cuda(data):
             return cuda_round.broadcast(self, data, root, rank, dtype)
-        view, dt = self._typed(data, dtype)
+        view, dt = typed_view(data, dtype, writable=True)
         if len(view) > self.nbytes:
             raise InvalidArgument(f"{len(view)} bytes do not fit collective {self.region.name} "
                                   f"({self.nbytes} bytes)")
@@ -467,129 +388,3 @@ class Collective:
     async def abroadcast(self, data: B, root: int, rank: int, dtype: Any = None) -> B:
         """:meth:`broadcast` as a coroutine, run as :meth:`aall_reduce` runs."""
         return await asyncio.to_thread(self.broadcast, data, root, rank, dtype)
-
-
-class AllReduce:
-    """One all-reduce round of a :class:`Collective` (from :meth:`Collective.begin`):
-    holds the collective until :meth:`finish`.
-
-    The round reduces the bytes of ``runs`` only, packed one after the other: chunk
-    ``i`` of the collective covers packed bytes ``[start, start+length)``, gathered from
-    (and scattered back to) the runs' pieces of the caller's buffer, so bytes outside
-    the runs (frozen parameters) cost no traffic.
-    """
-
-    def __init__(self, coll: Collective, view: memoryview, types: ChunkTypes,
-                 runs: Sequence[tuple[int, int]] | None, hold: int | None) -> None:
-        self.coll = coll
-        self.view = view
-        self.types = types
-        runs = [(0, len(view))] if runs is None else sorted((o, n) for o, n in runs if n > 0)
-        self.runs: list[tuple[int, int, int]] = []       # (buffer offset, length, packed offset)
-        packed = 0
-        for off, n in runs:
-            if off < 0 or off + n > len(view) or (self.runs and off < self.runs[-1][0] + self.runs[-1][1]):
-                raise InvalidArgument(f"runs must be disjoint byte ranges inside the buffer, got {runs}")
-            self.runs.append((off, n, packed))
-            packed += n
-        if packed > coll.nbytes:
-            raise InvalidArgument(f"{packed} bytes do not fit collective {coll.region.name} ({coll.nbytes} bytes)")
-        self.futures: list[Future[None]] = []
-        self._todo: dict[int, tuple[Chunk, int]] = {}
-        self._missing: dict[int, int] = {}      # chunk index -> bytes not final yet
-        self._held: int | None = None
-        held = self._packed(hold) if hold is not None else None
-        self._round, planned = coll.plan_round(packed)
-        for c, n in planned:
-            self._todo[c.index] = (c, n)
-            self._missing[c.index] = n
-            if held is not None and c.start <= held < c.start + n:
-                self._held = c.index
-        self._chunks = sorted(self._missing)
-        self._finished = False
-
-    def _packed(self, offset: int) -> int | None:
-        for off, n, packed in self.runs:
-            if off <= offset < off + n:
-                return packed + offset - off
-        return None
-
-    def _pieces(self, lo: int, hi: int) -> list[memoryview]:
-        """The caller's buffer pieces holding packed bytes ``[lo, hi)``, in order."""
-        out = []
-        for off, n, packed in self.runs:
-            a, b = max(lo, packed), min(hi, packed + n)
-            if a < b:
-                out.append(self.view[off + a - packed:off + b - packed])
-        return out
-
-    def ready(self, offset: int, length: int) -> None:
-        """Bytes ``[offset, offset+length)`` of the buffer are final (each byte once)."""
-        for off, n, packed in self.runs:
-            a, b = max(offset, off), min(offset + length, off + n)
-            if a >= b:
-                continue
-            lo, hi = packed + a - off, packed + b - off
-            for index, (c, cn) in list(self._todo.items()):
-                got = min(hi, c.start + cn) - max(lo, c.start)
-                if got > 0:
-                    self._missing[index] -= got
-                    if self._missing[index] <= 0 and index != self._held:
-                        self._launch(index)
-
-    def _launch(self, index: int) -> None:
-        c, n = self._todo.pop(index)
-        parts = self._pieces(c.start, c.start + n)
-        self.futures.extend(self.coll.exchange(c, self._round, parts, self.types))
-
-    def finish(self) -> None:
-        """Push what is left (in chunk order), wait for every push and pull; raise the
-        first error. Releases the collective."""
-        if self._finished:
-            return
-        self._finished = True
-        coll = self.coll
-        try:
-            if coll.roll is not None:
-                coll.roll.arrive()
-            for index in sorted(self._todo):
-                self._launch(index)
-            exchanger = coll.exchanger
-            started = time.monotonic()
-            try:
-                watch(self.futures, coll.report_every, lambda: report_waiting(
-                    self._what(), time.monotonic() - started, self._arrived(), coll.parties,
-                    coll.roll.missing() if coll.roll is not None else None))
-                wait_failing_fast(self.futures, exchanger.abandon if exchanger is not None else None)
-            except Timeout as exc:
-                arrived, missing = self._arrived(), coll.roll.missing() if coll.roll is not None else None
-                what = self._what()
-                coll.failed = PartiesMissing(
-                    f"{what}: {arrived} of {coll.parties} parties arrived within "
-                    f"{time.monotonic() - started:.0f} s{ranks_text(missing)} ({exc})",
-                    what=what, arrived=arrived, parties=coll.parties, missing=missing)
-                raise coll.failed from None
-            except SMBError as exc:
-                coll.failed = exc
-                raise
-        finally:
-            coll.lock.release()
-
-    def _what(self) -> str:
-        return f"all-reduce on {self.coll.region.name}, round {self._round}"
-
-    def _arrived(self) -> int | None:
-        """How many parties pushed the round's last chunk (the one pushed at
-        :meth:`finish`); None when its count cannot be read."""
-        if not self._chunks:
-            return None
-        index = self._held if self._held is not None else self._chunks[-1]
-        chunk = self.coll.chunks[index]
-        try:
-            raw = bytes(self.coll.region.read(chunk.region_words + 8 * (self._round % 2), 8))
-        except SMBError:
-            return None
-        word = int.from_bytes(raw, "little", signed=True)
-        if slot_round(word) != self._round:
-            return 0
-        return min(self.coll.parties, arrivals(word))

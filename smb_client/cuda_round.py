@@ -31,7 +31,7 @@ class StagedRound:
     :meth:`ready` and :meth:`finish`.
 
     The round runs on a pinned host copy of the tensor (an :class:`AllReduce
-    <smb_client.collective.AllReduce>` of it). :meth:`ready` queues the device-to-host
+    <smb_client.collective_round.AllReduce>` of it). :meth:`ready` queues the device-to-host
     copy of the bytes it names on the caller's current stream's heels; a chunk whose
     bytes are all copied is handed to the round by one feeder thread as soon as its copy
     ended, so the copy of one chunk overlaps the exchange of those before it.

@@ -34,7 +34,7 @@ from smb_protocol.tickets import TicketMode
 from smb_protocol.wire import WaitCond
 
 from . import cuda, cuda_region
-from .buffers import as_view
+from .buffers import as_view, typed_view
 from .metrics import timed_method
 from .region_async import AsyncForms
 from .region_batched import BatchedForms, BufferOp, _accumulate, _read, _write
@@ -199,13 +199,7 @@ class Region(BatchedForms, AsyncForms):
 
 # -- server-side arithmetic ----------------------------------------------------
     def _typed(self, offset: int, data: Any, dtype: Any) -> tuple[memoryview, DType]:
-        view, inferred = as_view(data)
-        if dtype is None and inferred is None:
-            raise DtypeError("pass dtype= for untyped buffers (float32, float16, bfloat16, float64, int32, int64)")
-        dt = resolve(dtype) if dtype is not None else inferred
-        assert dt is not None
-        if inferred is not None and dtype is not None and inferred != dt:
-            raise DtypeError(f"buffer holds {inferred.name.lower()}, dtype {dt.name.lower()} asked for")
+        view, dt = typed_view(data, dtype)
         size = itemsize(dt)
         if offset % size or len(view) % size:
             raise Misaligned(f"offset {offset} and length {len(view)} must be multiples of {size} "

@@ -37,7 +37,8 @@ import torch
 from smb_protocol.errors import InvalidArgument, RegionNotFound
 from smb_protocol.hostinfo import host_id
 
-from ..collective import AllReduce, Collective
+from ..collective import Collective
+from ..collective_round import AllReduce
 from ..coord import Attendance, Barrier, controller_barrier
 from ..cuda_round import StagedRound
 from ..futures import wait_all

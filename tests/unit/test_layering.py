@@ -16,8 +16,6 @@ LONG_MODULES: dict[str, str] = {
                               "pure unit the controller and the client share",
     "smb_client.client": "the public Client: every control-plane call, each with its typed result and its "
                          "documented errors",
-    "smb_client.collective": "the chunk layout, the collectives and the piecewise round share one set of "
-                             "counting rules",
     "smb_server.controller.repair": "the sequences of a repair pass keep their ordering rules (store before "
                                     "servers, backups before a new primary) in one place",
     "smb_server.memserver.tcp_plane": "a connection's framing, deadlines, greeting, parting answers and TLS "
