@@ -82,7 +82,7 @@ def push(node: Node, peer: Peer, extent: Extent, req: Push, entry: Entry | None)
         while True:
             with node.replication.unreplicated(extent.extent_id), extent.lock, \
                     extent.data[req.word:req.word + 8] as count:
-                old = kernels.fetch_add(count, 0)
+                old = kernels.load(count)
                 step, word = rounds.admit_push(old, req.ref)
                 if step is not Step.WAIT:
                     with extent.data[req.offset:req.offset + span] as dst:
@@ -169,7 +169,7 @@ def ready(node: Node, peer: Peer, req: Pull) -> bool:
 
 def _word(extent: Extent, offset: int) -> int:
     with extent.pin(), extent.data[offset:offset + 8] as view:
-        return kernels.fetch_add(view, 0)
+        return kernels.load(view)
 
 
 def _answer(view: memoryview, types: ChunkTypes | None) -> memoryview:
@@ -195,7 +195,7 @@ def _send_again(peer: Peer, extent: Extent, req: Pull, types: ChunkTypes | None,
     """Answer a repeated pull with the sum again, copied under the extent's lock while the
     slot still holds the pull's round (a later round's push takes the same lock)."""
     with extent.pin(), extent.lock, extent.data[req.word:req.word + 8] as count:
-        rounds.check_pulled_again(kernels.fetch_add(count, 0), req.ref)
+        rounds.check_pulled_again(kernels.load(count), req.ref)
         with extent.data[req.offset:req.offset + span] as view:
             copy = memoryview(bytes(_answer(view, types)))
     peer.stats.add(bytes_read=len(copy), operations=1)

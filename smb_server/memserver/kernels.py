@@ -13,6 +13,7 @@ processed in chunks of :data:`CHUNK_BYTES` so temporaries stay small.
 from __future__ import annotations
 
 import logging
+import struct
 import threading
 from collections.abc import Callable
 
@@ -29,6 +30,7 @@ CHUNK_BYTES = 4 << 20       # bytes processed per step
 BF16_BLOCK = 1 << 15        # bfloat16 elements widened at a time (temporaries stay in cache)
 WORD = np.dtype("<i8")      # the atomics' word
 _F32 = np.dtype(np.float32)
+_LOAD = struct.Struct("<q")
 
 
 def element_type(dtype: int) -> DType:
@@ -251,6 +253,14 @@ def _word(view: memoryview) -> np.ndarray:
 
 def _wrap64(value: int) -> int:
     return (value + (1 << 63)) % (1 << 64) - (1 << 63)
+
+
+def load(word_view: memoryview) -> int:
+    """The little-endian int64 word, read and never written: a look without the lock
+    must not store back what it read (an add under the lock in between would be lost)."""
+    if len(word_view) != WORD.itemsize:
+        raise Misaligned(f"an atomic word is 8 bytes, got {len(word_view)}")
+    return int(_LOAD.unpack(word_view)[0])
 
 
 def fetch_add(word_view: memoryview, value: int) -> int:

@@ -6,6 +6,7 @@ connection is a recording double of the engine's Peer (peer_double.py); the aren
 exactly-once table, waits and the deliveries' queue and thread are the server's own."""
 from __future__ import annotations
 
+import sys
 import threading
 
 from smb_protocol import tickets
@@ -13,7 +14,7 @@ from smb_protocol.errors import SMBError
 from smb_protocol.requests import Pull
 from smb_protocol.rounds import ChunkRound, count_word
 from smb_protocol.wire import Op
-from smb_server.memserver import collective_ops
+from smb_server.memserver import collective_ops, kernels
 from smb_server.memserver.arena import Arena
 from smb_server.memserver.deliveries import Deliveries
 from smb_server.memserver.node import Node
@@ -56,4 +57,37 @@ def test_a_pull_whose_extent_is_released_after_its_answer_went_out_answers_once(
         assert not broken
     finally:
         node.close()
+        arena.close()
+
+
+def test_looking_at_a_count_word_never_writes_it_back():
+    """Whether a round is complete is read without the extent's lock (a parked sum's
+    look, a pull deciding to wait); such a read must not store what it read, or an
+    arrival counted under the lock between its read and its store is lost and the
+    round never completes. A reader races a locked counter with the thread switch
+    interval at its shortest; every count must survive."""
+    arena = Arena(16 << 20)
+    counts = 20_000
+    interval = sys.getswitchinterval()
+    try:
+        extent = arena.reserve(1, UID, 4 * CHUNK)
+        stop = threading.Event()
+
+        def look() -> None:
+            while not stop.is_set():
+                collective_ops._word(extent, WORD)
+
+        reader = threading.Thread(target=look)
+        sys.setswitchinterval(1e-6)
+        reader.start()
+        try:
+            for _ in range(counts):
+                with extent.lock, extent.data[WORD:WORD + 8] as count:
+                    kernels.fetch_add(count, 1)
+        finally:
+            stop.set()
+            reader.join()
+        assert int.from_bytes(extent.data[WORD:WORD + 8], "little") == counts
+    finally:
+        sys.setswitchinterval(interval)
         arena.close()
