@@ -45,6 +45,9 @@ def wire_type(spec: Any) -> DType:
     return resolve(spec)
 
 
+_DECODED: dict[int, ChunkTypes] = {}   # dtype byte -> its types, for the bytes seen
+
+
 @dataclass(frozen=True, slots=True)
 class ChunkTypes:
     """A chunk request's types: the ``slot`` it sums in, the ``wire`` type its pushes
@@ -80,11 +83,17 @@ class ChunkTypes:
 
     @classmethod
     def from_code(cls, code: int) -> ChunkTypes:
-        """The types a request's dtype byte names; DtypeError for a byte that names none."""
+        """The types a request's dtype byte names; DtypeError for a byte that names none.
+        (Every chunk request decodes one: the few valid bytes are decoded once.)"""
+        known = _DECODED.get(code)
+        if known is not None:
+            return known
         try:
-            return cls(DType(code & 0x0F), DType(code >> _WIRE_SHIFT & 0x07), bool(code & _FULL))
+            types = cls(DType(code & 0x0F), DType(code >> _WIRE_SHIFT & 0x07), bool(code & _FULL))
         except ValueError:
             raise DtypeError(f"dtype byte {code:#04x} names no element types of a collective's chunk") from None
+        _DECODED[code] = types
+        return types
 
     def _elements(self, wire_bytes: int) -> int:
         size = itemsize(self.sent)

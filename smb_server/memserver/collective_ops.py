@@ -140,7 +140,8 @@ def pull(node: Node, peer: Peer, req: Pull) -> None:
             _send_sum(peer, extent, req, types, span)   # in the socket's buffer once this returns
             try:
                 with extent.pin(), extent.lock, extent.data[req.word:req.word + 8] as count:
-                    kernels.fetch_add(count, 1)
+                    if rounds.arrivals(kernels.fetch_add(count, 1)) + 1 >= 2 * req.ref.parties:
+                        extent.narrowed.pop(req.offset, None)   # every party has the round's sum
             except ExtentNotFound:   # released after the sum went out: nothing left to count
                 log.debug("extent %d released after a pull was answered", req.extent_id)
             if entry is not None:   # finished while counted (see Replication.unreplicated)
@@ -172,20 +173,26 @@ def _word(extent: Extent, offset: int) -> int:
         return kernels.load(view)
 
 
-def _answer(view: memoryview, types: ChunkTypes | None) -> memoryview:
+def _answer(extent: Extent, req: Pull, view: memoryview, types: ChunkTypes | None) -> memoryview:
     """The sum in the slot (``view``) as a pull answers it: as it is, or narrowed to the
-    wire type (rounded once, here)."""
+    wire type (rounded once, here, by the round's first pull: every party's pull sends
+    the same bytes from :attr:`.extent.Extent.narrowed` until the round ends)."""
     if types is None or types.answer is types.slot:
         return view
+    held = extent.narrowed.get(req.offset)
+    if held is not None and held[0] == req.ref.round and held[1] == req.dtype:
+        return held[2]
     out = np.empty(len(view) // itemsize(types.slot), STORAGE[types.answer])
     narrow(np.frombuffer(view, STORAGE[types.slot]), types.answer, out)
-    return out.data.cast("B")
+    answer = out.data.cast("B")
+    extent.narrowed[req.offset] = (req.ref.round, req.dtype, answer)
+    return answer
 
 
 def _send_sum(peer: Peer, extent: Extent, req: Pull, types: ChunkTypes | None, span: int) -> None:
     """Answer a pull with its round's sum, from the mapping where it travels as it is."""
     with extent.pin(), extent.data[req.offset:req.offset + span] as view:
-        out = _answer(view, types)
+        out = _answer(extent, req, view, types)
         # counted before the answer goes out, so a client that has it sees the count
         peer.stats.add(bytes_read=len(out), operations=1)
         peer.send(req.req_id, out)
@@ -197,6 +204,6 @@ def _send_again(peer: Peer, extent: Extent, req: Pull, types: ChunkTypes | None,
     with extent.pin(), extent.lock, extent.data[req.word:req.word + 8] as count:
         rounds.check_pulled_again(kernels.load(count), req.ref)
         with extent.data[req.offset:req.offset + span] as view:
-            copy = memoryview(bytes(_answer(view, types)))
+            copy = memoryview(bytes(_answer(extent, req, view, types)))
     peer.stats.add(bytes_read=len(copy), operations=1)
     peer.send(req.req_id, copy)

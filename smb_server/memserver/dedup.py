@@ -66,7 +66,7 @@ def unpack_records(data: bytes | bytearray | memoryview) -> Iterator[Record]:
         pos += n
 
 
-@dataclass
+@dataclass(slots=True)
 class Entry:
     """One request's state: running (``done`` False, ``owned`` True), interrupted
     (both False; ``applied`` bytes took effect) or finished (``status``, ``body``)."""
@@ -91,6 +91,7 @@ class DedupTable:
         self.max_clients = max_clients
         self._clients: OrderedDict[int, OrderedDict[int, Entry]] = OrderedDict()
         self._cond = threading.Condition()
+        self._waiting = 0   # callers waiting on _cond for another attempt (notified only then)
 
     def begin(self, client: int, seq: int, timeout: float | None = None,
               what: tuple[int, ...] = ()) -> tuple[bool, Entry]:
@@ -118,7 +119,12 @@ class DedupTable:
                 if not entry.owned:
                     entry.owned = True
                     return True, entry
-                if not self._cond.wait(timeout):
+                self._waiting += 1
+                try:
+                    woken = self._cond.wait(timeout)
+                finally:
+                    self._waiting -= 1
+                if not woken:
                     raise TimeoutError(f"request {seq} of client {client:#x} is still running")
 
     def once(self, client: int, seq: int, what: tuple[int, ...], timeout: float,
@@ -160,12 +166,14 @@ class DedupTable:
         """The attempt stopped part way (``entry.applied`` bytes in effect): a retry resumes it."""
         with self._cond:
             entry.owned = False
-            self._cond.notify_all()
+            if self._waiting:
+                self._cond.notify_all()
 
     def _finish(self, entry: Entry, status: int, body: bytes) -> None:
         with self._cond:
             entry.status, entry.body, entry.done, entry.owned = status, body, True, False
-            self._cond.notify_all()
+            if self._waiting:
+                self._cond.notify_all()
 
     def _entries(self, client: int) -> OrderedDict[int, Entry]:
         """The entries of ``client``, made empty for a new one (forgetting the least

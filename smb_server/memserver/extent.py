@@ -57,7 +57,7 @@ import os
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import numpy as np
 
@@ -141,6 +141,9 @@ class Extent:
         self.data = mm.view[HEADER_BYTES:HEADER_BYTES + length]  # writable, bytes
         self._state = threading.Lock()
         self._pins = 0
+        #: a collective slot's sum narrowed to its wire type, by slot offset: (round, dtype
+        #: byte, bytes), made by the round's first pull and sent to every party from there
+        self.narrowed: dict[int, tuple[int, int, memoryview]] = {}
         self._released = False
         self._keep_data = False
         self._closed = False
@@ -238,21 +241,17 @@ class Extent:
         return time.monotonic() - self.created
 
     # -- access ---------------------------------------------------------------------
-    @contextlib.contextmanager
-    def pin(self) -> Iterator[Extent]:
-        """Keep the mapping alive for one operation; raises ExtentNotFound once released."""
+    def pin(self) -> _Pin:
+        """Keep the mapping alive for one operation (a ``with`` block); raises
+        ExtentNotFound once released."""
+        return _Pin(self)
+
+    def _unpin(self) -> None:
         with self._state:
-            if self._released:
-                raise ExtentNotFound(f"extent {self.extent_id} was released")
-            self._pins += 1
-        try:
-            yield self
-        finally:
-            with self._state:
-                self._pins -= 1
-                last = self._released and self._pins == 0
-            if last:
-                self._close()
+            self._pins -= 1
+            last = self._released and self._pins == 0
+        if last:
+            self._close()
 
     def check_range(self, offset: int, length: int) -> None:
         """Raise OutOfRange unless ``[offset, offset+length)`` lies in the data part."""
@@ -377,3 +376,24 @@ class Extent:
     def __repr__(self) -> str:
         return (f"Extent(id={self.extent_id}, region_uid={self.region_uid!r}, length={self.length}, "
                 f"persistent={self.persistent}, live={self.live})")
+
+
+class _Pin:
+    """One pin of an extent (:meth:`Extent.pin`): a plain class, as this runs several
+    times for every request (a generator's context manager costs twice as much)."""
+
+    __slots__ = ("extent",)
+
+    def __init__(self, extent: Extent) -> None:
+        self.extent = extent
+
+    def __enter__(self) -> Extent:
+        extent = self.extent
+        with extent._state:
+            if extent._released:
+                raise ExtentNotFound(f"extent {extent.extent_id} was released")
+            extent._pins += 1
+        return extent
+
+    def __exit__(self, *exc: object) -> None:
+        self.extent._unpin()

@@ -104,6 +104,9 @@ def _apply(dst: memoryview, src: memoryview | bytes | bytearray | None, dt: DTyp
     srcv = memoryview(src).cast("B") if src is not None else None
     step = CHUNK_BYTES - CHUNK_BYTES % STORAGE[dt].itemsize
     with np.errstate(all="ignore"):  # float overflow to inf is the arithmetic's business
+        if n <= step:   # one step (every collective chunk): no slicing
+            fn(_view(dst, dt), _view(srcv, dt) if srcv is not None else None)
+            return
         for start in range(0, n, step):
             end = min(n, start + step)
             d = _view(dst[start:end], dt)
@@ -155,21 +158,19 @@ def _bf16_apply(d: np.ndarray, s: np.ndarray | None,
             dd[nan] = 0x7FC0
 
 
+def _add(d: np.ndarray, s: np.ndarray | None) -> None:
+    assert s is not None
+    np.add(d, s, out=d)
+
+
+def _add_bf16(d: np.ndarray, s: np.ndarray | None) -> None:
+    _bf16_apply(d, s, _add)
+
+
 def accumulate(dst: memoryview, src: memoryview | bytes | bytearray, dtype: int) -> None:
     """``dst += src`` elementwise; both ``len(dst)`` bytes."""
     dt = element_type(dtype)
-    if dt is DType.BFLOAT16:
-        def add(acc: np.ndarray, x: np.ndarray | None) -> None:
-            assert x is not None
-            np.add(acc, x, out=acc)
-
-        def fn(d: np.ndarray, s: np.ndarray | None) -> None:
-            _bf16_apply(d, s, add)
-    else:
-        def fn(d: np.ndarray, s: np.ndarray | None) -> None:
-            assert s is not None
-            np.add(d, s, out=d)
-    _apply(dst, src, dt, fn)
+    _apply(dst, src, dt, _add_bf16 if dt is DType.BFLOAT16 else _add)
 
 
 def push_chunk(dst: memoryview, src: memoryview, types: ChunkTypes, first: bool) -> None:
@@ -245,12 +246,6 @@ def axpy(dst: memoryview, alpha: float, x: memoryview | bytes | bytearray, dtype
     _apply(dst, x, dt, fn)
 
 
-def _word(view: memoryview) -> np.ndarray:
-    if len(view) != WORD.itemsize:
-        raise Misaligned(f"an atomic word is 8 bytes, got {len(view)}")
-    return np.frombuffer(view, dtype=WORD)
-
-
 def _wrap64(value: int) -> int:
     return (value + (1 << 63)) % (1 << 64) - (1 << 63)
 
@@ -265,16 +260,14 @@ def load(word_view: memoryview) -> int:
 
 def fetch_add(word_view: memoryview, value: int) -> int:
     """Add ``value`` to the little-endian int64 word (wrapping); returns the old value."""
-    word = _word(word_view)
-    old = int(word[0])
-    word[0] = _wrap64(old + int(value))
+    old = load(word_view)
+    _LOAD.pack_into(word_view, 0, _wrap64(old + int(value)))
     return old
 
 
 def compare_swap(word_view: memoryview, expected: int, desired: int) -> int:
     """Store ``desired`` if the int64 word equals ``expected``; returns the old value."""
-    word = _word(word_view)
-    old = int(word[0])
+    old = load(word_view)
     if old == _wrap64(int(expected)):
-        word[0] = _wrap64(int(desired))
+        _LOAD.pack_into(word_view, 0, _wrap64(int(desired)))
     return old

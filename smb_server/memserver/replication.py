@@ -56,13 +56,12 @@ endpoints with the server's own certificate, key and CA).
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import ssl
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from smb_client.transports.pool import ConnectionPool
@@ -209,26 +208,27 @@ class Replication:
         cfg = self._configs.get(extent_id)
         return cfg.role if cfg is not None else ReplicaRole.NONE
 
-    @contextlib.contextmanager
-    def unreplicated(self, extent_id: int) -> Iterator[None]:
-        """Serve one mutation of an unreplicated extent, counted while it runs (module
-        docstring); NotPrimary once the extent has a role (a move began: the client
-        opens the region again and sends it the way the region says)."""
+    def unreplicated(self, extent_id: int) -> _Unreplicated:
+        """Serve one mutation of an unreplicated extent (a ``with`` block), counted while
+        it runs (module docstring); NotPrimary once the extent has a role (a move began:
+        the client opens the region again and sends it the way the region says)."""
+        return _Unreplicated(self, extent_id)
+
+    def _begin_unreplicated(self, extent_id: int) -> None:
         with self._cond:
             if self.role(extent_id):
                 raise NotPrimary(f"extent {extent_id} is being moved or is replicated: its mutations "
                                  "go to its primary's tcp data plane; open the region again")
             self._unreplicated[extent_id] = self._unreplicated.get(extent_id, 0) + 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                left = self._unreplicated[extent_id] - 1
-                if left:
-                    self._unreplicated[extent_id] = left
-                else:
-                    del self._unreplicated[extent_id]
-                    self._cond.notify_all()
+
+    def _end_unreplicated(self, extent_id: int) -> None:
+        with self._cond:
+            left = self._unreplicated[extent_id] - 1
+            if left:
+                self._unreplicated[extent_id] = left
+            else:
+                del self._unreplicated[extent_id]
+                self._cond.notify_all()
 
     def _drain_unreplicated(self, extent_id: int, timeout: float) -> None:
         """Wait until no mutation served the unreplicated way runs on the extent;
@@ -507,3 +507,20 @@ class Replication:
             self._forwarders.clear()
         for fwd in forwarders:
             fwd.close()
+
+
+class _Unreplicated:
+    """One mutation served unreplicated (:meth:`Replication.unreplicated`); a plain class,
+    as every collective chunk enters it twice."""
+
+    __slots__ = ("replication", "extent_id")
+
+    def __init__(self, replication: Replication, extent_id: int) -> None:
+        self.replication = replication
+        self.extent_id = extent_id
+
+    def __enter__(self) -> None:
+        self.replication._begin_unreplicated(self.extent_id)
+
+    def __exit__(self, *exc: object) -> None:
+        self.replication._end_unreplicated(self.extent_id)

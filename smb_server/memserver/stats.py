@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import Any
 
 from smb_protocol.latency import OP_BUCKETS, SERVER_HISTOGRAM
 from smb_server.runtime.metrics import Histogram
@@ -48,6 +49,7 @@ class PlaneStats:
         self._lock = threading.Lock()
         self._counts = dict.fromkeys(COUNTERS + LIMIT_COUNTS, 0)
         self._views: dict[str, PlaneStats] = {}
+        self._series: dict[str, Any] = {}   # op -> its latency series
         self.latency: Histogram = parent.latency if parent is not None else Histogram(
             SERVER_HISTOGRAM, "Data-plane operation latency on the server, seconds",
             ["op", "transport"], buckets=OP_BUCKETS)
@@ -66,7 +68,10 @@ class PlaneStats:
 
     def observe(self, op: str, seconds: float) -> None:
         """Record one operation's latency (seconds) under this object's transport."""
-        self.latency.observe(seconds, op=op, transport=self.transport or "unknown")
+        series = self._series.get(op)
+        if series is None:   # two threads may both look it up: the same series
+            series = self._series[op] = self.latency.child(op=op, transport=self.transport or "unknown")
+        series.observe(seconds)
 
     def for_transport(self, name: str) -> PlaneStats:
         """The view a plane of transport ``name`` writes through (made once, then reused)."""

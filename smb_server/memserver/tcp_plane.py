@@ -425,15 +425,11 @@ class _Connection:
 
     takes_replicated = True
 
-    @contextmanager
-    def payload(self, length: int) -> Iterator[_SocketPayload]:
-        """The request's next ``length`` payload bytes, from the socket: into scratch
-        (lent for the block, taken only when needed) or straight into a view."""
-        source = _SocketPayload(self, length)
-        try:
-            yield source
-        finally:
-            source.close()
+    def payload(self, length: int) -> _SocketPayload:
+        """The request's next ``length`` payload bytes, from the socket (a ``with``
+        block): into scratch (lent for the block, taken only when needed) or straight
+        into a view."""
+        return _SocketPayload(self, length)
 
     def send(self, req_id: int, view: memoryview) -> None:
         self._send([wire.pack_response(Status.OK, req_id, len(view)), view])
@@ -473,6 +469,12 @@ class _SocketPayload:
         if self._scratch is not None:
             self._scratch.__exit__(None, None, None)
             self._scratch = self._view = None
+
+    def __enter__(self) -> _SocketPayload:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 class TcpPlane(ListeningPlane):

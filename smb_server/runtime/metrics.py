@@ -102,6 +102,11 @@ class Histogram:
     def observe(self, value: float, **labels: str) -> None:
         (self.collector.labels(**labels) if labels else self.collector).observe(value)
 
+    def child(self, **labels: str) -> Any:
+        """The series of these label values, to observe into without looking its labels
+        up each time (a quarter of the cost, for a path that observes every request)."""
+        return self.collector.labels(**labels)
+
 
 class Registry:
     """The metrics of one daemon; :meth:`render` is what ``/metrics`` serves.

@@ -9,14 +9,19 @@ from __future__ import annotations
 import sys
 import threading
 
+import numpy as np
+
 from smb_protocol import tickets
+from smb_protocol.chunk_types import ChunkTypes, narrow, widen
+from smb_protocol.dtypes import DType
 from smb_protocol.errors import SMBError
-from smb_protocol.requests import Pull
+from smb_protocol.requests import Pull, Reduce
 from smb_protocol.rounds import ChunkRound, count_word
 from smb_protocol.wire import Op
 from smb_server.memserver import collective_ops, kernels
 from smb_server.memserver.arena import Arena
 from smb_server.memserver.deliveries import Deliveries
+from smb_server.memserver.engine import Engine
 from smb_server.memserver.node import Node
 from tests.unit.server.memserver.peer_double import PeerDouble
 
@@ -91,3 +96,46 @@ def test_looking_at_a_count_word_never_writes_it_back():
     finally:
         sys.setswitchinterval(interval)
         arena.close()
+
+
+def test_a_sum_in_a_wire_type_is_narrowed_once_and_sent_to_every_party():
+    """A round of bfloat16 pushes into a float32 slot: the round's first pull rounds the
+    sum to bfloat16, every party gets those same bytes, and the narrowed copy goes when
+    the round's last pull is counted."""
+    parties, n = 3, CHUNK // 4
+    arena = Arena(16 << 20)
+    node = Node(arena, SECRET)
+    try:
+        extent = arena.reserve(1, UID, 4 * CHUNK)
+        engine = Engine(node)
+        token = tickets.sign(SECRET, UID, [1], "rw", ttl=600.0)[0]
+        values = [np.full(n, 1.0 + i / 3, np.float32) for i in range(parties)]
+        peers = [PeerDouble(SECRET, token, bf16_bits(v).tobytes()) for v in values]
+        code = ChunkTypes(DType.FLOAT32, DType.BFLOAT16).code()
+        ref = ChunkRound(WORD, parties, 0)
+        reduces = [Reduce(Op.REDUCE, 5, 1, 0, n * 2, client=10 + i, seq=2, dtype=code, ref=ref, timeout=5.0)
+                   for i in range(parties)]
+        for peer, req in zip(peers, reduces, strict=True):
+            engine.handle(peer, req)
+        sent = []
+        for i, (peer, req) in enumerate(zip(peers, reduces, strict=True)):
+            engine.deliver(peer, req.pull())
+            sent.append(peer.answers[-1][1])
+            assert (0 in extent.narrowed) == (i < parties - 1)
+        want = bf16_bits(sum(np.float32(bf16_value(v)) for v in values)).tobytes()
+        assert sent == [want] * parties
+    finally:
+        node.close()
+        arena.close()
+
+
+def bf16_bits(values: np.ndarray) -> np.ndarray:
+    out = np.empty(len(values), np.uint16)
+    narrow(np.asarray(values, np.float32), DType.BFLOAT16, out)
+    return out
+
+
+def bf16_value(values: np.ndarray) -> np.ndarray:
+    wide = np.empty(len(values), np.float32)
+    widen(bf16_bits(values), DType.BFLOAT16, wide)
+    return wide
