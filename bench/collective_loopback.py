@@ -35,10 +35,8 @@ import json
 import multiprocessing as mp
 import os
 import queue
-import socket
 import statistics
 import sys
-import threading
 import time
 
 import numpy as np
@@ -47,6 +45,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import smb_client  # noqa: E402
+from bench.process_cpu import cpu_seconds, cpu_split, fit, pin, raw_socket_rate  # noqa: E402
 
 try:
     from smb_server.commands.local_cluster import LocalCluster  # noqa: E402
@@ -94,57 +93,6 @@ def worker(rank: int, env: dict[str, str], n: int, name: str, parties: int, roun
 def former_chunk(n: int, servers: int) -> int:
     """The chunk bytes ``pushpull`` used by default, for ``n`` float32 over ``servers``."""
     return max(64 << 10, min(4 << 20, -(-n * 4 // (servers * 4 * 4096)) * 4096))
-
-
-def fit(runs: list[dict[str, float]]) -> tuple[float, float]:
-    """Least-squares CPU seconds = a * GB served + b * chunk requests over ``runs``:
-    (a in CPU-s per GB, b in ms per chunk request, a push and its sum)."""
-    x = np.array([[r["served_GB"], r["chunk_requests"]] for r in runs])
-    y = np.array([r["server_cpu_s"] for r in runs])
-    (a, b), *_ = np.linalg.lstsq(x, y, rcond=None)
-    return float(a), float(b) * 1e3
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` (all its threads) so far."""
-    return sum(cpu_split(pid))
-
-
-def cpu_split(pid: int) -> tuple[float, float]:
-    """(user, system) CPU seconds of process ``pid`` (all its threads) so far."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    tick = os.sysconf("SC_CLK_TCK")
-    return int(fields[11]) / tick, int(fields[12]) / tick
-
-
-def raw_socket_rate(nbytes: int) -> float:
-    """MB/s of one loopback TCP connection moving ``nbytes`` (best of 3)."""
-    payload = memoryview(bytearray(nbytes))
-    best = 0.0
-    for _ in range(3):
-        srv = socket.create_server(("127.0.0.1", 0))
-        port = srv.getsockname()[1]
-
-        def sink(srv: socket.socket = srv) -> None:
-            conn, _ = srv.accept()
-            buf = bytearray(1 << 20)
-            got = 0
-            while got < nbytes:
-                got += conn.recv_into(buf)
-            conn.sendall(b"k")
-            conn.close()
-        t = threading.Thread(target=sink)
-        t.start()
-        s = socket.create_connection(("127.0.0.1", port))
-        start = time.perf_counter()
-        s.sendall(payload)
-        s.recv(1)
-        best = max(best, nbytes / (time.perf_counter() - start) / 1e6)
-        s.close()
-        t.join()
-        srv.close()
-    return best
 
 
 def run(lc: LocalCluster, env: dict[str, str], n: int, args: argparse.Namespace, path: str,
@@ -198,6 +146,8 @@ def main() -> int:
                          "the servers' CPU to a cost per GB plus one per chunk (default: the "
                          "collective's own chunk)")
     ap.add_argument("--perftest", action="store_true", help="ib_write_bw at the chunk size as a reference")
+    ap.add_argument("--pin-servers", action="store_true",
+                    help="run memory server i on core i (modulo the cores here), as its cpus setting does")
     ap.add_argument("--out", help="also write the results as JSON lines to this file")
     args = ap.parse_args()
     n = int(args.mbytes * 1e6) // 4
@@ -209,6 +159,9 @@ def main() -> int:
     extra = {"transports": "tcp,rdma", "env": {"SMB_HOST_ID": "bench-server"}} if rdma else {}
     with LocalCluster(args.servers, capacity=max(1 << 30, 8 * n * 4), **extra) as lc:  # type: ignore[arg-type]
         env = {"SMB_CONTROLLER": lc.address, "SMB_TOKEN": lc.token}
+        if args.pin_servers:
+            for i in range(args.servers):
+                pin(lc.server_pid(i), [i % (os.cpu_count() or 1)])
         for k in range(args.repeat):
             for (path, chunk), label in labels.items():
                 got[label].append(run(lc, env, n, args, path, f"{path}{k}-{chunk}", chunk))
@@ -232,7 +185,8 @@ def main() -> int:
                       "ratio_to_raw": round(median["worker_MBps"] / raw, 3),
                       "server_cpu_s_per_GB": round(median["server_cpu_s_per_GB"], 3),
                       "server_user_s_per_GB": round(median["server_user_s_per_GB"], 3),
-                      "server_GBps_per_core": round(median["server_GBps_per_core"], 2)})
+                      "server_GBps_per_core": round(median["server_GBps_per_core"], 2),
+                      "pinned": args.pin_servers})
         print(json.dumps(lines[-1]))
     if len(chunks) > 1:
         per_gb, per_chunk = fit([r for runs in got.values() for r in runs])

@@ -40,6 +40,7 @@ from typing import Any
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from bench.process_cpu import cpu_seconds  # noqa: E402
 from smb_client import Client  # noqa: E402
 from smb_server.runtime import health  # noqa: E402
 from smb_server.testing import ControllerGroup, EtcdServer  # noqa: E402
@@ -48,14 +49,6 @@ KiB = 1 << 10
 CLIENTS = 16
 BARRIER_ROUNDS = 20
 BARRIER_THREADS = 8  # barrier callers per process
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process so far."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
 
 
 def in_threads(n: int, body: Any) -> None:

@@ -15,7 +15,7 @@ from smb_server.commands import doctor, pool, up
 from smb_server.commands.flags import add_setting_flags, setting_flags
 from smb_server.commands.server_admin import ADMIN_ACTIONS, ServerHelp, admin_options, run_admin, server_config
 from smb_server.commands.tokens import client_token, warn_token_flag
-from smb_server.runtime import logs
+from smb_server.runtime import affinity, logs
 from smb_server.runtime.config import (
     DEFAULT_CONTROLLER_FILE,
     DEFAULT_SERVER_FILE,
@@ -69,6 +69,7 @@ def cmd_server(args: argparse.Namespace) -> int:
         print("smb server: no secret: set secret_file in the config, pass --secret-file "
               "or set SMB_SECRET", file=sys.stderr)
         return 2
+    affinity.pin(cfg.cpus)   # before the server starts a thread: they all inherit it
     serve(cfg)
     return 0
 

@@ -25,7 +25,7 @@ def add_setting_flags(p: argparse.ArgumentParser, cls: type, only: Sequence[str]
         shown = f"default {default!r}" if default not in ("", None) else "default: none"
         kind = meta.get("kind") or str(f.type)
         metavar = {"int": "N", "float": "SECONDS" if f.name.endswith("_seconds") else "X",
-                   "size": "SIZE", "list[str]": "A,B"}.get(kind, f.name.upper())
+                   "size": "SIZE", "list[str]": "A,B", "cpus": "CORES"}.get(kind, f.name.upper())
         extra: dict[str, Any] = {"nargs": "?", "const": "true"} if kind == "bool" else {}
         p.add_argument("--" + f.name.replace("_", "-"), *meta.get("aliases", ()), dest=f.name,
                        default=None, metavar=metavar, **extra,

@@ -23,6 +23,8 @@ from smb_protocol.errors import InvalidArgument
 from smb_protocol.tls import TLSConfig
 from smb_protocol.units import parse_size
 
+from . import affinity
+
 DEFAULT_CONTROLLER_FILE = "/etc/smb/controller.toml"
 DEFAULT_SERVER_FILE = "/etc/smb/server.toml"
 
@@ -151,6 +153,9 @@ class ServerConfig:
     shm_connections_unauthenticated: int = _f(64, "most connections to the shm socket that have not "
                                               "presented a valid ticket yet; one more evicts the "
                                               "oldest of the user holding the most", minimum=1)
+    cpus: str = _f("", "CPU cores the server's process runs on, as taskset names them (e.g. 2 "
+                   "or 0-3); empty: any. Its request threads share one interpreter lock, so "
+                   "one core serves them best (docs/operations.md)", "cpus")
     metrics_port: int = _port(0, "Prometheus /metrics and /healthz HTTP port (0: off)")
     metrics_host: str = _f("", "address of the metrics endpoint (default: listen_host)")
     ready_file: str = _f("", "written with the server id once registered")
@@ -162,7 +167,8 @@ class ServerConfig:
 C = TypeVar("C", ControllerConfig, ServerConfig)
 
 _TYPE_NAMES = {"str": "a string", "int": "an integer", "float": "a number", "bool": "true or false",
-               "list[str]": "a list of strings", "size": "a size such as 4096 or \"16G\""}
+               "list[str]": "a list of strings", "size": "a size such as 4096 or \"16G\"",
+               "cpus": "CPU cores such as \"2\" or \"0-3,8\", on this host"}
 
 
 def settings(cls: type) -> list[dataclasses.Field[Any]]:
@@ -182,6 +188,12 @@ def _convert(f: dataclasses.Field[Any], value: Any, where: str) -> Any:
 
 def _typed(f: dataclasses.Field[Any], value: Any, where: str) -> Any:
     kind = f.metadata.get("kind") or str(f.type)
+    if kind == "cpus" and isinstance(value, str):
+        try:
+            affinity.parse(value)
+        except InvalidArgument as exc:
+            raise ConfigError(f"{where}: key {f.name!r} must be {_TYPE_NAMES[kind]}: {exc}") from None
+        return value
     try:
         if kind == "size":
             if isinstance(value, bool) or not isinstance(value, (int, str)):

@@ -66,6 +66,7 @@ def test_example_files_document_every_key(cls, name):
     ("server", "transports = [\"tcp\", \"udp\"]", "transports"),
     ("controller", "lease_seconds = 0", "lease_seconds"),
     ("controller", "metrics_port = 70000", "metrics_port"),
+    ("server", "cpus = \"4096\"", "cpus"),
 ])
 def test_daemon_refuses_bad_config_and_does_not_start(tmp_path, kind, text, key):
     f = tmp_path / f"{kind}.toml"
@@ -95,6 +96,10 @@ def test_daemon_refuses_bad_config_and_does_not_start(tmp_path, kind, text, key)
     ("tcp_connections_max = 0", "key 'tcp_connections_max' must be at least 1"),
     ("capacity = \"-5G\"", "key 'capacity' must be a size"),
     ("[server]\ncapacity = \"1G\"", "unknown key 'server'"),
+    ("cpus = \"one\"", "key 'cpus' must be CPU cores such as \"2\" or \"0-3,8\", on this host: 'one' is not a core"),
+    ("cpus = \"3-1\"", "'3-1' is not a range of cores"),
+    ("cpus = \"0,4096\"", "core 4096 does not exist here"),
+    ("cpus = 2", "key 'cpus' must be CPU cores"),
 ])
 def test_a_bad_file_value_names_file_and_key(tmp_path, text, message):
     f = tmp_path / "server.toml"
