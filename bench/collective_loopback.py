@@ -45,7 +45,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import smb_client  # noqa: E402
-from bench.process_cpu import cpu_seconds, cpu_split, fit, pin, raw_socket_rate  # noqa: E402
+from bench.process_cpu import cpu_seconds, cpu_split, fit_line, pin, raw_socket_rate, write_lines  # noqa: E402
 
 try:
     from smb_server.commands.local_cluster import LocalCluster  # noqa: E402
@@ -189,13 +189,9 @@ def main() -> int:
                       "pinned": args.pin_servers})
         print(json.dumps(lines[-1]))
     if len(chunks) > 1:
-        per_gb, per_chunk = fit([r for runs in got.values() for r in runs])
-        lines.append({"fit": "server CPU = a * GB in and out + b * chunk requests",
-                      "cpu_s_per_GB": round(per_gb, 3), "ms_per_chunk": round(per_chunk, 4)})
+        lines.append(fit_line(r for runs in got.values() for r in runs))
         print(json.dumps(lines[-1]))
-    if args.out:
-        with open(args.out, "w") as f:
-            f.writelines(json.dumps(line) + "\n" for line in lines)
+    write_lines(args.out, lines, append=False)
     return 0
 
 

@@ -5,6 +5,7 @@ CPU into a part per byte and a part per request."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 import threading
@@ -62,3 +63,17 @@ def fit(runs: Iterable[Mapping[str, float]]) -> tuple[float, float]:
     y = np.array([r["server_cpu_s"] for r in rows])
     (a, b), *_ = np.linalg.lstsq(x, y, rcond=None)
     return float(a), float(b) * 1e3
+
+
+def fit_line(runs: Iterable[Mapping[str, float]]) -> dict[str, object]:
+    """:func:`fit` as the JSON line the benchmarks print."""
+    per_gb, per_chunk = fit(runs)
+    return {"fit": "server CPU = a * GB in and out + b * chunk requests",
+            "cpu_s_per_GB": round(per_gb, 3), "ms_per_chunk": round(per_chunk, 4)}
+
+
+def write_lines(path: str | None, lines: Iterable[Mapping[str, object]], append: bool = False) -> None:
+    """The printed results as JSON lines in ``path`` (nothing without one)."""
+    if path:
+        with open(path, "a" if append else "w") as f:
+            f.writelines(json.dumps(line) + "\n" for line in lines)

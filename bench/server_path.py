@@ -53,7 +53,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import smb_client  # noqa: E402
-from bench.process_cpu import cpu_split, fit, pin, raw_socket_rate  # noqa: E402
+from bench.process_cpu import cpu_split, fit_line, pin, raw_socket_rate, write_lines  # noqa: E402
 from smb_protocol import wire  # noqa: E402
 from smb_protocol.chunk_types import ChunkTypes  # noqa: E402
 from smb_protocol.dtypes import DType  # noqa: E402
@@ -350,13 +350,9 @@ def main() -> int:
             "server_MBps": round(rate, 1), "raw_socket_MBps": round(raw, 1), "ratio_to_raw": round(rate / raw, 3)})
         print(json.dumps(lines[-1]))
     if len(runs) > 1:
-        per_gb, per_chunk = fit(r for _, r in runs)
-        lines.append({"fit": "server CPU = a * GB in and out + b * chunk requests",
-                      "cpu_s_per_GB": round(per_gb, 3), "ms_per_chunk": round(per_chunk, 4)})
+        lines.append(fit_line(r for _, r in runs))
         print(json.dumps(lines[-1]))
-    if args.out:
-        with open(args.out, "a") as f:
-            f.writelines(json.dumps(line) + "\n" for line in lines)
+    write_lines(args.out, lines, append=True)
     return 0
 
 
