@@ -10,15 +10,16 @@ PROTO_SRC := $(wildcard proto/smb/v1/*.proto)
 PROTO_OUT := smb_protocol/_proto/smb/v1
 # etcd's v3 API: stubs generated from the .proto files golang-etcd-server-dev ships
 ETCD_PROTO_OUT := smb_protocol/_proto/etcd
-# base tools; rdma-core, the rxe provider and pyverbs (RDMA data plane, `smb doctor`);
-# perftest (reference for the rdma benchmark); qemu, a Debian kernel with rdma_rxe and
-# busybox (the Soft-RoCE VM that runs the rdma tier); systemd (unit verification);
-# slurmctld/slurmd (the Slurm batch script runs under a one-node Slurm in the tests);
-# python3-apt (Ansible's apt module, for the playbook test); etcd (the replicated
+# base tools; the C compiler and Python's headers (pip builds smb_protocol/_native.c,
+# the elementwise kernels, into the tree); rdma-core, the rxe provider and pyverbs
+# (RDMA data plane, `smb doctor`); perftest (reference for the rdma benchmark); qemu,
+# a Debian kernel with rdma_rxe and busybox (the Soft-RoCE VM that runs the rdma
+# tier); systemd (unit verification); slurmctld/slurmd (the Slurm batch script runs
+# under a one-node Slurm in the tests); python3-apt (Ansible's apt module, for the playbook test); etcd (the replicated
 # controller store; the tests start their own etcd on free loopback ports, so the
 # package's own service, where systemd starts it, is not in their way); etcd's .proto
 # files (golang-etcd-server-dev: the controller's etcd client is generated from them)
-APT_PKGS := python3-venv python3-dev iproute2 procps \
+APT_PKGS := python3-venv python3-dev gcc libc6-dev iproute2 procps \
             rdma-core ibverbs-providers ibverbs-utils python3-pyverbs perftest \
             qemu-system-x86 linux-image-amd64 busybox-static systemd \
             slurmctld slurmd slurm-client python3-apt etcd-server etcd-client \
@@ -35,7 +36,7 @@ apt:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
 	fi
 
-$(STAMP): pyproject.toml | apt
+$(STAMP): pyproject.toml setup.py smb_protocol/_native.c | apt
 	@test -x $(PY) || $(PY_SYS) -m venv --system-site-packages $(VENV)
 	$(PIP) install -q --disable-pip-version-check -e '.[dev,torch,otel]'
 	@touch $(STAMP)

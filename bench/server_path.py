@@ -5,6 +5,7 @@ clients' cost out of the way: one lightweight sender replays pre-built frames at
     .venv/bin/python bench/server_path.py --chunk-kib 64,512 --rounds 10
     .venv/bin/python bench/server_path.py --chunk-kib 64 --cores 1  # server on core 0, sender on the rest
     .venv/bin/python bench/server_path.py --parties 8 --mbytes 100 --out results.jsonl
+    .venv/bin/python bench/server_path.py --wire bf16               # 16-bit pushes, float32 sums
 
 A local cluster (controller + one memory server over tcp) holds a collective
 (:meth:`smb_client.Collective.create`) of ``--mbytes`` MB of float32 for ``--parties``
@@ -15,7 +16,9 @@ presents the ticket, and runs ``--rounds`` rounds in lockstep (the first warms u
 party's ``REDUCE`` of every chunk, numbered as a client numbers them (a client id per
 party, ``seq`` spaced by 2), its payload a prebuilt buffer of ``party + 1``; every answer
 (``PUSHED``, then the sum) is read and its status checked, and every party's sum of the
-first chunk checked exactly (``parties * (parties + 1) / 2``). To keep the sender cheap,
+first chunk checked exactly (``parties * (parties + 1) / 2``). With ``--wire`` the pushes carry
+16-bit values that the server widens into its float32 sums and the sums come back
+rounded once (or in float32: ``bf16-full``, ``fp16-full``). To keep the sender cheap,
 headers are packed in place once a round and sent with ``sendmsg``; one thread reads all
 connections (a selector) into one buffer, in short reads for the answer headers, and
 drops the sums it does not check in the kernel (``MSG_TRUNC``: no copy).
@@ -55,8 +58,8 @@ sys.path.insert(0, ROOT)
 import smb_client  # noqa: E402
 from bench.process_cpu import cpu_split, fit_line, pin, raw_socket_rate, write_lines  # noqa: E402
 from smb_protocol import wire  # noqa: E402
-from smb_protocol.chunk_types import ChunkTypes  # noqa: E402
-from smb_protocol.dtypes import DType  # noqa: E402
+from smb_protocol.chunk_types import ChunkTypes, narrow, wire_type  # noqa: E402
+from smb_protocol.dtypes import STORAGE, DType, bf16_to_f32  # noqa: E402
 from smb_protocol.framing import Answer, ClientFrames  # noqa: E402
 from smb_protocol.requests import Reduce  # noqa: E402
 from smb_protocol.rounds import ChunkRound  # noqa: E402
@@ -80,13 +83,23 @@ class _Party:
     """One party's connection: its headers (packed in place every round), the round's
     frames still to send, and where its answers stand."""
 
-    def __init__(self, index: int, sock: socket.socket, plan: list[ChunkPlan], parties: int, code: int) -> None:
-        self.index, self.sock, self.plan, self.code = index, sock, plan, code
+    def __init__(self, index: int, sock: socket.socket, plan: list[ChunkPlan], parties: int,
+                 types: ChunkTypes) -> None:
+        self.index, self.sock, self.plan, self.types = index, sock, plan, types
+        self.code = types.code()
         self.client = int.from_bytes(os.urandom(8), "little") | 1
         self.heads = bytearray(HEAD * len(plan))
-        self.payload = np.full(max(c[3] for c in plan) // 4, index + 1, np.float32)
+        # per chunk: the bytes its push carries and those its sum comes back in
+        self.sent = [types.wire_bytes(c[3]) for c in plan]
+        self.answered = [types.answer_bytes(n) for n in self.sent]
+        values = np.full(max(c[3] for c in plan) // 4, index + 1, np.float32)
+        self.payload = np.empty(len(values), STORAGE[types.sent])
+        if types.wire:
+            narrow(values, types.wire, self.payload)
+        else:
+            self.payload[:] = values
         body, heads = self.payload.data.cast("B"), memoryview(self.heads)
-        self.frames = [v for i, c in enumerate(plan) for v in (heads[i * HEAD:(i + 1) * HEAD], body[:c[3]])]
+        self.frames = [v for i, n in enumerate(self.sent) for v in (heads[i * HEAD:(i + 1) * HEAD], body[:n])]
         # arg0 of each chunk's requests, per slot (the count word's offset and the parties)
         self.arg0 = [tuple(ChunkRound(w, parties, 0).args()[0] for w in c[2]) for c in plan]
         self.views: list[memoryview] = []   # the round's frames still to send
@@ -100,10 +113,11 @@ class _Party:
     def start(self, round_: int) -> None:
         """Pack this round's headers and queue its frames."""
         n, slot = len(self.plan), round_ % 2
-        for i, (extent_id, slots, _, length) in enumerate(self.plan):
+        for i, (extent_id, slots, _, _) in enumerate(self.plan):
             k = round_ * n + i
             wire.REQUEST.pack_into(self.heads, i * HEAD, wire.MAGIC, Op.REDUCE, self.code, FIRST_ID + k, extent_id,
-                                   slots[slot], length, self.arg0[i][slot], round_, TIMEOUT, self.client, 1 + 2 * k)
+                                   slots[slot], self.sent[i], self.arg0[i][slot], round_, TIMEOUT, self.client,
+                                   1 + 2 * k)
         self.views, self.round, self.finals = list(self.frames), round_, 0
 
     def flush(self) -> bool:
@@ -149,8 +163,8 @@ class _Party:
         self.keep = bytearray() if checked else None
         if a.kind == wire.FINAL:
             self.finals += 1
-            if a.ok and a.length != self.plan[k][3]:
-                raise Failed(f"party {self.index}: a sum of {a.length} bytes for chunk {k} of {self.plan[k][3]}")
+            if a.ok and a.length != self.answered[k]:
+                raise Failed(f"party {self.index}: a sum of {a.length} bytes for chunk {k}, not {self.answered[k]}")
         if not a.length:
             self._body_done()
 
@@ -161,7 +175,9 @@ class _Party:
             err = ClientFrames(f"party {self.index}").error(a, self.keep or b"")
             raise Failed(f"round {self.round}: request {a.req_id} answered {type(err).__name__}: {err}")
         if self.keep is not None:
-            got = np.frombuffer(self.keep, np.float32)
+            got = np.frombuffer(self.keep, STORAGE[self.types.answer])
+            if self.types.answer is DType.BFLOAT16:
+                got = bf16_to_f32(got)
             if not (got == self.want).all():
                 raise Failed(f"party {self.index}, round {self.round}: chunk 0's sum holds "
                              f"{got[got != self.want][0]}, not {self.want}")
@@ -215,18 +231,17 @@ def run_round(parties: list[_Party], sel: selectors.BaseSelector, buf: memoryvie
 
 
 def sender(host: str, port: int, ticket: str, plan: list[ChunkPlan], parties: int, rounds: int,
-           cores: list[int] | None, pipe: Connection) -> None:
+           types: ChunkTypes, cores: list[int] | None, pipe: Connection) -> None:
     """The sender process: ``("warm", s)`` after round 0, waits for ``"go"``, then
     ``("done", results)``; ``("error", message)`` on any failure."""
     try:
         if cores:
             os.sched_setaffinity(0, cores)
-        code = ChunkTypes(DType.FLOAT32).code()
         socks = [connect(host, port, ticket, i) for i in range(parties)]
-        party = [_Party(i, s, plan, parties, code) for i, s in enumerate(socks)]
+        party = [_Party(i, s, plan, parties, types) for i, s in enumerate(socks)]
         party[0].start(0)   # the header packed in place must be the library's own REDUCE frame
-        (extent_id, slots, words, length), client = plan[0], party[0].client
-        ref = Reduce(Op.REDUCE, 0, extent_id, slots[0], length, client, 1, dtype=code,
+        (extent_id, slots, words, _), client = plan[0], party[0].client
+        ref = Reduce(Op.REDUCE, 0, extent_id, slots[0], party[0].sent[0], client, 1, dtype=types.code(),
                      ref=ChunkRound(words[0], parties, 0), timeout=TIMEOUT)
         if ref.to_frame(FIRST_ID) != bytes(party[0].heads[:HEAD]):
             raise Failed("the packed REDUCE header differs from Reduce.to_frame's")
@@ -278,8 +293,10 @@ def measure(lc: LocalCluster, client: smb_client.Client, args: argparse.Namespac
             pin(pid, server_cores)
         ctx = mp.get_context("spawn")
         ours, theirs = ctx.Pipe()
+        wire_name = (args.wire or "").removesuffix("-full")
+        types = ChunkTypes(DType.FLOAT32, wire_type(wire_name or None), wire_name != (args.wire or ""))
         proc = ctx.Process(target=sender, args=(host, int(port), coll.region.route.ticket, plan, args.parties,
-                                                args.rounds, sender_cores, theirs))
+                                                args.rounds, types, sender_cores, theirs))
         proc.start()
         try:
             expect(ours, proc, "warm")
@@ -298,7 +315,8 @@ def measure(lc: LocalCluster, client: smb_client.Client, args: argparse.Namespac
         client.delete_region(name)
     measured = args.rounds - 1
     cpu, user = (user1 + sys1) - (user0 + sys0), user1 - user0
-    served = 2 * coll.nbytes * args.parties * measured   # bytes in (pushes) and out (sums)
+    sent = sum(types.wire_bytes(c[3]) for c in plan)
+    served = (sent + types.answer_bytes(sent)) * args.parties * measured   # bytes in (pushes) and out (sums)
     requests = len(plan) * args.parties * measured
     return {"served_GB": served / 1e9, "chunk_requests": requests, "server_cpu_s": cpu, "server_user_s": user,
             "nbytes": coll.nbytes, "chunks": len(plan), **got}
@@ -312,6 +330,9 @@ def main() -> int:
     ap.add_argument("--chunk-kib", default="64", help="chunk sizes (KiB, comma-separated) to measure")
     ap.add_argument("--cores", type=int, default=None,
                     help="pin the memory server to the first N cores, the sender to the others")
+    ap.add_argument("--wire", choices=["bf16", "fp16", "bf16-full", "fp16-full"],
+                    help="pushes in a 16-bit wire type (sums in float32 on the server, answered rounded "
+                         "once, or in float32 with -full)")
     ap.add_argument("--out", help="also append the results as JSON lines to this file")
     args = ap.parse_args()
     if args.rounds < 2:
@@ -341,6 +362,7 @@ def main() -> int:
         rate = gb * 1e3 / r["wall_s"]               # MB/s in and out
         lines.append({
             "chunk_bytes": chunk, "chunks": r["chunks"], "parties": args.parties, "mbytes": args.mbytes,
+            "wire": args.wire or "float32",
             "rounds": args.rounds - 1, "round_s": round(statistics.median(r["round_s"]), 4),
             "server_cpu_s_per_GB": round(cpu / gb, 3), "server_user_s_per_GB": round(r["server_user_s"] / gb, 3),
             "ms_per_chunk_request": round(cpu / r["chunk_requests"] * 1e3, 4),

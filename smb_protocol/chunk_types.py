@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from . import _native
 from .dtypes import STORAGE, DType, itemsize, resolve
 from .errors import DtypeError, Misaligned
 
@@ -119,32 +120,17 @@ class ChunkTypes:
 
 def narrow(values: np.ndarray, wire: DType, out: np.ndarray) -> None:
     """Round float32 ``values`` into ``out`` (the wire type's storage: uint16 bit
-    patterns for bfloat16, float16), nearest-even; NaN stays NaN."""
-    if wire is DType.FLOAT16:
-        with np.errstate(over="ignore"):   # beyond float16's range is inf, as a cast makes it
-            np.copyto(out, values, casting="same_kind")
-        return
-    if wire is not DType.BFLOAT16:
-        raise DtypeError(f"no narrowing to {wire.name.lower()}")
-    bits = values.view(np.uint32)
-    rounded = bits >> 16
-    rounded &= 1
-    rounded += 0x7FFF
-    rounded += bits
-    rounded >>= 16
-    np.copyto(out, rounded, casting="unsafe")
-    nan = np.isnan(values)
-    if nan.any():
-        out[nan] = 0x7FC0
+    patterns for bfloat16, float16), nearest-even; NaN stays NaN (one native pass,
+    ``smb_protocol/_native.c``)."""
+    _native.narrow(out, values, _wire(wire))
 
 
 def widen(raw: np.ndarray, wire: DType, out: np.ndarray) -> None:
     """Widen the wire type's elements ``raw`` into float32 ``out`` (exact)."""
-    if wire is DType.FLOAT16:
-        np.copyto(out, raw)
-        return
-    if wire is not DType.BFLOAT16:
-        raise DtypeError(f"no widening from {wire.name.lower()}")
-    bits = out.view(np.uint32)
-    np.copyto(bits, raw)
-    bits <<= 16
+    _native.widen(out, raw, _wire(wire), False)
+
+
+def _wire(wire: DType) -> DType:
+    if wire is not DType.BFLOAT16 and wire is not DType.FLOAT16:
+        raise DtypeError(f"no 16-bit wire type {wire.name.lower()}")
+    return wire

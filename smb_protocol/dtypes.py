@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from . import _native
 from .errors import DtypeError
 
 
@@ -102,15 +103,15 @@ def _resolve(spec: Any) -> DType:
 
 def bf16_to_f32(raw: np.ndarray) -> np.ndarray:
     """Widen bfloat16 bit patterns (uint16) to float32."""
-    return (raw.astype(np.uint32) << 16).view(np.float32)
+    bits = np.ascontiguousarray(raw, dtype=np.uint16)
+    out = np.empty(bits.shape, np.float32)
+    _native.widen(out, bits, DType.BFLOAT16, False)
+    return out
 
 
 def f32_to_bf16(values: np.ndarray) -> np.ndarray:
     """Round float32 to bfloat16 bit patterns (nearest-even; NaN stays NaN)."""
-    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
-    rounded = bits + (0x7FFF + ((bits >> 16) & 1))
-    out = (rounded >> 16).astype(np.uint16)
-    nan = np.isnan(values)
-    if nan.any():
-        out[nan] = 0x7FC0
+    values = np.ascontiguousarray(values, dtype=np.float32)
+    out = np.empty(values.shape, np.uint16)
+    _native.narrow(out, values, DType.BFLOAT16)
     return out

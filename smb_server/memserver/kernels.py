@@ -1,35 +1,32 @@
-"""In-place vector operations on extent memory (numpy).
+"""In-place vector operations on extent memory.
 
 Every function works on byte buffers (memoryviews of extent memory, bytes-like
 sources) and an element type from :class:`smb_protocol.dtypes.DType`. Lengths are in
 bytes and must be a multiple of the element size (:class:`Misaligned` otherwise).
 Callers hold the extent's lock: these functions do no locking of their own.
 
-Arithmetic rules: float32/float64/float16 are computed in their own type (float16
-``axpy`` and ``scale`` widen to float32 and round once); bfloat16 is widened to
-float32 and rounded back to nearest-even; int32/int64 wrap around. Large ranges are
-processed in chunks of :data:`CHUNK_BYTES` so temporaries stay small.
+The arithmetic is native (``smb_protocol/_native.c``: one pass over the data each, the
+interpreter lock released while it runs); this module checks what a request names and
+raises the project's typed errors. Rules: float32/float64 are computed in their own
+type; float16 and bfloat16 are widened to float32, computed there and rounded once
+(nearest-even; a bfloat16 NaN is stored as 0x7FC0); int32/int64 wrap around.
 """
 from __future__ import annotations
 
 import logging
 import struct
-import threading
-from collections.abc import Callable
 
 import numpy as np
 
-from smb_protocol.chunk_types import ChunkTypes, widen
-from smb_protocol.dtypes import FLOATING, STORAGE, DType
+from smb_protocol import _native
+from smb_protocol.chunk_types import ChunkTypes
+from smb_protocol.dtypes import FLOATING, STORAGE, DType, itemsize
 from smb_protocol.errors import DtypeError, InvalidArgument, Misaligned
 from smb_protocol.requests import Arith
 
 log = logging.getLogger(__name__)
 
-CHUNK_BYTES = 4 << 20       # bytes processed per step
-BF16_BLOCK = 1 << 15        # bfloat16 elements widened at a time (temporaries stay in cache)
 WORD = np.dtype("<i8")      # the atomics' word
-_F32 = np.dtype(np.float32)
 _LOAD = struct.Struct("<q")
 
 
@@ -90,160 +87,53 @@ def apply(op: Arith, dst: memoryview, src: memoryview | bytes | bytearray | None
         axpy(dst, alpha, src, dt)
 
 
-def _view(buf: memoryview | bytes | bytearray, dt: DType) -> np.ndarray:
-    return np.frombuffer(buf, dtype=STORAGE[dt])
+def _nbytes(buf: memoryview | bytes | bytearray) -> int:
+    return buf.nbytes if isinstance(buf, memoryview) else len(buf)
 
 
-def _apply(dst: memoryview, src: memoryview | bytes | bytearray | None, dt: DType,
-           fn: Callable[[np.ndarray, np.ndarray | None], None]) -> None:
-    n = len(dst)
+def _pair(dst: memoryview, src: memoryview | bytes | bytearray, dt: DType) -> None:
+    n = _nbytes(dst)
     check_length(n, dt)
-    if src is not None and len(src) != n:
-        raise InvalidArgument(f"source of {len(src)} bytes for a destination of {n} bytes")
-    dst = memoryview(dst).cast("B")
-    srcv = memoryview(src).cast("B") if src is not None else None
-    step = CHUNK_BYTES - CHUNK_BYTES % STORAGE[dt].itemsize
-    with np.errstate(all="ignore"):  # float overflow to inf is the arithmetic's business
-        if n <= step:   # one step (every collective chunk): no slicing
-            fn(_view(dst, dt), _view(srcv, dt) if srcv is not None else None)
-            return
-        for start in range(0, n, step):
-            end = min(n, start + step)
-            d = _view(dst[start:end], dt)
-            s = _view(srcv[start:end], dt) if srcv is not None else None
-            fn(d, s)
-
-
-class _Scratch(threading.local):
-    """Per-thread float32-sized work buffers for the bfloat16 paths."""
-
-    def __init__(self) -> None:
-        self.a = np.empty(BF16_BLOCK, np.uint32)
-        self.b = np.empty(BF16_BLOCK, np.uint32)
-        self.nan = np.empty(BF16_BLOCK, np.bool_)
-
-
-_scratch = _Scratch()
-
-
-def _bf16_apply(d: np.ndarray, s: np.ndarray | None,
-                fn: Callable[[np.ndarray, np.ndarray | None], None]) -> None:
-    """``d = bf16(fn(f32(d), f32(s)))`` block by block, in place, without allocations.
-
-    ``fn(acc, x)`` updates ``acc`` (float32) in place; ``x`` is float32 or None.
-    Rounding matches :func:`smb_protocol.dtypes.f32_to_bf16` (nearest-even, NaN -> 0x7FC0).
-    """
-    sc = _scratch
-    for start in range(0, len(d), BF16_BLOCK):
-        dd = d[start:start + BF16_BLOCK]
-        n = len(dd)
-        a, b, nan = sc.a[:n], sc.b[:n], sc.nan[:n]
-        np.copyto(a, dd)
-        a <<= 16
-        acc = a.view(np.float32)
-        x = None
-        if s is not None:
-            np.copyto(b, s[start:start + n])
-            b <<= 16
-            x = b.view(np.float32)
-        fn(acc, x)
-        np.not_equal(acc, acc, out=nan)
-        np.right_shift(a, 16, out=b)
-        b &= 1
-        b += 0x7FFF
-        b += a
-        b >>= 16
-        np.copyto(dd, b, casting="unsafe")
-        if nan.any():
-            dd[nan] = 0x7FC0
-
-
-def _add(d: np.ndarray, s: np.ndarray | None) -> None:
-    assert s is not None
-    np.add(d, s, out=d)
-
-
-def _add_bf16(d: np.ndarray, s: np.ndarray | None) -> None:
-    _bf16_apply(d, s, _add)
+    if _nbytes(src) != n:
+        raise InvalidArgument(f"source of {_nbytes(src)} bytes for a destination of {n} bytes")
 
 
 def accumulate(dst: memoryview, src: memoryview | bytes | bytearray, dtype: int) -> None:
     """``dst += src`` elementwise; both ``len(dst)`` bytes."""
     dt = element_type(dtype)
-    _apply(dst, src, dt, _add_bf16 if dt is DType.BFLOAT16 else _add)
+    _pair(dst, src, dt)
+    _native.add(dst, src, dt)
 
 
 def push_chunk(dst: memoryview, src: memoryview, types: ChunkTypes, first: bool) -> None:
     """A collective's push into its slot ``dst``: stored (the round's ``first``) or
     added. A push in a wire type (:mod:`smb_protocol.chunk_types`) is widened into the
-    slot's type block by block, so the sum is never rounded to the wire type."""
+    slot's type as it is stored or added (one pass), so the sum is never rounded to the
+    wire type."""
     if not types.wire:
         if first:
             dst[:] = src
         else:
             accumulate(dst, src, types.slot)
         return
-    slot, sent = STORAGE[types.slot], STORAGE[types.wire]
-    n = len(src) // sent.itemsize
-    if len(dst) != n * slot.itemsize:
-        raise InvalidArgument(f"a push of {n} {types.wire.name.lower()} elements into a slot of {len(dst)} bytes")
-    d = np.frombuffer(dst, slot)
-    s = np.frombuffer(src, sent)
-    wide = _scratch.a.view(np.float32)
-    with np.errstate(all="ignore"):
-        for start in range(0, n, BF16_BLOCK):
-            end = min(n, start + BF16_BLOCK)
-            if first:
-                widen(s[start:end], types.wire, d[start:end])
-            else:
-                w = wide[:end - start]
-                widen(s[start:end], types.wire, w)
-                d[start:end] += w
+    n = _nbytes(src) // itemsize(types.wire)
+    if _nbytes(dst) != n * itemsize(types.slot):
+        raise InvalidArgument(f"a push of {n} {types.wire.name.lower()} elements into a slot of {_nbytes(dst)} bytes")
+    _native.widen(dst, src, types.wire, not first)
 
 
 def scale(dst: memoryview, alpha: float, dtype: int) -> None:
     """``dst *= alpha`` elementwise (floating types only)."""
     dt = _floating(dtype, "scale")
-    alpha = float(alpha)
-    if dt is DType.BFLOAT16:
-        def times(acc: np.ndarray, x: np.ndarray | None) -> None:
-            np.multiply(acc, np.float32(alpha), out=acc)
-
-        def fn(d: np.ndarray, s: np.ndarray | None) -> None:
-            _bf16_apply(d, None, times)
-    elif dt is DType.FLOAT16:
-        def fn(d: np.ndarray, s: np.ndarray | None) -> None:
-            d[:] = d.astype(_F32) * np.float32(alpha)
-    else:
-        def fn(d: np.ndarray, s: np.ndarray | None) -> None:
-            np.multiply(d, alpha, out=d)
-    _apply(dst, None, dt, fn)
+    check_length(_nbytes(dst), dt)
+    _native.scale(dst, float(alpha), dt)
 
 
 def axpy(dst: memoryview, alpha: float, x: memoryview | bytes | bytearray, dtype: int) -> None:
     """``dst += alpha * x`` elementwise (floating types only)."""
     dt = _floating(dtype, "axpy")
-    alpha = float(alpha)
-    if dt is DType.BFLOAT16:
-        def fn(d: np.ndarray, s: np.ndarray | None) -> None:
-            def step(acc: np.ndarray, x: np.ndarray | None) -> None:
-                assert x is not None
-                x *= np.float32(alpha)
-                acc += x
-            _bf16_apply(d, s, step)
-    elif dt is DType.FLOAT16:
-        def fn(d: np.ndarray, s: np.ndarray | None) -> None:
-            assert s is not None
-            acc = s.astype(_F32)
-            acc *= np.float32(alpha)
-            acc += d
-            d[:] = acc
-    else:
-        def fn(d: np.ndarray, s: np.ndarray | None) -> None:
-            assert s is not None
-            tmp = np.multiply(s, alpha)
-            np.add(d, tmp, out=d)
-    _apply(dst, x, dt, fn)
+    _pair(dst, x, dt)
+    _native.axpy(dst, float(alpha), x, dt)
 
 
 def _wrap64(value: int) -> int:

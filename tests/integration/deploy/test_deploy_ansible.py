@@ -37,7 +37,8 @@ def build_wheel(tmp_path: Path) -> Path:
     src = tmp_path / "src"
     src.mkdir()
     shutil.copy(ROOT / "pyproject.toml", src)
-    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    shutil.copy(ROOT / "setup.py", src)       # the native kernels, compiled into the wheel
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.so")
     for pkg in ("smb_protocol", "smb_client", "smb_server", "smb_train"):
         shutil.copytree(ROOT / pkg, src / pkg, ignore=ignore)
     assert (src / "smb_protocol" / "_proto" / "smb" / "v1" / "controller_pb2.py").exists(), "run make proto"
