@@ -241,34 +241,79 @@ static int check_wire(int wire)
     return 0;
 }
 
+/* The operations on a destination and a source, behind one signature: ``code`` is the
+ * element type (the wire type for widen and narrow), ``n`` the elements. */
+typedef void (*pair_op)(void *d, const void *s, double alpha, int code, Py_ssize_t n);
+
+static void op_add(void *d, const void *s, double alpha, int code, Py_ssize_t n)
+{
+    (void)alpha;
+    switch (code) {
+    case T_F32: add_f32(d, s, n); break;
+    case T_F64: add_f64(d, s, n); break;
+    case T_I32: add_u32(d, s, n); break;
+    case T_I64: add_u64(d, s, n); break;
+    case T_BF16: add_bf16(d, s, n); break;
+    case T_F16: f16_arith(F16_ADD, d, 0.0f, s, n); break;
+    }
+}
+
+static void op_axpy(void *d, const void *s, double alpha, int code, Py_ssize_t n)
+{
+    float a = (float)alpha;
+    switch (code) {
+    case T_F32: axpy_f32(d, a, s, n); break;
+    case T_F64: axpy_f64(d, alpha, s, n); break;
+    case T_BF16: axpy_bf16(d, a, s, n); break;
+    case T_F16: f16_arith(F16_AXPY, d, a, s, n); break;
+    }
+}
+
+static void op_widen(void *d, const void *s, double add, int wire, Py_ssize_t n)
+{
+    if (wire == T_F16)
+        f16_widen(d, s, n, add != 0.0);
+    else
+        (add != 0.0 ? widen_add_bf16 : widen_bf16)(d, s, n);
+}
+
+static void op_narrow(void *d, const void *s, double alpha, int wire, Py_ssize_t n)
+{
+    (void)alpha;
+    if (wire == T_F16)
+        f16_narrow(d, s, n);
+    else
+        narrow_bf16(d, s, n);
+}
+
+/* Check the pair (unless ``refused`` already: an error is set), run ``op`` with the
+ * interpreter lock released, release both buffers. */
+static PyObject *run_pair(Py_buffer *d, Py_buffer *s, Py_ssize_t dsize, Py_ssize_t ssize, int refused,
+                          pair_op op, double alpha, int code)
+{
+    Py_ssize_t n;
+    PyObject *result = NULL;
+    if (!refused && !check_pair(d, dsize, s, ssize, &n)) {
+        Py_BEGIN_ALLOW_THREADS
+        op(d->buf, s->buf, alpha, code, n);
+        Py_END_ALLOW_THREADS
+        result = Py_NewRef(Py_None);
+    }
+    PyBuffer_Release(d);
+    PyBuffer_Release(s);
+    return result;
+}
+
 PyDoc_STRVAR(add_doc, "add(dst, src, code)\n--\n\ndst += src elementwise, in place.");
 
 static PyObject *py_add(PyObject *Py_UNUSED(self), PyObject *args)
 {
     Py_buffer d, s;
     int code;
-    Py_ssize_t n;
     if (!PyArg_ParseTuple(args, "w*y*i", &d, &s, &code))
         return NULL;
-    if (check_code(code, 0) || check_pair(&d, item_size(code), &s, item_size(code), &n))
-        goto fail;
-    Py_BEGIN_ALLOW_THREADS
-    switch (code) {
-    case T_F32: add_f32(d.buf, s.buf, n); break;
-    case T_F64: add_f64(d.buf, s.buf, n); break;
-    case T_I32: add_u32(d.buf, s.buf, n); break;
-    case T_I64: add_u64(d.buf, s.buf, n); break;
-    case T_BF16: add_bf16(d.buf, s.buf, n); break;
-    case T_F16: f16_arith(F16_ADD, d.buf, 0.0f, s.buf, n); break;
-    }
-    Py_END_ALLOW_THREADS
-    PyBuffer_Release(&d);
-    PyBuffer_Release(&s);
-    Py_RETURN_NONE;
-fail:
-    PyBuffer_Release(&d);
-    PyBuffer_Release(&s);
-    return NULL;
+    int refused = check_code(code, 0);
+    return run_pair(&d, &s, item_size(code), item_size(code), refused, op_add, 0.0, code);
 }
 
 PyDoc_STRVAR(axpy_doc, "axpy(dst, alpha, src, code)\n--\n\ndst += alpha * src elementwise (floating types).");
@@ -278,27 +323,36 @@ static PyObject *py_axpy(PyObject *Py_UNUSED(self), PyObject *args)
     Py_buffer d, s;
     double alpha;
     int code;
-    Py_ssize_t n;
     if (!PyArg_ParseTuple(args, "w*dy*i", &d, &alpha, &s, &code))
         return NULL;
-    if (check_code(code, 1) || check_pair(&d, item_size(code), &s, item_size(code), &n))
-        goto fail;
-    float a = (float)alpha;
-    Py_BEGIN_ALLOW_THREADS
-    switch (code) {
-    case T_F32: axpy_f32(d.buf, a, s.buf, n); break;
-    case T_F64: axpy_f64(d.buf, alpha, s.buf, n); break;
-    case T_BF16: axpy_bf16(d.buf, a, s.buf, n); break;
-    case T_F16: f16_arith(F16_AXPY, d.buf, a, s.buf, n); break;
-    }
-    Py_END_ALLOW_THREADS
-    PyBuffer_Release(&d);
-    PyBuffer_Release(&s);
-    Py_RETURN_NONE;
-fail:
-    PyBuffer_Release(&d);
-    PyBuffer_Release(&s);
-    return NULL;
+    int refused = check_code(code, 1);
+    return run_pair(&d, &s, item_size(code), item_size(code), refused, op_axpy, alpha, code);
+}
+
+PyDoc_STRVAR(widen_doc, "widen(dst, src, wire, add)\n--\n\n"
+             "The 16-bit src widened into float32 dst (exact), stored or, with add, added.");
+
+static PyObject *py_widen(PyObject *Py_UNUSED(self), PyObject *args)
+{
+    Py_buffer d, s;
+    int wire, add;
+    if (!PyArg_ParseTuple(args, "w*y*ip", &d, &s, &wire, &add))
+        return NULL;
+    int refused = check_wire(wire);
+    return run_pair(&d, &s, 4, 2, refused, op_widen, add ? 1.0 : 0.0, wire);
+}
+
+PyDoc_STRVAR(narrow_doc, "narrow(dst, src, wire)\n--\n\n"
+             "float32 src rounded once into the 16-bit dst (nearest-even; NaN stays NaN).");
+
+static PyObject *py_narrow(PyObject *Py_UNUSED(self), PyObject *args)
+{
+    Py_buffer d, s;
+    int wire;
+    if (!PyArg_ParseTuple(args, "w*y*i", &d, &s, &wire))
+        return NULL;
+    int refused = check_wire(wire);
+    return run_pair(&d, &s, 2, 4, refused, op_narrow, 0.0, wire);
 }
 
 PyDoc_STRVAR(scale_doc, "scale(dst, alpha, code)\n--\n\ndst *= alpha elementwise (floating types).");
@@ -328,61 +382,6 @@ static PyObject *py_scale(PyObject *Py_UNUSED(self), PyObject *args)
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&d);
     Py_RETURN_NONE;
-}
-
-/* widen(dst_f32, src16, wire, add): dst = (or +=) src widened to float32 */
-PyDoc_STRVAR(widen_doc, "widen(dst, src, wire, add)\n--\n\n"
-             "The 16-bit src widened into float32 dst (exact), stored or, with add, added.");
-
-static PyObject *py_widen(PyObject *Py_UNUSED(self), PyObject *args)
-{
-    Py_buffer d, s;
-    int wire, add;
-    Py_ssize_t n;
-    if (!PyArg_ParseTuple(args, "w*y*ip", &d, &s, &wire, &add))
-        return NULL;
-    if (check_wire(wire) || check_pair(&d, 4, &s, 2, &n))
-        goto fail;
-    Py_BEGIN_ALLOW_THREADS
-    if (wire == T_F16)
-        f16_widen(d.buf, s.buf, n, add);
-    else
-        (add ? widen_add_bf16 : widen_bf16)(d.buf, s.buf, n);
-    Py_END_ALLOW_THREADS
-    PyBuffer_Release(&d);
-    PyBuffer_Release(&s);
-    Py_RETURN_NONE;
-fail:
-    PyBuffer_Release(&d);
-    PyBuffer_Release(&s);
-    return NULL;
-}
-
-PyDoc_STRVAR(narrow_doc, "narrow(dst, src, wire)\n--\n\n"
-             "float32 src rounded once into the 16-bit dst (nearest-even; NaN stays NaN).");
-
-static PyObject *py_narrow(PyObject *Py_UNUSED(self), PyObject *args)
-{
-    Py_buffer d, s;
-    int wire;
-    Py_ssize_t n;
-    if (!PyArg_ParseTuple(args, "w*y*i", &d, &s, &wire))
-        return NULL;
-    if (check_wire(wire) || check_pair(&d, 2, &s, 4, &n))
-        goto fail;
-    Py_BEGIN_ALLOW_THREADS
-    if (wire == T_F16)
-        f16_narrow(d.buf, s.buf, n);
-    else
-        narrow_bf16(d.buf, s.buf, n);
-    Py_END_ALLOW_THREADS
-    PyBuffer_Release(&d);
-    PyBuffer_Release(&s);
-    Py_RETURN_NONE;
-fail:
-    PyBuffer_Release(&d);
-    PyBuffer_Release(&s);
-    return NULL;
 }
 
 PyDoc_STRVAR(f16c_doc, "f16c(on=None)\n--\n\n"
