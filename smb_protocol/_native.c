@@ -1,6 +1,7 @@
 /* Elementwise kernels on raw buffers: the sums, scalings and 16-bit conversions of the
- * memory server's arithmetic and of a collective's chunks (smb_protocol.elementwise is
- * their Python face: it checks types and lengths and raises the project's errors).
+ * memory server's arithmetic and of a collective's chunks (their Python faces,
+ * smb_server.memserver.kernels and smb_protocol.chunk_types, check types and lengths
+ * and raise the project's errors).
  *
  * Why native: in numpy a bfloat16 or float16 operation is several passes over the
  * data, with a temporary between them, and the interpreter lock is taken again between
@@ -420,7 +421,7 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "smb_protocol._native",
     "Elementwise kernels on raw buffers, one pass each, the interpreter lock released "
-    "(see smb_protocol.elementwise).", -1, methods, NULL, NULL, NULL, NULL,
+    "(their faces: smb_server.memserver.kernels, smb_protocol.chunk_types).", -1, methods, NULL, NULL, NULL, NULL,
 };
 
 PyMODINIT_FUNC PyInit__native(void)
