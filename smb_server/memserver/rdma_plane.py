@@ -117,6 +117,7 @@ class RdmaPlane:
         self._lock = threading.Lock()
         self._regs: dict[int, _Registration] = {}
         self._conns: list[ServerConnection] = []
+        self._connected = threading.Event()   # set when a connection is added, and on close
         self._by_peer: dict[tuple[bytes, int, int], ServerConnection] = {}
         self._dropped: collections.OrderedDict[tuple[bytes, int, int], None] = collections.OrderedDict()
         try:
@@ -254,6 +255,7 @@ class RdmaPlane:
             if new:
                 self._conns.append(conn)
                 self._by_peer[key] = conn
+                self._connected.set()
         if gone:
             conn.doom("extent released during Connect")
             raise ExtentNotFound(f"extent {gone[0].extent.extent_id} was released during Connect")
@@ -285,6 +287,13 @@ class RdmaPlane:
         while not self.closing:
             with self._lock:
                 conns = list(self._conns)
+            if not conns:
+                # nothing to poll: sleep until a connection is added (or the plane closes),
+                # rather than waking every NAP_MAX while no client is connected
+                self._connected.wait()
+                self._connected.clear()
+                idle, nap = 0, NAP_FIRST
+                continue
             busy = 0
             for conn in conns:
                 try:
@@ -350,6 +359,7 @@ class RdmaPlane:
         if self.closing:
             return
         self.closing = True
+        self._connected.set()
         self.arena.remove_listener(self)
         with contextlib.suppress(ValueError):
             self.node.replication.revoke_direct.remove(self.revoke_writes)

@@ -59,9 +59,11 @@ def rdma_cluster(servers: int, capacity: str, log_prefix: str = "", metrics: boo
         shutil.rmtree(work, ignore_errors=True)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def cluster() -> Iterator[LocalCluster]:
-    """A cluster of rdma servers for each module (in place of the shared loopback one)
-    that report another host id, so ``auto`` must not pick shm."""
+    """Two rdma servers (in place of the shared loopback cluster) that report another
+    host id, so ``auto`` must not pick shm; one for the whole tier, as the loopback one
+    is for the host suite: starting a cluster takes about a minute under the VM's
+    emulated CPUs. Tests that kill or drain servers start clusters of their own."""
     with rdma_cluster(2, "256M") as c:
         yield c

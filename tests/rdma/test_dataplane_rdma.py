@@ -14,7 +14,6 @@ from tests.integration.client.test_dataplane import (  # noqa: F401  (collected 
     test_fetch_add_many,
     test_open_by_name_sees_same_memory,
     test_scale_and_axpy,
-    test_torch_tensors_zero_copy,
     test_transport_is_the_one_asked_for,
     test_write_read_roundtrip,
 )

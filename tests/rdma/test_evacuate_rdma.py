@@ -5,7 +5,9 @@ the writable registration before the copy starts (the clients are told NotPrimar
 the region again and send mutations through the tcp plane until the move is done), so
 every acknowledged write and accumulate is on the new copy. (A replicated region's
 clients already mutate through the primary's tcp plane; its moves are the host tier's.)
-Exact checks as tests/integration/elastic/test_evacuate.py."""
+Exact checks as tests/integration/elastic/test_evacuate.py. Both tests evacuate a server
+of one pool of three (starting one takes about a minute under the VM's emulated CPUs);
+each starts with every server taking extents again."""
 from __future__ import annotations
 
 import pytest
@@ -19,9 +21,26 @@ MiB = 1 << 20
 SETTLE = 300.0   # the emulated VM is slow
 
 
-def test_an_evacuation_under_rdma_clients_loses_nothing():
-    with rdma_cluster(3, "128M", log_prefix="evacuate-") as pool, \
-            pool.client(transport="rdma") as c, pool.admin_client() as admin:
+@pytest.fixture(scope="module")
+def three():
+    with rdma_cluster(3, "128M", log_prefix="evacuate-") as pool:
+        yield pool
+
+
+@pytest.fixture
+def pool(three):
+    """The module's three servers, none of them drained (an earlier test's evacuation
+    leaves its server draining, and empty)."""
+    with three.admin_client() as admin:
+        for s in admin.list_servers():
+            if s.state == "draining":
+                admin.drain_server(s.server_id, undrain=True)
+        assert [s.state for s in admin.list_servers()] == ["up"] * 3
+    return three
+
+
+def test_an_evacuation_under_rdma_clients_loses_nothing(pool):
+    with pool.client(transport="rdma") as c, pool.admin_client() as admin:
         region = c.create_region("job/params", 12 * MiB, stripe_unit=MiB, num_servers=2)
         assert set(region.transports().values()) == {"rdma"}
         source = holder_of_slot0(c, "job/params")
@@ -39,10 +58,9 @@ def test_an_evacuation_under_rdma_clients_loses_nothing():
         assert source not in {p.server_id for p in (*region.route.extents, *region.route.copies)}
 
 
-def test_collectives_over_rdma_follow_an_evacuation_with_exact_sums():
+def test_collectives_over_rdma_follow_an_evacuation_with_exact_sums(pool):
     """A collective whose chunks travel by RDMA goes on through its server's evacuation:
     the server tells the queue pairs NotPrimary when the move begins, the chunks in
     flight wait, follow the extent to its new server (a new queue pair there) and are
     sent again with their numbers; every sum stays exact."""
-    with rdma_cluster(3, "128M", log_prefix="evacuate-coll-") as pool:
-        collectives_through_an_evacuation(pool, "rdma", SETTLE)
+    collectives_through_an_evacuation(pool, "rdma", SETTLE)

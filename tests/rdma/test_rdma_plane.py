@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import sys
+import threading
+import time
 
 import numpy as np
 import pytest
-import torch
 
 from smb_client.transports.rdma import Broken, RdmaSession
 from smb_protocol import errors, tickets
@@ -80,13 +82,13 @@ def test_write_read_roundtrip(server, uri, extent):
     a, b = bytearray(len(small)), bytearray(len(big))
     s.read_into(tok, extent, 0, [memoryview(a), memoryview(b)])
     assert a == small and b == big
-    # torch tensors, zero copy, twice (the second hits the registration cache)
-    t = torch.arange(MiB // 4, dtype=torch.float32)
+    # an array, zero copy, twice (the second hits the registration cache)
+    t = np.arange(MiB // 4, dtype=np.float32)
     for _ in range(2):
-        s.write(tok, extent, 4 * MiB, [memoryview(t.numpy()).cast("B")])
-    back = torch.empty_like(t)
-    s.read_into(tok, extent, 4 * MiB, [memoryview(back.numpy()).cast("B")])
-    assert torch.equal(back, t)
+        s.write(tok, extent, 4 * MiB, [memoryview(t).cast("B")])
+    back = np.empty_like(t)
+    s.read_into(tok, extent, 4 * MiB, [memoryview(back).cast("B")])
+    assert np.array_equal(back, t)
     assert s.shared.cache.hits >= 1
     with pytest.raises(errors.OutOfRange):
         s.read_into(tok, extent, 8 * MiB - 4, [memoryview(bytearray(8))])
@@ -301,7 +303,6 @@ def test_one_queue_pair_carries_several_tickets(server, uri, extent):
 def test_renewed_ticket_keeps_the_queue_pair(server, uri, extent):
     """A renewed ticket (a new token) presented before the old one expires keeps the
     connection; a ticket left to expire ends it, with TicketExpired."""
-    import time
     ttl = 15.0
     s = RdmaSession(parse_endpoint(uri), {"connections": 1})
     old, expires = tickets.sign(SECRET, UID, [extent], "rw", ttl=ttl)
@@ -366,13 +367,45 @@ def test_atomics_from_four_processes(server, uri, extent):
     assert sorted(olds) == list(range(4 * n))              # every old value seen exactly once
 
 
+def _progress_sleeps(plane) -> bool:
+    """Whether the plane's progress thread is blocked waiting for a connection."""
+    frame = sys._current_frames().get(plane._thread.ident)
+    while frame is not None:
+        if frame.f_code.co_name == "wait" and frame.f_code.co_filename == threading.__file__:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def test_an_idle_plane_sleeps_until_a_connection_arrives():
+    """With no connection the progress thread blocks instead of polling every few ms
+    (an idle server costs no CPU); a connection wakes it, and its requests are served."""
+    cfg = ServerConfig(controller="127.0.0.1:1", capacity=64 * MiB, secret=SECRET,
+                       transports=["rdma"], heartbeat_seconds=30)
+    with MemoryServer(cfg) as idle:
+        plane = idle.rdma
+        assert plane is not None
+        deadline = time.monotonic() + 30
+        while not _progress_sleeps(plane):
+            assert time.monotonic() < deadline, "the progress thread of a plane without connections never slept"
+            time.sleep(0.05)
+        idle.arena.reserve(7, UID, MiB)
+        s, tok = session([e for e in idle.endpoints if e.startswith("rdma://")][0], [7])
+        ones = np.ones(4, np.float32)
+        s.write(tok, 7, 0, [memoryview(ones).cast("B")])
+        s.accumulate(tok, 7, 0, [memoryview(ones).cast("B")], DType.FLOAT32)   # served by the thread
+        back = np.empty(4, np.float32)
+        s.read_into(tok, 7, 0, [memoryview(back).cast("B")])
+        assert back.tolist() == [2.0] * 4 and plane.connections == 1
+        s.close()
+
+
 def test_server_closes_connections_on_bye(server, uri, extent):
     before = server.rdma.connections
     s, tok = session(uri, [extent], connections=2)
     s.write(tok, extent, 0, [memoryview(b"x")])
     assert server.rdma.connections == before + 1
     s.close()
-    import time
     deadline = time.monotonic() + 5
     while server.rdma.connections > before and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -1,8 +1,9 @@
 """Replicated regions with rdma clients, on real verbs in the Soft-RoCE VM: reads over
 rdma from the nearest copy, mutations through the primaries (which forward them to the
-backups); the checks of tests/integration/replication/test_replication.py on a cluster of three
-rdma memory servers: concurrent writers leave every copy identical, and a primary killed
-mid-accumulate loses nothing (exact sums at the promoted backup, then every copy
+backups); the checks of tests/integration/replication/test_replication.py: concurrent
+writers leave every copy identical (on the tier's two servers, each the primary of some
+stripes and the backup of the others), and a primary killed mid-accumulate loses nothing
+(on three servers of its own: exact sums at the promoted backup, then every copy
 identical after the repair)."""
 from __future__ import annotations
 
@@ -30,6 +31,6 @@ def test_primary_killed_mid_operation_applies_once_rdma(three):
         check_primary_killed(three, c, "job/fail", size=6 * MiB)
 
 
-def test_concurrent_writers_leave_every_copy_identical_rdma(three):
-    with three.client(transport="rdma") as c:
-        check_concurrent_writers(c, "job/conc")
+def test_concurrent_writers_leave_every_copy_identical_rdma(cluster, name):
+    with cluster.client(transport="rdma") as c:
+        check_concurrent_writers(c, name)

@@ -25,11 +25,6 @@ export PYTHONDONTWRITEBYTECODE=1 HOME=/tmp TMPDIR=/tmp SMB_RDMA_VM=1
 export SMB_RDMA_CONNECT_TIMEOUT=${SMB_RDMA_CONNECT_TIMEOUT:-120}
 # for the same reason, a local cluster's daemons get longer to become ready
 export SMB_START_TIMEOUT=${SMB_START_TIMEOUT:-120}
-# QEMU 7.2's emulated AVX2 (TCG, no KVM) crashes numpy's AVX2 float adds with SIGSEGV:
-# memory servers died in np.add while accumulating (2 of 3 and 2 of 4 runs of the
-# concurrent-writers check; faulthandler's stacks in their logs), and none did in 4 runs
-# with numpy kept to its SSE4.2 baseline. Real CPUs run the AVX2 paths (the host tier).
-export NPY_DISABLE_CPU_FEATURES=${NPY_DISABLE_CPU_FEATURES:-X86_V3}
 "$@"
 rc=$?
 echo "guest: command exited with $rc"
