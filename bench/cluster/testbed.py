@@ -210,8 +210,10 @@ class Testbed:
 
     # -- network ------------------------------------------------------------------
     def _add_ns(self, name: str) -> None:
-        netns.add_namespace(name)
+        # noted before it is made: an interrupt (SIGINT) that lands after `ip netns add`
+        # still finds it in the list stop() deletes (deleting one never made is harmless)
         self._namespaces.append(name)
+        netns.add_namespace(name)
 
     def _build_network(self) -> None:
         self._add_ns(self.switch)

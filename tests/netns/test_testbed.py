@@ -169,6 +169,27 @@ def _running_in(tag: str) -> bool:
     return False
 
 
+@pytest.mark.parametrize("nth", [1, 2])
+def test_an_interrupt_while_a_namespace_is_made_leaves_none(monkeypatch, nth):
+    """SIGINT can land after ``ip netns add`` and before the testbed noted the name (a
+    run interrupted as a process first runs in its switch's namespace once left that
+    namespace behind): the namespace made then is deleted too."""
+    made = []
+    real = netns.add_namespace
+
+    def interrupted(name: str) -> None:
+        real(name)
+        made.append(name)
+        if len(made) == nth:
+            raise KeyboardInterrupt
+    monkeypatch.setattr(netns, "add_namespace", interrupted)
+    tb = Testbed(1, 1)
+    with pytest.raises(KeyboardInterrupt):
+        tb.start()
+    assert len(made) == nth and made[0] == tb.switch
+    assert _ours(tb.tag) == [] and tb.state == "closed"
+
+
 @pytest.mark.timeout(120)
 def test_interrupted_run_tears_down(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "bench.cluster", "--quick", "--only", "bandwidth",
