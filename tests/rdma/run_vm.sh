@@ -6,8 +6,9 @@
 #
 # Environment: SMB_VM_OUT (results folder, default .rdma-vm), SMB_VM_KERNEL (default: the
 # newest /boot/vmlinuz-*), SMB_VM_MEMORY (4G), SMB_VM_CPUS (2), SMB_VM_CPU (QEMU's -cpu, see
-# below), SMB_VM_TIMEOUT (seconds, 900), SMB_VM_BENCH=0 to skip the benchmark. Needs qemu-system-x86, virtme-ng (vng) in the
-# project's venv, and a kernel with the rdma_rxe module (Debian's linux-image-amd64).
+# below), SMB_VM_TIMEOUT (seconds, 900), SMB_VM_BENCH=0 to skip the benchmark. Needs
+# qemu-system-x86, virtme-ng (vng) in the project's venv, and a kernel with the rdma_rxe
+# module (Debian's linux-image-amd64).
 # The exit status is the guest command's; a VM that does not start is a failure (99).
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/../.." && pwd)

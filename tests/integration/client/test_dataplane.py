@@ -11,13 +11,6 @@ from smb_protocol import errors
 from smb_protocol.dtypes import bf16_to_f32, f32_to_bf16
 
 MiB = 1 << 20
-TRANSPORTS = ["tcp", "shm"]
-
-
-@pytest.fixture(params=TRANSPORTS)
-def tclient(request, cluster):
-    with cluster.client(transport=request.param) as c:
-        yield c
 
 
 def test_transport_is_the_one_asked_for(tclient, name):

@@ -3,19 +3,11 @@ and bfloat16 sums as torch rounds them."""
 from __future__ import annotations
 
 import numpy as np
-import pytest
 import torch
 
 from smb_protocol.dtypes import bf16_to_f32, f32_to_bf16
-from tests.integration.client.test_dataplane import TRANSPORTS
 
 MiB = 1 << 20
-
-
-@pytest.fixture(params=TRANSPORTS)
-def tclient(request, cluster):
-    with cluster.client(transport=request.param) as c:
-        yield c
 
 
 def test_torch_tensors_zero_copy(tclient, name):
