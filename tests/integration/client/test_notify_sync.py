@@ -92,4 +92,6 @@ def test_steady_state_sync_steps_make_no_controller_call(tmp_path, cluster_env, 
     assert np.array_equal(done[0][2], done[1][2])            # the replicas stayed in step
     grown = {m: after.get(m, 0) - before.get(m, 0) for m in after}
     assert not any(grown.values()), grown
-    assert after["Barrier"] == 2 * WORLD                      # store ready + the first step, per worker
+    # store ready + the first step, per worker: at least one call each; a rank that waits
+    # longer than REPORT_EVERY for a late one (a slow start) calls again for the next slice
+    assert after["Barrier"] >= 2 * WORLD
