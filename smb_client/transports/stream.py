@@ -39,6 +39,9 @@ from .errors import ConnectionBroken
 log = logging.getLogger(__name__)
 
 _HELLO = object()   # the pending entry of a HELLO frame
+#: seconds :meth:`ReduceStream.close` waits for each receiving thread to end (its
+#: connection is shut down first, so it ends at once)
+RECEIVER_JOIN = 10.0
 
 
 class Connection(Protocol):
@@ -130,6 +133,7 @@ class ReduceStream:
         self._lock = threading.Lock()        # the link and what is in flight on it
         self._link: _Link | None = None
         self._closed = False
+        self._receivers: list[threading.Thread] = []   # receiving threads not yet seen to end
 
     def send(self, ticket: str, r: Reduction) -> None:
         """Send ``r`` (presenting ``ticket`` first if this connection has not); its
@@ -172,10 +176,12 @@ class ReduceStream:
         conn = self._connect()
         conn.sock.settimeout(None)   # the kernel's dead-peer detection bounds every wait
         link = _Link(conn)
+        receiver = threading.Thread(target=self._receive, args=(link,), name=f"smb-reduce {self.where}",
+                                    daemon=True)
         with self._lock:
             self._link = link
-        threading.Thread(target=self._receive, args=(link,), name=f"smb-reduce {self.where}",
-                         daemon=True).start()
+            self._receivers = [t for t in self._receivers if t.is_alive()] + [receiver]
+        receiver.start()
         return link
 
     def _receive(self, link: _Link) -> None:
@@ -266,6 +272,14 @@ class ReduceStream:
             self._fail(link, ConnectionBroken(f"{self.where}: abandoned"))
 
     def close(self) -> None:
+        """Fail what is in flight, close the connection and wait for the receiving
+        threads to end: one that outlived the close could drop the last reference to a
+        caller's buffer (a torch tensor's memory) while the interpreter shuts down, and a
+        thread freeing a tensor then aborts the process."""
         with self._lock:
             self._closed = True
+            receivers, self._receivers = self._receivers, []
         self.abandon()
+        for receiver in receivers:
+            if receiver is not threading.current_thread():
+                receiver.join(RECEIVER_JOIN)

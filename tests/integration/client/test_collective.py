@@ -205,3 +205,21 @@ def test_a_server_killed_mid_round_fails_every_party_with_a_typed_error(fresh_cl
     hangs, and the collective refuses another round (its counts are unknown); the same
     with chunks that travel in a wire type."""
     kill_mid_round(fresh_cluster, name, "tcp", within=20, wire=wire)
+
+
+def test_closing_the_clients_waits_for_their_receiving_threads(cluster, name):
+    """A client's close ends the threads that read its collective's sums before it
+    returns: one still running could free the last reference to a caller's buffer (a
+    torch tensor's memory) as the interpreter shuts down, which aborts the process
+    ("terminate called without an active exception")."""
+    def receivers() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name.startswith("smb-reduce")}
+
+    before = receivers()
+
+    def body(coll: Collective, rank: int) -> None:
+        x = np.arange(4096, dtype=np.int64)
+        coll.all_reduce(x)
+        assert receivers() - before   # the sums came through a receiving thread
+    run_parties(cluster, name, 2, 4096 * 8, 4096, "tcp", body)
+    assert not receivers() - before, receivers() - before
