@@ -179,9 +179,14 @@ class ReduceStream:
         receiver = threading.Thread(target=self._receive, args=(link,), name=f"smb-reduce {self.where}",
                                     daemon=True)
         with self._lock:
+            # asked again where the link is recorded: a close while this one connected
+            # would neither abandon the link nor wait for its receiving thread
+            if self._closed:
+                conn.close()
+                raise ServerUnavailable(f"{self.where}: the stream is closed")
             self._link = link
             self._receivers = [t for t in self._receivers if t.is_alive()] + [receiver]
-        receiver.start()
+            receiver.start()   # under the lock: a close never sees a thread it cannot join
         return link
 
     def _receive(self, link: _Link) -> None:
