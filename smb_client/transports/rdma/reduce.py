@@ -46,7 +46,7 @@ from smb_protocol.rdma import verbs
 from smb_protocol.rdma_wire import FINAL, PUSHED, ReduceMessage
 
 from ..errors import ConnectionBroken
-from ..stream import Reduction
+from ..stream import RECEIVER_JOIN, Reduction
 from .chunk_buffers import ChunkBuffers, InFlight, Ring
 from .connection import RECV_WR_BASE, SQ_DEPTH, RdmaConnection
 from .peer import Broken
@@ -97,6 +97,7 @@ class RdmaReduceStream:
         self._link: _Link | None = None
         self.buffers = ChunkBuffers(cache, self._cond, self._broken)
         self._closed = False
+        self._pollers: list[threading.Thread] = []   # polling threads not yet seen to end
 
     # -- sending --------------------------------------------------------------------------
     def send(self, ticket: str, r: Reduction) -> None:
@@ -151,10 +152,17 @@ class RdmaReduceStream:
                 link.conn.close()
                 raise InvalidArgument(f"{self.where}: a collective needs a writing ticket (no staging area)")
             link.staging = Ring(staging[2] - PROBE_BYTES)
+            poller = threading.Thread(target=self._poll_loop, args=(link,), name=f"smb-rdma-reduce {self.where}",
+                                      daemon=True)
             with self._cond:
+                # asked again where the link is recorded: a close while this one connected
+                # would neither abandon the queue pair nor wait for its polling thread
+                if self._closed:
+                    link.conn.close()
+                    raise ServerUnavailable(f"{self.where}: the stream is closed")
                 self._link = link
-            threading.Thread(target=self._poll_loop, args=(link,), name=f"smb-rdma-reduce {self.where}",
-                             daemon=True).start()
+                self._pollers = [t for t in self._pollers if t.is_alive()] + [poller]
+                poller.start()   # under the lock: a close never sees a thread it cannot join
         else:
             link.conn.keys(ticket)
         return link
@@ -372,9 +380,17 @@ class RdmaReduceStream:
             self._fail(link, ConnectionBroken(f"{self.where}: abandoned"), bye=True)
 
     def close(self) -> None:
+        """Fail what is in flight, say BYE and close the queue pair, and wait for the
+        polling threads to end (as :meth:`.stream.ReduceStream.close`, and for the same
+        reason: a thread that outlived the close could free a caller's tensor while the
+        interpreter shuts down); then release the bounce ring."""
         with self._cond:
             self._closed = True
+            pollers, self._pollers = self._pollers, []
         self.abandon()
+        for poller in pollers:
+            if poller is not threading.current_thread():
+                poller.join(RECEIVER_JOIN)
         self.buffers.close()
 
     def _broken(self) -> bool:
