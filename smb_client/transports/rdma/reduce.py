@@ -155,9 +155,7 @@ class RdmaReduceStream:
             poller = threading.Thread(target=self._poll_loop, args=(link,), name=f"smb-rdma-reduce {self.where}",
                                       daemon=True)
             with self._cond:
-                # asked again where the link is recorded: a close while this one connected
-                # would neither abandon the queue pair nor wait for its polling thread
-                if self._closed:
+                if self._closed:   # asked again here: a close that came while this one connected
                     link.conn.close()
                     raise ServerUnavailable(f"{self.where}: the stream is closed")
                 self._link = link
@@ -380,10 +378,8 @@ class RdmaReduceStream:
             self._fail(link, ConnectionBroken(f"{self.where}: abandoned"), bye=True)
 
     def close(self) -> None:
-        """Fail what is in flight, say BYE and close the queue pair, and wait for the
-        polling threads to end (as :meth:`.stream.ReduceStream.close`, and for the same
-        reason: a thread that outlived the close could free a caller's tensor while the
-        interpreter shuts down); then release the bounce ring."""
+        """Fail what is in flight, close the queue pair (BYE first), wait for the polling
+        threads to end (why: :meth:`.stream.ReduceStream.close`), release the bounce ring."""
         with self._cond:
             self._closed = True
             pollers, self._pollers = self._pollers, []
