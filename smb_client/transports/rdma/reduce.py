@@ -155,12 +155,14 @@ class RdmaReduceStream:
             poller = threading.Thread(target=self._poll_loop, args=(link,), name=f"smb-rdma-reduce {self.where}",
                                       daemon=True)
             with self._cond:
-                if self._closed:   # asked again here: a close that came while this one connected
-                    link.conn.close()
-                    raise ServerUnavailable(f"{self.where}: the stream is closed")
-                self._link = link
-                self._pollers = [t for t in self._pollers if t.is_alive()] + [poller]
-                poller.start()   # under the lock: a close never sees a thread it cannot join
+                closed = self._closed   # asked again here: a close may have come meanwhile
+                if not closed:
+                    self._link = link
+                    self._pollers = [t for t in self._pollers if t.is_alive()] + [poller]
+                    poller.start()   # under the lock: a close never sees a thread it cannot join
+            if closed:
+                link.conn.close()   # says BYE and waits for it: not under the lock
+                raise ServerUnavailable(f"{self.where}: the stream is closed")
         else:
             link.conn.keys(ticket)
         return link
@@ -378,8 +380,7 @@ class RdmaReduceStream:
             self._fail(link, ConnectionBroken(f"{self.where}: abandoned"), bye=True)
 
     def close(self) -> None:
-        """Fail what is in flight, close the queue pair (BYE first), wait for the polling
-        threads to end (why: :meth:`.stream.ReduceStream.close`), release the bounce ring."""
+        """Fail what is in flight, close the queue pair, wait for the polling threads (why: ReduceStream.close)."""
         with self._cond:
             self._closed = True
             pollers, self._pollers = self._pollers, []
