@@ -183,8 +183,11 @@ class Testbed:
             return
         self.state = "closing"
         restore = {}
-        if threading.current_thread() is threading.main_thread():   # let teardown finish
-            restore = {sig: signal.signal(sig, signal.SIG_IGN) for sig in STOP_SIGNALS}
+        held: list[int] = []
+        if threading.current_thread() is threading.main_thread():
+            # the teardown finishes first: a stop signal that comes meanwhile is held and
+            # raised again after it (ignored, it was lost, and the run went on to its end)
+            restore = {sig: signal.signal(sig, lambda got, _frame: held.append(got)) for sig in STOP_SIGNALS}
         try:
             procs = [p for p in self._procs.values() if p.poll() is None]
             for p in procs:
@@ -207,6 +210,8 @@ class Testbed:
             with _live_lock:
                 _live.discard(self)
             self.state = "closed"
+        if held:
+            signal.raise_signal(held[0])
 
     # -- network ------------------------------------------------------------------
     def _add_ns(self, name: str) -> None:

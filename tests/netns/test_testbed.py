@@ -2,6 +2,7 @@
 the short experiments, and teardown that leaves nothing behind."""
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import subprocess
@@ -128,6 +129,27 @@ def test_training_short_against_ddp():
     # the collective's chunks on both dedicated servers
     assert len(result["systems"]["smb"]["chunk_bytes_per_server"]) == 2
     assert "| smb+hooks |" in training.table(result)
+
+
+def test_an_interrupt_during_teardown_is_raised_once_it_is_done(monkeypatch):
+    """SIGINT that lands while the testbed tears down is held until the teardown is done,
+    then raised: nothing is left behind, and the run stops (ignored, as it was, a run
+    interrupted then went on to its end)."""
+    tb = Testbed(1, 0)
+    tb.start()
+    real = netns.delete_namespace
+    interrupts = []
+
+    def interrupted(name: str) -> None:
+        if not interrupts:
+            interrupts.append(name)
+            os.kill(os.getpid(), signal.SIGINT)
+        real(name)
+    monkeypatch.setattr(netns, "delete_namespace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        tb.stop()
+    assert interrupts and tb.state == "closed"
+    assert _ours(tb.tag) == [] and not tb.workdir.exists()
 
 
 def test_failed_start_leaves_nothing_behind():
