@@ -17,12 +17,15 @@ import pytest
 
 from smb_client.collective import Collective
 from smb_client.transports.rdma.reduce import RdmaReduceStream
-from smb_client.transports.stream import Reduction
 from smb_protocol import errors
-from smb_protocol.chunk_types import ChunkTypes
-from smb_protocol.dtypes import DType
-from smb_protocol.rounds import ChunkRound
-from tests.integration.client.parties import break_mid_round, kill_mid_round, run_parties, summing_body
+from tests.integration.client.parties import (
+    a_close_while_connecting_wins,
+    break_mid_round,
+    kill_mid_round,
+    run_parties,
+    stream_threads_end_with_the_clients,
+    summing_body,
+)
 from tests.integration.daemons import scrape
 from tests.rdma.conftest import rdma_cluster
 
@@ -140,50 +143,12 @@ def test_transport_tcp_keeps_the_exchange_on_tcp(cluster, name):
 
 
 def test_closing_the_clients_waits_for_their_polling_threads(cluster, name):
-    """A client's close ends the threads that poll its rdma REDUCE streams before it
-    returns (as over tcp: a thread that outlived the close could free a caller's buffer
-    while the interpreter shuts down, which aborts the process)."""
-    def pollers() -> set[threading.Thread]:
-        return {t for t in threading.enumerate() if t.name.startswith("smb-rdma-reduce")}
-
-    before = pollers()
-
-    def body(coll: Collective, rank: int) -> None:
-        x = np.arange(4096, dtype=np.int64)
-        coll.all_reduce(x)
-        assert pollers() - before   # the sums came through a polling thread
-    run_parties(cluster, name, 2, 4096 * 8, 4096, "rdma", body)
-    assert not pollers() - before, pollers() - before
+    stream_threads_end_with_the_clients(cluster, name, "rdma", "smb-rdma-reduce")
 
 
 def test_a_stream_closed_while_it_connects_keeps_neither_queue_pair_nor_thread(cluster, name):
-    """A close that lands while an rdma REDUCE stream connects its queue pair (after the
-    stream saw itself open, before it recorded the link) wins: the queue pair is closed,
-    the REDUCE fails with a typed error, no polling thread is left."""
-    with cluster.client(transport="rdma") as c:
-        r = c.create_region(name, 4096)
-        r.write(0, np.zeros(512, np.int64))                       # opens the session
-        session = next(s for s in c.dataplane.sessions().values() if s.scheme == "rdma")
-        connect = session.reductions()._connect
-        made = []
-
-        def connect_then_closed():
-            conn = connect()
-            made.append(conn)
-            stream.close()                  # the close lands between the check and the record
-            return conn
-        stream = RdmaReduceStream(connect_then_closed, session.shared.remote_cache, "closing stream")
-        outcome: list[errors.SMBError | None] = []
-        x = np.arange(256, dtype=np.int64)                       # a slot of 2 KiB, its word at the end
-        stream.send(r.route.ticket, Reduction(r.extents[0].extent_id, 0, [memoryview(x).cast("B")],
-                                              ChunkTypes(DType.INT64), ChunkRound(4096 - 8, 1, 0), 5.0, 0,
-                                              lambda: None, outcome.append))
-        assert len(outcome) == 1 and isinstance(outcome[0], errors.ServerUnavailable), outcome
-        assert "closed" in str(outcome[0])
-        assert made and made[0].closed                            # the queue pair it made is closed
-        assert not [t for t in threading.enumerate() if t.name == "smb-rdma-reduce closing stream"]
-        assert stream.in_flight() == 0
-        c.delete_region(name)
+    a_close_while_connecting_wins(cluster, name, "rdma", "smb-rdma-reduce", lambda session, connect: RdmaReduceStream(
+        connect, session.shared.remote_cache, "closing stream"))
 
 
 def test_a_server_killed_mid_round_over_rdma_fails_every_party_with_a_typed_error(cluster, name):

@@ -10,7 +10,11 @@ import numpy as np
 import pytest
 
 from smb_client.collective import Collective
+from smb_client.transports.stream import Reduction
 from smb_protocol import errors
+from smb_protocol.chunk_types import ChunkTypes
+from smb_protocol.dtypes import DType
+from smb_protocol.rounds import ChunkRound
 from smb_server.testing import rank_failures, run_ranks
 
 
@@ -141,3 +145,53 @@ def kill_mid_round(cluster, name: str, transport: str, within: float, wire: str 
     assert max(ended.values()) - killed_at[0] < within, (ended, killed_at)
     server = cluster.server_id(0)
     assert all(server in str(exc) for exc in seen.values()), seen
+
+
+def stream_threads_end_with_the_clients(cluster, name: str, transport: str, prefix: str) -> None:
+    """A client's close ends the threads (named ``prefix ...``) that take in its
+    collective's sums before it returns: one still running could free the last reference
+    to a caller's buffer (a torch tensor's memory) as the interpreter shuts down, which
+    aborts the process ("terminate called without an active exception")."""
+    def threads() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name.startswith(prefix)}
+
+    before = threads()
+
+    def body(coll: Collective, rank: int) -> None:
+        x = np.arange(4096, dtype=np.int64)
+        coll.all_reduce(x)
+        assert threads() - before   # the sums came through such a thread
+    run_parties(cluster, name, 2, 4096 * 8, 4096, transport, body)
+    assert not threads() - before, threads() - before
+
+
+def a_close_while_connecting_wins(cluster, name: str, transport: str, prefix: str, remake) -> None:
+    """A close that lands while a REDUCE stream connects (after the stream saw itself
+    open, before it recorded the link) wins: the connection it made is closed, the REDUCE
+    fails with a typed error, and no thread named ``prefix`` is left to outlive the close.
+    ``remake(session, connect)``: a stream of the session's kind over ``connect``, named
+    "closing stream"."""
+    with cluster.client(transport=transport) as c:
+        r = c.create_region(name, 4096)
+        r.write(0, np.zeros(512, np.int64))                       # opens the session
+        session = next(s for s in c.dataplane.sessions().values() if s.scheme == transport)
+        connect = session.reductions()._connect
+        made = []
+
+        def connect_then_closed():
+            conn = connect()
+            made.append(conn)
+            stream.close()                  # the close lands between the check and the record
+            return conn
+        stream = remake(session, connect_then_closed)
+        outcome: list[errors.SMBError | None] = []
+        x = np.arange(256, dtype=np.int64)                       # a slot of 2 KiB, its word at the end
+        stream.send(r.route.ticket, Reduction(r.extents[0].extent_id, 0, [memoryview(x).cast("B")],
+                                              ChunkTypes(DType.INT64), ChunkRound(4096 - 8, 1, 0), 5.0, 0,
+                                              lambda: None, outcome.append))
+        assert len(outcome) == 1 and isinstance(outcome[0], errors.ServerUnavailable), outcome
+        assert "closed" in str(outcome[0])
+        assert made and made[0].closed                            # the connection it made is closed
+        assert not [t for t in threading.enumerate() if t.name == f"{prefix} closing stream"]
+        assert stream.in_flight() == 0
+        c.delete_region(name)

@@ -13,13 +13,16 @@ import numpy as np
 import pytest
 
 from smb_client.collective import TAIL, Collective
-from smb_client.transports.stream import ReduceStream, Reduction
-from smb_client.transports.tcp import TcpConnection
+from smb_client.transports.stream import ReduceStream
 from smb_protocol import errors
-from smb_protocol.chunk_types import ChunkTypes
-from smb_protocol.dtypes import DType
-from smb_protocol.rounds import ChunkRound
-from tests.integration.client.parties import break_mid_round, kill_mid_round, run_parties, summing_body
+from tests.integration.client.parties import (
+    a_close_while_connecting_wins,
+    break_mid_round,
+    kill_mid_round,
+    run_parties,
+    stream_threads_end_with_the_clients,
+    summing_body,
+)
 
 KiB = 1 << 10
 
@@ -213,47 +216,9 @@ def test_a_server_killed_mid_round_fails_every_party_with_a_typed_error(fresh_cl
 
 
 def test_closing_the_clients_waits_for_their_receiving_threads(cluster, name):
-    """A client's close ends the threads that read its collective's sums before it
-    returns: one still running could free the last reference to a caller's buffer (a
-    torch tensor's memory) as the interpreter shuts down, which aborts the process
-    ("terminate called without an active exception")."""
-    def receivers() -> set[threading.Thread]:
-        return {t for t in threading.enumerate() if t.name.startswith("smb-reduce")}
-
-    before = receivers()
-
-    def body(coll: Collective, rank: int) -> None:
-        x = np.arange(4096, dtype=np.int64)
-        coll.all_reduce(x)
-        assert receivers() - before   # the sums came through a receiving thread
-    run_parties(cluster, name, 2, 4096 * 8, 4096, "tcp", body)
-    assert not receivers() - before, receivers() - before
+    stream_threads_end_with_the_clients(cluster, name, "tcp", "smb-reduce")
 
 
 def test_a_stream_closed_while_it_connects_keeps_neither_connection_nor_thread(cluster, name):
-    """A close that lands while a REDUCE stream opens its connection (after the stream saw
-    itself open, before it recorded the link) wins: the new connection is closed, the
-    REDUCE fails with a typed error, and no receiving thread is left to outlive the close."""
-    with cluster.client(transport="tcp") as c:
-        r = c.create_region(name, 4096)
-        r.write(0, np.zeros(512, np.int64))                       # opens the session
-        session = next(s for s in c.dataplane.sessions().values() if s.scheme == "tcp")
-        made: list[TcpConnection] = []
-
-        def connect_then_closed() -> TcpConnection:
-            conn = session._connect()
-            made.append(conn)
-            stream.close()                  # the close lands between the check and the record
-            return conn
-        stream = ReduceStream(connect_then_closed, "closing stream")
-        outcome: list[errors.SMBError | None] = []
-        x = np.arange(256, dtype=np.int64)                       # a slot of 2 KiB, its word at the end
-        reduction = Reduction(r.extents[0].extent_id, 0, [memoryview(x).cast("B")], ChunkTypes(DType.INT64),
-                              ChunkRound(4096 - 8, 1, 0), 5.0, 0, lambda: None, outcome.append)
-        stream.send(r.route.ticket, reduction)
-        assert len(outcome) == 1 and isinstance(outcome[0], errors.ServerUnavailable), outcome
-        assert "closed" in str(outcome[0])
-        assert made and made[0].sock.fileno() == -1               # the connection it made is closed
-        assert not [t for t in threading.enumerate() if t.name == "smb-reduce closing stream"]
-        assert stream.in_flight() == 0
-        c.delete_region(name)
+    a_close_while_connecting_wins(cluster, name, "tcp", "smb-reduce",
+                                  lambda session, connect: ReduceStream(connect, "closing stream"))
