@@ -86,6 +86,8 @@ MAX_TICKET = 64 << 10       # bytes
 IOV_MAX = 512               # buffers handed to one sendmsg/recvmsg_into
 TRACED = 0x80               # op byte flag: a traceparent follows the header
 TRACE_SIZE = 55             # bytes of that traceparent (W3C version 00)
+KEEPALIVE_IDLE = 1          # seconds a connection is idle before its first keepalive probe
+KEEPALIVE_INTERVAL = 1      # seconds between keepalive probes
 
 
 class Op(enum.IntEnum):
@@ -189,6 +191,27 @@ def sendmsg_all(sock: socket.socket, buffers: Sequence[memoryview | bytes], flag
             wait_ready(sock, True, stall)
             continue
         consume(views, sent)
+
+
+def set_keepalive(sock: socket.socket, seconds: float) -> None:
+    """Have the kernel probe ``sock``'s peer after a second without traffic and end the
+    connection (``ETIMEDOUT``, or the reset the peer's kernel answers for a socket it no
+    longer has) once about ``seconds`` of probes went unanswered. Only while nothing
+    waits to be sent: a peer that stops reading is not ended by this."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    if hasattr(socket, "TCP_KEEPIDLE"):  # Linux; elsewhere the system's keepalive defaults
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE_IDLE)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPALIVE_INTERVAL)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, max(1, int(seconds / KEEPALIVE_INTERVAL)))
+
+
+def set_dead_peer_timeout(sock: socket.socket, seconds: float) -> None:
+    """:func:`set_keepalive`, and ``TCP_USER_TIMEOUT``: the connection also ends once data
+    sent stays unacknowledged for ``seconds``. (Linux counts a receive window the peer
+    keeps shut for that long the same way, even while it answers the probes.)"""
+    set_keepalive(sock, seconds)
+    if hasattr(socket, "TCP_USER_TIMEOUT"):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, max(1, int(seconds * 1000)))
 
 
 def consume(views: list[memoryview], n: int) -> None:

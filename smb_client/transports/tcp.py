@@ -61,7 +61,7 @@ from smb_protocol.requests import (
 )
 from smb_protocol.rounds import ChunkRound
 from smb_protocol.tls import TLS_SCHEME, TLSConfig, is_trust_failure, untrusted
-from smb_protocol.wire import Op
+from smb_protocol.wire import Op, set_dead_peer_timeout
 
 from . import Session, register
 from .errors import ConnectionBroken
@@ -74,24 +74,10 @@ CONNECT_TIMEOUT = 5.0   # seconds
 IO_TIMEOUT = 60.0       # seconds a single send/recv may block
 WAIT_CONNECTIONS = 64   # connections per server for waits and locks (each wait holds one)
 DEAD_PEER_TIMEOUT = 3.0  # seconds without any TCP acknowledgement before the server is given up
-KEEPALIVE_IDLE = 1      # seconds idle before the first keepalive probe
-KEEPALIVE_INTERVAL = 1  # seconds between probes
 SOCKET_BUFFER = 4 << 20  # bytes
 PARTING_TIMEOUT = 0.5   # seconds to read a closing server's parting answer after a failed send
 _WORD = struct.Struct("<q")
 RETRIES = 1             # extra attempts of a request whose connection broke
-
-
-def set_dead_peer_timeout(sock: socket.socket, seconds: float) -> None:
-    """Make the kernel fail ``sock`` once its peer has acknowledged nothing for
-    ``seconds`` (keepalive probes while idle, ``TCP_USER_TIMEOUT`` for data and probes)."""
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    if hasattr(socket, "TCP_KEEPIDLE"):  # Linux; elsewhere the system's keepalive defaults
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE_IDLE)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPALIVE_INTERVAL)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, max(1, int(seconds / KEEPALIVE_INTERVAL)))
-    if hasattr(socket, "TCP_USER_TIMEOUT"):
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, max(1, int(seconds * 1000)))
 
 
 class TcpConnection:

@@ -150,7 +150,7 @@ class MemoryServer(Daemon):
             self.tcp = TcpPlane(self.node, cfg.listen_host, cfg.tcp_port,
                                 self.stats.for_transport("tcp"), max_connections=cfg.tcp_connections_max,
                                 frame_timeout=cfg.tcp_frame_timeout_seconds,
-                                max_per_peer=cfg.tcp_connections_per_peer,
+                                dead_peer_timeout=cfg.tcp_dead_peer_seconds, max_per_peer=cfg.tcp_connections_per_peer,
                                 hello_timeout=cfg.tcp_hello_timeout_seconds,
                                 max_unauthenticated=cfg.tcp_connections_unauthenticated,
                                 scratch_bytes=cfg.tcp_scratch_bytes,

@@ -42,6 +42,7 @@ are read and discarded before the answer, so the connection stays usable.
 """
 from __future__ import annotations
 
+import errno
 import logging
 import socket
 import ssl
@@ -81,12 +82,25 @@ log = logging.getLogger(__name__)
 
 HELLO_TIMEOUT = 5.0       # seconds from accept to the end of the first HELLO
 FRAME_TIMEOUT = 60.0      # seconds from a frame's first byte to its last
+DEAD_PEER_TIMEOUT = 3.0   # seconds of unanswered keepalive probes before a waiting connection ends
 MAX_CONNECTIONS = 1024    # connections open at once
 MAX_PER_PEER = 128        # connections open at once from one peer address
 MAX_UNAUTHENTICATED = 256  # connections open at once without a valid HELLO yet (one more evicts one)
 _WORD = struct.Struct("<q")   # a pushed REDUCE's answer: the count word it found
 _FRAME_HINT = ("a slow or stalled client: raise tcp_frame_timeout_seconds on the memory server "
                "for slow links")
+
+
+def _late(plane: TcpPlane, exc: TimeoutError) -> _Drop:
+    """The drop for a receive that timed out: the kernel's (``ETIMEDOUT``: the client's
+    host answered no keepalive probe for the dead-peer time) or the frame deadline's (a
+    client that is there but slow)."""
+    plane.stats.add(dropped=1)
+    if exc.errno == errno.ETIMEDOUT:
+        return _Drop(f"the client's host answered no keepalive probe for {plane.dead_peer_timeout:g} s "
+                     "(tcp_dead_peer_seconds): it or its link is gone")
+    return _Drop(f"frame not complete within {plane.frame_timeout:g} s "
+                 "(tcp_frame_timeout_seconds)", Timeout, _FRAME_HINT)
 
 
 class _Drop(Exception):
@@ -162,18 +176,17 @@ class _Connection:
                 if left <= 0:
                     raise TimeoutError
                 n = self._recv_some(view[got:], left)
-            except TimeoutError:
+            except TimeoutError as exc:
                 if self.plane.closing:
                     return False
-                if deadline is None:
+                if deadline is None and exc.errno != errno.ETIMEDOUT:
                     continue  # idle between requests: fine
-                self.plane.stats.add(dropped=1)
-                if hello:
+                if hello and exc.errno != errno.ETIMEDOUT:
+                    self.plane.stats.add(dropped=1)
                     raise _Drop(f"no HELLO within {self.plane.hello_timeout:g} s of connecting "
                                 "(tcp_hello_timeout_seconds)", Timeout,
                                 "present a ticket right after connecting") from None
-                raise _Drop(f"frame not complete within {self.plane.frame_timeout:g} s "
-                            "(tcp_frame_timeout_seconds)", Timeout, _FRAME_HINT) from None
+                raise _late(self.plane, exc) from None
             if n == 0:
                 if got == 0:
                     return False
@@ -202,10 +215,8 @@ class _Connection:
     def _recv(self, view: memoryview) -> None:
         try:
             wire.recv_into_all(self.sock, [view], deadline=self.deadline)
-        except TimeoutError:
-            self.plane.stats.add(dropped=1)
-            raise _Drop(f"frame not complete within {self.plane.frame_timeout:g} s "
-                        "(tcp_frame_timeout_seconds)", Timeout, _FRAME_HINT) from None
+        except TimeoutError as exc:
+            raise _late(self.plane, exc) from None
         except (OSError, SMBError) as exc:
             raise _Drop(f"payload: {exc}") from None
         self.pending -= len(view)
@@ -485,7 +496,14 @@ class TcpPlane(ListeningPlane):
     :class:`PlaneStats`, shared with other planes) receives counters. Limits (see the
     module docstring): ``max_connections`` in all, ``max_per_peer`` from one peer
     address, ``hello_timeout`` and ``frame_timeout`` (seconds), ``scratch_bytes`` of
-    pooled scratch buffers. Starts serving on construction; :meth:`close` stops
+    pooled scratch buffers. While a connection waits for its client, the kernel probes
+    the client's host and ends the connection once ``dead_peer_timeout`` seconds of
+    probes go unanswered, or at once when that host answers that the socket is gone
+    (:func:`smb_protocol.wire.set_keepalive`): a client whose host, link or socket went
+    away without a word, mid-frame or between frames, frees what its request holds (its
+    exactly-once entry, which that client's retry waits for, and its scratch) within
+    that time instead of at the frame deadline. (No ``TCP_USER_TIMEOUT`` here: it would
+    also end a live client that is slow to read an answer.) Starts serving on construction; :meth:`close` stops
     accepting and closes every connection. Accepting and admission are a
     :class:`.listener.Listener`'s, owned here.
     """
@@ -496,7 +514,8 @@ class TcpPlane(ListeningPlane):
                  hello_timeout: float = HELLO_TIMEOUT,
                  max_unauthenticated: int = MAX_UNAUTHENTICATED,
                  scratch_bytes: int = SCRATCH_POOL_BYTES,
-                 tls: ssl.SSLContext | None = None) -> None:
+                 tls: ssl.SSLContext | None = None,
+                 dead_peer_timeout: float = DEAD_PEER_TIMEOUT) -> None:
         self.node = node
         self.engine = Engine(node)
         self.host = host
@@ -505,6 +524,7 @@ class TcpPlane(ListeningPlane):
         self.max_per_peer = max_per_peer
         self.hello_timeout = hello_timeout
         self.frame_timeout = frame_timeout
+        self.dead_peer_timeout = dead_peer_timeout
         self.scratch = ScratchPool(scratch_bytes, SCRATCH_BYTES, self.stats)
         self.tls = tls
         self._listener = Listener(
@@ -523,6 +543,7 @@ class TcpPlane(ListeningPlane):
 
     def _serve(self, sock: socket.socket, peer: str) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        wire.set_keepalive(sock, self.dead_peer_timeout)
         if self.tls is None:
             sock.settimeout(0.0)   # non-blocking: the connection polls only when it must wait
             _Connection(self, sock, peer).serve()

@@ -132,7 +132,7 @@ class ServerConfig:
     replica_dead_peer_seconds: float = _f(3.0, "seconds a backup server may acknowledge nothing "
                                           "(no TCP ack of data or probes) before this server, its "
                                           "primary, marks it failed and reports it; raise it on "
-                                          "starved or emulated hosts", positive=True)
+                                          "starved or emulated hosts, with tcp_dead_peer_seconds", positive=True)
     tcp_connections_max: int = _f(1024, "most concurrent TCP data-plane connections", minimum=1)
     tcp_connections_per_peer: int = _f(128, "most concurrent TCP data-plane connections from one "
                                         "client address", minimum=1)
@@ -144,6 +144,10 @@ class ServerConfig:
                                           "present its first ticket", positive=True)
     tcp_frame_timeout_seconds: float = _f(60.0, "seconds a TCP data-plane request (header and "
                                           "payload) has to arrive whole", positive=True)
+    tcp_dead_peer_seconds: float = _f(3.0, "seconds of unanswered keepalive probes after which "
+                                      "the TCP data plane ends a connection waiting for its "
+                                      "client (host or link gone) and frees what its request "
+                                      "held", positive=True)
     tcp_scratch_bytes: int = _f(64 << 20, "bytes of scratch buffers the TCP data plane shares "
                                 "among its connections for accumulate (e.g. 64M)", "size",
                                 minimum=4 << 20)

@@ -27,10 +27,7 @@ test is skipped with the reason.
 from __future__ import annotations
 
 import json
-import os
 import random
-import shutil
-import subprocess
 import sys
 import threading
 import time
@@ -39,7 +36,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[3]
+from tests.integration import blackhole
+
 MiB = 1 << 20
 SIZE = 8 * MiB
 DEAD_PEER = 5.0      # the memory servers' replica_dead_peer_seconds (default 3)
@@ -49,42 +47,9 @@ DEAD_PEER = 5.0      # the memory servers' replica_dead_peer_seconds (default 3)
 STALL_LIMIT = 3 * DEAD_PEER + 2
 
 
-def _sh(*cmd: str) -> None:
-    subprocess.run(cmd, check=True, capture_output=True, text=True)
-
-
-def _block_rules(port: int) -> list[list[str]]:
-    """``ip rule`` commands that blackhole TCP to ``port`` on this namespace's loopback:
-    the rule must come before the ``local`` table (priority 0), so that table moves to
-    priority 100."""
-    return [["ip", "rule", "add", "pref", "10", "ipproto", "tcp", "dport", str(port), "blackhole"],
-            ["ip", "rule", "add", "pref", "100", "lookup", "local"],
-            ["ip", "rule", "del", "pref", "0"]]
-
-
 FLAP_SECONDS = 25.0       # how long servers are cut off and let back in turn
 FLAP_DEAD_PEER = 0.5      # replica_dead_peer_seconds while flapping: many drops
 CONVERGE_LIMIT = 75.0     # seconds to ready after the flapping (avoid 30 s + retries + syncs)
-
-
-def _unblock_rules() -> list[list[str]]:
-    return [["ip", "rule", "add", "pref", "0", "lookup", "local"],
-            ["ip", "rule", "del", "pref", "100"],
-            ["ip", "rule", "del", "pref", "10"]]
-
-
-def unavailable() -> str | None:
-    """Why a private network namespace with a port blackhole cannot be made here, or None."""
-    if os.geteuid() != 0:
-        return "needs root (a network namespace and policy routing)"
-    for tool in ("unshare", "ip"):
-        if shutil.which(tool) is None:
-            return f"no {tool} command"
-    script = " && ".join(["ip link set lo up"] + [" ".join(c) for c in _block_rules(9)])
-    probe = subprocess.run(["unshare", "--net", "sh", "-c", script], capture_output=True, text=True)
-    if probe.returncode != 0:
-        return f"cannot blackhole a port in a network namespace: {probe.stderr.strip()}"
-    return None
 
 
 # -- what runs inside the namespace ----------------------------------------------------
@@ -105,10 +70,13 @@ def scenario(workdir: str) -> dict[str, object]:
     from smb_server.commands.local_cluster import LocalCluster
     from tests.integration.replication.test_replication import _copies, _read_copy
 
-    _sh("ip", "link", "set", "lo", "up")
+    blackhole.lo_up()
     facts: dict[str, object] = {}
     with LocalCluster(servers=3, capacity="64M", workdir=workdir, log_level="INFO",
-                      env={"SMB_REPLICA_DEAD_PEER_SECONDS": str(DEAD_PEER)}) as cluster:
+                      env={"SMB_REPLICA_DEAD_PEER_SECONDS": str(DEAD_PEER),
+                           # the backup's plane gives its silent primary as long (its probes
+                           # go unanswered too: the cut drops what is sent to the backup)
+                           "SMB_TCP_DEAD_PEER_SECONDS": str(DEAD_PEER)}) as cluster:
         ids = [cluster.server_id(i) for i in range(3)]
         with cluster.client(transport="tcp") as c, cluster.admin_client() as admin:
             r = c.create_region("job/part", SIZE, placement="single", replicas=2)
@@ -138,8 +106,7 @@ def scenario(workdir: str) -> dict[str, object]:
             worker = threading.Thread(target=accumulate)
             worker.start()
             time.sleep(0.5)
-            for cmd in _block_rules(tcp.port):
-                _sh(*cmd)
+            blackhole.block(tcp.port)
             blocked_at = time.monotonic()
             facts["blocked_at_wall"] = time.time()   # to read the daemons' logs against
             try:
@@ -154,8 +121,7 @@ def scenario(workdir: str) -> dict[str, object]:
             finally:
                 stop.set()
                 worker.join(60)
-                for cmd in _unblock_rules():
-                    _sh(*cmd)
+                blackhole.unblock()
             facts.update(
                 failures=failures, rounds=len(latencies),
                 rounds_after_block=sum(1 for t0, _ in latencies if t0 >= blocked_at),
@@ -185,7 +151,7 @@ def flapping(workdir: str) -> dict[str, object]:
     from smb_server.commands.local_cluster import LocalCluster
     from tests.integration.replication.test_replication import _copies, _read_copy
 
-    _sh("ip", "link", "set", "lo", "up")
+    blackhole.lo_up()
     rnd = random.Random(7)
     facts: dict[str, object] = {}
     with LocalCluster(servers=3, capacity="64M", workdir=workdir, log_level="INFO",
@@ -222,11 +188,9 @@ def flapping(workdir: str) -> dict[str, object]:
             end = time.monotonic() + FLAP_SECONDS
             try:
                 while time.monotonic() < end:
-                    for cmd in _block_rules(rnd.choice(ports)):
-                        _sh(*cmd)
+                    blackhole.block(rnd.choice(ports))
                     time.sleep(rnd.uniform(1.0, 3.0))
-                    for cmd in _unblock_rules():
-                        _sh(*cmd)
+                    blackhole.unblock()
                     cuts += 1
                     time.sleep(rnd.uniform(0.5, 2.0))
             finally:
@@ -259,20 +223,7 @@ def flapping(workdir: str) -> dict[str, object]:
 
 # -- the tests ---------------------------------------------------------------------------
 def _run_in_namespace(tmp_path: Path, mode: str) -> tuple[dict, str]:
-    reason = unavailable()
-    if reason is not None:
-        pytest.skip(reason)
-    out = tmp_path / "facts.json"
-    workdir = tmp_path / "cluster"
-    proc = subprocess.run(["unshare", "--net", "--", sys.executable, "-m",
-                           "tests.integration.replication.test_replication_partition", mode, str(workdir), str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=220)
-    logs = "".join(f"\n--- {p.name}\n" + "\n".join(p.read_text(errors="replace").splitlines()[-25:])
-                   for p in sorted(workdir.rglob("*.log")))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + logs
-    facts = json.loads(out.read_text())
-    return facts, json.dumps(facts, indent=1) + logs
-
+    return blackhole.run_in_namespace("tests.integration.replication.test_replication_partition", mode, tmp_path)
 
 
 @pytest.mark.timeout(240)

@@ -6,16 +6,16 @@ import socket
 import pytest
 
 from smb_client.transports import tcp
-from smb_protocol import errors
+from smb_protocol import errors, wire
 from smb_protocol.addressing import parse_endpoint
 
 
 def test_dead_peer_timeout_sets_keepalive_and_user_timeout():
     with socket.socket() as s:
-        tcp.set_dead_peer_timeout(s, 2.5)
+        wire.set_dead_peer_timeout(s, 2.5)
         assert s.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
         assert s.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 2500
-        assert s.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == tcp.KEEPALIVE_IDLE
+        assert s.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == wire.KEEPALIVE_IDLE
         assert s.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT) == 2
 
 
