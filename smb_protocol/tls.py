@@ -23,7 +23,7 @@ import os
 import socket
 import ssl
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .addressing import parse_hostport
@@ -239,14 +239,29 @@ def _probe(address: str, tls: TLSConfig, timeout: float) -> tuple[Authentication
 # into the caller's buffers; small frames are joined first so that a request and its
 # small payload travel in one TLS record.
 
-def send_all(sock: ssl.SSLSocket, buffers: Sequence[memoryview | bytes]) -> None:
-    """Send every buffer, in order, over a TLS socket."""
+def send_all(sock: ssl.SSLSocket, buffers: Sequence[memoryview | bytes],
+             on_stall: Callable[[float], None] | None = None) -> None:
+    """Send every buffer, in order, over a TLS socket; ``on_stall`` as in
+    :func:`smb_protocol.wire.sendmsg_all` (a write that timed out is made again with the
+    same bytes, as OpenSSL requires)."""
     views = [memoryview(b).cast("B") for b in buffers if len(b)]
     if sum(len(v) for v in views) <= COALESCE_BYTES:
-        sock.sendall(b"".join(views))
+        views = [memoryview(b"".join(views))]
+    if on_stall is None:
+        for view in views:
+            sock.sendall(view)
         return
+    since = time.monotonic()
     for view in views:
-        sock.sendall(view)
+        while len(view):
+            try:
+                view = view[sock.send(view):]
+            except TimeoutError as exc:
+                if exc.errno is not None:
+                    raise
+                on_stall(time.monotonic() - since)
+                continue
+            since = time.monotonic()
 
 
 def recv_into_all(sock: ssl.SSLSocket, buffers: Sequence[memoryview],

@@ -72,7 +72,7 @@ import socket
 import ssl
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from smb_protocol import tls
 
@@ -171,17 +171,20 @@ def pack_response(status: int, req_id: int, length: int, kind: int = FINAL) -> b
 
 
 def sendmsg_all(sock: socket.socket, buffers: Sequence[memoryview | bytes], flags: int = 0,
-                stall: float | None = None) -> None:
+                stall: float | None = None, on_stall: Callable[[float], None] | None = None) -> None:
     """Send every buffer, in order, with as few syscalls as the kernel allows (no copies).
     ``flags``: for ``sendmsg`` (``socket.MSG_MORE``: more follows at once, so the kernel
     holds these bytes for the next send's segment; not on TLS sockets). On a
     non-blocking socket (timeout 0: one syscall a send, no poll before it) a full send
     buffer is waited for, at most ``stall`` seconds at a time (None: no limit), then
-    TimeoutError; other sockets wait as their own timeout says."""
+    TimeoutError; other sockets wait as their own timeout says, and then, with
+    ``on_stall``, it is called with the seconds since the last progress (it may raise)
+    and the send goes on."""
     if isinstance(sock, ssl.SSLSocket):   # no sendmsg on TLS sockets
-        tls.send_all(sock, buffers)
+        tls.send_all(sock, buffers, on_stall)
         return
     views = [memoryview(b).cast("B") for b in buffers if len(b)]
+    since = time.monotonic()
     while views:
         try:
             sent = sock.sendmsg(views[:IOV_MAX], (), flags)
@@ -190,7 +193,81 @@ def sendmsg_all(sock: socket.socket, buffers: Sequence[memoryview | bytes], flag
                 raise
             wait_ready(sock, True, stall)
             continue
+        except TimeoutError as exc:
+            if on_stall is None or exc.errno is not None:   # errno: the kernel ended the connection
+                raise
+            on_stall(time.monotonic() - since)
+            continue
         consume(views, sent)
+        since = time.monotonic()
+
+
+class PatientSender:
+    """Sends on a blocking socket that has a dead-peer time (:func:`set_dead_peer_timeout`),
+    without letting Linux end the connection while the peer is there but reads nothing.
+
+    Linux counts a receive window the peer keeps shut for ``TCP_USER_TIMEOUT`` as a dead
+    peer, although the peer's kernel answers every probe: a live memory server that does
+    not read a connection for a few seconds (its request waits for a scratch buffer, an
+    extent's lock, a backup, or an earlier attempt of the same request) would be taken
+    for a dead one. :meth:`send` waits in slices of a quarter of the dead-peer time; a
+    slice without progress while the peer advertises a shut window lifts the user
+    timeout (the peer is waited for up to ``io_timeout`` seconds without progress, then
+    TimeoutError), and it is set again once the window is seen open (:meth:`settled`,
+    called once the answer came, or a later slice)."""
+
+    __slots__ = ("sock", "dead_peer", "io_timeout", "lifted")
+
+    def __init__(self, sock: socket.socket, dead_peer: float, io_timeout: float) -> None:
+        self.sock = sock
+        self.dead_peer = dead_peer
+        self.io_timeout = io_timeout
+        self.lifted = False
+
+    def send(self, buffers: Sequence[memoryview | bytes]) -> None:
+        self.sock.settimeout(min(self.io_timeout, self.dead_peer / 4))
+        try:
+            sendmsg_all(self.sock, buffers, on_stall=self._stalled)
+        finally:
+            self.sock.settimeout(self.io_timeout)
+
+    def _stalled(self, seconds: float) -> None:
+        if seconds >= self.io_timeout:
+            raise TimeoutError(f"the peer took no data for {self.io_timeout:g} s")
+        shut = window_shut(self.sock)
+        if shut and not self.lifted:
+            self._user_timeout(0)
+        elif shut is False and self.lifted:
+            self._user_timeout(self.dead_peer)
+
+    def settled(self) -> None:
+        """The answer is in (the peer read everything): the user timeout back, if lifted."""
+        if self.lifted:
+            self._user_timeout(self.dead_peer)
+
+    def _user_timeout(self, seconds: float) -> None:
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(seconds * 1000))
+        self.lifted = seconds == 0
+
+
+_TCP_INFO = 232          # bytes of Linux's struct tcp_info up to tcpi_snd_wnd (5.4 and later)
+_SND_MSS, _SND_WND = 16, 228   # offsets of tcpi_snd_mss and tcpi_snd_wnd in it
+
+
+def window_shut(sock: socket.socket) -> bool | None:
+    """Whether ``sock``'s peer advertises a receive window smaller than a segment (it is
+    there, but reads nothing); None where the kernel does not say."""
+    if not hasattr(socket, "TCP_INFO"):
+        return None
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO)
+    except OSError:
+        return None
+    if len(info) < _TCP_INFO:
+        return None
+    (mss,) = struct.unpack_from("<I", info, _SND_MSS)
+    (wnd,) = struct.unpack_from("<I", info, _SND_WND)
+    return bool(wnd < max(1, mss))
 
 
 def set_keepalive(sock: socket.socket, seconds: float) -> None:

@@ -15,7 +15,10 @@ acknowledges nothing (neither data nor probes) for ``dead_peer_timeout`` seconds
 connection fails with :class:`ServerUnavailable`, whatever the operation was doing. A
 server that is alive but slow (a long accumulate, a lock held by another client) still
 acknowledges at the TCP level and is waited for, up to ``io_timeout`` seconds without
-progress (then :class:`Timeout`).
+progress (then :class:`Timeout`); so is one that keeps its receive window shut while a
+request waits for something (Linux would count that as no acknowledgement: requests
+are sent with :class:`smb_protocol.wire.PatientSender`, which lifts the user timeout
+for as long as the server's window is seen shut).
 
 Retries: a request whose connection broke (reset, closed by the server) runs once more
 on another connection when running it again is harmless: a read, or a mutating request
@@ -100,6 +103,7 @@ class TcpConnection:
             self.sock = self._handshake(tls, host)
         self.dead_peer_timeout = dead_peer_timeout
         self.sock.settimeout(io_timeout)
+        self.sender = wire.PatientSender(self.sock, dead_peer_timeout, io_timeout)
         self.client_id = client_id
         self.frames = ClientFrames(self.where)
 
@@ -153,9 +157,10 @@ class TcpConnection:
     def _exchange(self, req_id: int, frames: Sequence[memoryview | bytes], into: Sequence[memoryview]) -> bytes:
         sent = False
         try:
-            wire.sendmsg_all(self.sock, frames)
+            self.sender.send(frames)
             sent = True
             answer = self.frames.answer(wire.recv_exact(self.sock, wire.RESPONSE.size))
+            self.sender.settled()
             if answer.unsolicited:     # the server refused the connection, then closed it
                 refusal = bytes(wire.recv_exact(self.sock, answer.length)) if answer.length else b""
                 self.close()

@@ -242,6 +242,45 @@ def test_scratch_buffers_are_shared_and_bounded(arena):
             c.close()
 
 
+def test_a_request_waiting_longer_than_the_dead_peer_time_is_not_taken_for_a_dead_server(arena):
+    """The only scratch buffer is held by a client whose payload trickles; another
+    client's accumulate waits for it, with the server's receive window shut for three
+    times the waiting client's dead-peer time. Linux would end that connection as if the
+    server were gone (TCP_USER_TIMEOUT counts a shut window): it must wait and succeed."""
+    n = 8 * MiB // 4
+    ones = np.ones(n, dtype=np.float32)
+    with TcpPlane(Node(arena, SECRET), scratch_bytes=SCRATCH_BYTES) as plane:
+        slow = attacker_socket(plane.port, "127.0.0.1")
+        assert hello(slow, ticket([1])) == Status.OK
+        slow.sendall(typed(Op.ACCUMULATE, 1, 0, n * 4, dtype=DType.FLOAT32).to_frame(2)
+                     + memoryview(ones).cast("B")[:MiB])
+        waiting = TcpConnection("127.0.0.1", plane.port, io_timeout=30, dead_peer_timeout=1.0)
+        waiting.present(ticket([1]))
+        outcome: list[object] = []
+        worker = threading.Thread(target=lambda: outcome.append(_accumulate(waiting, n * 4, ones)))
+        worker.start()
+        worker.join(3.0)                      # three dead-peer times, the window shut
+        assert worker.is_alive(), outcome     # still waiting for the scratch buffer
+        slow.sendall(memoryview(ones).cast("B")[MiB:])
+        status, _req, length = wire.unpack_response(wire.recv_exact(slow, wire.RESPONSE.size))
+        wire.recv_exact(slow, length)
+        assert status == Status.OK
+        worker.join(30)
+        assert outcome == [b""]               # answered, not ServerUnavailable
+        assert np.all(arena.get(1).array(np.float32, 0, n * 4) == 2.0)
+        assert not waiting.sender.lifted      # the user timeout is back once the answer came
+        assert waiting.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 1000
+        waiting.close()
+        slow.close()
+
+
+def _accumulate(conn: TcpConnection, nbytes: int, src: np.ndarray) -> object:
+    try:
+        return conn.request(typed(Op.ACCUMULATE, 1, 0, nbytes, dtype=DType.FLOAT32), [memoryview(src).cast("B")])
+    except Exception as exc:  # noqa: BLE001 - the outcome the test looks at
+        return exc
+
+
 def test_an_extent_costs_one_descriptor():
     a = Arena(64 * MiB)
     try:
