@@ -503,8 +503,8 @@ class TcpPlane(ListeningPlane):
     away without a word, mid-frame or between frames, frees what its request holds (its
     exactly-once entry, which that client's retry waits for, and its scratch) within
     that time instead of at the frame deadline. (No ``TCP_USER_TIMEOUT`` here: it would
-    also end a live client that is slow to read an answer.) Starts serving on construction; :meth:`close` stops
-    accepting and closes every connection. Accepting and admission are a
+    also end a live client that is slow to read an answer.) Starts serving on
+    construction; :meth:`close` stops accepting and closes every connection. Accepting and admission are a
     :class:`.listener.Listener`'s, owned here.
     """
 
