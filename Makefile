@@ -77,8 +77,12 @@ api-docs: deps
 # loudly if the VM cannot start)
 test: lint test-host test-rdma
 
+# the host suite on TEST_WORKERS processes (pytest-xdist), each taking whole test files
+# (a file's tests share module fixtures and run in order); TEST_WORKERS=0 runs it in this
+# process. Serially it keeps a 2-core host only 50-60 % busy (waits on daemons and links)
+TEST_WORKERS ?= 2
 test-host: deps
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile) tests
 
 # the VM emulates its CPUs (no KVM): the tier takes 15-25 minutes on a 2-core host, up to
 # twice that on a slower one
