@@ -179,9 +179,11 @@ class _Connection:
             except TimeoutError as exc:
                 if self.plane.closing:
                     return False
-                if deadline is None and exc.errno != errno.ETIMEDOUT:
+                if exc.errno == errno.ETIMEDOUT:   # the kernel's: the client's host is gone
+                    raise _late(self.plane, exc) from None
+                if deadline is None:
                     continue  # idle between requests: fine
-                if hello and exc.errno != errno.ETIMEDOUT:
+                if hello:
                     self.plane.stats.add(dropped=1)
                     raise _Drop(f"no HELLO within {self.plane.hello_timeout:g} s of connecting "
                                 "(tcp_hello_timeout_seconds)", Timeout,

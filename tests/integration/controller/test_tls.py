@@ -10,7 +10,6 @@ import select
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
 
@@ -18,20 +17,16 @@ import numpy as np
 import pytest
 
 from smb_client import Client, Region
-from smb_client.transports.tcp import TcpConnection, TcpSession
-from smb_protocol import tickets, wire
+from smb_client.transports.tcp import TcpSession
+from smb_protocol import tickets
 from smb_protocol.addressing import parse_endpoint
-from smb_protocol.dtypes import DType
 from smb_protocol.errors import AuthenticationError, ServerBusy
 from smb_protocol.tls import TLSConfig
-from smb_protocol.wire import Op
 from smb_server.commands.local_cluster import LocalCluster
 from smb_server.memserver.arena import Arena
 from smb_server.memserver.node import Node
-from smb_server.memserver.scratch import SCRATCH_BYTES
 from smb_server.memserver.tcp_plane import TcpPlane
 from smb_server.runtime.certs import make_cluster_certs
-from tests.integration.memserver.planes import typed
 
 MiB = 1 << 20
 SECRET = b"t" * 32
@@ -245,47 +240,3 @@ def test_smb_up_tls_prints_what_clients_need(tmp_path):
     finally:
         proc.terminate()
         proc.wait(30)
-
-
-def test_a_tls_request_waiting_longer_than_the_dead_peer_time_is_not_taken_for_a_dead_server(tmp_path):
-    """As over plain tcp (tests/integration/memserver/test_dataplane_limits.py): the only
-    scratch buffer is held by a client whose payload trickles, and another client's
-    accumulate waits three dead-peer times with the server's window shut; over TLS the
-    write that timed out is made again, and the request succeeds."""
-    certs = make_cluster_certs(str(tmp_path / "ca"))
-    arena = Arena(64 * MiB)
-    arena.reserve(1, "tls-uid", 8 * MiB)
-    token = tickets.sign(SECRET, "tls-uid", [1], "rw", ttl=60.0)[0]
-    n = 8 * MiB // 4
-    ones = memoryview(np.ones(n, dtype=np.float32)).cast("B")
-    req = typed(Op.ACCUMULATE, 1, 0, n * 4, dtype=DType.FLOAT32)
-    client = certs.client().client_context()
-    try:
-        with TcpPlane(Node(arena, SECRET), scratch_bytes=SCRATCH_BYTES,
-                      tls=certs.daemon().server_context()) as plane:
-            slow = TcpConnection("127.0.0.1", plane.port, tls=client)
-            slow.present(token)
-            slow.sock.sendall(req.to_frame(7) + ones[:MiB])        # holds the scratch buffer
-            waiting = TcpConnection("127.0.0.1", plane.port, io_timeout=30, dead_peer_timeout=1.0, tls=client)
-            waiting.present(token)
-            outcome: list[object] = []
-
-            def add() -> None:
-                try:
-                    outcome.append(waiting.request(req, [ones]))
-                except Exception as exc:  # noqa: BLE001 - the outcome the test looks at
-                    outcome.append(exc)
-            worker = threading.Thread(target=add)
-            worker.start()
-            worker.join(3.0)
-            assert worker.is_alive(), outcome
-            slow.sock.sendall(ones[MiB:])
-            status, req_id, length = wire.unpack_response(wire.recv_exact(slow.sock, wire.RESPONSE.size))
-            assert (status, req_id, length) == (0, 7, 0)
-            worker.join(30)
-            assert outcome == [b""]
-            assert np.all(arena.get(1).array(np.float32, 0, n * 4) == 2.0)
-            slow.close()
-            waiting.close()
-    finally:
-        arena.close()

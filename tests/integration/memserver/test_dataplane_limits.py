@@ -35,6 +35,7 @@ from smb_server.memserver.node import Node
 from smb_server.memserver.scratch import SCRATCH_BYTES
 from smb_server.memserver.stats import PlaneStats
 from smb_server.memserver.tcp_plane import TcpPlane
+from smb_server.runtime.certs import make_cluster_certs
 from tests.integration.memserver.planes import typed
 
 SECRET = b"k" * 32
@@ -242,29 +243,39 @@ def test_scratch_buffers_are_shared_and_bounded(arena):
             c.close()
 
 
-def test_a_request_waiting_longer_than_the_dead_peer_time_is_not_taken_for_a_dead_server(arena):
+@pytest.mark.parametrize("tls", [False, True], ids=["tcp", "tls"])
+def test_a_request_waiting_longer_than_the_dead_peer_time_is_not_taken_for_a_dead_server(arena, tmp_path, tls):
     """The only scratch buffer is held by a client whose payload trickles; another
     client's accumulate waits for it, with the server's receive window shut for three
     times the waiting client's dead-peer time. Linux would end that connection as if the
-    server were gone (TCP_USER_TIMEOUT counts a shut window): it must wait and succeed."""
+    server were gone (TCP_USER_TIMEOUT counts a shut window): it must wait and succeed
+    (over TLS, the write that timed out is made again)."""
     n = 8 * MiB // 4
-    ones = np.ones(n, dtype=np.float32)
-    with TcpPlane(Node(arena, SECRET), scratch_bytes=SCRATCH_BYTES) as plane:
-        slow = attacker_socket(plane.port, "127.0.0.1")
-        assert hello(slow, ticket([1])) == Status.OK
-        slow.sendall(typed(Op.ACCUMULATE, 1, 0, n * 4, dtype=DType.FLOAT32).to_frame(2)
-                     + memoryview(ones).cast("B")[:MiB])
-        waiting = TcpConnection("127.0.0.1", plane.port, io_timeout=30, dead_peer_timeout=1.0)
+    ones = memoryview(np.ones(n, dtype=np.float32)).cast("B")
+    req = typed(Op.ACCUMULATE, 1, 0, n * 4, dtype=DType.FLOAT32)
+    certs = make_cluster_certs(str(tmp_path / "ca")) if tls else None
+    client = certs.client().client_context() if certs else None
+    with TcpPlane(Node(arena, SECRET), scratch_bytes=SCRATCH_BYTES,
+                  tls=certs.daemon().server_context() if certs else None) as plane:
+        slow = TcpConnection("127.0.0.1", plane.port, tls=client)
+        slow.present(ticket([1]))
+        slow.sock.sendall(req.to_frame(7) + ones[:MiB])    # holds the scratch buffer
+        waiting = TcpConnection("127.0.0.1", plane.port, io_timeout=30, dead_peer_timeout=1.0, tls=client)
         waiting.present(ticket([1]))
         outcome: list[object] = []
-        worker = threading.Thread(target=lambda: outcome.append(_accumulate(waiting, n * 4, ones)))
+
+        def add() -> None:
+            try:
+                outcome.append(waiting.request(req, [ones]))
+            except Exception as exc:  # noqa: BLE001 - the outcome the test looks at
+                outcome.append(exc)
+        worker = threading.Thread(target=add)
         worker.start()
         worker.join(3.0)                      # three dead-peer times, the window shut
         assert worker.is_alive(), outcome     # still waiting for the scratch buffer
-        slow.sendall(memoryview(ones).cast("B")[MiB:])
-        status, _req, length = wire.unpack_response(wire.recv_exact(slow, wire.RESPONSE.size))
-        wire.recv_exact(slow, length)
-        assert status == Status.OK
+        slow.sock.sendall(ones[MiB:])
+        status, req_id, length = wire.unpack_response(wire.recv_exact(slow.sock, wire.RESPONSE.size))
+        assert (status, req_id, length) == (Status.OK, 7, 0)
         worker.join(30)
         assert outcome == [b""]               # answered, not ServerUnavailable
         assert np.all(arena.get(1).array(np.float32, 0, n * 4) == 2.0)
@@ -272,13 +283,6 @@ def test_a_request_waiting_longer_than_the_dead_peer_time_is_not_taken_for_a_dea
         assert waiting.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 1000
         waiting.close()
         slow.close()
-
-
-def _accumulate(conn: TcpConnection, nbytes: int, src: np.ndarray) -> object:
-    try:
-        return conn.request(typed(Op.ACCUMULATE, 1, 0, nbytes, dtype=DType.FLOAT32), [memoryview(src).cast("B")])
-    except Exception as exc:  # noqa: BLE001 - the outcome the test looks at
-        return exc
 
 
 def test_an_extent_costs_one_descriptor():
