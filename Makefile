@@ -36,7 +36,8 @@ apt:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
 	fi
 
-$(STAMP): pyproject.toml setup.py smb_protocol/_native.c | apt
+$(STAMP): pyproject.toml setup.py smb_protocol/_native.c smb_protocol/_native.h \
+          $(wildcard smb_server/memserver/native/*.[ch]) | apt
 	@test -x $(PY) || $(PY_SYS) -m venv --system-site-packages $(VENV)
 	$(PIP) install -q --disable-pip-version-check -e '.[dev,torch,otel]'
 	@touch $(STAMP)

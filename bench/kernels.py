@@ -5,8 +5,9 @@ the same run, on one thread and on several at once.
     .venv/bin/python bench/kernels.py --kib 512 --threads 1,2 --out results.jsonl
 
 Every kernel runs through the face the server and clients call
-(``smb_server.memserver.kernels``: ``accumulate``, ``axpy``, ``scale``, ``push_chunk``;
-``smb_protocol.chunk_types``: ``narrow``, ``widen``), on buffers of ``--kib`` KiB of its
+(``smb_server.memserver.kernels``: ``accumulate``, ``axpy``, ``scale``; a collective's push
+through the server's chunk step, ``smb_server.memserver._native.push_step``, its lock and
+round rules included; ``smb_protocol.chunk_types``: ``narrow``, ``widen``), on buffers of ``--kib`` KiB of its
 destination type, so the figures include each call's Python. The reference is
 ``numpy.copyto`` of the same destination bytes (memcpy). Printed per kernel, size and
 thread count, one JSON line: microseconds per call (the best of ``--repeat`` timings of
@@ -32,9 +33,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from bench.process_cpu import write_lines  # noqa: E402
-from smb_protocol.chunk_types import ChunkTypes, narrow, widen  # noqa: E402
+from smb_protocol.chunk_types import narrow, widen  # noqa: E402
 from smb_protocol.dtypes import STORAGE, DType, f32_to_bf16  # noqa: E402
-from smb_server.memserver import kernels  # noqa: E402
+from smb_protocol.rounds import count_word  # noqa: E402
+from smb_server.memserver import _native, kernels  # noqa: E402
 
 F32 = DType.FLOAT32
 
@@ -62,10 +64,16 @@ def cases(nbytes: int) -> dict[str, Callable[[], Callable[[], None]]]:
 
     def push(wire: DType, first: bool) -> Callable[[], Callable[[], None]]:
         def make() -> Callable[[], None]:
-            n, types = nbytes // 4, ChunkTypes(F32, wire)
-            d, s = _operand(F32, n, 1), _operand(wire, n, 2)
-            dv, sv = d.data.cast("B"), s.data.cast("B")
-            return lambda: kernels.push_chunk(dv, sv, types, first)
+            n, lock = nbytes // 4, _native.Mutex()
+            extent = np.zeros(n * 4 + 8, np.uint8)   # the float32 slot, then its count word
+            word = extent[n * 4:].view("<i8")
+            data, sv = extent.data.cast("B"), _operand(wire, n, 2).data.cast("B")
+            found = 0 if first else count_word(0, 1)   # the round's first push, or its second of two
+
+            def call() -> None:
+                word[0] = found
+                _native.push_step(lock, data, n * 4, 0, sv, F32, wire, 2, 0, False)
+            return call
         return make
 
     def conversion(kind: str, wire: DType) -> Callable[[], Callable[[], None]]:

@@ -22,7 +22,8 @@
 #include <stdint.h>
 #include <string.h>
 
-enum { T_F32 = 1, T_F16 = 2, T_BF16 = 3, T_F64 = 4, T_I32 = 5, T_I64 = 6 };
+#include "_native.h"
+#include "_rounds.h"
 
 static Py_ssize_t item_size(int code)
 {
@@ -244,7 +245,7 @@ static int check_wire(int wire)
 
 /* The operations on a destination and a source, behind one signature: ``code`` is the
  * element type (the wire type for widen and narrow), ``n`` the elements. */
-typedef void (*pair_op)(void *d, const void *s, double alpha, int code, Py_ssize_t n);
+typedef smb_pair_op pair_op;
 
 static void op_add(void *d, const void *s, double alpha, int code, Py_ssize_t n)
 {
@@ -408,7 +409,36 @@ static PyObject *py_f16c(PyObject *Py_UNUSED(self), PyObject *args)
     return PyBool_FromLong(before);
 }
 
+PyDoc_STRVAR(admit_push_doc, "admit_push(word, parties, round, root)\n--\n\n"
+             "(step, value): what a push does to a slot with count word ``word`` (_rounds.h).");
+
+static PyObject *py_admit_push(PyObject *Py_UNUSED(self), PyObject *args)
+{
+    long long word, parties, round;
+    int root;
+    if (!PyArg_ParseTuple(args, "LLLp", &word, &parties, &round, &root))
+        return NULL;
+    int64_t value = 0;
+    int step = round_admit_push(word, parties, round, root, &value);
+    return Py_BuildValue("iL", step, (long long)value);
+}
+
+PyDoc_STRVAR(admit_pull_doc, "admit_pull(word, parties, round)\n--\n\n"
+             "(step, value): what a pull does to a slot with count word ``word`` (_rounds.h).");
+
+static PyObject *py_admit_pull(PyObject *Py_UNUSED(self), PyObject *args)
+{
+    long long word, parties, round;
+    if (!PyArg_ParseTuple(args, "LLL", &word, &parties, &round))
+        return NULL;
+    int64_t value = 0;
+    int step = round_admit_pull(word, parties, round, &value);
+    return Py_BuildValue("iL", step, (long long)value);
+}
+
 static PyMethodDef methods[] = {
+    {"admit_push", py_admit_push, METH_VARARGS, admit_push_doc},
+    {"admit_pull", py_admit_pull, METH_VARARGS, admit_pull_doc},
     {"add", py_add, METH_VARARGS, add_doc},
     {"axpy", py_axpy, METH_VARARGS, axpy_doc},
     {"scale", py_scale, METH_VARARGS, scale_doc},
@@ -430,5 +460,16 @@ PyMODINIT_FUNC PyInit__native(void)
     __builtin_cpu_init();
     use_f16c = __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx");
 #endif
-    return PyModule_Create(&module);
+    static const struct smb_kernels kernels = {op_add, op_widen, item_size};
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    PyObject *capsule = PyCapsule_New((void *)&kernels, KERNELS_CAPSULE, NULL);
+    int failed = capsule == NULL || PyModule_AddObjectRef(m, "kernels", capsule) < 0;
+    Py_XDECREF(capsule);
+    if (failed) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
 }

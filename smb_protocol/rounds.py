@@ -1,6 +1,9 @@
 """The rounds of a collective's chunk: what its count word says, and which push or pull
 a memory server admits (pure; the server applies it in ``smb_server/memserver/collective_ops.py``,
-the client numbers the rounds in ``smb_client/collective.py``).
+the client numbers the rounds in ``smb_client/collective.py``). The admission rules
+themselves are C (``smb_protocol/_rounds.h``, called here through :mod:`smb_protocol._native`):
+the server's chunk step applies them under the extent's lock without the interpreter,
+and a rule written once cannot drift between the two. Their refusals' messages are here.
 
 A collective's chunk has two slots, each with an int64 *count word* beside it. Round
 ``r`` of the collective uses slot ``r % 2``. The count word names the round its slot
@@ -30,6 +33,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from . import _native
 from .errors import InvalidArgument, RoundMismatch
 
 ROUND_SHIFT = 16                 # bits of a count word that count a round's arrivals
@@ -37,9 +41,10 @@ MAX_PARTIES = (1 << 15) - 1      # parties a chunk request can name (2 × partie
 WORD_BITS = 48                   # bits of a chunk request's arg0 that hold the count word's offset
 ROOT = 1 << 62                   # in a push's arg1: the push of a broadcast's root
 MAX_ROUND = ROOT - 1             # the highest round a request can name
+LAST_ROUND = (1 << (63 - ROUND_SHIFT)) - 2   # the highest round a count word holds (later ones are refused)
 
 __all__ = ["ROUND_SHIFT", "MAX_PARTIES", "ChunkRound", "Step", "count_word", "slot_round", "arrivals",
-           "admit_push", "admit_pull", "check_pulled_again"]
+           "admit_push", "admit_pull", "check_pulled_again", "refusal"]
 
 
 def count_word(round_: int, arrived: int) -> int:
@@ -108,55 +113,60 @@ class ChunkRound:
 
 
 class Step(enum.Enum):
-    """What a push or pull does next, given the count word (see :func:`admit_push`)."""
+    """What a push or pull does next, given the count word (see :func:`admit_push`);
+    the values are the native rules' codes (``smb_protocol/_rounds.h``)."""
 
-    START = "start"   # store the chunk: the round's first arrival
-    JOIN = "join"     # add the chunk into the round's sum
-    GO = "go"         # (a pull) send the sum and count the pull
-    WAIT = "wait"     # wait until the count word reaches the value, then ask again
+    START = 0   # store the chunk: the round's first arrival
+    JOIN = 1    # add the chunk into the round's sum
+    GO = 2      # (a pull) send the sum and count the pull
+    WAIT = 3    # wait until the count word reaches the value, then ask again
+
+
+_STEPS = {step.value: step for step in Step}
+
+
+def refusal(code: int, word: int, ref: ChunkRound) -> RoundMismatch:
+    """The error for the rules' refusal ``code`` (negative, ``smb_protocol/_rounds.h``)
+    of the push or pull of ``ref`` at the count word ``word``."""
+    held, arrived = slot_round(word), arrivals(word)
+    messages = {
+        -1: f"a broadcast root's push of {ref.describe()} came after {arrived} arrivals: only one "
+            "party is the root, and its push comes first",
+        -2: f"{ref.describe()} already has all its pushes ({arrived} arrivals): a party pushed twice, "
+            f"or more than {ref.parties} parties use the collective",
+        -3: f"the chunk is at round {held}, and this push is of round {ref.round}: this party is behind "
+            "the others (it opened the collective after they went past this round, or came back after "
+            "a restart); every party must make a new collective",
+        -4: f"round {ref.round} pushed into the slot of round {held}: the slots alternate",
+        -5: f"the chunk's round {held} had {arrived} arrivals, more than {2 * ref.parties} for "
+            f"{ref.parties} parties",
+        -6: f"the chunk is at round {held}: the sum of round {ref.round} is gone (this party is behind "
+            "the others, or pulled a round it was not part of)",
+        -7: f"every one of the {ref.parties} parties already pulled {ref.describe()}",
+        -8: f"round {ref.round} does not fit a count word (at most {LAST_ROUND}): make a new collective",
+    }
+    return RoundMismatch(messages[code])
 
 
 def admit_push(word: int, ref: ChunkRound) -> tuple[Step, int]:
     """What a push of ``ref`` does to a slot whose count word is ``word``: ``(START, new
     word)``, ``(JOIN, new word)`` or ``(WAIT, word to wait for)``; raises RoundMismatch
-    for a push that belongs to no round the slot can take."""
-    held, arrived = slot_round(word), arrivals(word)
-    if held == ref.round:
-        if ref.root:
-            raise RoundMismatch(f"a broadcast root's push of {ref.describe()} came after {arrived} "
-                                f"arrivals: only one party is the root, and its push comes first")
-        if arrived >= ref.parties:
-            raise RoundMismatch(f"{ref.describe()} already has all its pushes ({arrived} arrivals): "
-                                f"a party pushed twice, or more than {ref.parties} parties use the collective")
-        return Step.JOIN, word + 1
-    if held > ref.round:
-        raise RoundMismatch(f"the chunk is at round {held}, and this push is of round {ref.round}: this "
-                            "party is behind the others (it opened the collective after they went past "
-                            "this round, or came back after a restart); every party must make a new collective")
-    if held >= 0:
-        if (ref.round - held) % 2:
-            raise RoundMismatch(f"round {ref.round} pushed into the slot of round {held}: the slots alternate")
-        if arrived < 2 * ref.parties:
-            return Step.WAIT, count_word(held, 2 * ref.parties)
-        if arrived > 2 * ref.parties:
-            raise RoundMismatch(f"the chunk's round {held} had {arrived} arrivals, more than "
-                                f"{2 * ref.parties} for {ref.parties} parties")
-    return Step.START, count_word(ref.round, ref.weight)
+    for a push that belongs to no round the slot can take. The rules are native (the
+    memory server applies them under the extent's lock without the interpreter)."""
+    code, value = _native.admit_push(word, ref.parties, ref.round, ref.root)
+    if code < 0:
+        raise refusal(code, word, ref)
+    return _STEPS[code], value
 
 
 def admit_pull(word: int, ref: ChunkRound) -> tuple[Step, int]:
     """What a pull of ``ref`` does: ``(GO, new word)`` (send the sum, then store the new
     word) or ``(WAIT, word to wait for)``; raises RoundMismatch when the round's sum is
     gone or every party already pulled it."""
-    held, arrived = slot_round(word), arrivals(word)
-    if held < ref.round or (held == ref.round and arrived < ref.parties):
-        return Step.WAIT, ref.ready
-    if held > ref.round:
-        raise RoundMismatch(f"the chunk is at round {held}: the sum of round {ref.round} is gone (this party "
-                            "is behind the others, or pulled a round it was not part of)")
-    if arrived >= 2 * ref.parties:
-        raise RoundMismatch(f"every one of the {ref.parties} parties already pulled {ref.describe()}")
-    return Step.GO, word + 1
+    code, value = _native.admit_pull(word, ref.parties, ref.round)
+    if code < 0:
+        raise refusal(code, word, ref)
+    return _STEPS[code], value
 
 
 def completes(old: int, ref: ChunkRound) -> bool:

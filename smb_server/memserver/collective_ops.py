@@ -35,7 +35,7 @@ from smb_protocol.requests import Arith, Pull, Push
 from smb_protocol.rounds import Step
 from smb_protocol.wire import WaitCond
 
-from . import kernels
+from . import _native, kernels
 from .arena import Extent
 from .dedup import Entry
 from .node import Node
@@ -77,19 +77,18 @@ def push(node: Node, peer: Peer, extent: Extent, req: Push, entry: Entry | None)
     span = check_chunk(req, extent, types)
     kernels.check_arith(Arith.ACCUMULATE, types.slot, req.offset, span)
     deadline = time.monotonic() + req.timeout
+    ref = req.ref
     with extent.pin(), peer.payload(req.length) as src:
         chunk = src.take(req.length) if req.length else memoryview(b"")
         while True:
-            with node.replication.unreplicated(extent.extent_id), extent.lock, \
-                    extent.data[req.word:req.word + 8] as count:
-                old = kernels.load(count)
-                step, word = rounds.admit_push(old, req.ref)
-                if step is not Step.WAIT:
-                    with extent.data[req.offset:req.offset + span] as dst:
-                        kernels.push_chunk(dst, chunk, types, first=step is Step.START)
-                    # counted after the sum is in place: a pull reads once the count says
-                    # so, without the lock
-                    kernels.fetch_add(count, word - old)
+            with node.replication.unreplicated(extent.extent_id):
+                # under the extent's lock, without the interpreter: admitted by the round
+                # rules, stored or added, then counted (a pull reads once the count says so)
+                step, old, word = _native.push_step(extent.lock, extent.data, req.word, req.offset, chunk,
+                                                    types.slot, types.wire or 0, ref.parties, ref.round, ref.root)
+                if step < 0:
+                    raise rounds.refusal(step, old, ref)
+                if step != _native.R_WAIT:
                     if entry is not None:   # finished while counted (see Replication.unreplicated)
                         entry.applied = max(req.length, 1)
                         entry.finish(Status.OK, _OLD.pack(old))
@@ -139,8 +138,9 @@ def pull(node: Node, peer: Peer, req: Pull) -> None:
         with node.replication.unreplicated(extent.extent_id):
             _send_sum(peer, extent, req, types, span)   # in the socket's buffer once this returns
             try:
-                with extent.pin(), extent.lock, extent.data[req.word:req.word + 8] as count:
-                    if rounds.arrivals(kernels.fetch_add(count, 1)) + 1 >= 2 * req.ref.parties:
+                with extent.pin():
+                    if rounds.arrivals(_native.pull_count(extent.lock, extent.data, req.word)) + 1 \
+                            >= 2 * req.ref.parties:
                         extent.narrowed.pop(req.offset, None)   # every party has the round's sum
             except ExtentNotFound:   # released after the sum went out: nothing left to count
                 log.debug("extent %d released after a pull was answered", req.extent_id)

@@ -63,6 +63,7 @@ import numpy as np
 
 from smb_protocol.errors import ExtentNotFound, InvalidArgument, OutOfRange
 
+from . import _native
 from .memmap import Mapping, data_ranges, punch_hole
 
 log = logging.getLogger(__name__)
@@ -134,7 +135,7 @@ class Extent:
         self.path = path                # the file it is written back to, "" for memory only
         self.persistent = persistent
         self.created = time.monotonic()
-        self.lock = threading.Lock()    # serializes read-modify-write operations
+        self.lock = _native.Mutex()     # read-modify-writes; C's chunk step takes it too (native/chunks.c)
         self._mm = mm
         assert mm.view is not None
         self._header = mm.view[:HEADER_BYTES]

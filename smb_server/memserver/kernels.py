@@ -19,8 +19,7 @@ import struct
 import numpy as np
 
 from smb_protocol import _native
-from smb_protocol.chunk_types import ChunkTypes
-from smb_protocol.dtypes import FLOATING, STORAGE, DType, itemsize
+from smb_protocol.dtypes import FLOATING, STORAGE, DType
 from smb_protocol.errors import DtypeError, InvalidArgument, Misaligned
 from smb_protocol.requests import Arith
 
@@ -103,23 +102,6 @@ def accumulate(dst: memoryview, src: memoryview | bytes | bytearray, dtype: int)
     dt = element_type(dtype)
     _pair(dst, src, dt)
     _native.add(dst, src, dt)
-
-
-def push_chunk(dst: memoryview, src: memoryview, types: ChunkTypes, first: bool) -> None:
-    """A collective's push into its slot ``dst``: stored (the round's ``first``) or
-    added. A push in a wire type (:mod:`smb_protocol.chunk_types`) is widened into the
-    slot's type as it is stored or added (one pass), so the sum is never rounded to the
-    wire type."""
-    if not types.wire:
-        if first:
-            dst[:] = src
-        else:
-            accumulate(dst, src, types.slot)
-        return
-    n = _nbytes(src) // itemsize(types.wire)
-    if _nbytes(dst) != n * itemsize(types.slot):
-        raise InvalidArgument(f"a push of {n} {types.wire.name.lower()} elements into a slot of {_nbytes(dst)} bytes")
-    _native.widen(dst, src, types.wire, not first)
 
 
 def scale(dst: memoryview, alpha: float, dtype: int) -> None:

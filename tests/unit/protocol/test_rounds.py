@@ -161,3 +161,55 @@ def test_no_sequence_of_requests_adds_into_another_rounds_sum(parties, order):
             continue
         assert slot_round(new) == ref.round
         word = new
+
+
+def _oracle_push(word: int, ref: ChunkRound) -> tuple[str, int]:
+    """The push rules as the module docstring states them, written out plainly here (the
+    server's copy is C): what the native rules must agree with."""
+    held, arrived = slot_round(word), arrivals(word)
+    if held == ref.round:
+        if ref.root or arrived >= ref.parties:
+            return "refused", 0
+        return "join", word + 1
+    if held > ref.round or (held >= 0 and (ref.round - held) % 2):
+        return "refused", 0
+    if held >= 0 and arrived < 2 * ref.parties:
+        return "wait", count_word(held, 2 * ref.parties)
+    if held >= 0 and arrived > 2 * ref.parties:
+        return "refused", 0
+    return "start", count_word(ref.round, ref.weight)
+
+
+def _oracle_pull(word: int, ref: ChunkRound) -> tuple[str, int]:
+    held, arrived = slot_round(word), arrivals(word)
+    if held < ref.round or (held == ref.round and arrived < ref.parties):
+        return "wait", ref.ready
+    if held > ref.round or arrived >= 2 * ref.parties:
+        return "refused", 0
+    return "go", word + 1
+
+
+def _native_says(admit, word: int, ref: ChunkRound) -> tuple[str, int]:   # type: ignore[no-untyped-def]
+    try:
+        step, value = admit(word, ref)
+    except RoundMismatch:
+        return "refused", 0
+    return step.name.lower(), value
+
+
+@given(st.integers(-1, 40), st.integers(0, 300), st.integers(1, 140), st.integers(0, 40), st.booleans())
+def test_the_native_rules_agree_with_the_rules_as_stated(held, arrived, parties, round_, root):
+    word = 0 if held < 0 else count_word(held, min(arrived, (1 << 16) - 1))
+    push = ChunkRound(WORD, parties, round_, root)
+    assert _native_says(admit_push, word, push) == _oracle_push(word, push)
+    pull = ChunkRound(WORD, parties, round_)
+    assert _native_says(admit_pull, word, pull) == _oracle_pull(word, pull)
+
+
+def test_a_round_past_what_a_count_word_holds_is_refused_not_wrapped():
+    last = (1 << 47) - 2
+    assert admit_push(0, ChunkRound(WORD, 2, last)) == (Step.START, count_word(last, 1))
+    with pytest.raises(RoundMismatch, match="does not fit a count word"):
+        admit_push(0, ChunkRound(WORD, 2, last + 1))
+    with pytest.raises(RoundMismatch, match="does not fit a count word"):
+        admit_pull(0, ChunkRound(WORD, 2, last + 1))
