@@ -65,6 +65,12 @@ class TicketBook:
                 return held.get(mode)
             return next(reversed(held.values()), None)
 
+    def writable(self, extent_id: int) -> Ticket | None:
+        """The ticket presented for ``extent_id`` that allows writing it and expires last."""
+        with self._lock:
+            held = [t for t in self._by_extent.get(extent_id, {}).values() if t.allows(extent_id, write=True)]
+        return max(held, key=lambda t: t.expires_at, default=None)
+
     def check(self, arena: Arena, extent_id: int, write: bool) -> Extent:
         """The extent, if a ticket presented for it allows the access (see
         :func:`check_access`); InvalidTicket when no ticket names it."""

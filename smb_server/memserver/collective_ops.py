@@ -99,8 +99,8 @@ def push(node: Node, peer: Peer, extent: Extent, req: Push, entry: Entry | None)
     node.waiters.touched(extent.extent_id, req.word, 8)
     peer.stats.add(bytes_accumulated=req.length)
     if rounds.slot_round(word) == req.ref.round and rounds.arrivals(word) >= req.ref.parties:
-        for owed in node.parked.take((extent.extent_id, req.word, req.ref.round)):
-            owed.send()   # every sum that waited for this push (parked.py)
+        # every sum that waited for this push, sent from here (native/serve.c parks them)
+        _native.complete(extent.native, req.word, req.ref.round)
     return _OLD.pack(old)
 
 

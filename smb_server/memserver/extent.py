@@ -1,27 +1,25 @@
 """One extent: a mapped memfd of a header page and the data, and its file.
 
-Every extent lives in a memfd (``os.memfd_create``) of one 4096-byte header page
-followed by ``length`` data bytes, and the server maps all of it. The memfd is what
-shared-memory clients receive, so it is made safe to hand out before anyone sees it:
-mode 0600 (a client of another user cannot reopen it through ``/proc/self/fd``, so a
-read-only descriptor stays read-only) and sealed ``F_SEAL_SHRINK | F_SEAL_GROW |
-F_SEAL_SEAL`` (nobody, the server included, can change its size, so no mapping of it
-can fault with SIGBUS, and no client can add a seal such as ``F_SEAL_FUTURE_WRITE``).
+Every extent lives in a memfd (``os.memfd_create``) of one 4096-byte header page followed by
+``length`` data bytes, and the server maps all of it. The memfd is what shared-memory clients
+receive, so it is made safe to hand out before anyone sees it: mode 0600 (a client of another
+user cannot reopen it through ``/proc/self/fd``, so a read-only descriptor stays read-only) and
+sealed ``F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL`` (nobody, the server included, can change
+its size, so no mapping of it can fault with SIGBUS, and no client can add a seal such as
+``F_SEAL_FUTURE_WRITE``).
 
-When persistence is asked for and the arena has a ``data_dir``, the extent also has a
-file ``<data_dir>/<extent_id>.extent`` (mode 0600, same layout) that no client ever
-gets a descriptor of: the server writes the memfd back into it every
-``writeback_seconds`` (a background thread) and when it stops, and copies the file
-into a fresh memfd when a restarted server adopts it. Only the parts holding data are
-copied (``SEEK_DATA``), so untouched memory stays unallocated. A clean stop (SIGTERM)
-loses nothing; a killed server loses nothing either while its keeper (:mod:`.keeper`)
-holds the memfd, and what was written since the last write-back when the keeper
-dies with it. An extent costs one file descriptor (its memfd): the mapping
-(:class:`Mapping`) keeps none of its own, and the file is opened only while it is
-written or read. The arena refuses a new extent with :class:`OutOfMemory` while fewer than
-``fd_reserve`` descriptors are left under the process's ``RLIMIT_NOFILE`` (sockets and
-files need some too); :func:`raise_fd_limit` (in :mod:`.memmap`) lifts the soft limit to the hard one.
-Shared-memory clients receive the descriptor and map the whole thing, header included.
+When persistence is asked for and the arena has a ``data_dir``, the extent also has a file
+``<data_dir>/<extent_id>.extent`` (mode 0600, same layout) that no client ever gets a descriptor
+of: the server writes the memfd back into it every ``writeback_seconds`` (a background thread)
+and when it stops, and copies the file into a fresh memfd when a restarted server adopts it.
+Only the parts holding data are copied (``SEEK_DATA``), so untouched memory stays unallocated. A
+clean stop (SIGTERM) loses nothing; a killed server loses nothing either while its keeper
+(:mod:`.keeper`) holds the memfd, and what was written since the last write-back when the keeper
+dies with it. An extent costs one file descriptor (its memfd): the mapping (:class:`Mapping`)
+keeps none of its own, and the file is opened only while it is written or read. The arena
+refuses a new extent with :class:`OutOfMemory` while fewer than ``fd_reserve`` descriptors are
+left under the process's ``RLIMIT_NOFILE`` (sockets and files need some too);
+:func:`raise_fd_limit` (in :mod:`.memmap`) lifts the soft limit to the hard one.
 
 Header page layout (all integers little-endian):
 
@@ -38,15 +36,16 @@ offset  size    field
 ====== ======= ============================================================
 
 Release order: the live word is set to 0 *first*, then the data pages are punched out
-(``fallocate(PUNCH_HOLE)``), so memory goes back to the kernel even while a client
-still maps the descriptor (its mapping then reads zeros), then the server unmaps and
-closes (and unlinks a file). A client that checks the live word after copying never
-mistakes zeros for data.
+(``fallocate(PUNCH_HOLE)``), so memory goes back to the kernel even while a client still maps
+the descriptor (its mapping then reads zeros), then the server unmaps and closes (and unlinks a
+file). A client that checks the live word after copying never mistakes zeros for data.
 
-Concurrency: the arena's table is guarded by one lock; each extent has ``lock`` that
-serializes read-modify-write operations (accumulate, scale, axpy, atomics) and a pin
-count: data planes :meth:`Extent.pin` an extent for the duration of an operation, and
-the final unmap of a released extent waits until the last pin is dropped.
+Concurrency: the arena's table is guarded by one lock; each extent has ``lock`` that serializes
+read-modify-write operations (accumulate, scale, axpy, atomics; a pthread mutex, which native
+code takes too) and a pin count: data planes :meth:`Extent.pin` an extent for the duration of an
+operation, and the final unmap of a released extent waits until the last pin is dropped and the
+native requests on it (``native``, counted in C: blocked while its mutations must go through
+Python, waited for before the unmap) end.
 """
 from __future__ import annotations
 
@@ -135,11 +134,12 @@ class Extent:
         self.path = path                # the file it is written back to, "" for memory only
         self.persistent = persistent
         self.created = time.monotonic()
-        self.lock = _native.Mutex()     # read-modify-writes; C's chunk step takes it too (native/chunks.c)
+        self.lock = _native.Mutex()
         self._mm = mm
         assert mm.view is not None
         self._header = mm.view[:HEADER_BYTES]
         self.data = mm.view[HEADER_BYTES:HEADER_BYTES + length]  # writable, bytes
+        self.native = _native.ExtentHandle(extent_id, self.data, self.lock)
         self._state = threading.Lock()
         self._pins = 0
         #: a collective slot's sum narrowed to its wire type, by slot offset: (round, dtype
@@ -222,18 +222,18 @@ class Extent:
         struct.pack_into("<Q", self._header, LIVE_OFFSET, live)
 
     def direct_writes(self, allowed: bool) -> None:
-        """Tell clients that map the extent whether they may write into their mapping
-        (live word 1) or must send every mutation through the server (2), which
-        forwards it to the extent's copies. Set under the extent's lock before a sync
-        starts: a client's copy that ends after this sees it and sends its bytes again
-        through the server (:mod:`smb_client.transports.shm`). Nothing once released."""
+        """Tell clients that map the extent (and the native loop) whether they may write it
+        themselves (live word 1) or must send every mutation through the server (2), which
+        forwards it to the extent's copies. Set under the extent's lock before a sync starts: a
+        client's copy that ends after this sees it and sends its bytes again through the server
+        (:mod:`smb_client.transports.shm`). Nothing once released."""
         with self._state:
             if not self._released:
                 self._set_live(LIVE if allowed else LIVE_THROUGH_SERVER)
+                self.native.open() if allowed else self.native.block(0)   # Replication drains it
 
     @property
-    def live(self) -> bool:
-        """True while the arena holds the extent."""
+    def live(self) -> bool:   # while the arena holds the extent
         return not self._released
 
     @property
@@ -320,11 +320,9 @@ class Extent:
     # -- retirement -----------------------------------------------------------------
     def retire(self, keep_data: bool = False) -> None:
         """Mark released (live word 0 first), give the memory back; unmap when unpinned
-        (the arena's, once it dropped the extent from its table).
-
-        ``keep_data``: a persistent extent at server shutdown: write back, keep the file.
-        Otherwise the data pages are punched out and a backing file is deleted.
-        """
+        (the arena's, once it dropped the extent from its table). ``keep_data``: a persistent
+        extent at server shutdown: write back, keep the file; else the data pages are punched
+        out and a backing file is deleted."""
         with self._state:
             if self._released:
                 return
@@ -332,6 +330,7 @@ class Extent:
             self._keep_data = keep_data
             pinned = self._pins > 0
         self._set_live(0)
+        self.native.block(0)   # none starts now; _close waits for those running
         for hook in self.retire_hooks:
             try:
                 hook(self)
@@ -354,6 +353,7 @@ class Extent:
             if self._closed:
                 return
             self._closed = True
+        self.native.close()
         if self._keep_data:
             with self._file:
                 try:

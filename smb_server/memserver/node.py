@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 
 from .arena import Arena
 from .dedup import DedupTable
-from .parked import Parked
 from .replication import DEAD_PEER_TIMEOUT, Replication
 from .stats import PlaneStats
 from .waiters import Waiters
@@ -24,8 +23,6 @@ class Node:
     stats: PlaneStats = field(default_factory=PlaneStats)
     dedup: DedupTable = field(default_factory=DedupTable)
     waiters: Waiters = field(default_factory=Waiters)
-    #: sums owed to REDUCE requests until their round is complete (the tcp plane's)
-    parked: Parked = field(default_factory=Parked)
     replication: Replication = field(init=False)
     #: client TLS context for reaching backups at ``tcp+tls://`` endpoints
     tls: ssl.SSLContext | None = None
@@ -39,4 +36,3 @@ class Node:
 
     def close(self) -> None:
         self.replication.close()
-        self.parked.close()

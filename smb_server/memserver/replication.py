@@ -214,11 +214,16 @@ class Replication:
         the client opens the region again and sends it the way the region says)."""
         return _Unreplicated(self, extent_id)
 
+    @staticmethod
+    def moved(extent_id: int) -> NotPrimary:
+        """The error of a mutation served the unreplicated way once the extent has a role."""
+        return NotPrimary(f"extent {extent_id} is being moved or is replicated: its mutations "
+                          "go to its primary's tcp data plane; open the region again")
+
     def _begin_unreplicated(self, extent_id: int) -> None:
         with self._cond:
             if self.role(extent_id):
-                raise NotPrimary(f"extent {extent_id} is being moved or is replicated: its mutations "
-                                 "go to its primary's tcp data plane; open the region again")
+                raise self.moved(extent_id)
             self._unreplicated[extent_id] = self._unreplicated.get(extent_id, 0) + 1
 
     def _end_unreplicated(self, extent_id: int) -> None:
@@ -315,6 +320,9 @@ class Replication:
                     revoke(extent)
             if role:
                 self._drain_unreplicated(extent.extent_id, self.timeout)
+                if not extent.native.block(self.timeout):   # the native loop's (blocked with direct_writes)
+                    raise ServerBusy(f"extent {extent.extent_id}: a native request still ran after "
+                                     f"{self.timeout:g} s; configure again")
             synced = sum(self._sync(extent, cfg, b) for b in backups if b.state == "syncing")
         if behind:
             raise ServerUnavailable(

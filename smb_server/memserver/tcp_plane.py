@@ -38,7 +38,10 @@ Each request is decoded once into a typed object (:mod:`.requests`) and served b
 node's :class:`.engine.Engine`; a connection is the engine's :class:`.peer.Peer`: it
 hands out the request's payload (:class:`_SocketPayload`) and sends answers with data.
 Payload bytes the engine did not read (a refused request, a repeat of a finished one)
-are read and discarded before the answer, so the connection stays usable.
+are read and discarded before the answer, so the connection stays usable. Once a
+plain connection presented a ticket, its frames are read by a native loop that serves
+most ``REDUCE`` requests itself, on as many cores as connections are busy, and hands
+every other frame here (:mod:`.tcp_native`).
 """
 from __future__ import annotations
 
@@ -65,7 +68,7 @@ from smb_protocol.errors import (
 from smb_protocol.tickets import TicketMode, verify
 from smb_protocol.wire import Op
 
-from . import coord_ops, tcp_sums, tcp_tls
+from . import _native, coord_ops, tcp_native, tcp_sums, tcp_tls
 from .access import TicketBook
 from .deliveries import Deliveries
 from .engine import Engine
@@ -91,12 +94,12 @@ _FRAME_HINT = ("a slow or stalled client: raise tcp_frame_timeout_seconds on the
                "for slow links")
 
 
-def _late(plane: TcpPlane, exc: TimeoutError) -> _Drop:
-    """The drop for a receive that timed out: the kernel's (``ETIMEDOUT``: the client's
-    host answered no keepalive probe for the dead-peer time) or the frame deadline's (a
-    client that is there but slow)."""
+def _late(plane: TcpPlane, dead: bool) -> _Drop:
+    """The drop for a receive that timed out: the kernel's (``dead``: ``ETIMEDOUT``, the
+    client's host answered no keepalive probe for the dead-peer time) or the frame
+    deadline's (a client that is there but slow)."""
     plane.stats.add(dropped=1)
-    if exc.errno == errno.ETIMEDOUT:
+    if dead:
         return _Drop(f"the client's host answered no keepalive probe for {plane.dead_peer_timeout:g} s "
                      "(tcp_dead_peer_seconds): it or its link is gone")
     return _Drop(f"frame not complete within {plane.frame_timeout:g} s "
@@ -131,7 +134,10 @@ class _Connection:
         self.hello_deadline = time.monotonic() + plane.hello_timeout
         self.deadline = self.hello_deadline   # monotonic time the current frame must be in by
         self._header = bytearray(wire.REQUEST.size)
-        self._sending = threading.RLock()     # one answer frame at a time (several threads send)
+        self._sending = _native.Mutex(recursive=True)   # one answer frame at a time (several threads send)
+        #: the REDUCEs served natively (native/serve.c); TLS streams are Python's alone
+        self.native = (_native.Conn(sock.fileno(), self._sending, plane.node.dedup, plane.frame_timeout)
+                       if plane.tls is None else None)
         self._deliveries: Deliveries[requests.Pull] | None = None   # REDUCE sums owed, made on the first
         self.ended = False                    # the reading loop is over
         self._reader = 0                      # the reading thread's ident
@@ -180,7 +186,7 @@ class _Connection:
                 if self.plane.closing:
                     return False
                 if exc.errno == errno.ETIMEDOUT:   # the kernel's: the client's host is gone
-                    raise _late(self.plane, exc) from None
+                    raise _late(self.plane, exc.errno == errno.ETIMEDOUT) from None
                 if deadline is None:
                     continue  # idle between requests: fine
                 if hello:
@@ -188,7 +194,7 @@ class _Connection:
                     raise _Drop(f"no HELLO within {self.plane.hello_timeout:g} s of connecting "
                                 "(tcp_hello_timeout_seconds)", Timeout,
                                 "present a ticket right after connecting") from None
-                raise _late(self.plane, exc) from None
+                raise _late(self.plane, exc.errno == errno.ETIMEDOUT) from None
             if n == 0:
                 if got == 0:
                     return False
@@ -200,10 +206,24 @@ class _Connection:
             got += n
         return True
 
+    def _next_frame(self) -> bool:
+        """The next frame Python serves, its header in the buffer; False on a clean close.
+        Once a ticket is in, frames are read natively (:mod:`.tcp_native`): the REDUCEs
+        it can serve never come here; what it hands over does."""
+        if self.native is None or not self.tickets:
+            return self._recv_header()
+        kind, why, got = tcp_native.frames(self, self._header, lambda: self.plane.closing)
+        if kind == _native.EV_DROP:
+            if why in (_native.DROP_DEAD_PEER, _native.DROP_FRAME_LATE):
+                raise _late(self.plane, why == _native.DROP_DEAD_PEER)
+            raise _Drop(f"truncated header ({got} of {wire.REQUEST.size} bytes)" if why == _native.DROP_PROTOCOL
+                        else "the connection broke mid-frame (payload or answer)")
+        self.deadline = time.monotonic() + self.plane.frame_timeout
+        return kind == _native.EV_PYTHON
+
     def _recv_some(self, view: memoryview, left: float) -> int:
         """Bytes read into ``view`` (0 at end of file), waiting at most ``left`` seconds
-        for the first (TimeoutError). A plain socket is non-blocking: one syscall while
-        bytes are there, a poll only when none are."""
+        for the first (TimeoutError); a plain socket polls only when none are there."""
         if self.plane.tls is not None:
             self.sock.settimeout(left)
             return self.sock.recv_into(view)
@@ -218,7 +238,7 @@ class _Connection:
         try:
             wire.recv_into_all(self.sock, [view], deadline=self.deadline)
         except TimeoutError as exc:
-            raise _late(self.plane, exc) from None
+            raise _late(self.plane, exc.errno == errno.ETIMEDOUT) from None
         except (OSError, SMBError) as exc:
             raise _Drop(f"payload: {exc}") from None
         self.pending -= len(view)
@@ -254,12 +274,14 @@ class _Connection:
             self._serve_frames()
         finally:
             self.ended = True
+            if self.native is not None:
+                self.native.end()
             if self._deliveries is not None:
                 self._deliveries.stop()
 
     def _serve_frames(self) -> None:
         try:
-            while self._recv_header():
+            while self._next_frame():
                 if not self._request():
                     break
         except _Drop as exc:
@@ -276,10 +298,9 @@ class _Connection:
                                       f"reconnect"))
 
     def _goodbye(self, err: SMBError) -> None:
-        """Send ``err`` as the parting answer (``req_id`` 0) when the socket takes it at
-        once, stop sending, then read and discard what the peer still sends, for up to
-        :data:`GOODBYE_LINGER` seconds if it has presented a ticket, so that the close
-        does not reset the answer away."""
+        """Send ``err`` as the parting answer (``req_id`` 0) if the socket takes it at once,
+        stop sending, then discard what the peer still sends for :data:`GOODBYE_LINGER`
+        seconds (if it presented a ticket), so that the close does not reset it away."""
         body = str(err).encode()
         linger = GOODBYE_LINGER if self.tickets else 0.0
         try:
@@ -345,11 +366,17 @@ class _Connection:
                 last = body is not None and rounds.completes(_WORD.unpack(body)[0], req.ref)
                 self._reply(req_id, body or b"", kind=wire.PUSHED, more=last)
                 tcp_sums.owe(self, self.plane.node, req, last)
+                tcp_native.register(self, self.tickets.writable(req.extent_id), req.extent_id)
             elif body is not None:      # else already answered (and counted) by the operation
                 self.plane.stats.add(operations=1)
                 self._reply(req_id, body)
         self.plane.stats.observe(op.name.lower(), time.perf_counter() - start)
         return True
+
+    def refuse(self, req_id: int, err: SMBError) -> None:
+        """Answer request ``req_id`` with ``err`` (a request the native loop gave up)."""
+        self.plane.stats.add(operations=1)
+        self._reply(req_id, str(err).encode(), error_status(err))
 
     def _trace(self) -> bytes:
         """The traceparent that follows a traced request's header (:data:`wire.TRACED`)."""
@@ -378,8 +405,8 @@ class _Connection:
         if self._deliveries is None:
             self._deliveries = Deliveries(
                 lambda pull: self.plane.engine.deliver(self, pull),
-                lambda pull, err: self._reply(pull.req_id, str(err).encode(), error_status(err)),
-                self._broken, self.peer)
+                lambda pull, err: self._reply(pull.req_id, str(err).encode(), error_status(err)), self._broken,
+                self.peer)
         return self._deliveries
 
     def _broken(self, exc: BaseException) -> None:
@@ -424,9 +451,13 @@ class _Connection:
         return self.peer
 
     @property
-    def sending(self) -> threading.RLock:
+    def sending(self) -> _native.Mutex:
         """Held while an answer frame goes out (:mod:`.tcp_sums` sends from other threads)."""
         return self._sending
+
+    @property
+    def node(self) -> Node:
+        return self.plane.node
 
     @property
     def stats(self) -> PlaneStats:
@@ -449,9 +480,8 @@ class _Connection:
 
     def cancelled(self) -> bool:
         """Whether a waiting request should stop: the plane closes or the peer left. Only
-        the reading thread looks at the socket (it reads nothing while it waits); the
-        deliveries' thread learns that the peer left from the reading thread (``ended``),
-        as a look at a socket another thread reads from may see its bytes go, or block."""
+        the reading thread looks at the socket (another thread's look may see its bytes
+        go, or block); the deliveries' thread learns it from ``ended``."""
         if self.ended or self.plane.closing:
             return True
         return threading.get_ident() == self._reader and coord_ops.peer_closed(self.sock)
@@ -478,16 +508,13 @@ class _SocketPayload:
     def into(self, view: memoryview) -> None:
         self.conn._recv(view)
 
-    def close(self) -> None:
-        if self._scratch is not None:
-            self._scratch.__exit__(None, None, None)
-            self._scratch = self._view = None
-
     def __enter__(self) -> _SocketPayload:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.close()
+        if self._scratch is not None:
+            self._scratch.__exit__(None, None, None)
+            self._scratch = self._view = None
 
 
 class TcpPlane(ListeningPlane):
@@ -501,13 +528,12 @@ class TcpPlane(ListeningPlane):
     pooled scratch buffers. While a connection waits for its client, the kernel probes
     the client's host and ends the connection once ``dead_peer_timeout`` seconds of
     probes go unanswered, or at once when that host answers that the socket is gone
-    (:func:`smb_protocol.wire.set_keepalive`): a client whose host, link or socket went
-    away without a word, mid-frame or between frames, frees what its request holds (its
-    exactly-once entry, which that client's retry waits for, and its scratch) within
-    that time instead of at the frame deadline. (No ``TCP_USER_TIMEOUT`` here: it would
-    also end a live client that is slow to read an answer.) Starts serving on
-    construction; :meth:`close` stops accepting and closes every connection. Accepting and admission are a
-    :class:`.listener.Listener`'s, owned here.
+    (:func:`smb_protocol.wire.set_keepalive`): what a vanished client's request holds
+    (its exactly-once entry, which its retry waits for; its scratch) is freed within
+    that time, not at the frame deadline. (No ``TCP_USER_TIMEOUT``: it would also end a
+    live client slow to read an answer.) Starts serving on construction; :meth:`close`
+    stops accepting and closes every connection (accepting and admission: a
+    :class:`.listener.Listener`, owned here).
     """
 
     def __init__(self, node: Node, host: str = "127.0.0.1", port: int = 0,

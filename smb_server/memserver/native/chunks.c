@@ -20,6 +20,8 @@
 
 #include <errno.h>
 #include <pthread.h>
+#include <stdatomic.h>
+#include <stdlib.h>
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
@@ -31,20 +33,53 @@ static const struct smb_kernels *kernels;   /* smb_protocol._native's, imported 
 
 /* -- Mutex ------------------------------------------------------------------------ */
 
-typedef struct {
-    PyObject_HEAD
+/* The mutex itself is reference counted apart from its Python object: native code that
+ * keeps using it after the object may have gone (a connection's sends from other
+ * threads, serve.c) holds a reference (smb_mutex_hold). */
+struct smb_mutex {
+    atomic_int refs;
     pthread_mutex_t mu;   /* error-checking: a release by another thread, or a second take by
                            * the holder, is refused (RuntimeError) instead of undefined */
+};
+
+typedef struct {
+    PyObject_HEAD
+    struct smb_mutex *m;
 } MutexObject;
 
-static PyObject *mutex_new(PyTypeObject *type, PyObject *Py_UNUSED(args), PyObject *Py_UNUSED(kw))
+struct smb_mutex *smb_mutex_hold(PyObject *obj)
 {
+    struct smb_mutex *m = ((MutexObject *)obj)->m;
+    atomic_fetch_add(&m->refs, 1);
+    return m;
+}
+
+void smb_mutex_drop(struct smb_mutex *m)
+{
+    if (m != NULL && atomic_fetch_sub(&m->refs, 1) == 1) {
+        pthread_mutex_destroy(&m->mu);
+        free(m);
+    }
+}
+
+static PyObject *mutex_new(PyTypeObject *type, PyObject *args, PyObject *kw)
+{
+    static char *names[] = {"recursive", NULL};
+    int recursive = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|p:Mutex", names, &recursive))
+        return NULL;
     MutexObject *self = (MutexObject *)type->tp_alloc(type, 0);
+    if (self != NULL && (self->m = calloc(1, sizeof *self->m)) == NULL) {
+        Py_DECREF(self);
+        return PyErr_NoMemory();
+    }
     if (self != NULL) {
+        atomic_init(&self->m->refs, 1);
         pthread_mutexattr_t attr;
         pthread_mutexattr_init(&attr);
-        pthread_mutexattr_settype(&attr, PTHREAD_MUTEX_ERRORCHECK);
-        pthread_mutex_init(&self->mu, &attr);
+        /* a recursive one: a connection's send lock, taken again by the thread that holds it */
+        pthread_mutexattr_settype(&attr, recursive ? PTHREAD_MUTEX_RECURSIVE : PTHREAD_MUTEX_ERRORCHECK);
+        pthread_mutex_init(&self->m->mu, &attr);
         pthread_mutexattr_destroy(&attr);
     }
     return (PyObject *)self;
@@ -52,7 +87,7 @@ static PyObject *mutex_new(PyTypeObject *type, PyObject *Py_UNUSED(args), PyObje
 
 static void mutex_dealloc(MutexObject *self)
 {
-    pthread_mutex_destroy(&self->mu);
+    smb_mutex_drop(self->m);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -102,18 +137,18 @@ static PyObject *mutex_acquire(MutexObject *self, PyObject *args, PyObject *kw)
         return NULL;
     if (!blocking)
         timeout = 0;
-    int taken = lock_taking(&self->mu, timeout);
+    int taken = lock_taking(&self->m->mu, timeout);
     return taken < 0 ? NULL : PyBool_FromLong(taken);
 }
 
 static PyObject *mutex_enter(MutexObject *self, PyObject *Py_UNUSED(args))
 {
-    return lock_taking(&self->mu, -1) < 0 ? NULL : Py_NewRef(self);
+    return lock_taking(&self->m->mu, -1) < 0 ? NULL : Py_NewRef(self);
 }
 
 static PyObject *mutex_release(MutexObject *self, PyObject *Py_UNUSED(args))
 {
-    if (pthread_mutex_unlock(&self->mu) != 0) {
+    if (pthread_mutex_unlock(&self->m->mu) != 0) {
         PyErr_SetString(PyExc_RuntimeError, "release of an extent lock this thread does not hold");
         return NULL;
     }
@@ -127,9 +162,9 @@ static PyObject *mutex_exit(MutexObject *self, PyObject *Py_UNUSED(args))
 
 static PyObject *mutex_locked(MutexObject *self, PyObject *Py_UNUSED(args))
 {
-    int rc = pthread_mutex_trylock(&self->mu);
+    int rc = pthread_mutex_trylock(&self->m->mu);
     if (rc == 0)
-        pthread_mutex_unlock(&self->mu);
+        pthread_mutex_unlock(&self->m->mu);
     return PyBool_FromLong(rc != 0);
 }
 
@@ -146,9 +181,9 @@ static PyMethodDef mutex_methods[] = {
 static PyTypeObject MutexType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "smb_server.memserver._native.Mutex",
-    .tp_doc = "An extent's lock, shared by its Python and native paths (a pthread mutex; "
-              "the interpreter is released while a taker waits). Released by the thread "
-              "that took it.",
+    .tp_doc = "Mutex(recursive=False)\n--\n\nA lock shared by Python and native code (a pthread "
+              "mutex; the interpreter is released while a taker waits): an extent's, or with "
+              "recursive a connection's send lock. Released by the thread that took it.",
     .tp_basicsize = sizeof(MutexObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_new = mutex_new,
@@ -237,7 +272,7 @@ static PyObject *py_push_step(PyObject *Py_UNUSED(self), PyObject *args)
     int64_t old = 0, value = 0;
     int step = 0, rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = chunk_push(&((MutexObject *)lock)->mu, count, (char *)data.buf + slot, src.buf, src.len, slot_code,
+    rc = chunk_push(&((MutexObject *)lock)->m->mu, count, (char *)data.buf + slot, src.buf, src.len, slot_code,
                     wire_code, parties, round, root, &step, &old, &value);
     Py_END_ALLOW_THREADS
     if (rc == 0)
@@ -267,15 +302,22 @@ static PyObject *py_pull_count(PyObject *Py_UNUSED(self), PyObject *args)
     if (count != NULL) {
         MutexObject *mu = (MutexObject *)lock;
         int64_t old;
-        if (lock_taking(&mu->mu, -1) > 0) {
+        if (lock_taking(&mu->m->mu, -1) > 0) {
             old = __atomic_load_n(count, __ATOMIC_ACQUIRE);
             __atomic_store_n(count, (int64_t)((uint64_t)old + 1), __ATOMIC_RELEASE);
-            pthread_mutex_unlock(&mu->mu);
+            pthread_mutex_unlock(&mu->m->mu);
             result = PyLong_FromLongLong(old);
         }
     }
     PyBuffer_Release(&data);
     return result;
+}
+
+PyTypeObject *smb_mutex_type = &MutexType;
+
+pthread_mutex_t *smb_mutex_of(struct smb_mutex *m)
+{
+    return &m->mu;
 }
 
 static PyMethodDef chunk_methods[] = {

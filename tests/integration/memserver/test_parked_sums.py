@@ -1,5 +1,5 @@
 """Sums owed to REDUCE requests are sent by the push that completes their round
-(smb_server/memserver/tcp_sums.py, parked.py): a party whose socket is full (it stopped
+(smb_server/memserver/tcp_sums.py, native/serve.c): a party whose socket is full (it stopped
 reading) must not hold up the party whose pushes complete the rounds, and a parked sum
 whose round never completes is answered with a typed Timeout. Raw frames against a
 real tcp plane and arena in this process."""
@@ -14,7 +14,7 @@ from smb_protocol.dtypes import DType
 from smb_protocol.errors import Status
 from smb_protocol.rounds import ChunkRound
 from smb_protocol.wire import Op
-from smb_server.memserver.tcp_sums import room
+from smb_server.memserver import _native
 from smb_server.testing import wait_until
 from tests.integration.memserver.planes import _answer, _hello, _request, _send, _ticket
 
@@ -44,7 +44,7 @@ def test_a_party_that_stopped_reading_does_not_hold_up_the_one_completing_the_ro
         # every push of it taken (its sum parked) before the rounds complete: a frame the
         # server has not read yet waits behind the answers it cannot send (backpressure,
         # as for any client that stops reading); this test is about the other party
-        wait_until(lambda: len(tcp.node.parked) == CHUNKS, "the stalled party's pushes parked")
+        wait_until(lambda: _native.parked() == CHUNKS, "the stalled party's pushes parked")
         sock.settimeout(20.0)              # far below the plane's frame timeout (60 s)
         sums = {}
         for c in range(CHUNKS):
@@ -70,22 +70,8 @@ def test_a_parked_sum_whose_round_never_completes_is_a_timeout(plane):
         assert [(a[0], a[1], a[2]) for a in answers] == [(Status.OK, wire.PUSHED, 5),
                                                           (Status.TIMEOUT, wire.FINAL, 5)]
         assert b"not every party came" in answers[1][3]
-        assert tcp.node.parked.take((1, WORDS, 0)) == []    # nothing left behind
+        assert _native.parked() == 0                        # nothing left behind
         assert _request(sock, 99, Op.PING)[0] == Status.OK
-
-
-def test_room_counts_what_queued_bytes_take_in_the_kernel():
-    with socket.create_server(("127.0.0.1", 0)) as srv:
-        peer = socket.socket()
-        peer.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)   # reads nothing, takes little
-        peer.connect(srv.getsockname())
-        sock, _ = srv.accept()
-        with peer, sock:
-            before = room(sock)
-            sock.setblocking(False)
-            sent = sock.send(bytes(1 << 20))
-            assert sent > 0
-            assert room(sock) <= before - sent     # the payload and its buffers' overhead
 
 
 def test_a_parked_sum_whose_extent_is_released_is_answered_at_once(plane):

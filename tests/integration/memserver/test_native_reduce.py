@@ -1,0 +1,167 @@
+"""A tcp connection's REDUCEs served by the native loop (smb_server/memserver/native/serve.c,
+tcp_native.py): once Python served one of a connection's REDUCEs of an extent, the next
+ones never reach the engine, and they keep every rule the engine keeps: sums exact,
+exactly once across connections (a retry of a natively served request is answered, not
+applied again), refusals and waits that run out answered with typed errors on a
+connection that stays usable, and a client that vanishes mid-payload leaves nothing
+applied. Raw frames against a real tcp plane and arena in this process."""
+from __future__ import annotations
+
+import socket
+
+import numpy as np
+import pytest
+
+from smb_protocol import wire
+from smb_protocol.dtypes import DType
+from smb_protocol.errors import Status
+from smb_protocol.requests import Reduce
+from smb_protocol.rounds import ChunkRound, count_word
+from smb_protocol.wire import Op
+from tests.integration.memserver.planes import _answer, _hello, _request, _send, _ticket
+
+CHUNK = 64 << 10                 # bytes of a chunk (int64)
+WORDS = 2 * CHUNK                # the two slots' count words, after the slots
+N = CHUNK // 8
+
+
+def _reduce(sock: socket.socket, req_id: int, round_: int, parties: int, value: int, seq: int,
+            timeout: float = 30.0, payload: bytes | None = None) -> None:
+    """A REDUCE of ``value`` into the slot of ``round_`` (slots alternate)."""
+    slot = round_ % 2
+    arg0, arg1 = ChunkRound(WORDS + 8 * slot, parties, round_).args()
+    body = np.full(N, value, np.int64).tobytes() if payload is None else payload
+    _send(sock, req_id, Op.REDUCE, 1, slot * CHUNK, CHUNK, int(DType.INT64), arg0, body, seq=seq,
+          arg1=arg1, alpha=timeout)
+
+
+def _pushed_and_sum(sock: socket.socket, req_id: int) -> tuple[int, np.ndarray]:
+    """The REDUCE's two answers: the count word its push found, and its sum."""
+    status, kind, got, body = _answer(sock)
+    assert (status, kind, got) == (Status.OK, wire.PUSHED, req_id), body
+    old = int.from_bytes(body, "little", signed=True)
+    status, kind, got, body = _answer(sock)
+    assert (status, kind, got) == (Status.OK, wire.FINAL, req_id), body
+    return old, np.frombuffer(body, np.int64)
+
+
+@pytest.fixture
+def counted(plane, monkeypatch):
+    """(arena, plane, REDUCEs the engine saw): what the native loop served never gets there."""
+    arena, tcp, _ = plane
+    seen: list[int] = []
+    handle = tcp.engine.handle
+
+    def counting(peer, req):   # type: ignore[no-untyped-def]
+        if isinstance(req, Reduce):
+            seen.append(req.req_id)
+        return handle(peer, req)
+    monkeypatch.setattr(tcp.engine, "handle", counting)
+    return arena, tcp, seen
+
+
+def test_after_the_first_the_reduces_of_a_connection_are_served_natively(counted):
+    arena, tcp, seen = counted
+    with socket.create_connection(("127.0.0.1", tcp.port)) as sock:
+        sock.settimeout(20.0)
+        _hello(sock, _ticket([1]))
+        for r in range(12):
+            _reduce(sock, 10 + r, r, 1, r + 1, seq=100 + 2 * r)
+            old, got = _pushed_and_sum(sock, 10 + r)
+            assert old == (0 if r < 2 else count_word(r - 2, 2))   # the slot's round before: ended
+            np.testing.assert_array_equal(got, np.full(N, r + 1))
+        assert seen == [10]                                           # only the first
+        assert _request(sock, 99, Op.PING)[0] == Status.OK
+    served = tcp.stats.snapshot()
+    assert served["bytes_accumulated"] >= 12 * CHUNK and served["bytes_read"] >= 12 * CHUNK
+
+
+def _answers(sock: socket.socket, n: int) -> dict[tuple[int, int], tuple[int, bytes]]:
+    """The next ``n`` answers by (req_id, kind): (status, body)."""
+    out = {}
+    for _ in range(n):
+        status, kind, req_id, body = _answer(sock)
+        out[req_id, kind] = (status, body)
+    return out
+
+
+def test_a_retry_of_a_natively_served_reduce_is_answered_not_applied_again(counted):
+    arena, tcp, seen = counted
+    with socket.create_connection(("127.0.0.1", tcp.port)) as a, \
+            socket.create_connection(("127.0.0.1", tcp.port)) as b:
+        for s in (a, b):
+            s.settimeout(20.0)
+            _hello(s, _ticket([1]))
+        _reduce(a, 10, 0, 2, 1, seq=100)            # Python's: the extent registers on both
+        _reduce(b, 10, 0, 2, 2, seq=200)
+        for s in (a, b):
+            _pushed_and_sum(s, 10)
+        seen.clear()
+        _reduce(a, 11, 1, 2, 5, seq=102)            # native
+        assert _answer(a)[:3] == (Status.OK, wire.PUSHED, 11)
+        _reduce(b, 12, 1, 2, 5, seq=102)            # a's request again (the same client and number)
+        status, kind, got, body = _answer(b)
+        assert (status, kind, got) == (Status.OK, wire.PUSHED, 12)
+        assert int.from_bytes(body, "little") == 0  # the word the first attempt found
+        assert seen == [12]                         # a number seen before: the Python way
+        _reduce(b, 13, 1, 2, 7, seq=202)            # b's own push completes the round
+        on_b = _answers(b, 3)
+        assert set(on_b) == {(13, wire.PUSHED), (13, wire.FINAL), (12, wire.FINAL)}
+        sums = [on_b[13, wire.FINAL], on_b[12, wire.FINAL], _answer(a)[::3]]
+        for status, body in sums:
+            assert status == Status.OK
+            np.testing.assert_array_equal(np.frombuffer(body, np.int64), np.full(N, 12))   # 5 once, not twice
+        assert seen == [12]
+
+
+def test_a_refused_push_is_answered_and_the_connection_goes_on(counted):
+    arena, tcp, seen = counted
+    with socket.create_connection(("127.0.0.1", tcp.port)) as sock:
+        sock.settimeout(20.0)
+        _hello(sock, _ticket([1]))
+        for r in range(4):
+            _reduce(sock, 10 + r, r, 1, 1, seq=100 + 2 * r)
+            _pushed_and_sum(sock, 10 + r)
+        _reduce(sock, 20, 1, 1, 1, seq=300)         # round 1 again: this party is behind
+        status, kind, got, body = _answer(sock)
+        assert (status, got) == (Status.ROUND_MISMATCH, 20) and b"behind the others" in body
+        assert seen == [10]
+        _reduce(sock, 21, 4, 1, 3, seq=302)         # and goes on
+        np.testing.assert_array_equal(_pushed_and_sum(sock, 21)[1], np.full(N, 3))
+
+
+def test_a_push_whose_slot_stays_busy_is_a_timeout_and_nothing_is_applied(counted):
+    arena, tcp, seen = counted
+    with socket.create_connection(("127.0.0.1", tcp.port)) as sock:
+        sock.settimeout(20.0)
+        _hello(sock, _ticket([1]))
+        _reduce(sock, 10, 0, 2, 1, seq=100, timeout=0.5)   # the other party never comes
+        assert _answer(sock)[:3] == (Status.OK, wire.PUSHED, 10)
+        _reduce(sock, 11, 2, 2, 1, seq=102, timeout=0.3)   # slot 0 still holds round 0
+        answers = _answers(sock, 2)
+        assert set(answers) == {(10, wire.FINAL), (11, wire.FINAL)}
+        for status, body in answers.values():
+            assert status == Status.TIMEOUT and b"not every party came" in body
+        assert seen == [10]
+        word = int(np.frombuffer(arena.get(1).data[WORDS:WORDS + 8], np.int64)[0])
+        assert word == count_word(0, 1)                      # round 2's push never went in
+
+
+def test_a_client_gone_mid_payload_leaves_nothing_applied_and_its_retry_applies_once(counted):
+    arena, tcp, seen = counted
+    with socket.create_connection(("127.0.0.1", tcp.port)) as sock:
+        sock.settimeout(20.0)
+        _hello(sock, _ticket([1]))
+        _reduce(sock, 10, 0, 1, 1, seq=100)
+        _pushed_and_sum(sock, 10)
+        arg0, arg1 = ChunkRound(WORDS + 8, 1, 1).args()
+        head = wire.pack_request(Op.REDUCE, 11, 1, CHUNK, CHUNK, int(DType.INT64), arg0, arg1, 30.0,
+                                 client=0x5EED, seq=102)
+        sock.sendall(head + np.full(N, 4, np.int64).tobytes()[:CHUNK // 2])   # half its payload, then gone
+    with socket.create_connection(("127.0.0.1", tcp.port)) as sock:
+        sock.settimeout(20.0)
+        _hello(sock, _ticket([1]))
+        _reduce(sock, 11, 1, 1, 4, seq=102)                 # the retry: its first attempt applied nothing
+        old, got = _pushed_and_sum(sock, 11)
+        assert old == 0
+        np.testing.assert_array_equal(got, np.full(N, 4))
