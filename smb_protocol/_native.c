@@ -460,7 +460,7 @@ PyMODINIT_FUNC PyInit__native(void)
     __builtin_cpu_init();
     use_f16c = __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx");
 #endif
-    static const struct smb_kernels kernels = {op_add, op_widen, item_size};
+    static const struct smb_kernels kernels = {op_add, op_widen, item_size, op_narrow};
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;

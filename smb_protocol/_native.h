@@ -22,6 +22,8 @@ struct smb_kernels {
     smb_pair_op widen;
     /* the element size of a type code (0: unknown) */
     ptrdiff_t (*item_size)(int code);
+    /* float32 s rounded once into the 16-bit d (code: T_F16 or T_BF16) */
+    smb_pair_op narrow;
 };
 
 #endif

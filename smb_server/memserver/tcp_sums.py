@@ -9,11 +9,10 @@ Where a sum is sent from, fewest threads woken first:
   round, whichever connection or plane it came on, native or Python, sends every sum
   parked for the round from its own thread, without the interpreter;
 * a parked sum whose deadline passed, whose extent went or was blocked, or that cannot
-  be sent the simple way (a 16-bit answer narrowed once per round, its pull's number
-  seen before) is handed back to its connection, which serves it on its deliveries
-  thread (:mod:`.deliveries`) as a pull: answered, or refused with ``Timeout`` once its
-  deadline passed (:func:`hand_back`); one whose connection ended is dropped (the
-  client asks again on a new connection).
+  be sent the simple way (its pull's number seen before) is handed back to its
+  connection, which serves it on its deliveries thread (:mod:`.deliveries`) as a pull:
+  answered, or refused with ``Timeout`` once its deadline passed (:func:`hand_back`);
+  one whose connection ended is dropped (the client asks again on a new connection).
 """
 from __future__ import annotations
 

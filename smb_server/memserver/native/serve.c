@@ -16,7 +16,7 @@
  *   - Conn: one per plain tcp connection (TLS streams stay Python). serve() reads the
  *     next frame's header; a REDUCE of an extent this connection registered (Python
  *     served one of its REDUCEs, so its ticket was checked; the ticket's expiry is
- *     kept and looked at), of a plain element type (its sum is the slot's bytes), with
+ *     kept and looked at), of any chunk types (16-bit pushes widened, answers narrowed), with
  *     sane fields and a fresh exactly-once number, is served here. Every other frame,
  *     and every REDUCE whose number was seen before, returns its header to Python.
  *   - ExtentHandle: an extent's memory, lock and state for native code, with a count of
@@ -94,6 +94,29 @@ static uint64_t get_u64(const unsigned char *p) { uint64_t v; memcpy(&v, p, 8); 
 static uint32_t get_u32(const unsigned char *p) { uint32_t v; memcpy(&v, p, 4); return v; }
 
 static const struct smb_kernels *kernels;
+
+/* A chunk request's types (its dtype byte, smb_protocol/chunk_types.py): the slot's, the
+ * wire's (0: pushed in the slot's type) and the answer's, with their element sizes. */
+struct chunk_types {
+    int slot, wire, answer;
+    ptrdiff_t sent_item, slot_item, answer_item;
+};
+
+/* Decode ``code``: 1, or 0 for a byte the native loop leaves to Python (it refuses what
+ * names no types, with its own message). */
+static int chunk_types(int code, struct chunk_types *t)
+{
+    int slot = code & 0x0F, wire = (code >> 4) & 0x07, full = (code & 0x80) != 0;
+    if (wire == 0 ? full || slot < T_F32 || slot > T_I64 : slot != T_F32 || (wire != T_F16 && wire != T_BF16))
+        return 0;
+    t->slot = slot;
+    t->wire = wire;
+    t->answer = wire && !full ? wire : slot;
+    t->slot_item = kernels->item_size(slot);
+    t->sent_item = kernels->item_size(wire ? wire : slot);
+    t->answer_item = kernels->item_size(t->answer);
+    return 1;
+}
 
 /* -- extents -------------------------------------------------------------------------- */
 
@@ -275,8 +298,8 @@ struct owed {
     struct xt *x;             /* referenced */
     uint32_t req_id;
     uint64_t client, seq;     /* the pull's number (the push's + 1; 0: not tracked) */
-    int64_t offset, length, word, parties, round;
-    int dtype;
+    int64_t offset, length, word, parties, round;   /* length: the bytes pushed (the pull's) */
+    int dtype;                /* the chunk's types (dtype byte) */
     double deadline;          /* monotonic */
 };
 
@@ -551,6 +574,22 @@ static int conn_send(struct conn *c, struct iovec *iov, int n, int more, int at_
     return rc;
 }
 
+/* A buffer of ``n`` bytes for a sum narrowed on this thread (kept for its next one);
+ * NULL when memory is short. */
+static void *narrowing(ptrdiff_t n)
+{
+    static __thread void *buf;
+    static __thread ptrdiff_t size;
+    if (n > size) {
+        void *bigger = realloc(buf, (size_t)n);
+        if (bigger == NULL)
+            return NULL;
+        buf = bigger;
+        size = n;
+    }
+    return buf;
+}
+
 /* Serve the sum ``o`` owes, the simple way: its pull's number fresh, the round's sum
  * ready, the extent open: the slot's bytes go out under the owner's send lock, then
  * the pull is counted (under the extent's lock) and its entry finished. Anything else
@@ -566,7 +605,8 @@ static void deliver(struct owed *o, struct conn *self)
         owed_free(o);
         return;
     }
-    if (o->dtype < 1 || o->dtype > 6 || !xt_use(x)) {   /* a sum sent narrowed, or its extent not open */
+    struct chunk_types t;
+    if (!chunk_types(o->dtype, &t) || o->length % t.sent_item || !xt_use(x)) {
         hand_back(o);
         return;
     }
@@ -590,9 +630,23 @@ static void deliver(struct owed *o, struct conn *self)
         hand_back(o);
         return;
     }
+    ptrdiff_t n = o->length / t.sent_item;
+    void *sum = x->base + o->offset;
+    if (t.answer != t.slot) {   /* rounded once to the wire type, here (the same bytes as Python's) */
+        if ((sum = narrowing(n * t.answer_item)) == NULL) {
+            if (entry != NULL) {
+                dd_interrupt(c->dd, entry);
+                dd_entry_decref(entry);
+            }
+            xt_unuse(x);
+            hand_back(o);
+            return;
+        }
+        kernels->narrow(sum, x->base + o->offset, 0.0, t.wire, n);
+    }
     unsigned char head[ANSWER_BYTES];
-    pack_answer(head, 0, KIND_FINAL, o->req_id, (uint64_t)o->length);
-    struct iovec iov[2] = {{head, ANSWER_BYTES}, {x->base + o->offset, (size_t)o->length}};
+    pack_answer(head, 0, KIND_FINAL, o->req_id, (uint64_t)(n * t.answer_item));
+    struct iovec iov[2] = {{head, ANSWER_BYTES}, {sum, (size_t)(n * t.answer_item)}};
     int sent = conn_send(c, iov, 2, 0, c != self);
     if (sent != 0) {
         if (entry != NULL) {
@@ -606,7 +660,7 @@ static void deliver(struct owed *o, struct conn *self)
             owed_free(o);
         return;
     }
-    __atomic_fetch_add(&c->bytes_read, (uint64_t)o->length, __ATOMIC_RELAXED);
+    __atomic_fetch_add(&c->bytes_read, (uint64_t)(n * t.answer_item), __ATOMIC_RELAXED);
     __atomic_fetch_add(&c->operations, 1, __ATOMIC_RELAXED);
     pthread_mutex_lock(x->mu);
     __atomic_store_n(count, (int64_t)((uint64_t)__atomic_load_n(count, __ATOMIC_ACQUIRE) + 1), __ATOMIC_RELEASE);
@@ -877,15 +931,17 @@ static int reduce(struct conn *c, const unsigned char *h, struct xt *x, double f
     double timeout;
     memcpy(&timeout, h + 48, 8);
     uint64_t client = get_u64(h + 56), seq = get_u64(h + 64);
-    ptrdiff_t item = kernels->item_size(dtype);
     int64_t word = arg0 & ((INT64_C(1) << WORD_BITS) - 1), parties = arg0 >> WORD_BITS;
     int64_t round = arg1 & (ROOT_BIT - 1);
     int root = (arg1 & ROOT_BIT) != 0;
+    struct chunk_types t;
     /* whatever Python would refuse or treat specially stays Python's */
-    if (dtype < 1 || dtype > 6 || item == 0 || arg0 < 0 || arg1 < 0 || parties < 1 || parties > MAX_PARTIES
-        || length < 0 || length > MAX_CHUNK || offset < 0 || offset % item || length % item
-        || offset > x->length - length || word % 8 || word > x->length - 8
-        || (word < offset + length && offset < word + 8) || !(timeout >= 0) || round > ROUND_LIMIT)
+    if (!chunk_types(dtype, &t) || arg0 < 0 || arg1 < 0 || parties < 1 || parties > MAX_PARTIES
+        || length < 0 || length % t.sent_item || !(timeout >= 0) || round > ROUND_LIMIT)
+        return 0;
+    int64_t n = length / t.sent_item, span = n * t.slot_item;   /* elements; the slot's bytes */
+    if (span > MAX_CHUNK || offset < 0 || offset % t.slot_item || offset > x->length - span || word % 8
+        || word > x->length - 8 || (word < offset + span && offset < word + 8))
         return 0;
     struct dd_entry *entry = NULL;
     if (seq) {
@@ -929,10 +985,12 @@ static int reduce(struct conn *c, const unsigned char *h, struct xt *x, double f
         step = round_admit_push(old, parties, round, root, &value);
         if (step == R_START || step == R_JOIN) {
             char *dst = x->base + offset;
-            if (step == R_START)
+            if (t.wire)
+                kernels->widen(dst, c->buf, step == R_JOIN ? 1.0 : 0.0, t.wire, n);
+            else if (step == R_START)
                 memcpy(dst, c->buf, (size_t)length);
             else
-                kernels->add(dst, c->buf, 0.0, dtype, length / item);
+                kernels->add(dst, c->buf, 0.0, t.slot, n);
             __atomic_store_n(count, value, __ATOMIC_RELEASE);
         }
         pthread_mutex_unlock(x->mu);

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from smb_protocol import wire
-from smb_protocol.dtypes import DType
+from smb_protocol.chunk_types import ChunkTypes, narrow, widen
+from smb_protocol.dtypes import STORAGE, DType
 from smb_protocol.errors import Status
 from smb_protocol.requests import Reduce
 from smb_protocol.rounds import ChunkRound, count_word
@@ -165,3 +166,42 @@ def test_a_client_gone_mid_payload_leaves_nothing_applied_and_its_retry_applies_
         old, got = _pushed_and_sum(sock, 11)
         assert old == 0
         np.testing.assert_array_equal(got, np.full(N, 4))
+
+
+@pytest.mark.parametrize("wire_type, full", [(DType.BFLOAT16, False), (DType.FLOAT16, False),
+                                             (DType.BFLOAT16, True)], ids=["bf16", "fp16", "bf16-full"])
+def test_16_bit_pushes_are_summed_in_float32_and_answered_as_python_answers_them(counted, wire_type, full):
+    arena, tcp, seen = counted
+    types = ChunkTypes(DType.FLOAT32, wire_type, full)
+    n = CHUNK // 4                                   # float32 elements of a slot
+    rng = np.random.default_rng(7)
+    with socket.create_connection(("127.0.0.1", tcp.port)) as a, \
+            socket.create_connection(("127.0.0.1", tcp.port)) as b:
+        for s in (a, b):
+            s.settimeout(20.0)
+            _hello(s, _ticket([1]))
+        for r in range(3):                           # round 0 the Python way, then natively
+            pushes = [rng.standard_normal(n).astype(np.float32) for _ in range(2)]
+            wires = [np.empty(n, STORAGE[wire_type]) for _ in range(2)]
+            for p, w in zip(pushes, wires, strict=True):
+                narrow(p, wire_type, w)
+            for i, (s, w) in enumerate(zip((a, b), wires, strict=True)):
+                arg0, arg1 = ChunkRound(WORDS + 8 * (r % 2), 2, r).args()
+                _send(s, 10 + r, Op.REDUCE, 1, (r % 2) * CHUNK, w.nbytes, types.code(), arg0, w.tobytes(),
+                      seq=100 * (i + 1) + 2 * r, arg1=arg1, alpha=30.0)
+            wide = []
+            for w in wires:
+                f = np.empty(n, np.float32)
+                widen(w, wire_type, f)
+                wide.append(f)
+            total = wide[0] + wide[1]                # float32, rounded once below (or not: full)
+            want = total.tobytes()
+            if not full:
+                out = np.empty(n, STORAGE[wire_type])
+                narrow(total, wire_type, out)
+                want = out.tobytes()
+            for s in (a, b):
+                on = _answers(s, 2)
+                assert on[10 + r, wire.PUSHED][0] == Status.OK
+                assert on[10 + r, wire.FINAL] == (Status.OK, want)
+        assert seen == [10, 10]                      # each connection's first only
