@@ -997,8 +997,19 @@ static int reduce(struct conn *c, const unsigned char *h, struct xt *x, double f
         xt_unuse(x);
         if (step != R_WAIT)
             break;
-        /* the slot's previous round is still being pulled: look again shortly */
-        if (mono_now() >= deadline || atomic_load(&c->ended)) {
+        /* the slot's previous round is still being pulled: look again shortly, while
+         * the client is there (a peer that left, or a plane closing its socket, ends it) */
+        struct pollfd gone = {c->fd, POLLRDHUP, 0};
+        if (atomic_load(&c->ended) || (poll(&gone, 1, 0) > 0 && gone.revents & (POLLRDHUP | POLLHUP | POLLERR))) {
+            if (entry != NULL) {
+                dd_interrupt(c->dd, entry);
+                dd_entry_decref(entry);
+            }
+            out->kind = EV_DROP;
+            out->drop = DROP_BROKEN;
+            return 1;
+        }
+        if (mono_now() >= deadline) {
             out->kind = EV_ABSENT;
             out->v[1] = x->extent_id;
             out->v[2] = word;

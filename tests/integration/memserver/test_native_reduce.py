@@ -8,6 +8,7 @@ applied. Raw frames against a real tcp plane and arena in this process."""
 from __future__ import annotations
 
 import socket
+import threading
 
 import numpy as np
 import pytest
@@ -19,6 +20,8 @@ from smb_protocol.errors import Status
 from smb_protocol.requests import Reduce
 from smb_protocol.rounds import ChunkRound, count_word
 from smb_protocol.wire import Op
+from smb_server.memserver import _native
+from smb_server.testing import wait_until
 from tests.integration.memserver.planes import _answer, _hello, _request, _send, _ticket
 
 CHUNK = 64 << 10                 # bytes of a chunk (int64)
@@ -205,3 +208,20 @@ def test_16_bit_pushes_are_summed_in_float32_and_answered_as_python_answers_them
                 assert on[10 + r, wire.PUSHED][0] == Status.OK
                 assert on[10 + r, wire.FINAL] == (Status.OK, want)
         assert seen == [10, 10]                      # each connection's first only
+
+
+def test_a_push_waiting_for_its_slot_ends_when_the_plane_closes(counted):
+    arena, tcp, seen = counted
+    with socket.create_connection(("127.0.0.1", tcp.port)) as sock:
+        sock.settimeout(20.0)
+        _hello(sock, _ticket([1]))
+        _reduce(sock, 10, 0, 2, 1, seq=100)                 # the other party never comes
+        assert _answer(sock)[:3] == (Status.OK, wire.PUSHED, 10)
+        _reduce(sock, 11, 2, 2, 1, seq=102, timeout=60.0)   # waits natively: slot 0 holds round 0
+        wait_until(lambda: _native.parked() == 1, "round 0's sum parked")
+        served = [t for t in threading.enumerate() if t.name.startswith("tcp-127.0.0.1")]
+        assert len(served) == 1                             # the connection's thread, in the loop
+        tcp.close()
+        # its thread ends with the plane, not when the push's 60 s run out
+        wait_until(lambda: not served[0].is_alive(), "the waiting connection's thread ended", timeout=15.0)
+        assert seen == [10]
