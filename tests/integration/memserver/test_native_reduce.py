@@ -15,12 +15,12 @@ import pytest
 
 from smb_protocol import wire
 from smb_protocol.chunk_types import ChunkTypes, narrow, widen
-from smb_protocol.dtypes import STORAGE, DType
+from smb_protocol.dtypes import STORAGE, DType, f32_to_bf16
 from smb_protocol.errors import Status
 from smb_protocol.requests import Reduce
 from smb_protocol.rounds import ChunkRound, count_word
 from smb_protocol.wire import Op
-from smb_server.memserver import _native
+from smb_server.memserver import _native, kernels
 from smb_server.testing import wait_until
 from tests.integration.memserver.planes import _answer, _hello, _request, _send, _ticket
 
@@ -215,13 +215,52 @@ def test_a_push_waiting_for_its_slot_ends_when_the_plane_closes(counted):
     with socket.create_connection(("127.0.0.1", tcp.port)) as sock:
         sock.settimeout(20.0)
         _hello(sock, _ticket([1]))
+        before = _native.parked()
         _reduce(sock, 10, 0, 2, 1, seq=100)                 # the other party never comes
         assert _answer(sock)[:3] == (Status.OK, wire.PUSHED, 10)
         _reduce(sock, 11, 2, 2, 1, seq=102, timeout=60.0)   # waits natively: slot 0 holds round 0
-        wait_until(lambda: _native.parked() == 1, "round 0's sum parked")
+        wait_until(lambda: _native.parked() == before + 1, "round 0's sum parked")
         served = [t for t in threading.enumerate() if t.name.startswith("tcp-127.0.0.1")]
         assert len(served) == 1                             # the connection's thread, in the loop
         tcp.close()
         # its thread ends with the plane, not when the push's 60 s run out
         wait_until(lambda: not served[0].is_alive(), "the waiting connection's thread ended", timeout=15.0)
         assert seen == [10]
+
+
+@pytest.mark.parametrize("dt", [DType.FLOAT32, DType.FLOAT64, DType.FLOAT16, DType.BFLOAT16, DType.INT32,
+                                DType.INT64], ids=lambda d: d.name.lower())
+def test_every_element_type_is_summed_natively_as_the_kernels_sum_it(counted, dt):
+    arena, tcp, seen = counted
+    size = STORAGE[dt].itemsize
+    n = CHUNK // size
+    rng = np.random.default_rng(int(dt))
+    with socket.create_connection(("127.0.0.1", tcp.port)) as a, \
+            socket.create_connection(("127.0.0.1", tcp.port)) as b:
+        for s in (a, b):
+            s.settimeout(20.0)
+            _hello(s, _ticket([1]))
+        for r in range(3):
+            if dt in (DType.INT32, DType.INT64):   # wrapping sums, exact
+                info = np.iinfo(STORAGE[dt])
+                pushes = [rng.integers(info.min, info.max, n, dtype=STORAGE[dt], endpoint=True) for _ in range(2)]
+            else:
+                pushes = [_floats(rng, n, dt) for _ in range(2)]
+            want = np.zeros(n, STORAGE[dt])
+            kernels.accumulate(want.data.cast("B"), pushes[0].data.cast("B"), dt)
+            kernels.accumulate(want.data.cast("B"), pushes[1].data.cast("B"), dt)
+            for i, (s, p) in enumerate(zip((a, b), pushes, strict=True)):
+                arg0, arg1 = ChunkRound(WORDS + 8 * (r % 2), 2, r).args()
+                _send(s, 10 + r, Op.REDUCE, 1, (r % 2) * CHUNK, p.nbytes, int(dt), arg0, p.tobytes(),
+                      seq=100 * (i + 1) + 2 * r, arg1=arg1, alpha=30.0)
+            for s in (a, b):
+                on = _answers(s, 2)
+                assert on[10 + r, wire.FINAL] == (Status.OK, want.tobytes())
+        assert seen == [10, 10]
+
+
+def _floats(rng: np.random.Generator, n: int, dt: DType) -> np.ndarray:
+    x = rng.standard_normal(n).astype(np.float32)
+    if dt is DType.BFLOAT16:
+        return f32_to_bf16(x)
+    return x.astype(STORAGE[dt])
