@@ -220,8 +220,9 @@ def test_a_push_waiting_for_its_slot_ends_when_the_plane_closes(counted):
         assert _answer(sock)[:3] == (Status.OK, wire.PUSHED, 10)
         _reduce(sock, 11, 2, 2, 1, seq=102, timeout=60.0)   # waits natively: slot 0 holds round 0
         wait_until(lambda: _native.parked() == before + 1, "round 0's sum parked")
-        served = [t for t in threading.enumerate() if t.name.startswith("tcp-127.0.0.1")]
-        assert len(served) == 1                             # the connection's thread, in the loop
+        name = f"tcp-127.0.0.1:{sock.getsockname()[1]}"    # the connection's thread, in the loop
+        served = [t for t in threading.enumerate() if t.name == name]
+        assert len(served) == 1
         tcp.close()
         # its thread ends with the plane, not when the push's 60 s run out
         wait_until(lambda: not served[0].is_alive(), "the waiting connection's thread ended", timeout=15.0)
