@@ -131,7 +131,8 @@ def training_run(tb: Testbed, s: Settings, scheme: str, name: str, spare: int | 
     if scheme == "sync":
         wspec = {**common, "mode": "elastic_sync", "world": world, "prefix": prefix, "data": str(data),
                  "batch": s.batch, "hidden": s.hidden, "seed": s.seed, "epochs": s.epochs, "lr": s.lr,
-                 "momentum": s.momentum, "replicas": s.replicas, "result_dir": str(results)}
+                 "momentum": s.momentum, "replicas": s.replicas, "result_dir": str(results),
+                 "action": action, "signal_dir": str(sig)}
     else:
         wspec = {**common, "mode": "train", "world": world, "argv": _digits_argv(s, job, data, results)}
     groups: dict[str, list[str]] = {"servers": [f"srv{i}" for i in range(len(tb.server_info))],

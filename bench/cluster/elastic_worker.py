@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 
 BARRIER_TIMEOUT = 300.0    # seconds
 FILE_WAIT = 120.0          # seconds the mover waits for the spare server to join
+AFTER_STEPS = 50           # steps a synchronous run trains at least after the move ended
 
 
 def _client(spec: dict[str, Any], token: str | None = None) -> Client:
@@ -68,8 +69,11 @@ def train_sync(spec: dict[str, Any]) -> dict[str, Any]:
                            **replicas)
         opt = torch.optim.SGD(model.parameters(), lr=spec["lr"], momentum=spec["momentum"])
         total_steps = len(t["y_train"]) // (world * b) * spec["epochs"]
-        counters = SharedCounters(store.region("counters"), rank, world, "master", total_steps, lockstep=True)
+        # no rule fires: rank 0 asks everyone to stop (_done), in lockstep, once the run has
+        # its steps and the move, if any, is over with steps after it
+        counters = SharedCounters(store.region("counters"), rank, world, "master", 0, lockstep=True)
         dp = SyncDataParallel(store, rank, world, overlap=True, counters=counters)
+        done = _Done(spec, total_steps)
         # [time.time() at its end, seconds, seconds waiting for the exchange, loss] per step
         steps: list[tuple[float, float, float, float]] = []
         client.barrier(f"{prefix}/start", world, timeout=BARRIER_TIMEOUT)
@@ -81,6 +85,8 @@ def train_sync(spec: dict[str, Any]) -> dict[str, Any]:
                 idx = batch[rank * b:(rank + 1) * b]
                 loss = train_step(model, opt, t["x_train"][idx], t["y_train"][idx], dp)
                 steps.append((time.time(), time.perf_counter() - s0, dp.comm_wait - w0, loss.item()))
+                if rank == 0 and done(len(steps)):
+                    counters.request_stop()
                 if dp.stop:
                     break
             epoch += 1
@@ -94,6 +100,29 @@ def train_sync(spec: dict[str, Any]) -> dict[str, Any]:
                   "weight_bytes": int(weights.size)}
         store.close()              # the check reads it, then deletes it
     return result
+
+
+class _Done:
+    """Whether a synchronous run has trained enough (rank 0 asks, after every step): its
+    ``total_steps``, and where the mover moves data, also :data:`AFTER_STEPS` steps after
+    the move ended (``moved.json``), so that the run's steps before, during and after the
+    move are measured however fast training is; or once the mover gave up
+    (``mover_done.json``)."""
+
+    def __init__(self, spec: dict[str, Any], total_steps: int) -> None:
+        self.total_steps = total_steps
+        self.waits = spec.get("action", "none") != "none"
+        self.sig = Path(spec["signal_dir"]) if self.waits else None
+        self.moved_at: int | None = None
+
+    def __call__(self, steps: int) -> bool:
+        if steps < self.total_steps:
+            return False
+        if self.sig is None or (self.sig / "mover_done.json").exists():
+            return True
+        if self.moved_at is None and (self.sig / "moved.json").exists():
+            self.moved_at = steps
+        return self.moved_at is not None and steps >= self.moved_at + AFTER_STEPS
 
 
 # -- mover ------------------------------------------------------------------------------
@@ -203,6 +232,7 @@ def mover(spec: dict[str, Any]) -> dict[str, Any]:
                 out["moved"].append([now, moved])
                 if done:
                     out["move_end"] = now
+                    signal_files.write(sig / "moved.json", {"time": now})   # the workers may stop
                     out["bytes_moved"] = moved
                     out["servers_after_move"] = servers
                     out["heads_after"] = store_bytes(c, prefix, primaries=True)
@@ -219,6 +249,7 @@ def mover(spec: dict[str, Any]) -> dict[str, Any]:
             time.sleep(poll)
         else:
             out["timed_out"] = True
+        signal_files.write(sig / "mover_done.json", {"time": time.time()})
         out["phase"] = phase
         out["servers_end"] = _servers(admin)
         try:
