@@ -5,8 +5,8 @@ pair's pushes).
 A ``REDUCE`` is served in two halves. The connection's own thread receives the chunk,
 applies the push (exactly once) and answers that it did; the sum goes back once every
 party's push is in. On the tcp plane the push that completes the round sends it
-(:mod:`.tcp_sums`); what it cannot send at once (the socket is full, or the sum was
-handed back by the parking watchdog) is queued here, and one thread per connection
+(:mod:`.tcp_sums`, ``native/serve.c``); what it cannot send at once (the socket is full,
+or the native loop handed the sum back) is queued here, and one thread per connection
 serves the queue in order: it waits until the chunk's count shows every party's push,
 sends the sum under the request's ``req_id`` and counts the pull
 (:func:`.collective_ops.pull`, exactly once under ``seq + 1``), or answers the error it

@@ -2,6 +2,8 @@
 rdma, against a real local cluster (controller + two memory servers with rdma)."""
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import pytest
 
@@ -62,3 +64,20 @@ def test_read_only_handle(cluster, tclient, name):
     ro.close()
     r.close()
     tclient.delete_region(name)
+
+
+def test_a_region_deleted_under_every_pooled_queue_pair_leaves_the_next_one_usable(tclient, name):
+    """The server closes every queue pair that carried a deleted region's ticket; the
+    client learns it one QP at a time, and keeps connecting new ones until one works
+    (it gave up after the second closed QP of a pool of two, before)."""
+    a = tclient.create_region(f"{name}-a", 4 * MiB, stripe_unit=MiB)
+    a.write(0, np.ones(MiB, np.float32))
+    with ThreadPoolExecutor(4) as pool:   # every pooled QP of every server carries a's ticket
+        for got in pool.map(lambda _: a.read(0, 4 * MiB), range(16)):
+            assert len(got) == 4 * MiB
+    tclient.delete_region(f"{name}-a")
+    a.close()
+    b = tclient.create_region(f"{name}-b", 4 * MiB, stripe_unit=MiB)
+    b.write(0, np.full(MiB, 2, np.float32))
+    np.testing.assert_array_equal(np.frombuffer(b.read(0, 4 * MiB), np.float32), np.full(MiB, 2))
+    tclient.delete_region(f"{name}-b")

@@ -81,8 +81,11 @@ class RdmaSession(Session):
     # -- running an operation -------------------------------------------------------------
     def _do(self, ticket: str, fn: Callable[[RdmaConnection, TicketKeys], Any]) -> Any:
         """Run ``fn`` on a queue pair that carries ``ticket``; on an error completion,
-        drop the QP and, when a new Connect may help, run it once more on a fresh one."""
-        for attempt in (0, 1):
+        drop the QP and, when a new Connect may help, run it again, until a fresh QP was
+        tried: the pool's other idle QPs may be broken the same way (the server closes
+        every QP that carried a deleted region's ticket), and each failure drops one, so
+        after ``pool.size`` of them the pool connects a new one."""
+        for attempt in range(self.pool.size + 1):
             conn = self.pool.acquire()
             try:
                 keys = conn.keys(ticket)
@@ -90,7 +93,7 @@ class RdmaSession(Session):
                 return fn(conn, keys)
             except Broken as exc:
                 conn.broken = True
-                if attempt == 0 and exc.reconnect:
+                if attempt < self.pool.size and exc.reconnect:
                     log.info("%s: %s; connecting again", self.where, exc.error)
                     continue
                 raise exc.error from None
