@@ -1,11 +1,12 @@
 """The CPU cores a daemon's process runs on (the memory server's ``cpus`` setting).
 
-A memory server's request threads share one interpreter lock. Left to roam, the threads
+A memory server's Python request threads share one interpreter lock. Left to roam, they
 run on several cores and hand the lock across them, each hand-over a wake-up on another
 core with the interpreter's state cold in its cache; on one core the same work costs
-about half the CPU (measured: docs/benchmarks.md, "A memory server on one core"). So a
-server on a host with more cores is best pinned to one, or to one core per server where
-a host runs a server per core. systemd's ``CPUAffinity=`` does the same for a unit.
+about half the CPU (measured: docs/benchmarks.md, "The server path alone"). The
+collective's chunk requests over tcp are served in C without that lock, one thread per
+connection, and use as many cores as the setting gives (docs/operations.md, "A memory
+server's cores"). systemd's ``CPUAffinity=`` does the same for a unit.
 """
 from __future__ import annotations
 

@@ -158,8 +158,8 @@ class ServerConfig:
                                               "presented a valid ticket yet; one more evicts the "
                                               "oldest of the user holding the most", minimum=1)
     cpus: str = _f("", "CPU cores the server's process runs on, as taskset names them (e.g. 2 "
-                   "or 0-3); empty: any. Its request threads share one interpreter lock, so "
-                   "one core serves them best (docs/operations.md)", "cpus")
+                   "or 0-3); empty: any. Collectives over tcp run on as many cores as it has; "
+                   "its Python request threads share one interpreter lock (docs/operations.md)", "cpus")
     metrics_port: int = _port(0, "Prometheus /metrics and /healthz HTTP port (0: off)")
     metrics_host: str = _f("", "address of the metrics endpoint (default: listen_host)")
     ready_file: str = _f("", "written with the server id once registered")
