@@ -208,9 +208,9 @@ static int64_t *count_at(Py_buffer *data, long long word)
  * an admitted push stores (R_START) or adds ``nbytes`` of ``src`` into ``dst``, widened
  * from 16 bits where ``wire_code`` says, then stores the new word. Types and bounds
  * are the caller's to check. Returns 0, or the lock's error (nothing done). */
-static int chunk_push(pthread_mutex_t *mu, int64_t *count, void *dst, const void *src, ptrdiff_t nbytes,
-                      int slot_code, int wire_code, int64_t parties, int64_t round, int root,
-                      int *step, int64_t *old, int64_t *value)
+int chunk_push(pthread_mutex_t *mu, int64_t *count, void *dst, const void *src, ptrdiff_t nbytes,
+               int slot_code, int wire_code, int64_t parties, int64_t round, int root,
+               int *step, int64_t *old, int64_t *value)
 {
     int rc = pthread_mutex_lock(mu);
     if (rc != 0)
@@ -285,6 +285,15 @@ done:
     return result;
 }
 
+/* Count a pull on the count word ``count``, under the extent's lock (the caller's);
+ * returns the word before. */
+int64_t chunk_pull_counted(int64_t *count)
+{
+    int64_t old = __atomic_load_n(count, __ATOMIC_ACQUIRE);
+    __atomic_store_n(count, (int64_t)((uint64_t)old + 1), __ATOMIC_RELEASE);
+    return old;
+}
+
 PyDoc_STRVAR(pull_count_doc,
 "pull_count(lock, data, word)\n--\n\n"
 "Count a pull: add one to the count word at byte ``word`` of ``data`` under ``lock``;\n"
@@ -303,8 +312,7 @@ static PyObject *py_pull_count(PyObject *Py_UNUSED(self), PyObject *args)
         MutexObject *mu = (MutexObject *)lock;
         int64_t old;
         if (lock_taking(&mu->m->mu, -1) > 0) {
-            old = __atomic_load_n(count, __ATOMIC_ACQUIRE);
-            __atomic_store_n(count, (int64_t)((uint64_t)old + 1), __ATOMIC_RELEASE);
+            old = chunk_pull_counted(count);
             pthread_mutex_unlock(&mu->m->mu);
             result = PyLong_FromLongLong(old);
         }

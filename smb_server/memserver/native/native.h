@@ -20,6 +20,16 @@ struct smb_mutex *smb_mutex_hold(PyObject *mutex);
 void smb_mutex_drop(struct smb_mutex *m);
 pthread_mutex_t *smb_mutex_of(struct smb_mutex *m);
 
+/* chunks.c's steps of a collective chunk, for serve.c (without the interpreter): a push
+ * under the extent's lock ``mu`` (0, or the lock's error), and a pull counted under it
+ * (the caller holds it; returns the word before). */
+#include <stddef.h>
+#include <stdint.h>
+int chunk_push(pthread_mutex_t *mu, int64_t *count, void *dst, const void *src, ptrdiff_t nbytes,
+               int slot_code, int wire_code, int64_t parties, int64_t round, int root,
+               int *step, int64_t *old, int64_t *value);
+int64_t chunk_pull_counted(int64_t *count);
+
 /* The exactly-once table of dedup.c, for C callers (a native request loop). Every
  * function below may run WITHOUT the interpreter lock unless it says otherwise; none
  * calls into Python. The table's mutex is internal: each function takes it for a short

@@ -374,11 +374,6 @@ static size_t park_bucket(const struct xt *x, int64_t word, int64_t round)
     return (size_t)(h >> 40) % PARK_BUCKETS;
 }
 
-static int owed_key_is(const struct owed *o, const struct xt *x, int64_t word, int64_t round)
-{
-    return o->x == x && o->word == word && o->round == round;
-}
-
 static void park(struct owed *o)
 {
     size_t b = park_bucket(o->x, o->word, o->round);
@@ -389,15 +384,14 @@ static void park(struct owed *o)
     pthread_mutex_unlock(&park_mu);
 }
 
-/* Every parked sum of the round, taken out (a list through ->next). */
-static struct owed *take_round(const struct xt *x, int64_t word, int64_t round)
+/* Move the sums of the list at ``head`` that ``match`` (with ``arg``) onto ``taken``;
+ * returns the new ``taken``. Under park_mu. */
+static struct owed *unlink_matching(struct owed **head, int (*match)(const struct owed *, const void *),
+                                    const void *arg, struct owed *taken)
 {
-    size_t b = park_bucket(x, word, round);
-    struct owed *taken = NULL;
-    pthread_mutex_lock(&park_mu);
-    for (struct owed **p = &parked[b]; *p != NULL;) {
+    for (struct owed **p = head; *p != NULL;) {
         struct owed *o = *p;
-        if (owed_key_is(o, x, word, round)) {
+        if (match(o, arg)) {
             *p = o->next;
             o->next = taken;
             taken = o;
@@ -406,6 +400,23 @@ static struct owed *take_round(const struct xt *x, int64_t word, int64_t round)
             p = &o->next;
         }
     }
+    return taken;
+}
+
+struct round_key { const struct xt *x; int64_t word, round; };
+
+static int of_round(const struct owed *o, const void *arg)
+{
+    const struct round_key *k = arg;
+    return o->x == k->x && o->word == k->word && o->round == k->round;
+}
+
+/* Every parked sum of the round, taken out (a list through ->next). */
+static struct owed *take_round(const struct xt *x, int64_t word, int64_t round)
+{
+    struct round_key key = {x, word, round};
+    pthread_mutex_lock(&park_mu);
+    struct owed *taken = unlink_matching(&parked[park_bucket(x, word, round)], of_round, &key, NULL);
     pthread_mutex_unlock(&park_mu);
     return taken;
 }
@@ -428,6 +439,14 @@ static int reclaim(struct owed *o)
     return found;
 }
 
+struct overdue { const struct conn *c; int all; double now; };
+
+static int is_overdue(const struct owed *o, const void *arg)
+{
+    const struct overdue *d = arg;
+    return o->owner == d->c && (d->all || d->now >= o->deadline || atomic_load(&o->x->state) != XT_OPEN);
+}
+
 /* The parked sums of ``c`` that are overdue (deadline passed, extent gone or blocked, or
  * ``all``: the connection ends), taken out (a list through ->next). */
 static struct owed *take_overdue(struct conn *c, int all)
@@ -435,21 +454,10 @@ static struct owed *take_overdue(struct conn *c, int all)
     struct owed *taken = NULL;
     if (atomic_load(&parked_count) == 0)
         return NULL;
-    double now = mono_now();
+    struct overdue d = {c, all, mono_now()};
     pthread_mutex_lock(&park_mu);
-    for (size_t b = 0; b < PARK_BUCKETS; b++) {
-        for (struct owed **p = &parked[b]; *p != NULL;) {
-            struct owed *o = *p;
-            if (o->owner == c && (all || now >= o->deadline || atomic_load(&o->x->state) != XT_OPEN)) {
-                *p = o->next;
-                o->next = taken;
-                taken = o;
-                atomic_fetch_sub(&parked_count, 1);
-            } else {
-                p = &o->next;
-            }
-        }
-    }
+    for (size_t b = 0; b < PARK_BUCKETS; b++)
+        taken = unlink_matching(&parked[b], is_overdue, &d, taken);
     pthread_mutex_unlock(&park_mu);
     return taken;
 }
@@ -478,6 +486,15 @@ static void hand_back(struct owed *o)
     uint64_t one = 1;
     ssize_t n = write(c->evfd, &one, sizeof one);
     (void)n;   /* a full eventfd counter still wakes the reader */
+}
+
+/* An owned exactly-once entry given up part way (NULL: none): a retry runs it. */
+static void entry_drop(struct dd_table *t, struct dd_entry *e)
+{
+    if (e != NULL) {
+        dd_interrupt(t, e);
+        dd_entry_decref(e);
+    }
 }
 
 /* -- sending ------------------------------------------------------------------------------- */
@@ -622,10 +639,7 @@ static void deliver(struct owed *o, struct conn *self)
     }
     int64_t *count = (int64_t *)(x->base + o->word), value;
     if (round_admit_pull(__atomic_load_n(count, __ATOMIC_ACQUIRE), o->parties, o->round, &value) != R_GO) {
-        if (entry != NULL) {
-            dd_interrupt(c->dd, entry);
-            dd_entry_decref(entry);
-        }
+        entry_drop(c->dd, entry);
         xt_unuse(x);
         hand_back(o);
         return;
@@ -634,10 +648,7 @@ static void deliver(struct owed *o, struct conn *self)
     void *sum = x->base + o->offset;
     if (t.answer != t.slot) {   /* rounded once to the wire type, here (the same bytes as Python's) */
         if ((sum = narrowing(n * t.answer_item)) == NULL) {
-            if (entry != NULL) {
-                dd_interrupt(c->dd, entry);
-                dd_entry_decref(entry);
-            }
+            entry_drop(c->dd, entry);
             xt_unuse(x);
             hand_back(o);
             return;
@@ -649,10 +660,7 @@ static void deliver(struct owed *o, struct conn *self)
     struct iovec iov[2] = {{head, ANSWER_BYTES}, {sum, (size_t)(n * t.answer_item)}};
     int sent = conn_send(c, iov, 2, 0, c != self);
     if (sent != 0) {
-        if (entry != NULL) {
-            dd_interrupt(c->dd, entry);
-            dd_entry_decref(entry);
-        }
+        entry_drop(c->dd, entry);
         xt_unuse(x);
         if (sent > 0)
             hand_back(o);
@@ -663,7 +671,7 @@ static void deliver(struct owed *o, struct conn *self)
     __atomic_fetch_add(&c->bytes_read, (uint64_t)(n * t.answer_item), __ATOMIC_RELAXED);
     __atomic_fetch_add(&c->operations, 1, __ATOMIC_RELAXED);
     pthread_mutex_lock(x->mu);
-    __atomic_store_n(count, (int64_t)((uint64_t)__atomic_load_n(count, __ATOMIC_ACQUIRE) + 1), __ATOMIC_RELEASE);
+    chunk_pull_counted(count);
     pthread_mutex_unlock(x->mu);
     if (entry != NULL) {
         dd_finish(c->dd, entry, 0, NULL, 0);
@@ -952,18 +960,12 @@ static int reduce(struct conn *c, const unsigned char *h, struct xt *x, double f
         }
     }
     if (c->buf == NULL && (c->buf = malloc(MAX_CHUNK)) == NULL) {
-        if (entry != NULL) {
-            dd_interrupt(c->dd, entry);
-            dd_entry_decref(entry);
-        }
+        entry_drop(c->dd, entry);
         return 0;
     }
     int why = read_all(c, c->buf, (size_t)length, frame_deadline);
     if (why) {
-        if (entry != NULL) {
-            dd_interrupt(c->dd, entry);
-            dd_entry_decref(entry);
-        }
+        entry_drop(c->dd, entry);
         out->kind = EV_DROP;
         out->drop = why;
         return 1;
@@ -979,32 +981,18 @@ static int reduce(struct conn *c, const unsigned char *h, struct xt *x, double f
             out->v[2] = atomic_load(&x->state);
             goto refused;
         }
-        int64_t *count = (int64_t *)(x->base + word);
-        pthread_mutex_lock(x->mu);
-        old = __atomic_load_n(count, __ATOMIC_ACQUIRE);
-        step = round_admit_push(old, parties, round, root, &value);
-        if (step == R_START || step == R_JOIN) {
-            char *dst = x->base + offset;
-            if (t.wire)
-                kernels->widen(dst, c->buf, step == R_JOIN ? 1.0 : 0.0, t.wire, n);
-            else if (step == R_START)
-                memcpy(dst, c->buf, (size_t)length);
-            else
-                kernels->add(dst, c->buf, 0.0, t.slot, n);
-            __atomic_store_n(count, value, __ATOMIC_RELEASE);
-        }
-        pthread_mutex_unlock(x->mu);
+        int rc = chunk_push(x->mu, (int64_t *)(x->base + word), x->base + offset, c->buf, length, t.slot, t.wire,
+                            parties, round, root, &step, &old, &value);
         xt_unuse(x);
-        if (step != R_WAIT)
+        if (rc == 0 && step != R_WAIT)
             break;
         /* the slot's previous round is still being pulled: look again shortly, while
-         * the client is there (a peer that left, or a plane closing its socket, ends it) */
+         * the client is there (a peer that left, or a plane closing its socket, ends it;
+         * so does a lock error, which this thread, holding no lock, cannot get) */
         struct pollfd gone = {c->fd, POLLRDHUP, 0};
-        if (atomic_load(&c->ended) || (poll(&gone, 1, 0) > 0 && gone.revents & (POLLRDHUP | POLLHUP | POLLERR))) {
-            if (entry != NULL) {
-                dd_interrupt(c->dd, entry);
-                dd_entry_decref(entry);
-            }
+        if (rc != 0 || atomic_load(&c->ended)
+            || (poll(&gone, 1, 0) > 0 && gone.revents & (POLLRDHUP | POLLHUP | POLLERR))) {
+            entry_drop(c->dd, entry);
             out->kind = EV_DROP;
             out->drop = DROP_BROKEN;
             return 1;
@@ -1068,10 +1056,7 @@ static int reduce(struct conn *c, const unsigned char *h, struct xt *x, double f
     }
     return 1;
 refused:
-    if (entry != NULL) {
-        dd_interrupt(c->dd, entry);
-        dd_entry_decref(entry);
-    }
+    entry_drop(c->dd, entry);
     c->errors++;
     out->v[0] = req_id;
     return 2;
