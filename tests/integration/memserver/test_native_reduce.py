@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import socket
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -49,6 +51,15 @@ def _pushed_and_sum(sock: socket.socket, req_id: int) -> tuple[int, np.ndarray]:
     return old, np.frombuffer(body, np.int64)
 
 
+@contextmanager
+def _party(tcp) -> Iterator[socket.socket]:   # type: ignore[no-untyped-def]
+    """A connection to the plane that presented its ticket for extent 1."""
+    with socket.create_connection(("127.0.0.1", tcp.port)) as sock:
+        sock.settimeout(20.0)
+        _hello(sock, _ticket([1]))
+        yield sock
+
+
 @pytest.fixture
 def counted(plane, monkeypatch):
     """(arena, plane, REDUCEs the engine saw): what the native loop served never gets there."""
@@ -66,9 +77,7 @@ def counted(plane, monkeypatch):
 
 def test_after_the_first_the_reduces_of_a_connection_are_served_natively(counted):
     arena, tcp, seen = counted
-    with socket.create_connection(("127.0.0.1", tcp.port)) as sock:
-        sock.settimeout(20.0)
-        _hello(sock, _ticket([1]))
+    with _party(tcp) as sock:
         for r in range(12):
             _reduce(sock, 10 + r, r, 1, r + 1, seq=100 + 2 * r)
             old, got = _pushed_and_sum(sock, 10 + r)
@@ -91,11 +100,7 @@ def _answers(sock: socket.socket, n: int) -> dict[tuple[int, int], tuple[int, by
 
 def test_a_retry_of_a_natively_served_reduce_is_answered_not_applied_again(counted):
     arena, tcp, seen = counted
-    with socket.create_connection(("127.0.0.1", tcp.port)) as a, \
-            socket.create_connection(("127.0.0.1", tcp.port)) as b:
-        for s in (a, b):
-            s.settimeout(20.0)
-            _hello(s, _ticket([1]))
+    with _party(tcp) as a, _party(tcp) as b:
         _reduce(a, 10, 0, 2, 1, seq=100)            # Python's: the extent registers on both
         _reduce(b, 10, 0, 2, 2, seq=200)
         for s in (a, b):
@@ -120,9 +125,7 @@ def test_a_retry_of_a_natively_served_reduce_is_answered_not_applied_again(count
 
 def test_a_refused_push_is_answered_and_the_connection_goes_on(counted):
     arena, tcp, seen = counted
-    with socket.create_connection(("127.0.0.1", tcp.port)) as sock:
-        sock.settimeout(20.0)
-        _hello(sock, _ticket([1]))
+    with _party(tcp) as sock:
         for r in range(4):
             _reduce(sock, 10 + r, r, 1, 1, seq=100 + 2 * r)
             _pushed_and_sum(sock, 10 + r)
@@ -136,9 +139,7 @@ def test_a_refused_push_is_answered_and_the_connection_goes_on(counted):
 
 def test_a_push_whose_slot_stays_busy_is_a_timeout_and_nothing_is_applied(counted):
     arena, tcp, seen = counted
-    with socket.create_connection(("127.0.0.1", tcp.port)) as sock:
-        sock.settimeout(20.0)
-        _hello(sock, _ticket([1]))
+    with _party(tcp) as sock:
         _reduce(sock, 10, 0, 2, 1, seq=100, timeout=0.5)   # the other party never comes
         assert _answer(sock)[:3] == (Status.OK, wire.PUSHED, 10)
         _reduce(sock, 11, 2, 2, 1, seq=102, timeout=0.3)   # slot 0 still holds round 0
@@ -153,18 +154,14 @@ def test_a_push_whose_slot_stays_busy_is_a_timeout_and_nothing_is_applied(counte
 
 def test_a_client_gone_mid_payload_leaves_nothing_applied_and_its_retry_applies_once(counted):
     arena, tcp, seen = counted
-    with socket.create_connection(("127.0.0.1", tcp.port)) as sock:
-        sock.settimeout(20.0)
-        _hello(sock, _ticket([1]))
+    with _party(tcp) as sock:
         _reduce(sock, 10, 0, 1, 1, seq=100)
         _pushed_and_sum(sock, 10)
         arg0, arg1 = ChunkRound(WORDS + 8, 1, 1).args()
         head = wire.pack_request(Op.REDUCE, 11, 1, CHUNK, CHUNK, int(DType.INT64), arg0, arg1, 30.0,
                                  client=0x5EED, seq=102)
         sock.sendall(head + np.full(N, 4, np.int64).tobytes()[:CHUNK // 2])   # half its payload, then gone
-    with socket.create_connection(("127.0.0.1", tcp.port)) as sock:
-        sock.settimeout(20.0)
-        _hello(sock, _ticket([1]))
+    with _party(tcp) as sock:
         _reduce(sock, 11, 1, 1, 4, seq=102)                 # the retry: its first attempt applied nothing
         old, got = _pushed_and_sum(sock, 11)
         assert old == 0
@@ -178,11 +175,7 @@ def test_16_bit_pushes_are_summed_in_float32_and_answered_as_python_answers_them
     types = ChunkTypes(DType.FLOAT32, wire_type, full)
     n = CHUNK // 4                                   # float32 elements of a slot
     rng = np.random.default_rng(7)
-    with socket.create_connection(("127.0.0.1", tcp.port)) as a, \
-            socket.create_connection(("127.0.0.1", tcp.port)) as b:
-        for s in (a, b):
-            s.settimeout(20.0)
-            _hello(s, _ticket([1]))
+    with _party(tcp) as a, _party(tcp) as b:
         for r in range(3):                           # round 0 the Python way, then natively
             pushes = [rng.standard_normal(n).astype(np.float32) for _ in range(2)]
             wires = [np.empty(n, STORAGE[wire_type]) for _ in range(2)]
@@ -212,9 +205,7 @@ def test_16_bit_pushes_are_summed_in_float32_and_answered_as_python_answers_them
 
 def test_a_push_waiting_for_its_slot_ends_when_the_plane_closes(counted):
     arena, tcp, seen = counted
-    with socket.create_connection(("127.0.0.1", tcp.port)) as sock:
-        sock.settimeout(20.0)
-        _hello(sock, _ticket([1]))
+    with _party(tcp) as sock:
         before = _native.parked()
         _reduce(sock, 10, 0, 2, 1, seq=100)                 # the other party never comes
         assert _answer(sock)[:3] == (Status.OK, wire.PUSHED, 10)
@@ -236,11 +227,7 @@ def test_every_element_type_is_summed_natively_as_the_kernels_sum_it(counted, dt
     size = STORAGE[dt].itemsize
     n = CHUNK // size
     rng = np.random.default_rng(int(dt))
-    with socket.create_connection(("127.0.0.1", tcp.port)) as a, \
-            socket.create_connection(("127.0.0.1", tcp.port)) as b:
-        for s in (a, b):
-            s.settimeout(20.0)
-            _hello(s, _ticket([1]))
+    with _party(tcp) as a, _party(tcp) as b:
         for r in range(3):
             if dt in (DType.INT32, DType.INT64):   # wrapping sums, exact
                 info = np.iinfo(STORAGE[dt])
