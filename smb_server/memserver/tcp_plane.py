@@ -451,11 +451,6 @@ class _Connection:
         return self.peer
 
     @property
-    def sending(self) -> _native.Mutex:
-        """Held while an answer frame goes out (:mod:`.tcp_sums` sends from other threads)."""
-        return self._sending
-
-    @property
     def node(self) -> Node:
         return self.plane.node
 

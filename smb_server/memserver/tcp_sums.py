@@ -17,7 +17,6 @@ Where a sum is sent from, fewest threads woken first:
 from __future__ import annotations
 
 import logging
-import socket
 from typing import TYPE_CHECKING, Protocol
 
 from smb_protocol import requests
@@ -36,11 +35,7 @@ log = logging.getLogger(__name__)
 class Owner(Peer, Protocol):
     """What an owed sum needs of its connection (a :class:`.peer.Peer`)."""
 
-    sock: socket.socket
     ended: bool
-
-    @property
-    def sending(self) -> _native.Mutex: ...
 
     @property
     def native(self) -> _native.Conn | None: ...
