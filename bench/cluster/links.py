@@ -88,6 +88,7 @@ def summarize(path: Path, cap_mbit: float, roles: Sequence[str], spans: dict[str
         if first is not None:
             keep = [i for i, t in enumerate(mids) if first[0] - interval <= t <= first[1] + interval]
             timeline = {"t": [round(mids[i] - first[0], 4) for i in keep],
+                        "dt": [round(times[i + 1] - times[i], 4) for i in keep],   # each sample's interval
                         "up": {r: [round(up[index[r]][i], 3) for i in keep] for r in out["roles"]},
                         "down": {r: [round(down[index[r]][i], 3) for i in keep] for r in out["roles"]},
                         "seconds": first[1] - first[0]}
