@@ -329,26 +329,61 @@ def recv_into_all(sock: socket.socket, buffers: Sequence[memoryview],
         return
     views = [memoryview(b).cast("B") for b in buffers if len(b)]
     nonblocking = sock.gettimeout() == 0.0
-    while views:
-        if nonblocking:
-            try:
-                got = sock.recvmsg_into(views[:IOV_MAX])[0]
-            except BlockingIOError:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise TimeoutError("the frame's deadline passed") from None
-                wait_ready(sock, False, left)
+    left_bytes = sum(len(v) for v in views)
+    lowat = 1
+    try:
+        while views:
+            lowat = _low_water(sock, lowat, left_bytes)
+            got = _recv_some(sock, views, nonblocking, deadline)
+            if got is None:
                 continue
-        else:
-            if deadline is not None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError("the frame's deadline passed")
-                sock.settimeout(left)
-            got = sock.recvmsg_into(views[:IOV_MAX])[0]
-        if got == 0:
-            raise ServerUnavailable("connection closed by peer")
-        consume(views, got)
+            if got == 0:
+                raise ServerUnavailable("connection closed by peer")
+            consume(views, got)
+            left_bytes -= got
+    finally:
+        _low_water(sock, lowat, 0)
+
+
+#: a read waiting for at least this many more bytes sets the socket's low-water mark
+#: (``SO_RCVLOWAT``) to them, at most :data:`LOWAT_MAX`: the kernel then wakes the
+#: reader once for them, not once per few segments
+LOWAT_MIN = 32 << 10
+LOWAT_MAX = 1 << 20
+
+
+def _low_water(sock: socket.socket, lowat: int, left: int) -> int:
+    """Set ``sock``'s low-water mark for a read of ``left`` more bytes (one byte below
+    :data:`LOWAT_MIN`; never above ``left``: the kernel would not wake the reader for
+    fewer), when it is not ``lowat`` already; returns the mark now set."""
+    want = 1 if left < LOWAT_MIN else min(left, LOWAT_MAX)
+    if want != lowat:
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
+        except OSError:    # a closed socket: the read itself says so
+            return lowat
+    return want
+
+
+def _recv_some(sock: socket.socket, views: list[memoryview], nonblocking: bool,
+               deadline: float | None) -> int | None:
+    """Bytes one receive moved into ``views`` (None: none yet, the socket is now
+    readable)."""
+    if nonblocking:
+        try:
+            return sock.recvmsg_into(views[:IOV_MAX])[0]
+        except BlockingIOError:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise TimeoutError("the frame's deadline passed") from None
+            wait_ready(sock, False, left)
+            return None
+    if deadline is not None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the frame's deadline passed")
+        sock.settimeout(left)
+    return sock.recvmsg_into(views[:IOV_MAX])[0]
 
 
 def recv_exact(sock: socket.socket, n: int) -> bytearray:

@@ -275,6 +275,8 @@ def _allreduce_points(s: Settings, tick: Tick, cpu: CpuSampler | None, n: int, k
                 window = min(r[str(size)][system]["window"][1] for r in runs) - max(
                     r[str(size)][system]["window"][0] for r in runs)
                 point[system] = {"seconds": statistics.median(per_sync), "syncs": per_sync, "cpu": usage,
+                                 "window": [max(r[str(size)][system]["window"][0] for r in runs),
+                                            min(r[str(size)][system]["window"][1] for r in runs)],
                                  "cpu_per_gb": usage["cores"] * window / (size * s.syncs / 1e9) if usage else None,
                                  "verified": all(r[str(size)][system]["verified"] for r in runs)}
             point["links"] = _links(samples, s.cap_mbit, sampled, tb, runs, size)

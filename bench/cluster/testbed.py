@@ -501,11 +501,20 @@ def cleanup(force: bool = False) -> list[str]:
     return removed
 
 
-def live_pids() -> list[int]:
-    """Processes (daemons, workers) of every running testbed of this process."""
+def live_pids() -> dict[int, str]:
+    """Processes (daemons, workers) of every running testbed of this process, with their
+    roles: ``servers`` (memory servers), ``control`` (the controller), ``monitor``
+    (link samplers) or ``workers`` (everything else the testbed runs)."""
     with _live_lock:
         beds = list(_live)
-    return [p.pid for bed in beds for p in list(bed._procs.values()) if p.poll() is None]
+    return {p.pid: _role(name) for bed in beds for name, p in list(bed._procs.items()) if p.poll() is None}
+
+
+def _role(name: str) -> str:
+    for prefix, role in (("srv", "servers"), ("controller", "control"), ("linkmon", "monitor")):
+        if name.startswith(prefix):
+            return role
+    return "workers"
 
 
 def kill_process(proc: subprocess.Popen) -> None:

@@ -31,8 +31,11 @@ COUNTERS = ("bytes_read", "bytes_written", "bytes_accumulated", "operations", "e
 #: deadline or failing their TLS handshake, unauthenticated connections ``evicted`` to make
 #: room for newer ones (see :mod:`.listener`), and the TCP plane's shared scratch buffers
 #: (``scratch_bytes`` allocated and ``scratch_in_use`` lent, both gauges; ``scratch_waits``:
-#: requests that waited for one)
-LIMIT_COUNTS = ("refused", "dropped", "evicted", "scratch_bytes", "scratch_in_use", "scratch_waits")
+#: requests that waited for one); ``payload_waits``: times the native loop waited for
+#: the rest of a frame (with the socket's low-water mark set to a payload, about once
+#: per payload that had not come whole)
+LIMIT_COUNTS = ("refused", "dropped", "evicted", "scratch_bytes", "scratch_in_use", "scratch_waits",
+                "payload_waits")
 
 
 class PlaneStats:

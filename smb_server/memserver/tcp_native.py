@@ -92,7 +92,9 @@ def answer(conn: Connection, event: tuple[int | float, ...]) -> None:
 def count(conn: Connection) -> None:
     """Add what the loop served since the last look to the plane's statistics."""
     assert conn.native is not None
-    operations, accumulated, read, errors, served, busy = conn.native.counters()
+    operations, accumulated, read, errors, served, busy, waits = conn.native.counters()
+    if waits:   # before the rest: what sees these sees the waits that served them
+        conn.stats.add(payload_waits=waits)
     if operations or errors:
         conn.stats.add(operations=operations, bytes_accumulated=accumulated, bytes_read=read, errors=errors)
     for _ in range(served):   # each at the tick's mean: the loop keeps no histogram of its own

@@ -331,6 +331,7 @@ struct conn {
     double next_look;         /* when serve() looks at this connection's parked sums again */
     /* counters Python adds to the plane's statistics (serve's thread writes them) */
     uint64_t operations, bytes_accumulated, bytes_read, errors, requests;
+    uint64_t waits;           /* polls for a frame's bytes (read_all) */
     double busy;              /* seconds from header to answer, summed */
 };
 
@@ -869,11 +870,12 @@ static PyObject *py_parked(PyObject *Py_UNUSED(mod), PyObject *Py_UNUSED(args))
 static PyObject *conn_counters(ConnObject *self, PyObject *Py_UNUSED(args))
 {
     struct conn *c = self->c;
-    PyObject *out = Py_BuildValue("KKKKKd", (unsigned long long)__atomic_exchange_n(&c->operations, 0, __ATOMIC_RELAXED),
+    PyObject *out = Py_BuildValue("KKKKKdK", (unsigned long long)__atomic_exchange_n(&c->operations, 0, __ATOMIC_RELAXED),
                                   (unsigned long long)__atomic_exchange_n(&c->bytes_accumulated, 0, __ATOMIC_RELAXED),
                                   (unsigned long long)__atomic_exchange_n(&c->bytes_read, 0, __ATOMIC_RELAXED),
                                   (unsigned long long)__atomic_exchange_n(&c->errors, 0, __ATOMIC_RELAXED),
-                                  (unsigned long long)c->requests, c->busy);
+                                  (unsigned long long)c->requests, c->busy,
+                                  (unsigned long long)__atomic_exchange_n(&c->waits, 0, __ATOMIC_RELAXED));
     c->requests = 0;
     c->busy = 0;
     return out;
@@ -889,9 +891,25 @@ struct outcome {              /* what serve_frames ends with */
     struct owed *owed;        /* EV_HAND_BACK */
 };
 
+/* A wait for at least LOWAT_MIN more bytes of a payload sets the socket's low-water
+ * mark to what is still to come (at most LOWAT_MAX): the kernel then wakes this thread
+ * once for them instead of once per few segments (on a shaped 500 Mbit/s link a 512
+ * KiB push came in about ten pieces, each a poll, a wakeup and a recv). Never above
+ * what is still to come (the kernel would not wake the thread for less), and set back
+ * to one byte before the next header is read. */
+#define LOWAT_MIN (32 << 10)
+#define LOWAT_MAX (1 << 20)
+
+static void set_lowat(struct conn *c, int *lowat, int want)
+{
+    if (want != *lowat && setsockopt(c->fd, SOL_SOCKET, SO_RCVLOWAT, &want, sizeof want) == 0)
+        *lowat = want;
+}
+
 /* Read exactly ``n`` bytes by ``deadline`` (monotonic): 0, or the DROP_* reason. */
 static int read_all(struct conn *c, unsigned char *p, size_t n, double deadline)
 {
+    int why = 0, lowat = 1;
     while (n > 0) {
         ssize_t got = recv(c->fd, p, n, MSG_DONTWAIT);
         if (got > 0) {
@@ -899,23 +917,33 @@ static int read_all(struct conn *c, unsigned char *p, size_t n, double deadline)
             n -= (size_t)got;
             continue;
         }
-        if (got == 0)
-            return DROP_BROKEN;
+        if (got == 0) {
+            why = DROP_BROKEN;
+            break;
+        }
         if (errno == EINTR)
             continue;
-        if (errno == ETIMEDOUT)
-            return DROP_DEAD_PEER;
-        if (errno != EAGAIN && errno != EWOULDBLOCK)
-            return DROP_BROKEN;
+        if (errno == ETIMEDOUT || (errno != EAGAIN && errno != EWOULDBLOCK)) {
+            why = errno == ETIMEDOUT ? DROP_DEAD_PEER : DROP_BROKEN;
+            break;
+        }
         double left = deadline - mono_now();
-        if (left <= 0)
-            return DROP_FRAME_LATE;
+        if (left <= 0) {
+            why = DROP_FRAME_LATE;
+            break;
+        }
+        /* never above what is still to come: the kernel would not wake this thread */
+        set_lowat(c, &lowat, n < LOWAT_MIN ? 1 : n < LOWAT_MAX ? (int)n : LOWAT_MAX);
         struct pollfd p1 = {c->fd, POLLIN, 0};
         int ms = left > 1.0 ? 1000 : (int)(left * 1000) + 1;
-        if (poll(&p1, 1, ms) < 0 && errno != EINTR)
-            return DROP_BROKEN;
+        __atomic_add_fetch(&c->waits, 1, __ATOMIC_RELAXED);
+        if (poll(&p1, 1, ms) < 0 && errno != EINTR) {
+            why = DROP_BROKEN;
+            break;
+        }
     }
-    return 0;
+    set_lowat(c, &lowat, 1);
+    return why;
 }
 
 static struct xt *registered(struct conn *c, int64_t extent_id)
@@ -1219,7 +1247,8 @@ static PyMethodDef conn_methods[] = {
     {"end", (PyCFunction)conn_py_end, METH_NOARGS,
      "The connection ends: nothing is sent on it from now on; its parked sums are dropped."},
     {"counters", (PyCFunction)conn_counters, METH_NOARGS,
-     "(operations, bytes_accumulated, bytes_read, errors, requests, busy seconds) since the last call."},
+     "(operations, bytes_accumulated, bytes_read, errors, requests, busy seconds, waits for a frame's "
+     "bytes) since the last call."},
     {NULL, NULL, 0, NULL},
 };
 

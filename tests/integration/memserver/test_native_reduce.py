@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -24,7 +25,7 @@ from smb_protocol.rounds import ChunkRound, count_word
 from smb_protocol.wire import Op
 from smb_server.memserver import _native, kernels
 from smb_server.testing import wait_until
-from tests.integration.memserver.planes import _answer, _hello, _request, _send, _ticket
+from tests.integration.memserver.planes import CLIENT, _answer, _hello, _request, _send, _ticket
 
 CHUNK = 64 << 10                 # bytes of a chunk (int64)
 WORDS = 2 * CHUNK                # the two slots' count words, after the slots
@@ -87,6 +88,30 @@ def test_after_the_first_the_reduces_of_a_connection_are_served_natively(counted
         assert _request(sock, 99, Op.PING)[0] == Status.OK
     served = tcp.stats.snapshot()
     assert served["bytes_accumulated"] >= 12 * CHUNK and served["bytes_read"] >= 12 * CHUNK
+
+
+def test_a_push_that_comes_in_pieces_wakes_the_loop_about_once(counted):
+    """The loop sets the socket's low-water mark to the payload it waits for: a push
+    whose 64 KiB come in eight paced pieces is waited for once or twice, not once a
+    piece; its sum is right."""
+    arena, tcp, seen = counted
+    with _party(tcp) as sock:
+        _reduce(sock, 10, 0, 1, 1, seq=100)          # the Python way: registers the extent
+        _pushed_and_sum(sock, 10)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)   # each piece its own segment
+        arg0, arg1 = ChunkRound(WORDS + 8, 1, 1).args()
+        sock.sendall(wire.pack_request(Op.REDUCE, 11, 1, CHUNK, CHUNK, int(DType.INT64), arg0, arg1, 30.0,
+                                       client=CLIENT, seq=102))
+        body = np.full(N, 2, np.int64).tobytes()
+        for i in range(0, CHUNK, CHUNK // 8):
+            sock.sendall(body[i:i + CHUNK // 8])
+            time.sleep(0.005)   # pacing only: the pieces arrive apart
+        old, got = _pushed_and_sum(sock, 11)
+        np.testing.assert_array_equal(got, np.full(N, 2))
+        assert seen == [10]
+        wait_until(lambda: tcp.stats.snapshot()["bytes_accumulated"] >= 2 * CHUNK, "the served push counted",
+                   timeout=10)
+    assert 1 <= tcp.stats.limits()["payload_waits"] <= 2
 
 
 def _answers(sock: socket.socket, n: int) -> dict[tuple[int, int], tuple[int, bytes]]:
@@ -157,6 +182,7 @@ def test_a_client_gone_mid_payload_leaves_nothing_applied_and_its_retry_applies_
     with _party(tcp) as sock:
         _reduce(sock, 10, 0, 1, 1, seq=100)
         _pushed_and_sum(sock, 10)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)   # each piece its own segment
         arg0, arg1 = ChunkRound(WORDS + 8, 1, 1).args()
         head = wire.pack_request(Op.REDUCE, 11, 1, CHUNK, CHUNK, int(DType.INT64), arg0, arg1, 30.0,
                                  client=0x5EED, seq=102)

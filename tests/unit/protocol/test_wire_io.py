@@ -81,3 +81,79 @@ def test_a_blocking_socket_keeps_its_own_timeout():
         with pytest.raises(TimeoutError):
             wire.recv_into_all(a, [memoryview(bytearray(8))])
         assert a.gettimeout() == 0.2
+
+
+class _Counting(socket.socket):
+    """A socket that counts its receives."""
+
+    receives = 0
+
+    def recvmsg_into(self, *args, **kwargs):
+        self.receives += 1
+        return super().recvmsg_into(*args, **kwargs)
+
+
+@pytest.fixture
+def tcp_pair():
+    """(reader, writer): a loopback TCP connection, the reader counting its receives."""
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        reader = _Counting(socket.AF_INET, socket.SOCK_STREAM)
+        reader.connect(srv.getsockname())
+        writer = srv.accept()[0]
+    yield reader, writer
+    reader.close()
+    writer.close()
+
+
+def _send_in_pieces(writer: socket.socket, data: bytes, pieces: int, close: bool = False) -> threading.Thread:
+    def run():
+        step = len(data) // pieces
+        for i in range(0, len(data), step):
+            writer.sendall(data[i:i + step])
+            time.sleep(0.005)   # pacing only: the pieces arrive apart
+        if close:
+            writer.shutdown(socket.SHUT_WR)
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+@pytest.mark.parametrize("timeout", [None, 0.0, 30.0], ids=["blocking", "non-blocking", "timeout"])
+def test_a_large_read_wakes_once_for_its_bytes(tcp_pair, timeout):
+    """A payload that comes in eight pieces is read with one receive that gets it all
+    (two where the socket is non-blocking: the first finds nothing yet): the socket's
+    low-water mark is the payload, so the kernel wakes the reader once; the mark is one
+    byte again afterwards (a header must wake the reader however small)."""
+    reader, writer = tcp_pair
+    reader.settimeout(timeout)
+    data = bytes(range(256)) * 1024   # 256 KiB
+    t = _send_in_pieces(writer, data, 8)
+    got = bytearray(len(data))
+    wire.recv_into_all(reader, [memoryview(got)], deadline=time.monotonic() + 30 if timeout == 0.0 else None)
+    t.join()
+    assert got == data
+    assert reader.receives <= (2 if timeout == 0.0 else 1)
+    assert reader.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT) == 1
+
+
+@pytest.mark.parametrize("timeout", [None, 0.0], ids=["blocking", "non-blocking"])
+def test_a_large_read_of_a_peer_that_ends_short_says_so(tcp_pair, timeout):
+    """The low-water mark does not hold a read whose peer ended before the payload: it
+    fails at once, and the mark is one byte again."""
+    reader, writer = tcp_pair
+    reader.settimeout(timeout)
+    t = _send_in_pieces(writer, b"y" * (100 << 10), 4, close=True)
+    start = time.monotonic()
+    with pytest.raises(wire.ServerUnavailable):
+        wire.recv_into_all(reader, [memoryview(bytearray(256 << 10))], deadline=time.monotonic() + 30)
+    t.join()
+    assert time.monotonic() - start < 10
+    assert reader.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT) == 1
+
+
+def test_a_small_read_sets_no_low_water_mark(tcp_pair):
+    reader, writer = tcp_pair
+    writer.sendall(b"z" * 1000)
+    got = bytearray(1000)
+    wire.recv_into_all(reader, [memoryview(got)])
+    assert got == b"z" * 1000 and reader.receives == 1
