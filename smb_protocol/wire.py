@@ -328,13 +328,13 @@ def recv_into_all(sock: socket.socket, buffers: Sequence[memoryview],
         tls.recv_into_all(sock, buffers, deadline)
         return
     views = [memoryview(b).cast("B") for b in buffers if len(b)]
-    nonblocking = sock.gettimeout() == 0.0
+    timeout = sock.gettimeout()
     left_bytes = sum(len(v) for v in views)
     lowat = 1
     try:
         while views:
             lowat = _low_water(sock, lowat, left_bytes)
-            got = _recv_some(sock, views, nonblocking, deadline)
+            got = _recv_some(sock, views, timeout, deadline, lowat > 1)
             if got is None:
                 continue
             if got == 0:
@@ -347,7 +347,10 @@ def recv_into_all(sock: socket.socket, buffers: Sequence[memoryview],
 
 #: a read waiting for at least this many more bytes sets the socket's low-water mark
 #: (``SO_RCVLOWAT``) to them, at most :data:`LOWAT_MAX`: the kernel then wakes the
-#: reader once for them, not once per few segments
+#: reader once for them, not once per few segments. Such a read never sleeps inside a
+#: receive: a receive that took part of the bytes and then slept would not be woken by
+#: the rest (the kernel wakes a sleeper when the bytes not yet taken reach the mark, and
+#: the rest is fewer than the mark), so it polls, then takes what is there
 LOWAT_MIN = 32 << 10
 LOWAT_MAX = 1 << 20
 
@@ -365,13 +368,14 @@ def _low_water(sock: socket.socket, lowat: int, left: int) -> int:
     return want
 
 
-def _recv_some(sock: socket.socket, views: list[memoryview], nonblocking: bool,
-               deadline: float | None) -> int | None:
+def _recv_some(sock: socket.socket, views: list[memoryview], timeout: float | None,
+               deadline: float | None, marked: bool) -> int | None:
     """Bytes one receive moved into ``views`` (None: none yet, the socket is now
-    readable)."""
-    if nonblocking:
-        try:
-            return sock.recvmsg_into(views[:IOV_MAX])[0]
+    readable). ``timeout``: the socket's when the read began (0: non-blocking, None:
+    blocking); ``marked``: a low-water mark above one byte is set."""
+    if timeout == 0.0 or (timeout is None and deadline is None and marked):
+        try:   # a blocking socket's receive must not sleep with a part taken (see LOWAT_MIN)
+            return sock.recvmsg_into(views[:IOV_MAX], 0, 0 if timeout == 0.0 else socket.MSG_DONTWAIT)[0]
         except BlockingIOError:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
