@@ -278,6 +278,9 @@ def _allreduce_points(s: Settings, tick: Tick, cpu: CpuSampler | None, n: int, k
                                  "window": [max(r[str(size)][system]["window"][0] for r in runs),
                                             min(r[str(size)][system]["window"][1] for r in runs)],
                                  "cpu_per_gb": usage["cores"] * window / (size * s.syncs / 1e9) if usage else None,
+                                 "cpu_per_gb_by_role": {role: cores * window / (size * s.syncs / 1e9)
+                                                        for role, cores in usage.get("roles", {}).items()}
+                                 if usage else None,
                                  "verified": all(r[str(size)][system]["verified"] for r in runs)}
             point["links"] = _links(samples, s.cap_mbit, sampled, tb, runs, size)
             point["smb"]["phases"] = {   # slowest worker per sync, median over syncs

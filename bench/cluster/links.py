@@ -102,8 +102,9 @@ def summarize(path: Path, cap_mbit: float, roles: Sequence[str], spans: dict[str
 def table(points: Sequence[dict[str, Any]], systems: Sequence[str]) -> str:
     """Markdown: per point and system, the time, the ratio to gloo and the links' use."""
     lines = ["| workers | servers | placement | size | system | seconds | gloo / system "
-             "| links, mean | links, steady state | samples under 20% | CPU s per GB |",
-             "| ---: | ---: | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| links, mean | links, steady state | samples under 20% | CPU s per GB "
+             "| of which servers, workers |",
+             "| ---: | ---: | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for p in points:
         links = p.get("links") or {}
         where = "co-located" if p.get("colocated") is True else (
@@ -116,8 +117,15 @@ def table(points: Sequence[dict[str, Any]], systems: Sequence[str]) -> str:
             lines.append(
                 f"| {p['workers']} | {p['servers']} | {where} | {p['bytes'] / 1e6:.0f} MB | {system} "
                 f"| {s['seconds']:.2f} | {_f(ratio)} | {_f(ln.get('mean'))} | {_f(ln.get('steady'))} "
-                f"| {_f(ln.get('idle'))} | {_f(s.get('cpu_per_gb'))} |")
+                f"| {_f(ln.get('idle'))} | {_f(s.get('cpu_per_gb'))} | {_roles(s.get('cpu_per_gb_by_role'))} |")
     return "\n".join(lines) + "\n"
+
+
+def _roles(by_role: dict[str, float] | None) -> str:
+    """The servers' and the workers' part of a point's CPU per GB ('-': not split)."""
+    if not by_role:
+        return "-"
+    return f"{by_role.get('servers', 0.0):.1f}, {by_role.get('workers', 0.0):.1f}"
 
 
 def _f(v: float | None) -> str:
