@@ -330,10 +330,12 @@ def recv_into_all(sock: socket.socket, buffers: Sequence[memoryview],
     views = [memoryview(b).cast("B") for b in buffers if len(b)]
     timeout = sock.gettimeout()
     left_bytes = sum(len(v) for v in views)
+    marking = left_bytes >= LOWAT_MIN    # a header or a small body never sets the mark
     lowat = 1
     try:
         while views:
-            lowat = _low_water(sock, lowat, left_bytes)
+            if marking:
+                lowat = _low_water(sock, lowat, left_bytes)
             got = _recv_some(sock, views, timeout, deadline, lowat > 1)
             if got is None:
                 continue
@@ -342,7 +344,8 @@ def recv_into_all(sock: socket.socket, buffers: Sequence[memoryview],
             consume(views, got)
             left_bytes -= got
     finally:
-        _low_water(sock, lowat, 0)
+        if lowat != 1:
+            _low_water(sock, lowat, 0)
 
 
 #: a read waiting for at least this many more bytes sets the socket's low-water mark
