@@ -158,12 +158,15 @@ def bandwidth(tb: Testbed, s: Settings, tick: Tick, cpu: CpuSampler | None = Non
             "link_MBps": cap, "points": points}
 
 
-def _usage(cpu: CpuSampler | None, windows: Sequence[Sequence[float]]) -> dict[str, float] | None:
+def _common(windows: Sequence[Sequence[float]]) -> list[float]:
+    """The workers' common measured window, ``[start, end]``, given each worker's."""
+    return [max(w[0] for w in windows), min(w[1] for w in windows)]
+
+
+def _usage(cpu: CpuSampler | None, windows: Sequence[Sequence[float]]) -> dict[str, Any] | None:
     """CPU use over the workers' common measured window, given each worker's
     ``[start, end]`` (see :meth:`CpuSampler.usage`)."""
-    if cpu is None:
-        return None
-    return cpu.usage(max(w[0] for w in windows), min(w[1] for w in windows))
+    return cpu.usage(*_common(windows)) if cpu is not None else None
 
 
 # -- experiment 2: sharding ---------------------------------------------------------
@@ -271,14 +274,13 @@ def _allreduce_points(s: Settings, tick: Tick, cpu: CpuSampler | None, n: int, k
             for system in systems:
                 per_sync = [max(r[str(size)][system]["times"][i] for r in runs)
                             for i in range(s.syncs)]
-                usage = _usage(cpu, [r[str(size)][system]["window"] for r in runs])
-                window = min(r[str(size)][system]["window"][1] for r in runs) - max(
-                    r[str(size)][system]["window"][0] for r in runs)
+                span = _common([r[str(size)][system]["window"] for r in runs])
+                usage = cpu.usage(*span) if cpu is not None else None
+                per_gb = (span[1] - span[0]) / (size * s.syncs / 1e9)   # seconds of the span per GB of gradient
                 point[system] = {"seconds": statistics.median(per_sync), "syncs": per_sync, "cpu": usage,
-                                 "window": [max(r[str(size)][system]["window"][0] for r in runs),
-                                            min(r[str(size)][system]["window"][1] for r in runs)],
-                                 "cpu_per_gb": usage["cores"] * window / (size * s.syncs / 1e9) if usage else None,
-                                 "cpu_per_gb_by_role": {role: cores * window / (size * s.syncs / 1e9)
+                                 "window": span,
+                                 "cpu_per_gb": usage["cores"] * per_gb if usage else None,
+                                 "cpu_per_gb_by_role": {role: cores * per_gb
                                                         for role, cores in usage.get("roles", {}).items()}
                                  if usage else None,
                                  "verified": all(r[str(size)][system]["verified"] for r in runs)}
