@@ -306,6 +306,25 @@ class Testbed:
             return ""
         return "\n".join(text.splitlines()[-lines:])
 
+    def stacks(self, name: str, proc: subprocess.Popen, timeout: float = 5.0) -> str:
+        """Every thread's Python stack of the running process ``name`` (a worker, which
+        registers faulthandler for SIGUSR1): the signal, then what it wrote to its log once
+        the log stops growing; empty if it wrote nothing within ``timeout`` seconds."""
+        path = self.log_path(name)
+        before = path.stat().st_size if path.exists() else 0
+        _signal(proc, signal.SIGUSR1)
+        deadline, size, since = time.monotonic() + timeout, before, time.monotonic()
+        while time.monotonic() < deadline:
+            now = path.stat().st_size if path.exists() else 0
+            if now != size:
+                size, since = now, time.monotonic()
+            elif size > before and time.monotonic() - since > 0.3:
+                break
+            time.sleep(POLL)
+        with open(path, "rb") as f:
+            f.seek(before)
+            return f.read().decode(errors="replace").rstrip()
+
     def pid(self, name: str) -> int:
         return self._procs[name].pid
 
@@ -459,7 +478,8 @@ class Testbed:
         experiment's own step, first at every look) returned an error or ``timeout``
         seconds passed; then kill those still running. Returns the results of the
         workers that finished and the error (None: none), a failed worker's with the
-        last ``tail`` lines of its log."""
+        last ``tail`` lines of its log; after ``timeout``, every worker still running is
+        named with the end of its log and every thread's stack (:meth:`stacks`)."""
         deadline = time.monotonic() + timeout
         error = None
         try:
@@ -475,7 +495,11 @@ class Testbed:
                 if all(p.poll() == 0 for _, p, _ in workers):
                     break
                 if time.monotonic() > deadline:
-                    error = f"workers still running after {timeout:.0f} s:\n{self.log_tail(workers[0][0], 15)}"
+                    stuck = [(n, p) for n, p, _ in workers if p.poll() is None]
+                    error = f"workers still running after {timeout:.0f} s: " + ", ".join(n for n, _ in stuck)
+                    for n, p in stuck:
+                        error += (f"\n{n}, its log's end:\n{self.log_tail(n, tail)}"
+                                  f"\n{n}, its threads:\n{self.stacks(n, p)}")
                     break
                 time.sleep(POLL)
         finally:

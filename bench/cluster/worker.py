@@ -27,10 +27,12 @@ seconds, timestamps ``time.time`` (one clock for all namespaces of the machine).
 """
 from __future__ import annotations
 
+import faulthandler
 import functools
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -442,6 +444,9 @@ def main(argv: list[str]) -> int:
     spec = json.loads(Path(argv[0]).read_text())
     logging.basicConfig(level=spec.get("log_level", "WARNING"),
                         format=f"%(asctime)s {spec.get('host', '?')} %(levelname)s %(name)s: %(message)s")
+    # the testbed sends SIGUSR1 to a worker that overran its time: every thread's stack
+    # goes to the log, which the error quotes (Testbed.watch_workers)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     result = MODES[spec["mode"]](spec)
     tmp = Path(argv[1] + ".tmp")
     tmp.write_text(json.dumps(result))

@@ -170,8 +170,13 @@ class SharedCounters:
         return self.count >= stop if self.lockstep else True
 
     def request_stop(self) -> None:
-        """Ask everyone to stop (as if a rule fired at this worker's count)."""
-        self.region.compare_swap(self._offset(STOP_WORD), 0, max(1, self.count))
+        """Ask everyone to stop, between this worker's steps: the stop word becomes the
+        count after its next step. This worker has read the word for its last step
+        already, so it stops after the next one; lockstep workers that read the word for
+        the same last step may see it before or after this, so it must not stop them at
+        that step (they would leave this worker alone in the next one): one past the
+        count stops every one of them after the next step, whichever read sees it first."""
+        self.region.compare_swap(self._offset(STOP_WORD), 0, self.count + 1)
 
     def finish(self) -> int:
         """Record that this worker finished; returns how many have, itself included."""

@@ -249,3 +249,15 @@ def test_interrupted_run_tears_down(tmp_path):
             proc.wait()
     assert [n for n in netns.list_namespaces() if n.startswith(tag)] == []
     assert not (tmp_path / "out.json").exists()
+
+
+def test_a_worker_past_its_time_is_named_with_every_threads_stack(testbed):
+    # rank 1 of two, whose rank 0 never comes: it waits in allreduce (gloo's start) until killed
+    spec = {"mode": "allreduce", "rank": 1, "world": 2, "master": testbed.workers[0].address,
+            "master_port": 29999, "sizes": [4096], "tag": "stuck"}
+    proc, out = testbed.start_worker(testbed.workers[1], "stuck-w1", spec)
+    workers, error = testbed.watch_workers([("stuck-w1", proc, out)], timeout=10.0)
+    assert workers == [] and proc.returncode is not None           # killed once reported
+    assert error.startswith("workers still running after 10 s: stuck-w1"), error
+    stacks = error.partition("stuck-w1, its threads:\n")[2]
+    assert "most recent call first" in stacks and "in allreduce" in stacks, error

@@ -296,3 +296,35 @@ def test_a_tick_is_one_request_until_the_rule_fires(client, name, rule):
         assert snap["counts"][1] == counters.count
     finally:
         client.delete_region(name)
+
+
+@pytest.mark.parametrize("order", ["rank 1 reads first", "rank 0 asks first"])
+def test_a_stop_asked_between_lockstep_steps_stops_everyone_after_the_same_step(client, name, order):
+    # rank 0 asks everyone to stop after its step, once it read the stop word; rank 1 reads
+    # the word for the same step before or after the request: both stop after the same step
+    region = client.create_region(name, 4096, placement="single")
+    try:
+        ranks = [SharedCounters(region, r, 2, "master", lockstep=True) for r in range(2)]
+        stopped_after: dict[int, int] = {}
+        for step in range(1, 5):
+            for r in (0, 1):
+                if r not in stopped_after:
+                    ranks[r].publish()                    # before the step's exchange
+            # ... the step's exchange: every published count is visible from here on
+            reads = {}
+            if 0 not in stopped_after:
+                reads[0] = ranks[0].should_stop()
+            if step == 2 and order == "rank 1 reads first":
+                reads[1] = ranks[1].should_stop()
+                ranks[0].request_stop()
+            elif step == 2:
+                ranks[0].request_stop()
+                reads[1] = ranks[1].should_stop()
+            elif 1 not in stopped_after:
+                reads[1] = ranks[1].should_stop()
+            for r, stop in reads.items():
+                if stop:
+                    stopped_after[r] = step
+        assert stopped_after == {0: 3, 1: 3}
+    finally:
+        client.delete_region(name)
