@@ -27,7 +27,9 @@ Printed per chunk size, one JSON line: the median round (s); the server's CPU (u
 system, all threads, from ``/proc``) over the measured rounds per GB it took in and sent
 out (pushes and sums), its user part, per chunk request (ms), and as GB/s per core; the
 sender's CPU as a share of the server's (well below 1, or the sender is what is
-measured); the reference from the same run, one raw TCP socket pair on loopback moving
+measured); the share of the pushes that found their chunk's lock held by another
+(``smb_server_chunk_pushes_total``: at most these could be summed in one pass with
+another); the reference from the same run, one raw TCP socket pair on loopback moving
 one round's pushes one way (``raw_socket_MBps``), and the server's in + out bytes per
 second relative to it. With two or more sizes, a least-squares fit: server CPU = a * GB
 in and out + b * chunk requests. ``--cores N`` pins the server (every thread) to the
@@ -47,6 +49,7 @@ import socket
 import statistics
 import sys
 import time
+import urllib.request
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -65,6 +68,7 @@ from smb_protocol.requests import Reduce  # noqa: E402
 from smb_protocol.rounds import ChunkRound  # noqa: E402
 from smb_protocol.wire import Op  # noqa: E402
 from smb_server.commands.local_cluster import LocalCluster  # noqa: E402
+from smb_server.runtime.metrics import parse  # noqa: E402
 
 TIMEOUT = 60.0                    # seconds a push waits for the other parties (the requests' alpha)
 HEAD = wire.REQUEST.size          # bytes of a request header
@@ -302,10 +306,12 @@ def measure(lc: LocalCluster, client: smb_client.Client, args: argparse.Namespac
             expect(ours, proc, "warm")
             if server_cores:
                 pin(pid, server_cores)   # threads the connections started, should any have escaped
+            pushes0 = chunk_pushes(lc)
             user0, sys0 = cpu_split(pid)
             ours.send("go")
             got = expect(ours, proc, "done")
             user1, sys1 = cpu_split(pid)
+            pushes1 = chunk_pushes(lc)
         finally:
             proc.join(30)
             if proc.is_alive():
@@ -318,8 +324,19 @@ def measure(lc: LocalCluster, client: smb_client.Client, args: argparse.Namespac
     sent = sum(types.wire_bytes(c[3]) for c in plan)
     served = (sent + types.answer_bytes(sent)) * args.parties * measured   # bytes in (pushes) and out (sums)
     requests = len(plan) * args.parties * measured
+    pushes = {k: pushes1[k] - pushes0[k] for k in pushes1}
     return {"served_GB": served / 1e9, "chunk_requests": requests, "server_cpu_s": cpu, "server_user_s": user,
-            "nbytes": coll.nbytes, "chunks": len(plan), **got}
+            "nbytes": coll.nbytes, "chunks": len(plan),
+            "pushes_waited_share": pushes["waited"] / max(1, sum(pushes.values())), **got}
+
+
+def chunk_pushes(lc: LocalCluster) -> dict[str, float]:
+    """The server's chunk pushes so far, by whether they found the chunk's lock free or
+    waited for it (``smb_server_chunk_pushes_total``)."""
+    url = f"http://127.0.0.1:{lc.server_metrics_port(0)}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        samples = parse(reply.read().decode())
+    return {s.labels["lock"]: s.value for s in samples if s.name == "smb_server_chunk_pushes_total"}
 
 
 def main() -> int:
@@ -350,7 +367,8 @@ def main() -> int:
               file=sys.stderr)
     nbytes = int(args.mbytes * 1e6) // 4 * 4
     runs, lines = [], []
-    with LocalCluster(1, capacity=max(1 << 30, 4 * nbytes), transports="tcp") as lc, lc.client() as client:
+    cluster = LocalCluster(1, capacity=max(1 << 30, 4 * nbytes), transports="tcp", metrics=True)
+    with cluster as lc, lc.client() as client:
         for chunk in chunks:
             started = time.perf_counter()
             runs.append((chunk, measure(lc, client, args, chunk, server_cores, sender_cores)))
@@ -369,6 +387,7 @@ def main() -> int:
             "server_GBps_per_core": round(gb / cpu, 2) if cpu > 0 else None,
             "sender_cpu_share": round(r["sender_cpu_s"] / cpu, 3) if cpu > 0 else None,
             "cores": args.cores, "sender_cores": "shared" if shared else sender_cores,
+            "pushes_waited_share": round(r["pushes_waited_share"], 3),
             "server_MBps": round(rate, 1), "raw_socket_MBps": round(raw, 1), "ratio_to_raw": round(rate / raw, 3)})
         print(json.dumps(lines[-1]))
     if len(runs) > 1:

@@ -316,6 +316,10 @@ class LocalCluster(Daemon):
     def server_id(self, i: int) -> str:
         return str(json.loads((self.workdir / f"server-{i}" / "ready").read_text())["server_id"])
 
+    def server_metrics_port(self, i: int) -> int:
+        """The port of memory server ``i``'s ``/metrics`` on loopback (with ``metrics``)."""
+        return int(json.loads((self.workdir / f"server-{i}" / "ready").read_text())["metrics_port"])
+
     @property
     def admin_token(self) -> str:
         """The admin credential of this cluster (derived from its secret file)."""

@@ -7,6 +7,7 @@ from typing import Protocol
 
 from smb_server.runtime.metrics import Registry, Source
 
+from . import _native
 from .arena import Arena
 from .replication import Replication
 from .service import rss_bytes
@@ -48,6 +49,9 @@ def add_server_metrics(reg: Registry, server: ServerIdentity, arena: Arena, stat
         reg.counter(f"smb_server_{name}_total", f"Data-plane {what} (see docs/operations.md for "
                     "what each transport can count)", ["transport"], fn=per_transport(name))
     reg.register(stats.latency)
+    reg.counter("smb_server_chunk_pushes_total", "Collective chunk pushes that took their step, by whether "
+                "they found the chunk's lock free or waited for it (another push of the chunk, or another "
+                "operation on its extent, held it)", ["lock"], fn=_pushes)
     if replication is None:
         return
     counts = replication.counts
@@ -57,6 +61,11 @@ def add_server_metrics(reg: Registry, server: ServerIdentity, arena: Arena, stat
                       ("failures", "Backups this server marked failed while forwarding or syncing")):
         reg.counter(f"smb_server_replica_{name}_total", doc,
                     fn=_count_of(counts, name))
+
+
+def _pushes() -> list[tuple[tuple[str], int]]:
+    pushes, waited = _native.push_counts()
+    return [(("free",), pushes - waited), (("waited",), waited)]
 
 
 def _count_of(counts: dict[str, int], name: str) -> Source:

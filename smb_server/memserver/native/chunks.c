@@ -208,13 +208,24 @@ static int64_t *count_at(Py_buffer *data, long long word)
  * an admitted push stores (R_START) or adds ``nbytes`` of ``src`` into ``dst``, widened
  * from 16 bits where ``wire_code`` says, then stores the new word. Types and bounds
  * are the caller's to check. Returns 0, or the lock's error (nothing done). */
+/* the collective pushes that took their step (chunk_push) in this process, admitted or
+ * not, and those of them that found the extent's lock held (by another push of the
+ * chunk, or anything else under that lock): at most these could have been summed in
+ * one pass with another push (push_counts; docs/benchmarks.md, "The server path") */
+static atomic_llong pushes, pushes_waited;
+
 int chunk_push(pthread_mutex_t *mu, int64_t *count, void *dst, const void *src, ptrdiff_t nbytes,
                int slot_code, int wire_code, int64_t parties, int64_t round, int root,
                int *step, int64_t *old, int64_t *value)
 {
-    int rc = pthread_mutex_lock(mu);
+    int rc = pthread_mutex_trylock(mu), waited = rc == EBUSY;
+    if (waited)
+        rc = pthread_mutex_lock(mu);
     if (rc != 0)
         return rc;
+    atomic_fetch_add_explicit(&pushes, 1, memory_order_relaxed);
+    if (waited)
+        atomic_fetch_add_explicit(&pushes_waited, 1, memory_order_relaxed);
     *old = __atomic_load_n(count, __ATOMIC_ACQUIRE);
     *step = round_admit_push(*old, parties, round, root, value);
     if (*step == R_START || *step == R_JOIN) {
@@ -321,6 +332,17 @@ static PyObject *py_pull_count(PyObject *Py_UNUSED(self), PyObject *args)
     return result;
 }
 
+PyDoc_STRVAR(push_counts_doc,
+"push_counts()\n--\n\n"
+"``(pushes, waited)``: the collective pushes that took their step in this process\n"
+"(push_step and the native loop, admitted or not), and how many of them found their\n"
+"extent's lock held and waited for it.");
+
+static PyObject *py_push_counts(PyObject *Py_UNUSED(self), PyObject *Py_UNUSED(args))
+{
+    return Py_BuildValue("LL", (long long)atomic_load(&pushes), (long long)atomic_load(&pushes_waited));
+}
+
 PyTypeObject *smb_mutex_type = &MutexType;
 
 pthread_mutex_t *smb_mutex_of(struct smb_mutex *m)
@@ -331,6 +353,7 @@ pthread_mutex_t *smb_mutex_of(struct smb_mutex *m)
 static PyMethodDef chunk_methods[] = {
     {"push_step", py_push_step, METH_VARARGS, push_step_doc},
     {"pull_count", py_pull_count, METH_VARARGS, pull_count_doc},
+    {"push_counts", py_push_counts, METH_NOARGS, push_counts_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -95,6 +95,7 @@ def test_health_metrics_and_status(tmp_path, cluster_env):
         assert srv[("smb_server_operation_seconds_count", (("op", op), ("transport", "tcp")))] >= 1
     assert srv[("smb_server_rpc_seconds_count", (("method", "ReserveExtent"),))] == 1
     assert srv[("smb_server_registered", ())] == 1
+    assert srv[("smb_server_chunk_pushes_total", (("lock", "free"),))] == 0
 
     ctl = scrape(ctl_metrics)
     assert ctl[("smb_controller_servers", (("state", "up"),))] == 1
@@ -116,6 +117,14 @@ def test_health_metrics_and_status(tmp_path, cluster_env):
     assert ops[("write", "tcp")]["count"] >= 1 and ops[("write", "tcp")]["p99"] > 0
     text = smb("status", "--metrics", env=env).stdout
     assert "SERVING" in text and "operation latency" in text and "ops/metrics" in text
+
+    with smb_client.connect(env["SMB_CONTROLLER"], env["SMB_TOKEN"], transport="tcp") as c:
+        coll = smb_client.Collective.create(c, "ops/coll", 3 * 4096, 1, chunk_bytes=4096)
+        assert coll.all_reduce(np.ones(3 * 1024, np.float32)).tolist() == [1.0] * 3 * 1024
+        coll.destroy()
+    srv = scrape(server_metrics)    # its three chunk pushes, each alone on its chunk's lock
+    assert srv[("smb_server_chunk_pushes_total", (("lock", "free"),))] == 3
+    assert srv[("smb_server_chunk_pushes_total", (("lock", "waited"),))] == 0
 
     assert server.stop() == 0
     assert health.check(ready["grpc_address"], timeout=1) == "UNREACHABLE"

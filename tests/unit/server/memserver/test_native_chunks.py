@@ -4,6 +4,7 @@ stored or added exactly as the server's kernels do it, the round rules applied u
 the lock, bad bounds refused, and concurrent pushes never losing a contribution."""
 from __future__ import annotations
 
+import sys
 import threading
 import time
 
@@ -165,6 +166,47 @@ def test_concurrent_pushes_of_many_threads_lose_no_contribution() -> None:
         t.join(60)
     assert sums == [parties] * rounds
     assert _word(mem, word) == count_word(2 * rounds - 2, 2 * parties)
+
+
+def _sleeping(native_id: int) -> bool:
+    """Whether the thread ``native_id`` of this process sleeps in the kernel now."""
+    with open(f"/proc/self/task/{native_id}/stat") as f:
+        return f.read().rpartition(")")[2].split()[0] == "S"
+
+
+def test_pushes_are_counted_and_so_are_those_that_waited_for_the_lock() -> None:
+    mem, slot, word = _extent(DType.INT64)
+    lock, data = _native.Mutex(), mem.data.cast("B")
+    ones = np.ones(N, np.int64).data.cast("B")
+    pushes, waited = _native.push_counts()
+    _native.push_step(lock, data, word, slot, ones, DType.INT64, 0, 3, 0, False)
+    assert _native.push_counts() == (pushes + 1, waited)        # the lock was free
+    # a push while Python holds the extent's lock: it waits, then counts as waited. This
+    # thread gets the interpreter back only once the pusher let it go inside push_step
+    # (no switch interval takes it away before), so from then on the pusher's only sleep
+    # is its wait for the lock
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(100.0)
+    started = threading.Event()
+    try:
+        lock.acquire()
+
+        def pusher() -> None:
+            started.set()
+            _native.push_step(lock, data, word, slot, ones, DType.INT64, 0, 3, 0, False)
+        t = threading.Thread(target=pusher)
+        t.start()
+        assert started.wait(10)
+        deadline = time.monotonic() + 10
+        while not _sleeping(t.native_id) and time.monotonic() < deadline:
+            pass
+        assert _sleeping(t.native_id)
+        lock.release()
+        t.join(10)
+    finally:
+        sys.setswitchinterval(before)
+    assert _native.push_counts() == (pushes + 2, waited + 1)
+    assert _word(mem, word) == count_word(0, 2)
 
 
 def test_the_lock_is_shared_refuses_misuse_and_lets_the_interpreter_go_while_waiting() -> None:
