@@ -608,14 +608,27 @@ static void *narrowing(ptrdiff_t n)
     return buf;
 }
 
+/* A round's sum rounded once to its 16-bit wire type, for every sum the completing
+ * thread sends of that round (deliver): the narrowing buffer of this thread, valid
+ * while ``x`` is set and for the sums of the same slot bytes and types only. The slot
+ * cannot change meanwhile: its next round needs every pull of this one counted, and
+ * each is counted after its sum went out (or, handed back, is Python's to count). */
+struct narrowed {
+    const struct xt *x;
+    int64_t offset, n;
+    int wire;
+    const void *sum;
+};
+
 /* Serve the sum ``o`` owes, the simple way: its pull's number fresh, the round's sum
  * ready, the extent open: the slot's bytes go out under the owner's send lock, then
  * the pull is counted (under the extent's lock) and its entry finished. Anything else
  * is handed back to the owner's Python, and so is a sum for another connection than
  * ``self`` (the calling thread's; NULL: none) that cannot go out at once: the owner's
  * send lock is held or its socket full (a client that stopped reading must not hold up
- * the thread that completes the rounds). Takes ``o``. */
-static void deliver(struct owed *o, struct conn *self)
+ * the thread that completes the rounds). A sum answered in a 16-bit type is narrowed
+ * once per ``shared`` (NULL: for this sum alone). Takes ``o``. */
+static void deliver(struct owed *o, struct conn *self, struct narrowed *shared)
 {
     struct conn *c = o->owner;
     struct xt *x = o->x;
@@ -648,13 +661,19 @@ static void deliver(struct owed *o, struct conn *self)
     ptrdiff_t n = o->length / t.sent_item;
     void *sum = x->base + o->offset;
     if (t.answer != t.slot) {   /* rounded once to the wire type, here (the same bytes as Python's) */
-        if ((sum = narrowing(n * t.answer_item)) == NULL) {
+        if (shared != NULL && shared->x == x && shared->offset == o->offset && shared->n == n
+            && shared->wire == t.wire) {
+            sum = (void *)shared->sum;
+        } else if ((sum = narrowing(n * t.answer_item)) == NULL) {
             entry_drop(c->dd, entry);
             xt_unuse(x);
             hand_back(o);
             return;
+        } else {
+            kernels->narrow(sum, x->base + o->offset, 0.0, t.wire, n);
+            if (shared != NULL)   /* the buffer now holds this sum (a former one is gone) */
+                *shared = (struct narrowed){x, o->offset, n, t.wire, sum};
         }
-        kernels->narrow(sum, x->base + o->offset, 0.0, t.wire, n);
     }
     unsigned char head[ANSWER_BYTES];
     pack_answer(head, 0, KIND_FINAL, o->req_id, (uint64_t)(n * t.answer_item));
@@ -683,13 +702,15 @@ static void deliver(struct owed *o, struct conn *self)
 }
 
 /* The round (x, word, round) is complete: send every sum parked for it (from the
- * thread of ``self``, NULL: of no connection). */
-static void complete_round(struct xt *x, int64_t word, int64_t round, struct conn *self)
+ * thread of ``self``, NULL: of no connection), 16-bit ones narrowed once in
+ * ``shared`` (which may hold the round's already). */
+static void complete_round(struct xt *x, int64_t word, int64_t round, struct conn *self,
+                           struct narrowed *shared)
 {
     struct owed *o = take_round(x, word, round);
     while (o != NULL) {
         struct owed *next = o->next;
-        deliver(o, self);
+        deliver(o, self, shared);
         o = next;
     }
 }
@@ -706,7 +727,7 @@ static void owe(struct owed *o)
                     != R_WAIT;
         xt_unuse(o->x);
         if (ready && reclaim(o))
-            deliver(o, o->owner);   /* owe runs on the owner's thread */
+            deliver(o, o->owner, NULL);   /* owe runs on the owner's thread */
     }
 }
 
@@ -856,8 +877,9 @@ static PyObject *py_complete(PyObject *Py_UNUSED(mod), PyObject *args)
         return NULL;
     if (atomic_load(&parked_count) == 0)
         Py_RETURN_NONE;
+    struct narrowed shared = {NULL, 0, 0, 0, NULL};
     Py_BEGIN_ALLOW_THREADS
-    complete_round(h->x, word, round, NULL);
+    complete_round(h->x, word, round, NULL, &shared);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -1077,8 +1099,9 @@ static int reduce(struct conn *c, const unsigned char *h, struct xt *x, double f
     c->requests++;
     c->busy += mono_now() - started;
     if (last) {   /* its own sum right behind PUSHED, then every sum the round owes */
-        deliver(o, c);
-        complete_round(x, word, round, c);
+        struct narrowed shared = {NULL, 0, 0, 0, NULL};
+        deliver(o, c, &shared);
+        complete_round(x, word, round, c, &shared);
     } else {
         owe(o);
     }
