@@ -26,7 +26,9 @@ two processes on the same device at the collective's chunk size is the reference
 the measured rounds (``/proc``), per GB the servers took in and sent out (every
 worker's pushes and sums), as GB/s per core of the server path, and its user part alone
 (the server's own code: on Soft-RoCE the system part includes the emulated RDMA device,
-which a real NIC does in hardware).
+which a real NIC does in hardware). Worker CPU: each worker's process CPU (every
+thread, ``time.process_time``) inside its measured ``all_reduce`` calls, summed over the
+workers, per GB they pushed and received.
 """
 from __future__ import annotations
 
@@ -75,11 +77,14 @@ def worker(rank: int, env: dict[str, str], n: int, name: str, parties: int, roun
         data = np.empty(n, np.float32)
         want = float(parties * (parties + 1) // 2)
         times, spans = [], []
-        for _ in range(rounds):
+        cpu = 0.0                    # this process's CPU (every thread) in the measured rounds' calls
+        for i in range(rounds):
             data.fill(rank + 1)      # all_reduce sums in place
-            wall, start = time.time(), time.perf_counter()
+            wall, start, cpu0 = time.time(), time.perf_counter(), time.process_time()
             got = coll.all_reduce(data)
             times.append(time.perf_counter() - start)
+            if i:                    # the first round warms up
+                cpu += time.process_time() - cpu0
             spans.append((wall, wall + times[-1]))
             if not (got[0] == want and got[-1] == want):
                 raise AssertionError(f"rank {rank}: sum {got[0]} != {want}")
@@ -87,7 +92,7 @@ def worker(rank: int, env: dict[str, str], n: int, name: str, parties: int, roun
         c.barrier(f"{name}/done", parties=parties)   # every party has its last sum: then delete
         if rank == 0:
             c.delete_region(name)
-        out.put((times, spans))
+        out.put((times, spans, cpu))
 
 
 def former_chunk(n: int, servers: int) -> int:
@@ -124,13 +129,15 @@ def run(lc: LocalCluster, env: dict[str, str], n: int, args: argparse.Namespace,
     per_round = [max(r[0][i] for r in results) for i in range(args.rounds)][1:]   # the first round warms up
     median = statistics.median(per_round)
     served = 2 * n * 4 * args.workers * args.rounds / 1e9   # GB in (pushes) and out (sums), all rounds
+    pushed = 2 * n * 4 * args.workers * (args.rounds - 1) / 1e9   # the same, the workers' measured rounds
     chunk = chunk_bytes or (former_chunk(n, args.servers) if path == "pushpull"
                             else smb_client.Collective.default_chunk(n * 4, args.servers))
     return {"round_s": median, "worker_MBps": 2 * n * 4 / median / 1e6,
             "server_cpu_s": after - before, "served_GB": served,
             "chunk_requests": args.workers * args.rounds * -(-n * 4 // chunk),
             "server_cpu_s_per_GB": (after - before) / served, "server_user_s_per_GB": user / served,
-            "server_GBps_per_core": served / (after - before) if after > before else float("nan")}
+            "server_GBps_per_core": served / (after - before) if after > before else float("nan"),
+            "worker_cpu_s_per_GB": sum(r[2] for r in results) / pushed}
 
 
 def main() -> int:
@@ -186,6 +193,7 @@ def main() -> int:
                       "server_cpu_s_per_GB": round(median["server_cpu_s_per_GB"], 3),
                       "server_user_s_per_GB": round(median["server_user_s_per_GB"], 3),
                       "server_GBps_per_core": round(median["server_GBps_per_core"], 2),
+                      "worker_cpu_s_per_GB": round(median["worker_cpu_s_per_GB"], 3),
                       "pinned": args.pin_servers})
         print(json.dumps(lines[-1]))
     if len(chunks) > 1:
