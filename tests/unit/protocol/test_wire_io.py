@@ -93,6 +93,10 @@ class _Counting(socket.socket):
         self.receives += 1
         return super().recvmsg_into(*args, **kwargs)
 
+    def recv_into(self, *args, **kwargs):
+        self.receives += 1
+        return super().recv_into(*args, **kwargs)
+
 
 @pytest.fixture
 def tcp_pair():
@@ -185,3 +189,22 @@ def test_a_small_read_sets_no_low_water_mark(tcp_pair):
     got = bytearray(1000)
     wire.recv_into_all(reader, [memoryview(got)])
     assert got == b"z" * 1000 and reader.receives == 1
+    assert reader.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT) == 1
+
+
+@pytest.mark.parametrize("timeout", [None, 30.0], ids=["blocking", "timeout"])
+def test_a_small_read_in_pieces_is_whole_and_a_peer_ending_short_fails_it(tcp_pair, timeout):
+    """A header's bytes that come in pieces end in one read; a peer that ends before
+    them fails the read at once (blocking sockets take a shorter way than others)."""
+    reader, writer = tcp_pair
+    reader.settimeout(timeout)
+    data = bytes(range(16)) * 4
+    t = _send_in_pieces(writer, data, 4)
+    got = bytearray(len(data))
+    wire.recv_into_all(reader, [memoryview(got)])
+    t.join()
+    assert got == data
+    writer.sendall(b"x" * 10)
+    writer.close()
+    with pytest.raises(wire.ServerUnavailable):
+        wire.recv_exact(reader, 16)
