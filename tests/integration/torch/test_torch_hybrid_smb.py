@@ -40,20 +40,25 @@ def train_run(client, env, prefix, rank, ranks, groups, compression, profiled):
     torch.manual_seed(0)     # one start for both runs, so that they compare
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
     flat = FlatModel(model)
+    # the weights after each part of the set-up: a start that differs between the runs
+    # names the part that changed it
+    stages = {"made": flat.flat_params.numpy().copy()}
     store = seasgd = None
     if local == 0:
         store = open_store(client, env, prefix, flat, members=nodes, creator=node == 0,
                            scheme="hybrid", workers=nodes)
         seasgd = SEASGD(store, node, nodes, moving_rate=0.4, update_interval=INTERVAL)
+    stages["stored"] = flat.flat_params.numpy().copy()
     writer = Scalars()
     hy = HybridSEASGD(flat, groups[node], ranks[node], seasgd=seasgd, compression=compression,
                       bucket_bytes=4096, writer=writer if rank == 0 else None)
+    stages["hybrid"] = flat.flat_params.numpy().copy()
     hy.broadcast_params()
     g = torch.Generator().manual_seed(1000 + rank)   # every worker its own data
     x = torch.randn(STEPS * BATCH, 32, generator=g)
     y = x[:, :4].argmax(1)
     opt = torch.optim.SGD(model.parameters(), lr=0.2)
-    out = {"wire": hy.wire, "losses": [], "after": [], "start": flat.flat_params.numpy().copy()}
+    out = {"wire": hy.wire, "losses": [], "after": [], "start": flat.flat_params.numpy().copy(), "stages": stages}
     prof = profile(activities=[ProfilerActivity.CPU]) if profiled else None
     with prof if prof is not None else contextlib.nullcontext():
         for step in range(STEPS):
@@ -113,7 +118,10 @@ def test_hybrid_on_smb_node_groups_with_16_bit_sums_trains_like_float32(cluster,
                 assert np.array_equal(pa, pb)
     for r in range(WORLD):
         # before the first elastic update the runs differ only by the 16-bit gradients
-        assert np.array_equal(b16[r]["start"], f32[r]["start"])
+        differ = [k for k in b16[r]["stages"] if not np.array_equal(b16[r]["stages"][k], f32[r]["stages"][k])]
+        assert np.array_equal(b16[r]["start"], f32[r]["start"]), \
+            (f"rank {r}: the second run starts elsewhere; its weights differed after {differ or 'the broadcast'}; "
+             f"first elements, runs 1 and 2: {f32[r]['start'][:4]}, {b16[r]['start'][:4]}")
         moved = np.abs(f32[r]["after"][INTERVAL - 2] - f32[r]["start"]).max()
         apart = [np.abs(b16[r]["after"][s] - f32[r]["after"][s]).max() for s in range(INTERVAL - 1)]
         assert 0 < apart[0] and max(apart) < 0.02 * moved, (apart, moved)
