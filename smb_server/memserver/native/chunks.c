@@ -203,17 +203,18 @@ static int64_t *count_at(Py_buffer *data, long long word)
     return (int64_t *)((char *)data->buf + word);
 }
 
+/* the collective pushes that took their step (chunk_push) in this process, admitted or
+ * not, and those of them that found the extent's lock held (by another push of the
+ * chunk, or anything else under that lock): at most these could have been summed in
+ * one pass with another push (push_counts; docs/benchmarks.md, "Summing several
+ * pushes in one pass") */
+static atomic_llong pushes, pushes_waited;
+
 /* One push under the extent's lock ``mu``, run without the interpreter: the count word
  * at ``count`` admits it (*step, the word found in *old, *value as round_admit_push's);
  * an admitted push stores (R_START) or adds ``nbytes`` of ``src`` into ``dst``, widened
  * from 16 bits where ``wire_code`` says, then stores the new word. Types and bounds
  * are the caller's to check. Returns 0, or the lock's error (nothing done). */
-/* the collective pushes that took their step (chunk_push) in this process, admitted or
- * not, and those of them that found the extent's lock held (by another push of the
- * chunk, or anything else under that lock): at most these could have been summed in
- * one pass with another push (push_counts; docs/benchmarks.md, "The server path") */
-static atomic_llong pushes, pushes_waited;
-
 int chunk_push(pthread_mutex_t *mu, int64_t *count, void *dst, const void *src, ptrdiff_t nbytes,
                int slot_code, int wire_code, int64_t parties, int64_t round, int root,
                int *step, int64_t *old, int64_t *value)

@@ -195,7 +195,7 @@ def test_a_small_read_sets_no_low_water_mark(tcp_pair):
 @pytest.mark.parametrize("timeout", [None, 30.0], ids=["blocking", "timeout"])
 def test_a_small_read_in_pieces_is_whole_and_a_peer_ending_short_fails_it(tcp_pair, timeout):
     """A header's bytes that come in pieces end in one read; a peer that ends before
-    them fails the read at once (blocking sockets take a shorter way than others)."""
+    them fails the read at once, on a blocking socket and on one with a timeout."""
     reader, writer = tcp_pair
     reader.settimeout(timeout)
     data = bytes(range(16)) * 4

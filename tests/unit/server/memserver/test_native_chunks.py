@@ -188,23 +188,23 @@ def test_pushes_are_counted_and_so_are_those_that_waited_for_the_lock() -> None:
     before = sys.getswitchinterval()
     sys.setswitchinterval(100.0)
     started = threading.Event()
-    try:
-        lock.acquire()
 
-        def pusher() -> None:
-            started.set()
-            _native.push_step(lock, data, word, slot, ones, DType.INT64, 0, 3, 0, False)
-        t = threading.Thread(target=pusher)
+    def pusher() -> None:
+        started.set()
+        _native.push_step(lock, data, word, slot, ones, DType.INT64, 0, 3, 0, False)
+    t = threading.Thread(target=pusher)
+    lock.acquire()
+    try:
         t.start()
         assert started.wait(10)
         deadline = time.monotonic() + 10
         while not _sleeping(t.native_id) and time.monotonic() < deadline:
             pass
         assert _sleeping(t.native_id)
+    finally:   # let the pusher go whatever happened, so that it never outlives the test
         lock.release()
-        t.join(10)
-    finally:
         sys.setswitchinterval(before)
+        t.join(10)
     assert _native.push_counts() == (pushes + 2, waited + 1)
     assert _word(mem, word) == count_word(0, 2)
 
