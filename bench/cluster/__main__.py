@@ -135,6 +135,12 @@ def main(argv: list[str] | None = None) -> int:
             results = json.load(f)
         write_report(results, args.from_json, args.png_dir)
         return 0
+    # before the first namespace (the probe's): a stop signal from then on ends the run
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _exit_on_signal)
+    # Ctrl-C interrupts the run (and tears the testbed down) even where it was started with
+    # SIGINT ignored, as a shell does for a background job: Python then installs no handler
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     reason = netns.unavailable_reason()
     if reason:
         print(f"bench.cluster: cannot build the testbed: {reason}", file=sys.stderr)
@@ -143,11 +149,6 @@ def main(argv: list[str] | None = None) -> int:
         removed = cleanup(force=args.force)
         print(f"removed {len(removed)} leftover(s)" + (": " + " ".join(removed) if removed else ""))
         return 0
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, _exit_on_signal)
-    # Ctrl-C interrupts the run (and tears the testbed down) even where it was started with
-    # SIGINT ignored, as a shell does for a background job: Python then installs no handler
-    signal.signal(signal.SIGINT, signal.default_int_handler)
     leftovers = cleanup()
     if leftovers:
         log.warning("removed %d leftovers of earlier runs: %s", len(leftovers), " ".join(leftovers))

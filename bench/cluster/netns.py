@@ -70,11 +70,11 @@ def unavailable_reason() -> str | None:
         if not os.access(tool, os.X_OK):
             return f"{tool} not found (install iproute2)"
     probe = f"{PREFIX}{os.getpid()}-probe"
-    try:
-        run([IP, "netns", "add", probe])
-    except NetnsError as exc:
-        return f"cannot create a network namespace: {exc}"
-    try:
+    try:   # made inside the try: an interrupt that lands after `ip netns add` still deletes it
+        try:
+            run([IP, "netns", "add", probe])
+        except NetnsError as exc:
+            return f"cannot create a network namespace: {exc}"
         run([IP, "-n", probe, "link", "add", "name", "p0", "type", "veth", "peer", "name", "p1"])
         run([TC, "-n", probe, "qdisc", "add", "dev", "p0", "root", "tbf", "rate", "100mbit",
              "burst", TBF_BURST, "latency", TBF_LATENCY])

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from bench.cluster import experiments, netns
-from bench.cluster.testbed import ROOT, SUBNET, Testbed, TestbedError, cleanup
+from bench.cluster.testbed import ROOT, SUBNET, Testbed, TestbedError, cleanup, kill_process
 
 BURST = 128 * 1024   # bytes of a link's token bucket (netns.TBF_BURST, "128kb")
 
@@ -195,10 +195,10 @@ def test_cleanup_removes_leftovers_of_dead_runs_only(testbed):
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _running_in(tag: str) -> bool:
-    """Whether a process runs in a namespace whose name starts with ``tag``."""
+def _running_in(tag: str, but: str = "") -> bool:
+    """Whether a process runs in a namespace whose name starts with ``tag`` (other than ``but``)."""
     for name in netns.list_namespaces():
-        if name.startswith(tag):
+        if name.startswith(tag) and name != but:
             pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout
             if pids.strip():
                 return True
@@ -227,17 +227,24 @@ def test_an_interrupt_while_a_namespace_is_made_leaves_none(monkeypatch, nth):
 
 
 @pytest.mark.timeout(120)
+def _sigint_ignored() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def test_interrupted_run_tears_down(tmp_path):
+    # started with SIGINT ignored, as a shell starts a background job (and as `make test`
+    # runs under CI): the run installs its own handler, Ctrl-C still interrupts it
     proc = subprocess.Popen([sys.executable, "-m", "bench.cluster", "--quick", "--only", "bandwidth",
-                             "--out", str(tmp_path / "out.json")], cwd=ROOT,
+                             "--out", str(tmp_path / "out.json")], cwd=ROOT, preexec_fn=_sigint_ignored,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     tag = f"{netns.PREFIX}{proc.pid}-"
     try:
-        # interrupted as soon as a process runs in one of its namespaces: mid-build or
-        # mid-experiment, never after its last point (a quick run's points take about a
-        # second; a fixed pause could let the run reach its end on a loaded machine)
+        # interrupted as soon as a process runs in one of its testbed's namespaces (not the
+        # probe's: the test below): mid-build or mid-experiment, never after its last point (a
+        # quick run's points take about a second; a fixed pause could let the run reach its
+        # end on a loaded machine)
         deadline = time.monotonic() + 60
-        while not _running_in(tag):
+        while not _running_in(tag, but=f"{tag}probe"):
             assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
             assert time.monotonic() < deadline, "the run started no process in a namespace within 60 s"
             time.sleep(0.01)
@@ -249,6 +256,33 @@ def test_interrupted_run_tears_down(tmp_path):
             proc.wait()
     assert [n for n in netns.list_namespaces() if n.startswith(tag)] == []
     assert not (tmp_path / "out.json").exists()
+
+
+def test_an_interrupt_while_the_run_probes_for_namespaces_stops_it(tmp_path):
+    """The run's first namespace is the probe's (``netns.unavailable_reason``, named like
+    the testbed's), so an interrupt can come while it probes: it stops the run there, also
+    one started with SIGINT ignored (it was lost there, and the run went on to write its
+    results)."""
+    script = ("import signal, sys\n"
+              "from bench.cluster import __main__ as cli, netns\n"
+              "probe = netns.unavailable_reason\n"
+              "def interrupted():\n"
+              "    signal.raise_signal(signal.SIGINT)\n"
+              "    return probe()\n"
+              "netns.unavailable_reason = interrupted\n"
+              "sys.exit(cli.main(sys.argv[1:]))\n")
+    out = tmp_path / "out.json"
+    proc = subprocess.Popen([sys.executable, "-c", script, "--quick", "--only", "bandwidth", "--out", str(out)],
+                            cwd=ROOT, preexec_fn=_sigint_ignored, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        _, err = proc.communicate(timeout=300)
+    finally:
+        kill_process(proc)
+    assert proc.returncode == -signal.SIGINT, err
+    assert "KeyboardInterrupt" in err
+    assert not out.exists()
+    assert [n for n in netns.list_namespaces() if n.startswith(f"{netns.PREFIX}{proc.pid}-")] == []
 
 
 def test_a_worker_past_its_time_is_named_with_every_threads_stack(testbed):
