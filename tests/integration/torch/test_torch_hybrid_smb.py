@@ -77,6 +77,7 @@ def train_run(client, env, prefix, rank, ranks, groups, compression, profiled):
                scalars=writer.got,
                ranges=sorted({e.name for e in prof.events() if e.name.startswith("smb::")}) if prof else [])
     if store is not None:
+        out["center"] = seasgd.global_weights.numpy().copy()   # the last global weights read
         seasgd.close()
         client.barrier(f"{prefix}/end", nodes, timeout=60)
         store.destroy() if node == 0 else store.close()
@@ -106,6 +107,17 @@ def hybrid_worker(rank, queue, address, token, port, prefix):
         queue.put((rank, traceback.format_exc()))
 
 
+def _nearest(weights, run):
+    """Which weights of the first run ``weights`` lies nearest (largest difference), to
+    name where a second run's start came from."""
+    seen = {f"rank {r} {what}": w for r, out in run.items()
+            for what, w in [("start", out["start"]), ("center", out.get("center")),
+                            *((f"after step {s + 1}", a) for s, a in enumerate(out["after"]))] if w is not None}
+    far = {what: float(np.abs(weights - w).max()) for what, w in seen.items()}
+    nearest = sorted(far.items(), key=lambda kv: kv[1])[:4]
+    return "nearest in the first run: " + ", ".join(f"{k} {v:.3g}" for k, v in nearest)
+
+
 def test_hybrid_on_smb_node_groups_with_16_bit_sums_trains_like_float32(cluster, name):
     res = spawn_ranks(WORLD, hybrid_worker, cluster.address, cluster.token, free_port(), name, timeout=180)
     f32 = {r: res[r][None] for r in range(WORLD)}
@@ -121,7 +133,8 @@ def test_hybrid_on_smb_node_groups_with_16_bit_sums_trains_like_float32(cluster,
         differ = [k for k in b16[r]["stages"] if not np.array_equal(b16[r]["stages"][k], f32[r]["stages"][k])]
         assert np.array_equal(b16[r]["start"], f32[r]["start"]), \
             (f"rank {r}: the second run starts elsewhere; its weights differed after {differ or 'the broadcast'}; "
-             f"first elements, runs 1 and 2: {f32[r]['start'][:4]}, {b16[r]['start'][:4]}")
+             f"first elements, runs 1 and 2: {f32[r]['start'][:4]}, {b16[r]['start'][:4]}; "
+             f"{_nearest(b16[r]['start'], f32)}")
         moved = np.abs(f32[r]["after"][INTERVAL - 2] - f32[r]["start"]).max()
         apart = [np.abs(b16[r]["after"][s] - f32[r]["after"][s]).max() for s in range(INTERVAL - 1)]
         assert 0 < apart[0] and max(apart) < 0.02 * moved, (apart, moved)
