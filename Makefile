@@ -10,8 +10,8 @@ PROTO_SRC := $(wildcard proto/smb/v1/*.proto)
 PROTO_OUT := smb_protocol/_proto/smb/v1
 # etcd's v3 API: stubs generated from the .proto files golang-etcd-server-dev ships
 ETCD_PROTO_OUT := smb_protocol/_proto/etcd
-# base tools; the C compiler and Python's headers (pip builds smb_protocol/_native.c,
-# the elementwise kernels, into the tree); rdma-core, the rxe provider and pyverbs
+# base tools; the C compiler and Python's headers (pip builds the C parts named in
+# setup.py into the tree); rdma-core, the rxe provider and pyverbs
 # (RDMA data plane, `smb doctor`); perftest (reference for the rdma benchmark); qemu,
 # a Debian kernel with rdma_rxe and busybox (the Soft-RoCE VM that runs the rdma
 # tier); systemd (unit verification); slurmctld/slurmd (the Slurm batch script runs
@@ -37,7 +37,7 @@ apt:
 	fi
 
 $(STAMP): pyproject.toml setup.py smb_protocol/_native.c smb_protocol/_native.h \
-          $(wildcard smb_server/memserver/native/*.[ch]) | apt
+          smb_client/transports/answers.c $(wildcard smb_server/memserver/native/*.[ch]) | apt
 	@test -x $(PY) || $(PY_SYS) -m venv --system-site-packages $(VENV)
 	$(PIP) install -q --disable-pip-version-check -e '.[dev,torch,otel]'
 	@touch $(STAMP)

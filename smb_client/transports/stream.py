@@ -4,7 +4,8 @@ One :class:`ReduceStream` per memory server and client: one long-lived socket on
 the caller sends ``REDUCE`` frames back to back, without waiting for answers, while a
 receiving thread of the stream takes the answers as they come: the server's word that
 a push took effect (``PUSHED``, which frees the sender's window) and, once every party's
-push of the chunk landed, the chunk's sum, received straight into the caller's buffers.
+push of the chunk landed, the chunk's sum, received straight into the caller's buffers
+(both taken whole by the native reader of ``answers.c``, without the interpreter lock).
 There is no round trip per chunk and no thread per chunk: one sending caller and one
 receiving thread per server.
 
@@ -34,6 +35,7 @@ from smb_protocol.requests import Reduce
 from smb_protocol.rounds import ChunkRound
 from smb_protocol.wire import Op
 
+from ._answers import Answers
 from .errors import ConnectionBroken
 
 log = logging.getLogger(__name__)
@@ -113,13 +115,16 @@ class _Link:
     """One connection of a stream and what is in flight on it (request id -> the
     reduction, or :data:`_HELLO`): answers read from a connection are looked up in its
     own table only, so nothing read from a broken connection can finish a request sent
-    on its successor."""
+    on its successor. ``answers``: the native reader of its answers (``answers.c``: a
+    push's word and a sum taken whole without the interpreter; a stream is plain tcp,
+    the route hands out none over TLS)."""
 
-    __slots__ = ("conn", "pending")
+    __slots__ = ("conn", "pending", "answers")
 
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
         self.pending: dict[int, Reduction | object] = {}
+        self.answers = Answers(conn.sock.fileno())
 
 
 class ReduceStream:
@@ -157,6 +162,7 @@ class ReduceStream:
                         frames += hello[1]
                     req_id, request = conn.frames.request(r.request(conn.client_id), r.parts)
                     link.pending[req_id] = r
+                    link.answers.expect(req_id, r.into)
                     frames += request
             if broke:
                 r.done(ConnectionBroken(f"{self.where}: the connection broke"))
@@ -195,7 +201,8 @@ class ReduceStream:
         sock, frames = conn.sock, conn.frames
         try:
             while True:
-                answer = frames.answer(wire.recv_exact(sock, wire.RESPONSE.size))
+                header, taken = link.answers.receive()
+                answer = frames.answer(header)
                 with self._lock:
                     r = link.pending.get(answer.req_id)
                 if r is None:
@@ -203,7 +210,7 @@ class ReduceStream:
                         raise frames.error(answer, wire.recv_exact(sock, answer.length) if answer.length else b"")
                     raise frames.stray(answer)
                 if r is _HELLO or answer.kind == wire.PUSHED or not answer.ok:
-                    body = bytes(wire.recv_exact(sock, answer.length)) if answer.length else b""
+                    body = bytes(wire.recv_exact(sock, answer.length)) if answer.length and not taken else b""
                     if not answer.ok:
                         err = frames.error(answer, body)
                         if r is _HELLO:   # a refused ticket: the server closes the connection
@@ -216,10 +223,9 @@ class ReduceStream:
                         r.pushed()
                     continue
                 assert isinstance(r, Reduction)
-                if answer.length != r.answer_nbytes:
+                if not taken:   # the reader takes every sum of the length registered
                     raise ProtocolError(f"{self.where}: a sum of {answer.length} bytes where "
                                         f"{r.answer_nbytes} were due")
-                wire.recv_into_all(sock, r.into)
                 if r.received is not None:
                     r.received()
                 self._finish(link, answer.req_id, None)
@@ -236,10 +242,14 @@ class ReduceStream:
             if isinstance(exc, ServerUnavailable) and not isinstance(exc, ConnectionBroken):
                 exc = ConnectionBroken(str(exc))   # closed by the server mid-answer: a break
             self._fail(link, exc)
+        finally:
+            link.answers.close()   # this thread's alone: no read of it is left
 
     def _finish(self, link: _Link, req_id: int, err: SMBError | None) -> None:
         with self._lock:
             r = link.pending.pop(req_id, None)
+        if err is not None:
+            link.answers.forget(req_id)   # a sum taken is dropped by the reader
         if isinstance(r, Reduction):
             r.done(err)
 
@@ -255,6 +265,7 @@ class ReduceStream:
             link.conn.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
+        link.answers.forget_all()
         link.conn.close()
         if pending:
             log.info("%s: %d requests in flight failed: %s", self.where, len(pending), err)

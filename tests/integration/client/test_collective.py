@@ -40,6 +40,24 @@ def test_all_reduce_sums_exactly_round_after_round(cluster, name, transport, par
     run_parties(cluster, name, parties, n * 8, chunk_bytes, transport, body)
 
 
+def test_a_tcp_streams_answers_are_read_natively_and_nothing_stays_registered(cluster, name):
+    """Every stream of a round over tcp reads its answers with the native reader
+    (``answers.c``), and once the round is over no request's buffers are held there."""
+    def body(coll: Collective, rank: int) -> None:
+        for k in range(3):
+            x = np.full(20_000, rank + k, np.int64)
+            coll.all_reduce(x)
+            np.testing.assert_array_equal(x, np.full(20_000, 1 + 2 * k, np.int64))
+        streams = {id(s): s for s in (coll.region.route.stream(c.slot, True)[0] for c in coll.chunks)}
+        assert len(streams) == 2                       # one per server
+        for stream in streams.values():
+            assert isinstance(stream, ReduceStream)
+            link = stream._link
+            assert link is not None
+            assert link.answers.expected() == 0 and stream.in_flight() == 0
+    run_parties(cluster, name, 2, 20_000 * 8, 16 * KiB, "tcp", body)
+
+
 def test_all_reduce_float32_and_a_shorter_buffer(cluster, name):
     def body(coll: Collective, rank: int) -> None:
         x = np.full(3000, rank + 0.5, np.float32)
