@@ -117,6 +117,11 @@ def open_store(client: Client, env: WorkerEnv, prefix: str, model: torch.nn.Modu
     """The master creates the store (``scheme`` through ``attempt`` are
     :meth:`ParameterStore.create`'s options); everybody meets at the barrier ``<prefix>/ready``; the others then attach
     by name and load the master's parameters, so that all start from the same weights.
+    The master does not wait for them to load: under an asynchronous scheme (SEASGD) it
+    may train and update the global weights meanwhile, and a worker that loads after that
+    starts from the global weights as they are then, which is what elastic averaging
+    would move it towards anyway; a caller that needs every worker's start equal meets
+    the others at a barrier of its own after this returns.
 
     ``members`` is how many processes call this (default: every worker; more than
     ``env.world_size`` raises InvalidArgument at once); ``creator`` whether this one

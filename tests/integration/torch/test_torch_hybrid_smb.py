@@ -48,6 +48,10 @@ def train_run(client, env, prefix, rank, ranks, groups, compression, profiled):
         store = open_store(client, env, prefix, flat, members=nodes, creator=node == 0,
                            scheme="hybrid", workers=nodes)
         seasgd = SEASGD(store, node, nodes, moving_rate=0.4, update_interval=INTERVAL)
+        # every leader has loaded the stored start before any trains: SEASGD does not wait
+        # for the other node, and a leader that loaded after node 0's first elastic update
+        # would start from the global weights as they were then, not from the seed's
+        client.barrier(f"{prefix}/loaded", nodes, timeout=60)
     stages["stored"] = flat.flat_params.numpy().copy()
     writer = Scalars()
     hy = HybridSEASGD(flat, groups[node], ranks[node], seasgd=seasgd, compression=compression,
