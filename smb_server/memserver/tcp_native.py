@@ -7,8 +7,9 @@ buffer), when a tick passes (so Python looks at the plane's closing and adds the
 counters to the statistics), or with an event: a push the round rules refused, a push
 whose slot's previous round never ended, a push whose extent went or began moving, or
 a sum it parked that must be served the Python way (handed back: its deadline passed,
-its extent went, its pull's number was seen before, or its connection's socket was full when the
-round completed). Those are answered here, as the engine answers them.
+its extent went, its pull's number was seen before; a sum another connection's thread
+could not send at once, the socket being full, the connection's own loop sends itself,
+waiting for room). Those are answered here, as the engine answers them.
 """
 from __future__ import annotations
 

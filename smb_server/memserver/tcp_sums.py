@@ -7,7 +7,10 @@ Where a sum is sent from, fewest threads woken first:
   answer (one segment);
 * an earlier push parks its sum natively (``Conn.owe``); the push that completes the
   round, whichever connection or plane it came on, native or Python, sends every sum
-  parked for the round from its own thread, without the interpreter;
+  parked for the round from its own thread, without the interpreter; one it cannot
+  send at once (that connection's socket full, or another answer going out there) goes
+  to that connection's own native loop, which sends it between its frames, waiting for
+  room;
 * a parked sum whose deadline passed, whose extent went or was blocked, or that cannot
   be sent the simple way (its pull's number seen before) is handed back to its
   connection, which serves it on its deliveries thread (:mod:`.deliveries`) as a pull:

@@ -301,6 +301,7 @@ struct owed {
     int64_t offset, length, word, parties, round;   /* length: the bytes pushed (the pull's) */
     int dtype;                /* the chunk's types (dtype byte) */
     double deadline;          /* monotonic */
+    int tried;                /* the owner's own thread tried to send it (next: Python's turn) */
 };
 
 struct event {
@@ -862,7 +863,7 @@ static PyObject *conn_owe(ConnObject *self, PyObject *args)
     atomic_fetch_add(&self->c->refs, 1);
     atomic_fetch_add(&h->x->refs, 1);
     *o = (struct owed){NULL, self->c, h->x, req_id, client, seq, offset, length, word, parties, round, dtype,
-                       mono_now() + timeout};
+                       mono_now() + timeout, 0};
     Py_BEGIN_ALLOW_THREADS
     owe(o);
     Py_END_ALLOW_THREADS
@@ -1095,7 +1096,7 @@ static int reduce(struct conn *c, const unsigned char *h, struct xt *x, double f
     atomic_fetch_add(&c->refs, 1);
     atomic_fetch_add(&x->refs, 1);
     *o = (struct owed){NULL, c, x, req_id, client, seq ? seq + 1 : 0, offset, length, word, parties, round, dtype,
-                       deadline};
+                       deadline, 0};
     c->requests++;
     c->busy += mono_now() - started;
     if (last) {   /* its own sum right behind PUSHED, then every sum the round owes */
@@ -1119,16 +1120,24 @@ static void serve_frames(struct conn *c, unsigned char *header, double tick, str
 {
     double tick_end = mono_now() + tick;
     for (;;) {
-        /* a sum handed back, or parked past its time: Python answers it */
+        /* a sum handed back: sent from here, this connection's own thread, which may
+         * wait for its socket's room (another connection's thread could not); one this
+         * thread could not send either, or parked past its time: Python answers it */
         pthread_mutex_lock(&c->q_mu);
         struct event *e = c->q_head;
         if (e != NULL && (c->q_head = e->next) == NULL)
             c->q_tail = NULL;
         pthread_mutex_unlock(&c->q_mu);
         if (e != NULL) {
-            out->kind = EV_HAND_BACK;
-            out->owed = e->owed;
+            struct owed *o = e->owed;
             free(e);
+            if (!o->tried && mono_now() < o->deadline) {
+                o->tried = 1;
+                deliver(o, c, NULL);   /* takes it: sent, or handed back again, tried */
+                continue;
+            }
+            out->kind = EV_HAND_BACK;
+            out->owed = o;
             return;
         }
         struct owed *late = NULL;

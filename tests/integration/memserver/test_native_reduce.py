@@ -23,7 +23,7 @@ from smb_protocol.errors import Status
 from smb_protocol.requests import Reduce
 from smb_protocol.rounds import ChunkRound, count_word
 from smb_protocol.wire import Op
-from smb_server.memserver import _native, kernels
+from smb_server.memserver import _native, kernels, tcp_sums
 from smb_server.testing import wait_until
 from tests.integration.memserver.planes import CLIENT, _answer, _hello, _request, _send, _ticket
 
@@ -112,6 +112,62 @@ def test_a_push_that_comes_in_pieces_wakes_the_loop_about_once(counted):
         wait_until(lambda: tcp.stats.snapshot()["bytes_accumulated"] >= 2 * CHUNK, "the served push counted",
                    timeout=10)
     assert 1 <= tcp.stats.limits()["payload_waits"] <= 2
+
+
+def _send_queue(local_port: int, remote_port: int) -> int:
+    """Bytes queued to send on the loopback connection between these ports (the
+    kernel's table, /proc/net/tcp)."""
+    with open("/proc/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            fields = line.split()
+            if (int(fields[1].split(":")[1], 16), int(fields[2].split(":")[1], 16)) == (local_port, remote_port):
+                return int(fields[4].split(":")[0], 16)
+    return 0
+
+
+def test_a_sum_for_a_full_socket_is_sent_by_its_connections_own_thread(counted, monkeypatch):
+    """The push that completes a round cannot send another connection's sum while that
+    connection's socket is full (its client is not reading): the sum goes to that
+    connection's own thread, which sends it natively, waiting for room; Python never
+    sees it (it sent every such sum before)."""
+    arena, tcp, seen = counted
+    by_python: list[object] = []
+    real = tcp_sums.hand_back
+
+    def counting(owner, node, pull, left):   # type: ignore[no-untyped-def]
+        by_python.append(pull)
+        return real(owner, node, pull, left)
+    monkeypatch.setattr(tcp_sums, "hand_back", counting)
+    reads = 16                                     # of 1 MiB: more than any socket buffer holds
+    with _party(tcp) as a, socket.socket() as b:
+        b.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 << 10)
+        b.connect(("127.0.0.1", tcp.port))
+        b.settimeout(20.0)
+        _hello(b, _ticket([1]))
+        _reduce(a, 10, 0, 2, 1, seq=100)           # Python's: the extent registers on both
+        _reduce(b, 10, 0, 2, 2, seq=200)
+        for s in (a, b):
+            _pushed_and_sum(s, 10)
+        _reduce(b, 11, 1, 2, 5, seq=202)           # b's push, its sum parked
+        assert _answer(b)[:3] == (Status.OK, wire.PUSHED, 11)
+        for i in range(reads):
+            _send(b, 20 + i, Op.READ, 1, 0, 1 << 20)
+        port = b.getsockname()[1]
+        queued = [-1]
+
+        def stalled() -> bool:                     # the server's side of b stopped moving: full
+            before, queued[0] = queued[0], _send_queue(tcp.port, port)
+            return queued[0] > (1 << 20) and queued[0] == before
+        wait_until(stalled, "b's socket full", timeout=20, pause=0.05)
+        _reduce(a, 11, 1, 2, 7, seq=102)           # completes the round: a's thread cannot send b's sum
+        _, got = _pushed_and_sum(a, 11)
+        np.testing.assert_array_equal(got, np.full(N, 12))
+        answers = _answers(b, reads + 1)           # b reads at last
+        status, body = answers[11, wire.FINAL]
+        assert status == Status.OK
+        np.testing.assert_array_equal(np.frombuffer(body, np.int64), np.full(N, 12))
+        assert all(answers[20 + i, wire.FINAL][0] == Status.OK for i in range(reads))
+    assert by_python == []
 
 
 def _answers(sock: socket.socket, n: int) -> dict[tuple[int, int], tuple[int, bytes]]:
