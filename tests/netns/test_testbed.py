@@ -226,11 +226,11 @@ def test_an_interrupt_while_a_namespace_is_made_leaves_none(monkeypatch, nth):
     assert _ours(tb.tag) == [] and tb.state == "closed"
 
 
-@pytest.mark.timeout(120)
 def _sigint_ignored() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
+@pytest.mark.timeout(120)
 def test_interrupted_run_tears_down(tmp_path):
     # started with SIGINT ignored, as a shell starts a background job (and as `make test`
     # runs under CI): the run installs its own handler, Ctrl-C still interrupts it
