@@ -36,7 +36,7 @@ apt:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
 	fi
 
-$(STAMP): pyproject.toml setup.py smb_protocol/_native.c smb_protocol/_native.h \
+$(STAMP): pyproject.toml setup.py smb_protocol/_native.c smb_protocol/_native.h smb_protocol/_lowat.h \
           smb_client/transports/answers.c $(wildcard smb_server/memserver/native/*.[ch]) | apt
 	@test -x $(PY) || $(PY_SYS) -m venv --system-site-packages $(VENV)
 	$(PIP) install -q --disable-pip-version-check -e '.[dev,torch,otel]'

@@ -12,8 +12,9 @@ FLAGS = ["-O3", "-ffp-contract=off", "-Wall", "-Wextra"]
 setup(ext_modules=[
     Extension("smb_protocol._native", ["smb_protocol/_native.c"], extra_compile_args=FLAGS),
     Extension("smb_client.transports._answers", ["smb_client/transports/answers.c"],
+              depends=["smb_protocol/_lowat.h"], include_dirs=["smb_protocol"],
               extra_compile_args=FLAGS + ["-pthread"]),
     Extension("smb_server.memserver._native", sorted(glob("smb_server/memserver/native/*.c")),
-              depends=glob("smb_server/memserver/native/*.h") + ["smb_protocol/_native.h"],
+              depends=glob("smb_server/memserver/native/*.h") + ["smb_protocol/_native.h", "smb_protocol/_lowat.h"],
               include_dirs=["smb_protocol"], extra_compile_args=FLAGS + ["-pthread"]),
 ])

@@ -80,7 +80,7 @@ def recv_into_all(sock: socket.socket, buffers: Sequence[memoryview],
 #: receive: a receive that took part of the bytes and then slept would not be woken by
 #: the rest (the kernel wakes a sleeper when the bytes not yet taken reach the mark, and
 #: the rest is fewer than the mark), so it polls, then takes what is there
-LOWAT_MIN = 32 << 10
+LOWAT_MIN = 32 << 10        # the native readers take the same rule from smb_protocol/_lowat.h
 LOWAT_MAX = 1 << 20
 
 

@@ -29,13 +29,13 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
+#include "_lowat.h"
+
 #define HEADER 16              /* wire.RESPONSE: <HBBIQ magic, status, kind, req_id, length */
 #define MAGIC 0x5342           /* wire.MAGIC */
 #define KIND_FINAL 0
 #define KIND_PUSHED 1
 #define PUSHED_BODY_MAX 64     /* a PUSHED answer's body (the count word) is read and dropped */
-#define LOWAT_MIN (32 << 10)   /* as smb_protocol.sockio: a read of this many bytes or more sets */
-#define LOWAT_MAX (1 << 20)    /* SO_RCVLOWAT to what is left (at most this) and polls, then takes */
 #define BUCKETS 64
 #define IOV_MAX_READ 512
 
@@ -63,19 +63,30 @@ static void entry_free(entry *e)
     PyMem_Free(e);
 }
 
+/* where the table links to req_id's entry (*at NULL: none); under mu */
+static entry **find(Answers *self, uint32_t req_id)
+{
+    entry **at = &self->table[req_id % BUCKETS];
+    while (*at && (*at)->req_id != req_id)
+        at = &(*at)->next;
+    return at;
+}
+
+/* the entry ``at`` links to, taken out of the table (NULL: none); under mu */
+static entry *unlink_at(Answers *self, entry **at)
+{
+    entry *e = *at;
+    if (e != NULL) {
+        *at = e->next;
+        self->count--;
+    }
+    return e;
+}
+
 /* the entry of req_id, taken out of the table (NULL: none); under mu */
 static entry *take(Answers *self, uint32_t req_id)
 {
-    entry **at = &self->table[req_id % BUCKETS];
-    for (; *at; at = &(*at)->next) {
-        if ((*at)->req_id == req_id) {
-            entry *e = *at;
-            *at = e->next;
-            self->count--;
-            return e;
-        }
-    }
-    return NULL;
+    return unlink_at(self, find(self, req_id));
 }
 
 static int Answers_init(Answers *self, PyObject *args, PyObject *kwds)
@@ -229,9 +240,9 @@ static int set_lowat(int fd, int want)
     return setsockopt(fd, SOL_SOCKET, SO_RCVLOWAT, &want, sizeof want);
 }
 
-/* Fill iov[0..n) from fd: 0, or -1 with errno set (0: the peer closed). Bytes of 32 KiB
- * or more are waited for with the low-water mark set to them and a poll, and taken
- * without sleeping inside the receive (see smb_protocol.sockio.LOWAT_MIN). */
+/* Fill iov[0..n) from fd: 0, or -1 with errno set (0: the peer closed). A payload is
+ * waited for with the low-water mark set (_lowat.h) and a poll, and taken without
+ * sleeping inside the receive. */
 static int read_all(int fd, struct iovec *iov, int n)
 {
     size_t left = 0;
@@ -239,7 +250,7 @@ static int read_all(int fd, struct iovec *iov, int n)
         left += iov[i].iov_len;
     int lowat = 1, rc = 0;
     while (left) {
-        int want = left < LOWAT_MIN ? 1 : (int)(left < LOWAT_MAX ? left : LOWAT_MAX);
+        int want = lowat_for(left);
         if (want != lowat && set_lowat(fd, want) == 0)
             lowat = want;
         ssize_t got;
@@ -337,11 +348,9 @@ static PyObject *Answers_receive(Answers *self, PyObject *Py_UNUSED(args))
             taken = 1;
         } else if (status == 0 && kind == KIND_FINAL) {
             pthread_mutex_lock(&self->mu);
-            entry **at = &self->table[req_id % BUCKETS];
-            while (*at && (*at)->req_id != req_id)
-                at = &(*at)->next;
+            entry **at = find(self, req_id);
             if (*at && (uint64_t)(*at)->nbytes == length)
-                e = take(self, req_id);
+                e = unlink_at(self, at);
             pthread_mutex_unlock(&self->mu);
             if (e != NULL) {
                 struct iovec stack[16];

@@ -47,6 +47,7 @@
 #include <unistd.h>
 
 #include "_native.h"
+#include "_lowat.h"
 #include "_rounds.h"
 
 /* -- wire (smb_protocol/wire.py) ------------------------------------------------------ */
@@ -914,15 +915,10 @@ struct outcome {              /* what serve_frames ends with */
     struct owed *owed;        /* EV_HAND_BACK */
 };
 
-/* A wait for at least LOWAT_MIN more bytes of a payload sets the socket's low-water
- * mark to what is still to come (at most LOWAT_MAX): the kernel then wakes this thread
- * once for them instead of once per few segments (on a shaped 500 Mbit/s link a 512
- * KiB push came in about ten pieces, each a poll, a wakeup and a recv). Never above
- * what is still to come (the kernel would not wake the thread for less), and set back
- * to one byte before the next header is read. */
-#define LOWAT_MIN (32 << 10)
-#define LOWAT_MAX (1 << 20)
-
+/* A wait for a payload sets the socket's low-water mark (_lowat.h): the kernel then
+ * wakes this thread once for the bytes still to come instead of once per few segments
+ * (on a shaped 500 Mbit/s link a 512 KiB push came in about ten pieces, each a poll, a
+ * wakeup and a recv); set back to one byte before the next header is read. */
 static void set_lowat(struct conn *c, int *lowat, int want)
 {
     if (want != *lowat && setsockopt(c->fd, SOL_SOCKET, SO_RCVLOWAT, &want, sizeof want) == 0)
@@ -955,8 +951,7 @@ static int read_all(struct conn *c, unsigned char *p, size_t n, double deadline)
             why = DROP_FRAME_LATE;
             break;
         }
-        /* never above what is still to come: the kernel would not wake this thread */
-        set_lowat(c, &lowat, n < LOWAT_MIN ? 1 : n < LOWAT_MAX ? (int)n : LOWAT_MAX);
+        set_lowat(c, &lowat, lowat_for(n));
         struct pollfd p1 = {c->fd, POLLIN, 0};
         int ms = left > 1.0 ? 1000 : (int)(left * 1000) + 1;
         __atomic_add_fetch(&c->waits, 1, __ATOMIC_RELAXED);
