@@ -8,6 +8,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -106,19 +107,11 @@ def test_a_shutdown_from_another_thread_ends_a_waiting_receive(pair):
     mine, _ = pair
     answers = Answers(mine.fileno())
     answers.expect(1, [memoryview(np.zeros(1 << 20, np.uint8))])
-    ended: list[BaseException] = []
-
-    def receive() -> None:
-        try:
-            answers.receive()
-        except BaseException as exc:
-            ended.append(exc)
-    reader = threading.Thread(target=receive)
-    reader.start()
-    time.sleep(0.1)              # let it block (nothing is sent; ending it is the point)
-    mine.shutdown(socket.SHUT_RDWR)
-    reader.join(10)
-    assert not reader.is_alive() and isinstance(ended[0], OSError), ended
+    with ThreadPoolExecutor(1) as reader:
+        ended = reader.submit(answers.receive)
+        time.sleep(0.1)          # let it block (nothing is sent; ending it is the point)
+        mine.shutdown(socket.SHUT_RDWR)
+        assert isinstance(ended.exception(10), OSError)
     answers.forget_all()
     assert answers.expected() == 0
 
